@@ -1,0 +1,490 @@
+"""The facade: ``Checkpointer`` wires staging, the writer, storage and coordination together.
+
+It validates arguments synchronously on the caller's thread, stages the state, and hands
+the rest to the writer thread. It keeps the bookkeeping that makes failures reach the
+caller: on the save's handle, once at the next ``save()``, and at every ``flush()`` /
+``close()`` until then; an exit hook makes a process whose failure was never seen exit
+non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+from . import _discovery, _load
+from ._commit import SaveJob, run_save
+from ._coordination import Coordinator, LocalCoordinator
+from ._errors import CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._format import ShardLayout, plan_layout
+from ._handle import SaveHandle, SaveRecord
+from ._info import CheckpointInfo
+from ._iopool import IOPool
+from ._lifecycle import SaveState
+from ._retention import remove_leftovers
+from ._staging import StagingPool
+from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
+from ._structure import flatten
+from ._writer import WriterThread
+
+OnError = Literal["raise", "warn"]
+DirectIO = Literal["auto", "on", "off"]
+
+#: Extra time past the save deadline before a waiter gives up on the writer itself.
+_MARGIN_S = 5.0
+
+
+class _Runtime:
+    """The threads and resources of one Checkpointer; holds no reference back to it."""
+
+    def __init__(self, io_threads: int, ops: OsOps, direct_io: str, max_pending: int, coord: Coordinator) -> None:
+        self.pool = IOPool(io_threads, "asyncckpt-io")
+        self.writer = WriterThread()
+        self.storage = Storage(self.pool, ops, direct_io)
+        self.staging = StagingPool(max_pending)
+        self.coord = coord
+        self.stopped = False
+
+    def stop(self, timeout: float) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        deadline = time.monotonic() + timeout
+        try:
+            if not self.writer.in_writer():
+                fut = self.writer.submit(self.coord.close(deadline))
+                fut.result(max(0.0, deadline - time.monotonic()) + _MARGIN_S)
+        except Exception:  # noqa: BLE001 - peers gone or coordination dead: still stop locally
+            pass
+        self.writer.stop(timeout=10.0)
+        self.pool.shutdown(wait=True, timeout=10.0)
+        self.staging.close()
+
+    def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
+        """Stop from a background thread once ``futures`` settle (used after GC)."""
+
+        def wait_then_stop() -> None:
+            concurrent.futures.wait(futures, timeout)
+            self.stop(timeout=_MARGIN_S)
+
+        threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+class Checkpointer:
+    """Save training state in the background; resume from the newest complete checkpoint.
+
+    Args:
+        root: directory holding one ``step_NNNNNNNN/`` directory per checkpoint (created).
+        keep_last: keep only the newest N complete checkpoints (``None`` keeps all).
+        timeout: seconds one save may take end to end before it fails with
+            ``SaveTimeoutError`` (also bounds how long any rank waits for the others).
+        max_pending: saves in flight at once (each holds one staging buffer the size of
+            the state); a further ``save()`` waits for a slot.
+        on_error: ``"raise"`` (default) raises a background failure once at the next
+            ``save()``; ``"warn"`` only warns there and keeps training. Either way
+            ``flush()``/``close()`` raise it.
+        direct_io: ``"auto"`` writes shards with O_DIRECT where the file system allows it
+            and falls back to buffered writes; ``"on"`` requires it; ``"off"`` never uses it.
+        verify: default of ``load(verify=)``: check every CRC-32C while reading.
+        io_threads: threads of the bounded pool that runs blocking file-system calls.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        timeout: float = 600.0,
+        max_pending: int = 1,
+        on_error: OnError = "raise",
+        direct_io: DirectIO = "auto",
+        verify: bool = True,
+        io_threads: int = 2,
+        _ops: OsOps = DEFAULT_OPS,
+    ) -> None:
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path, not {type(root).__name__}")
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, not {keep_last!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        if not _is_int(max_pending) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, not {max_pending!r}")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        if direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', not {direct_io!r}")
+        if not _is_int(io_threads) or io_threads < 1:
+            raise ValueError(f"io_threads must be a positive int, not {io_threads!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last = keep_last
+        self.timeout = float(timeout)
+        self.max_pending = max_pending
+        self.on_error: OnError = on_error
+        self.verify = verify
+        self._closed = False
+        self._lock = threading.Lock()
+        self._records: list[SaveRecord] = []  # not yet settled, or failed and not yet flushed
+        self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
+        self._committed: set[int] = set()
+        self._seq = 0
+        self._layout_key: tuple[Any, ...] | None = None
+        self._layout: ShardLayout | None = None
+        self._perm: list[int] = []
+
+        coord: Coordinator = LocalCoordinator()
+        ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=_ops)
+        if coord.rank == 0:
+            remove_leftovers(self.root, _ops)
+        self._committed = {i.step for i in _discovery.complete_checkpoints(self.root)}
+        self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, coord)
+        _live.add(self)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Stage ``state`` for ``step`` and return at once; the write runs in the background.
+
+        When this returns, the state has been copied into staging buffers the library
+        owns: the caller may mutate its tensors freely. Raises ``TypeError``/``ValueError``
+        for bad arguments (unsupported objects name their key path), ``ValueError`` for a
+        step already committed or in flight, ``RuntimeError`` when closed, and (with
+        ``on_error="raise"``) the ``SaveError`` of an earlier save that has not been raised
+        by ``save()`` yet.
+        """
+        t_call = time.perf_counter()
+        self._check_usable()
+        if not _is_int(step) or step < 0:
+            raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+        self._surface_earlier_failure()
+        with self._lock:
+            if step in self._committed:
+                raise ValueError(f"step {step} is already committed under {self.root}")
+            if any(r.step == step and not r.future.done() for r in self._records):
+                raise ValueError(f"step {step} is already being saved")
+        tree, refs = flatten(state)
+        tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+        layout, perm = self._plan(refs)
+        nbytes = layout.data_len
+        arena, waited = self._rt.staging.acquire(layout.file_size, self.timeout + _MARGIN_S)
+        t_stage = time.perf_counter()
+        try:
+            events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
+        except BaseException:
+            self._rt.staging.give_back(arena)
+            raise
+        staging_s = time.perf_counter() - t_stage
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        job = SaveJob(
+            step=step,
+            seq=seq,
+            root=self.root,
+            arena=arena,
+            layout=layout,
+            tree=tree_bytes,
+            cuda_events=events,
+            nbytes=nbytes,
+            deadline=time.monotonic() + self.timeout,
+            started=t_call,
+            wait_s=waited,
+            staging_s=staging_s,
+            keep_last=self.keep_last,
+        )
+        holder: list[SaveRecord] = []
+
+        def on_state(state: SaveState) -> None:
+            if holder:
+                holder[0].state = state
+
+        rt = self._rt
+        try:
+            fut = rt.writer.submit(_guarded(run_save(job, rt.storage, rt.coord, on_state), job, rt.coord.rank))
+        except BaseException:
+            rt.staging.give_back(arena)
+            raise
+        record = SaveRecord(step, fut)
+        holder.append(record)
+        with self._lock:
+            self._records.append(record)
+        me = weakref.ref(self)
+
+        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            rt.staging.give_back(arena)
+            ok = not f.cancelled() and f.exception() is None
+            record.state = SaveState.COMMITTED if ok else SaveState.FAILED
+            owner = me()
+            if owner is not None:
+                owner._settle(record, ok)
+
+        fut.add_done_callback(settled)
+        return SaveHandle(record)
+
+    def _plan(self, refs: Sequence[Any]) -> tuple[ShardLayout, list[int]]:
+        """The shard layout for these tensors; reused while the state keeps its shape."""
+        key = tuple((r.name, r.tensor.dtype, tuple(r.tensor.shape)) for r in refs)
+        if key != self._layout_key or self._layout is None:
+            layout = plan_layout([k for k in key], {"format": "pt", "writer": "asyncckpt"})
+            index = {r.name: i for i, r in enumerate(refs)}
+            self._perm = [index[s.name] for s in layout.slots]
+            self._layout, self._layout_key = layout, key
+        return self._layout, self._perm
+
+    def _settle(self, record: SaveRecord, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self._committed.add(record.step)
+                if record in self._records:
+                    self._records.remove(record)
+            else:
+                self._unraised.append(record)
+
+    def _surface_earlier_failure(self) -> None:
+        with self._lock:
+            pending, self._unraised = self._unraised, []
+        if not pending:
+            return
+        if self.on_error == "warn":
+            for r in pending:
+                warnings.warn(f"asyncckpt: {r.failure()}", RuntimeWarning, stacklevel=3)
+            return
+        first = pending[0]
+        first.mark_reported()
+        exc = first.failure()
+        assert exc is not None
+        for other in pending[1:]:
+            exc.add_note(f"also failed: step {other.step}: {other.failure()}")
+            other.mark_reported()
+        raise exc
+
+    # ------------------------------------------------------------------ waiting
+    def _pending_futures(self) -> list[concurrent.futures.Future[CheckpointInfo]]:
+        with self._lock:
+            return [r.future for r in self._records]
+
+    def _raise_failures_since_flush(self) -> None:
+        with self._lock:
+            failed = [r for r in self._records if r.future.done()]
+            self._records = [r for r in self._records if not r.future.done()]
+            self._unraised = [r for r in self._unraised if r not in failed]
+        failed = [r for r in failed if r.failure() is not None]
+        if not failed:
+            return
+        for r in failed:
+            r.mark_reported()
+        exc = failed[0].failure()
+        assert exc is not None
+        for other in failed[1:]:
+            note = f"also failed: step {other.step}: {other.failure()}"
+            if note not in getattr(exc, "__notes__", []):
+                exc.add_note(note)
+        raise exc
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every pending save; raise ``SaveError`` if any failed since the last flush.
+
+        Raises the builtin ``TimeoutError`` if saves are still running after ``timeout``
+        seconds (they keep running).
+        """
+        self._check_not_in_writer()
+        futures = self._pending_futures()
+        _, not_done = concurrent.futures.wait(futures, timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        self._raise_failures_since_flush()
+
+    async def aflush(self, timeout: float | None = None) -> None:
+        """:meth:`flush` for asyncio code: waits without blocking the running loop."""
+        self._check_not_in_writer()
+        futures = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures()]
+        if futures:
+            _, not_done = await asyncio.wait(futures, timeout=timeout)
+            if not_done:
+                raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        self._raise_failures_since_flush()
+
+    # ------------------------------------------------------------------ closing
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, then stop the writer thread; raises what :meth:`flush` raises. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            self._closed = True
+            self._rt.stop(self.timeout)
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close` for asyncio code."""
+        if self._closed:
+            return
+        try:
+            await self.aflush(timeout)
+        finally:
+            self._closed = True
+            await asyncio.to_thread(self._rt.stop, self.timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if ev is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - do not mask the exception already in flight
+            ev.add_note(f"asyncckpt close() also failed: {e}")
+
+    async def __aenter__(self) -> Checkpointer:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if ev is None:
+            await self.aclose()
+            return
+        try:
+            await self.aclose()
+        except Exception as e:  # noqa: BLE001
+            ev.add_note(f"asyncckpt aclose() also failed: {e}")
+
+    def __del__(self) -> None:
+        rt = getattr(self, "_rt", None)
+        if rt is None or self._closed or rt.stopped:
+            return
+        pending = [r.future for r in self._records if not r.future.done()]
+        if pending:
+            warnings.warn(
+                f"asyncckpt Checkpointer({self.root!r}) garbage-collected with {len(pending)} "
+                "pending save(s); call flush()/close() before dropping it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        rt.stop_when_idle(pending, self.timeout + _MARGIN_S)
+
+    # ------------------------------------------------------------------ reading
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint under ``root``, or ``None``."""
+        return _discovery.find_latest(self.root)
+
+    def steps(self) -> list[int]:
+        """Every complete step under ``root``, ascending."""
+        return [i.step for i in _discovery.complete_checkpoints(self.root)]
+
+    def load(self, step: int | None = None, *, into: Any = None, verify: bool | None = None) -> Any:
+        """Load a complete checkpoint (``None``: the newest) and return its state.
+
+        With ``into=``, restores in place: objects get ``load_state_dict``, tensors get
+        ``copy_``. Raises ``CheckpointNotFoundError`` for a missing or uncommitted step and
+        ``CheckpointCorruptError`` (naming the file) when anything fails verification.
+        """
+        return load(self.root, step, into=into, verify=self.verify if verify is None else verify)
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+        self._check_not_in_writer()
+
+    def _check_not_in_writer(self) -> None:
+        if self._rt.writer.in_writer():
+            raise RuntimeError("asyncckpt: blocking call from the writer thread would deadlock")
+
+    def _unreported_failures(self) -> list[SaveRecord]:
+        with self._lock:
+            recs = list(self._records) + [r for r in self._unraised if r not in self._records]
+        return [r for r in recs if r.future.done() and r.failure() is not None and not r.reported]
+
+
+async def _guarded(coro: Any, job: SaveJob, rank: int) -> CheckpointInfo:
+    """Bound the whole save by its deadline and turn any escape into a ``SaveError``."""
+    remaining = job.deadline - time.monotonic() + _MARGIN_S
+    try:
+        result: CheckpointInfo = await asyncio.wait_for(coro, remaining)
+        return result
+    except SaveError:
+        raise
+    except TimeoutError as e:
+        raise SaveTimeoutError(
+            job.step, {rank: RankFailure.from_exception(rank, e)}, detail="the save did not finish in time"
+        ) from e
+    except Exception as e:
+        raise SaveError(job.step, {rank: RankFailure.from_exception(rank, e)}) from e
+
+
+def load(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    into: Any = None,
+    verify: bool = True,
+    rank: int = 0,
+) -> Any:
+    """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed)."""
+    if step is not None and (not _is_int(step) or step < 0):
+        raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+    root_s = os.fspath(root)
+    if step is None:
+        info = _discovery.find_latest(root_s)
+        if info is None:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {root_s}")
+        step = info.step
+    step_dir, manifest = _discovery.open_step(root_s, step)
+    if rank >= manifest.world_size:
+        raise CheckpointNotFoundError(f"step {step} was saved by {manifest.world_size} rank(s); no rank {rank}")
+    state = _load.load_rank(step_dir, manifest, rank, verify)
+    if into is not None:
+        _load.restore_into(into, state)
+    return state
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _exit_hook() -> None:
+    """At exit: finish pending saves (bounded), print unseen failures, exit non-zero if any."""
+    unseen: list[str] = []
+    for ck in list(_live):
+        if not ck._closed:
+            # wait without marking anything reported: what nobody saw is printed below
+            concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
+        failures = ck._unreported_failures()
+        if not ck._closed:
+            try:
+                ck._closed = True
+                ck._rt.stop(_MARGIN_S)
+            except BaseException:  # noqa: BLE001
+                pass
+        for r in failures:
+            unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {r.failure()}")
+    if unseen:
+        for line in unseen:
+            print(line, file=sys.stderr)
+        print("asyncckpt: exiting with status 1 because a checkpoint save failed unseen", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_exit_hook)

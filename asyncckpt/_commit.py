@@ -1,0 +1,274 @@
+"""The save protocol one rank runs on the writer thread, ending in an atomic commit.
+
+Order of operations (``L`` = leader only):
+
+1. L: retire leftovers of earlier attempts of this step; create ``step_N.tmp-<attempt>/``
+   (race-tolerant ``ensure_dir``), fsync the root so the attempt is findable after a crash;
+   publish the attempt.
+2. every rank: wait for the staging copy, write ``rankRRRRR.safetensors`` and
+   ``rankRRRRR.json`` (exclusive create, checksummed while writing, fsynced), fsync the
+   attempt directory, report the files (or the failure) to the leader.
+3. L, only if every rank reported success in time: write ``manifest.json`` to a temp name,
+   fsync, rename into place, fsync the attempt directory, rename the attempt directory to
+   ``step_N`` (the commit point), fsync the root. Publish the verdict.
+4. every rank: resolve its handle with the verdict. L: on failure remove the attempt
+   directory; on success apply retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from . import _manifest
+from ._coordination import Coordinator, Report, Start, Verdict
+from ._discovery import read_manifest
+from ._errors import CheckpointCorruptError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._format import ShardLayout
+from ._info import CheckpointInfo, SaveStatistics
+from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from ._lifecycle import SaveEvent, SaveState, advance
+from ._retention import leftovers, retire
+from ._staging import Arena
+from ._storage import Storage
+
+log = logging.getLogger("asyncckpt")
+T = TypeVar("T")
+
+
+@dataclass
+class SaveJob:
+    """Everything the writer needs for one save; built by ``save()`` on the caller thread."""
+
+    step: int
+    seq: int
+    root: str
+    arena: Arena
+    layout: ShardLayout
+    tree: bytes
+    cuda_events: Any
+    nbytes: int
+    deadline: float  # time.monotonic() by which the outcome must be known
+    started: float  # time.perf_counter() at the call to save()
+    wait_s: float
+    staging_s: float
+    keep_last: int | None
+    state: SaveState = SaveState.STAGED
+    times: dict[str, float] = field(default_factory=dict)
+    direct: bool = False
+
+    def advance(self, event: SaveEvent) -> None:
+        self.state = advance(self.state, event)
+
+
+class _PhaseTimeout(TimeoutError):
+    pass
+
+
+async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
+    remaining = deadline - time.monotonic()
+    try:
+        return await asyncio.wait_for(aw, max(remaining, 0.001))
+    except TimeoutError:
+        raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
+
+
+def _final_state(final: str) -> str:
+    if not os.path.lexists(final):
+        return "absent"
+    try:
+        read_manifest(final)
+    except (CheckpointNotFoundError, CheckpointCorruptError):
+        return "uncommitted"
+    return "committed"
+
+
+async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
+    root = job.root
+    final = os.path.join(root, step_dir_name(job.step))
+    for old in await storage._run(leftovers, root, job.step):
+        await storage.remove_tree(old)
+    found = await storage._run(_final_state, final)
+    if found == "committed":
+        raise FileExistsError(17, f"step {job.step} is already committed", final)
+    if found == "uncommitted":
+        # an uncommitted directory squatting on the final name: move it aside
+        aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+        await storage.rename(final, aside)
+        await storage.remove_tree(aside)
+    tmp = os.path.join(root, tmp_dir_name(job.step, attempt))
+    await storage.ensure_dir(tmp, max(0.0, job.deadline - time.monotonic()))
+    await storage.fsync_dir(root)
+    return tmp
+
+
+async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool) -> Report:
+    if not leader:
+        await storage.ensure_dir(tmp, max(0.0, job.deadline - time.monotonic()))
+    if job.cuda_events:
+        for ev in job.cuda_events:
+            await storage._run(ev.synchronize)
+    shard = await storage.write_file(
+        os.path.join(tmp, _manifest.shard_name(rank)), job.arena.buffer, job.layout.file_size, direct=True
+    )
+    tree = await storage.write_bytes(os.path.join(tmp, _manifest.tree_name(rank)), job.tree)
+    t0 = time.perf_counter()
+    await storage.fsync_dir(tmp)
+    job.times["write"] = shard.write_s + tree.write_s
+    job.times["fsync"] = shard.fsync_s + tree.fsync_s + (time.perf_counter() - t0)
+    job.direct = shard.direct
+    files = [
+        {"name": _manifest.shard_name(rank), "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
+        {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
+    ]
+    return Report(rank=rank, files=files, nbytes=job.nbytes)
+
+
+async def _commit(
+    storage: Storage, job: SaveJob, tmp: str, attempt: str, world: int, reports: dict[int, Report]
+) -> Verdict:
+    t0 = time.perf_counter()
+    created = time.time()
+    nbytes = sum(r.nbytes for r in reports.values())
+    files = [_manifest.FileEntry(**f) for r in reports.values() for f in r.files]
+    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={})
+    tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")
+    await storage.write_bytes(tmp_marker, body)
+    await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
+    await storage.fsync_dir(tmp)
+    await storage.rename(tmp, os.path.join(job.root, step_dir_name(job.step)))  # commit point
+    await storage.fsync_dir(job.root)
+    job.times["commit"] = time.perf_counter() - t0
+    return Verdict(committed=True, nbytes=nbytes, created=created)
+
+
+def _failure(rank: int, exc: BaseException) -> RankFailure:
+    return RankFailure.from_exception(rank, exc)
+
+
+async def run_save(
+    job: SaveJob,
+    storage: Storage,
+    coord: Coordinator,
+    on_state: Callable[[SaveState], None] | None = None,
+) -> CheckpointInfo:
+    """Run one save to its verdict on this rank; return the info or raise ``SaveError``."""
+    rank, world = coord.rank, coord.world_size
+    leader = rank == 0
+    local_exc: BaseException | None = None
+
+    def step_to(event: SaveEvent) -> None:
+        job.advance(event)
+        if on_state is not None:
+            on_state(job.state)
+
+    # 1. the leader opens the attempt
+    start: Start | None = None
+    if leader:
+        attempt = uuid.uuid4().hex[:16]
+        try:
+            await _within(_prepare_attempt(storage, job, attempt), job.deadline, "creating the step directory")
+            start = Start(attempt)
+        except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
+            local_exc = e
+            start = Start(attempt, _failure(rank, e))
+    start = await coord.begin(job.step, job.seq, start, job.deadline)
+    attempt = start.attempt
+    tmp = os.path.join(job.root, tmp_dir_name(job.step, attempt))
+
+    # 2. every rank writes its own files
+    mine = Report(rank=rank)
+    if start.failure is None:
+        try:
+            step_to(SaveEvent.START_WRITE)
+            mine = await _within(_write_files(storage, job, rank, tmp, leader), job.deadline, "writing the shard")
+            step_to(SaveEvent.FILES_DURABLE)
+        except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
+            local_exc = e
+            mine = Report(rank=rank, failure=_failure(rank, e))
+    reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
+
+    # 3. the leader decides, and commits only if everyone succeeded in time
+    verdict: Verdict | None = None
+    if leader:
+        failures = {r: rep.failure for r, rep in reports.items() if rep.failure is not None}
+        if start.failure is not None:
+            failures[rank] = start.failure
+        missing = tuple(r for r in range(world) if r not in reports)
+        if not failures and not missing:
+            try:
+                step_to(SaveEvent.START_COMMIT)
+                verdict = await _within(_commit(storage, job, tmp, attempt, world, reports), job.deadline, "committing")
+            except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
+                local_exc = e
+                failures[rank] = _failure(rank, e)
+        if verdict is None:
+            verdict = Verdict(committed=False, failures=failures, missing=missing)
+    verdict = await coord.decide(job.step, job.seq, attempt, verdict, job.deadline)
+
+    # 4. resolve
+    if not verdict.committed:
+        if not job.state.final:
+            step_to(SaveEvent.FAIL)
+        if leader:
+            try:
+                await storage.remove_tree(tmp)
+            except Exception as e:  # noqa: BLE001 - a leftover is removed at the next start
+                log.warning("could not remove failed attempt %s: %s", tmp, e)
+        timed_out = bool(verdict.missing) or any(
+            f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError") for f in verdict.failures.values()
+        )
+        err: SaveError
+        if timed_out:
+            err = SaveTimeoutError(
+                job.step,
+                verdict.failures,
+                missing=verdict.missing,
+                detail=f"ranks {list(verdict.missing)} did not answer" if verdict.missing else "",
+            )
+        else:
+            err = SaveError(job.step, verdict.failures)
+        raise err from local_exc
+    step_to(SaveEvent.COMMITTED)
+    if leader and job.keep_last is not None:
+        try:
+            await retire(storage, job.root, job.keep_last)
+        except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
+            log.warning("retention after step %d failed: %s", job.step, e)
+    total = time.perf_counter() - job.started
+    stats = SaveStatistics(
+        wait_s=job.wait_s,
+        staging_s=job.staging_s,
+        write_s=job.times.get("write", 0.0),
+        fsync_s=job.times.get("fsync", 0.0),
+        commit_s=job.times.get("commit", 0.0),
+        total_s=total,
+        nbytes=verdict.nbytes,
+        direct_io=job.direct,
+    )
+    log.info(
+        "committed step %d: %.1f MB in %.3fs (%.2f GB/s; staging %.3fs, write %.3fs, fsync %.3fs, commit %.3fs)",
+        job.step,
+        stats.nbytes / 1e6,
+        total,
+        stats.gbps,
+        stats.staging_s,
+        stats.write_s,
+        stats.fsync_s,
+        stats.commit_s,
+    )
+    return CheckpointInfo(
+        step=job.step,
+        path=Path(job.root) / step_dir_name(job.step),
+        nbytes=verdict.nbytes,
+        world_size=world,
+        created=verdict.created,
+        statistics=stats,
+    )

@@ -1,0 +1,53 @@
+"""The small frozen records asyncckpt hands back: checkpoint info and save statistics."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SaveStatistics:
+    """Where one save's time went (seconds) and how much it wrote.
+
+    ``wait_s`` is the time ``save()`` waited for a free staging slot (backpressure);
+    ``staging_s`` the copy into the staging buffer; ``write_s``/``fsync_s`` the shard writes
+    and their fsyncs on this rank; ``commit_s`` the manifest, rename and directory fsyncs;
+    ``total_s`` from the call to ``save()`` until the outcome was known.
+    """
+
+    wait_s: float = 0.0
+    staging_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    nbytes: int = 0
+    retries: int = 0
+    direct_io: bool = False
+
+    @property
+    def blocking_s(self) -> float:
+        """Time the caller's ``save()`` was blocked: slot wait plus staging."""
+        return self.wait_s + self.staging_s
+
+    @property
+    def gbps(self) -> float:
+        """Tensor bytes per second from the call to durable commit, in GB/s."""
+        return self.nbytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint on disk.
+
+    ``nbytes`` counts the tensor bytes written by all ranks. ``statistics`` is set on the
+    info a save returns, and ``None`` for checkpoints found on disk.
+    """
+
+    step: int
+    path: pathlib.Path
+    nbytes: int
+    world_size: int = 1
+    created: float = 0.0
+    statistics: SaveStatistics | None = None

@@ -1,0 +1,43 @@
+"""Names on disk: which directory holds which step, and which names are leftovers.
+
+::
+
+    ROOT/
+      step_00000297/                 a committed checkpoint (renamed into place last)
+        manifest.json                the completion marker: files, sizes, CRC-32C
+        rank00000.safetensors        rank 0's tensors, named by dotted key path
+        rank00000.json               rank 0's structure and non-tensor values
+      step_00000300.tmp-<attempt>/   a save in progress, or a crashed/failed one
+      step_00000100.deleting-<id>/   a checkpoint being retired
+"""
+
+from __future__ import annotations
+
+import re
+
+_STEP = re.compile(r"^step_(\d{8,20})$")
+_LEFTOVER = re.compile(r"^step_(\d{8,20})\.(tmp|deleting)-[0-9a-f]{1,64}$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def tmp_dir_name(step: int, attempt: str) -> str:
+    return f"{step_dir_name(step)}.tmp-{attempt}"
+
+
+def deleting_dir_name(step: int, token: str) -> str:
+    return f"{step_dir_name(step)}.deleting-{token}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a committed-looking directory name stands for, else ``None``."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_leftover(name: str) -> int | None:
+    """The step of an in-progress or retiring directory name, else ``None``."""
+    m = _LEFTOVER.match(name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,199 @@
+"""Loading: read one rank's shard back, verify it, rebuild the state, restore in place.
+
+Nothing here unpickles. Every byte read is bounded by the sizes the manifest recorded and
+the file actually has; every defect becomes ``CheckpointCorruptError`` naming the file.
+Tensors are read straight into freshly allocated tensors with vectored reads, checksummed
+as they arrive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from typing import Any
+
+import torch
+
+from ._discovery import read_regular_file
+from ._errors import CheckpointCorruptError
+from ._format import TensorSlot, parse_header, validate_header
+from ._manifest import Manifest, shard_name, tree_name
+from ._storage import crc32c
+from ._structure import tensor_names, unflatten
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_PIECE = 16 * 1024 * 1024
+_BATCH = 64 * 1024 * 1024
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _readv_exact(fd: int, pieces: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``pieces`` from ``fd`` starting at ``offset``; short reads are continued."""
+    i = 0
+    while i < len(pieces):
+        batch: list[memoryview] = []
+        nbytes = 0
+        while i + len(batch) < len(pieces) and len(batch) < _IOV_MAX and nbytes < _BATCH:
+            p = pieces[i + len(batch)]
+            batch.append(p)
+            nbytes += len(p)
+        got = os.preadv(fd, batch, offset)
+        if got == nbytes:
+            offset += got
+            i += len(batch)
+            continue
+        # short read: finish the batch piece by piece
+        for p in batch:
+            if got >= len(p):
+                got -= len(p)
+                offset += len(p)
+                continue
+            pos = got
+            offset += got
+            got = 0
+            while pos < len(p):
+                n = os.preadv(fd, [p[pos:]], offset)
+                if n <= 0:
+                    raise CheckpointCorruptError("file ended early", path)
+                pos += n
+                offset += n
+        i += len(batch)
+
+
+def _split(mv: memoryview) -> list[memoryview]:
+    return [mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE)] or []
+
+
+def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a safetensors shard of ``size`` bytes; return its tensors and header metadata.
+
+    Verifies the CRC-32C of the whole file when ``expected_crc`` is given.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot open shard ({e.strerror})", path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointCorruptError(f"shard is not a regular file of {size} bytes", path)
+        prefix = os.pread(fd, 8, 0)
+        try:
+            n = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
+            if n < 0 or n > size - 8:
+                raise ValueError(f"declared header length {n} exceeds the file ({size} bytes)")
+            head = prefix + os.pread(fd, n, 8)
+            _, header = parse_header(head, size)
+            data_start = 8 + n
+            if data_start % 8:
+                raise ValueError("data section is not 8-byte aligned")
+            slots = validate_header(header, size - data_start)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+        crc = crc32c(head) if expected_crc is not None else 0
+        ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
+        tensors = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in ordered}
+        pieces: list[memoryview] = []
+        for s in ordered:
+            pieces.extend(_split(byte_view(tensors[s.name])))
+        _readv_exact(fd, pieces, data_start, path)
+        if expected_crc is not None:
+            for p in pieces:
+                crc = crc32c(p, crc)
+            if crc != expected_crc:
+                raise CheckpointCorruptError("checksum mismatch", path)
+        meta = header.get("__metadata__", {})
+        return tensors, meta
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+
+
+def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
+    """Read and parse one rank's structure file."""
+    try:
+        raw = read_regular_file(path, size)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+    if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
+        raise CheckpointCorruptError("checksum mismatch", path)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
+
+
+def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any:
+    """Rebuild rank ``rank``'s saved state from a complete step directory."""
+    tree_file = manifest.file(tree_name(rank))
+    shard_file = manifest.file(shard_name(rank))
+    tree_path = os.path.join(step_dir, tree_file.name)
+    shard_path = os.path.join(step_dir, shard_file.name)
+    tree = read_tree(tree_path, tree_file.size, tree_file.crc32c if verify else None)
+    tensors, _ = read_shard(shard_path, shard_file.size, shard_file.crc32c if verify else None)
+    if sorted(tensor_names(tree)) != sorted(tensors):
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    try:
+        return unflatten(tree, tensors)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+
+
+def restore_into(target: Any, loaded: Any, path: str = "") -> None:
+    """Restore ``loaded`` into ``target`` in place.
+
+    Objects with ``load_state_dict`` get it called; tensors get ``copy_``; dicts and lists
+    are walked, and plain values in mutable containers are replaced. Raises ``KeyError``
+    when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or shape
+    mismatch (targets may be partly overwritten then).
+    """
+    where = path or "<root>"
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a tensor")
+        if target.shape != loaded.shape:
+            raise ValueError(f"{where}: shape {tuple(loaded.shape)} in checkpoint, {tuple(target.shape)} in target")
+        with torch.no_grad():
+            target.copy_(loaded)
+        return
+    load_state_dict = getattr(target, "load_state_dict", None)
+    if callable(load_state_dict):
+        load_state_dict(loaded)
+        return
+    if isinstance(target, Mapping):
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a mapping")
+        for key in list(target):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in loaded:
+                raise KeyError(f"{sub} is not in the checkpoint")
+            if _is_leaf(target[key]) and isinstance(target, MutableMapping):
+                target[key] = loaded[key]
+            else:
+                restore_into(target[key], loaded[key], sub)
+        return
+    if isinstance(target, (list, tuple)):
+        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
+            raise ValueError(f"{where}: sequence length or type differs from the checkpoint")
+        for i, (t, v) in enumerate(zip(target, loaded, strict=True)):
+            sub = f"{path}.{i}" if path else str(i)
+            if _is_leaf(t) and isinstance(target, MutableSequence):
+                target[i] = v
+            else:
+                restore_into(t, v, sub)
+        return
+    # a plain value at the top level or inside a tuple: nothing to restore in place
+
+
+def _is_leaf(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, bytes))

@@ -1,0 +1,67 @@
+"""Retention and clean-up: retire old checkpoints, remove leftovers of failed attempts.
+
+Retention runs only after a commit is durable, counts only complete checkpoints, and never
+touches the newest one. A checkpoint is retired by renaming it to a ``.deleting-`` name
+first (atomic: it stops being complete at once) and removing the files afterwards, so a
+crash half-way through never leaves a half-deleted directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from ._discovery import complete_checkpoints
+from ._layout import deleting_dir_name, parse_leftover, step_dir_name
+from ._storage import DEFAULT_OPS, OsOps, Storage, _remove_tree
+
+
+def leftovers(root: str, step: int | None = None) -> list[str]:
+    """Paths of in-progress/retiring directories under ``root`` (optionally of one step)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        s = parse_leftover(name)
+        if s is not None and (step is None or s == step):
+            out.append(os.path.join(root, name))
+    return sorted(out)
+
+
+def remove_leftovers(root: str, ops: OsOps = DEFAULT_OPS) -> list[str]:
+    """Remove every leftover of crashed or failed attempts under ``root``; return them.
+
+    Call only when no save of this root is in flight (at start-up, on the leader).
+    """
+    removed = []
+    for path in leftovers(root):
+        _remove_tree(ops, path)
+        removed.append(path)
+    return removed
+
+
+def choose_victims(steps: list[int], keep_last: int) -> list[int]:
+    """Which of the complete ``steps`` (any order) to retire to keep the newest ``keep_last``."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    ordered = sorted(steps)
+    return ordered[:-keep_last] if len(ordered) > keep_last else []
+
+
+async def retire(storage: Storage, root: str, keep_last: int) -> list[int]:
+    """Retire complete checkpoints beyond the newest ``keep_last``; return their steps."""
+    infos = await storage._run(complete_checkpoints, root)
+    victims = choose_victims([i.step for i in infos], keep_last)
+    moved = []
+    for step in victims:
+        src = os.path.join(root, step_dir_name(step))
+        dst = os.path.join(root, deleting_dir_name(step, uuid.uuid4().hex[:16]))
+        await storage.rename(src, dst)
+        moved.append(dst)
+    if moved:
+        await storage.fsync_dir(root)
+        for path in moved:
+            await storage.remove_tree(path)
+    return victims

@@ -1,0 +1,325 @@
+"""The storage seam: every file-system call a save makes goes through here.
+
+Two layers:
+
+* :class:`OsOps` - the raw, blocking OS calls (open, pwrite, fsync, rename, mkdir, ...).
+  It is the one place tests wrap to inject faults or record the operation log; nothing
+  above it calls ``os`` directly on the save path.
+* :class:`Storage` - async methods the writer awaits. Each runs its blocking work on the
+  bounded I/O pool (via aiofiles' executor wrapper), so the event loop never blocks.
+
+:func:`ensure_dir` is the race-tolerant directory primitive (see its docstring).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiofiles.os
+import crc32c as _crc32c
+
+from ._format import ALIGN, round_up
+
+T = TypeVar("T")
+
+#: Size of one write call: large enough that the GIL is held for microseconds per call.
+CHUNK = 16 * 1024 * 1024
+
+_DIRECT = getattr(os, "O_DIRECT", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# errors a stat() may report transiently on network/FUSE file systems
+_TRANSIENT_STAT = {errno.ESTALE, errno.EIO, errno.EINTR, errno.EAGAIN}
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC-32C of ``data`` continuing from ``value`` (releases the GIL on large buffers)."""
+    return int(_crc32c.crc32c(data, value))
+
+
+class StaleDirectoryError(FileExistsError):
+    """mkdir said the directory exists, but it never became visible before the deadline."""
+
+
+class OsOps:
+    """The blocking OS calls of the save path. Subclass or wrap to inject faults."""
+
+    def mkdir(self, path: str, mode: int = 0o777) -> None:
+        os.mkdir(path, mode)
+
+    def lstat(self, path: str) -> os.stat_result:
+        return os.lstat(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def set_direct(self, fd: int, on: bool) -> None:
+        import fcntl
+
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _DIRECT) if on else (flags & ~_DIRECT))
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            # some FUSE/network file systems refuse fsync on directories; their own
+            # semantics then apply and there is nothing more we can do
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        finally:
+            os.close(fd)
+
+
+DEFAULT_OPS = OsOps()
+
+
+def _with_path(e: OSError, path: str) -> OSError:
+    """The same error naming ``path`` (pwrite/fsync errors carry no file name)."""
+    return OSError(e.errno, e.strerror or os.strerror(e.errno or 0), path)
+
+
+def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: OsOps = DEFAULT_OPS) -> None:
+    """Make sure ``path`` (and its parents) exist as directories; safe to race.
+
+    Promises, unlike ``os.makedirs(exist_ok=True)``:
+
+    * EEXIST counts as success as soon as the path is seen to be a directory;
+    * if mkdir says EEXIST but ``stat`` cannot see the entry yet (a stale attribute or
+      negative-dentry cache on NFS, virtiofs, Lustre, FUSE), it re-checks with bounded,
+      jittered backoff until ``deadline_s`` and then raises :class:`StaleDirectoryError`;
+    * a real non-directory at the path (a file, a dangling symlink) raises
+      ``NotADirectoryError`` at once, without retrying;
+    * any other mkdir error (EACCES, EROFS, ENOSPC ...) is raised unless the directory is
+      already there.
+    """
+    p = os.fspath(path)
+    t_end = time.monotonic() + deadline_s
+    delay = 0.005
+    while True:
+        try:
+            ops.mkdir(p, 0o777)
+            return
+        except FileNotFoundError:
+            parent = os.path.dirname(p.rstrip("/")) or "."
+            if parent == p or not parent:
+                raise
+            ensure_dir(parent, deadline_s=max(0.0, t_end - time.monotonic()), ops=ops)
+            continue
+        except FileExistsError as e:
+            first: OSError = e
+        except OSError:
+            # EACCES/EROFS may hide an existing directory (CPython's reason for isdir())
+            try:
+                if stat.S_ISDIR(ops.stat(p).st_mode):
+                    return
+            except OSError:
+                pass
+            raise
+        try:
+            st = ops.lstat(p)
+        except FileNotFoundError:
+            pass  # EEXIST from the server, not visible to us yet: a stale view
+        except OSError as se:
+            if se.errno not in _TRANSIENT_STAT:
+                raise
+        else:
+            if stat.S_ISDIR(st.st_mode):
+                return
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    if stat.S_ISDIR(ops.stat(p).st_mode):
+                        return
+                except OSError:
+                    pass
+                raise NotADirectoryError(errno.ENOTDIR, "exists as a symlink that is not a directory", p) from first
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", p) from first
+        if time.monotonic() >= t_end:
+            raise StaleDirectoryError(
+                errno.EEXIST,
+                f"mkdir reported EEXIST but the directory did not become visible within "
+                f"{deadline_s:.1f}s (stale attribute cache on a network/FUSE file system?)",
+                p,
+            ) from first
+        try:
+            # readdir goes to the server on FUSE/NFS and can refresh a stale view sooner
+            ops.listdir(os.path.dirname(p) or ".")
+        except OSError:
+            pass
+        time.sleep(min(delay * (1 + random.random()), max(0.0, t_end - time.monotonic())))
+        delay = min(delay * 2, 0.5)
+
+
+@dataclass
+class WriteResult:
+    """What writing one file produced."""
+
+    size: int
+    crc32c: int
+    direct: bool
+    write_s: float
+    fsync_s: float
+
+
+class Storage:
+    """Async file-system operations of one save, run on a bounded executor.
+
+    All methods are called on the writer thread's event loop. ``direct_io`` is ``"auto"``
+    (try O_DIRECT, fall back to buffered where the file system refuses it), ``"on"`` or
+    ``"off"``.
+    """
+
+    def __init__(self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto") -> None:
+        self._executor = executor
+        self.ops = ops
+        self._direct = direct_io != "off" and bool(_DIRECT)
+        self._direct_required = direct_io == "on"
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
+        return result
+
+    async def ensure_dir(self, path: str, deadline_s: float) -> None:
+        await self._run(lambda: ensure_dir(path, deadline_s=deadline_s, ops=self.ops))
+
+    async def fsync_dir(self, path: str) -> None:
+        try:
+            await self._run(self.ops.fsync_dir, path)
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise _with_path(e, path) from e
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._run(self.ops.rename, src, dst)
+
+    async def listdir(self, path: str) -> list[str]:
+        return await self._run(self.ops.listdir, path)
+
+    async def remove_tree(self, path: str) -> None:
+        """Remove a directory tree bottom-up; missing entries are fine, other errors raise."""
+        await self._run(_remove_tree, self.ops, path)
+
+    async def write_bytes(self, path: str, data: bytes) -> WriteResult:
+        """Create ``path`` exclusively with ``data``, fsync and close it."""
+        return await self.write_file(path, memoryview(data), len(data), direct=False)
+
+    async def write_file(self, path: str, buf: memoryview, size: int, *, direct: bool = True) -> WriteResult:
+        """Create ``path`` exclusively, write ``buf[:size]``, fsync, close; checksum as it goes.
+
+        With O_DIRECT, ``buf`` must be page-aligned and hold ``round_up(size)`` bytes; the
+        padded tail is written and the file truncated to ``size``. Short writes are looped.
+        Any error abandons the file (a failed fsync is never retried) and is raised with the
+        path attached.
+        """
+        use_direct = direct and self._direct and size >= ALIGN
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC | _NOFOLLOW
+        t0 = time.perf_counter()
+        fd = -1
+        try:
+            try:
+                fd = await self._run(self.ops.open, path, flags | (_DIRECT if use_direct else 0), 0o644)
+            except OSError as e:
+                if not (use_direct and e.errno == errno.EINVAL) or self._direct_required:
+                    raise
+                use_direct = False
+                fd = await self._run(self.ops.open, path, flags, 0o644)
+            crc, off = 0, 0
+            while off < size:
+                end = min(off + CHUNK, size)
+                try:
+                    crc = await self._run(_write_chunk, self.ops, fd, buf, off, end, crc, use_direct)
+                except OSError as e:
+                    if not (use_direct and off == 0 and e.errno == errno.EINVAL) or self._direct_required:
+                        raise
+                    # the file system accepted O_DIRECT at open but refuses the I/O
+                    use_direct = False
+                    self._direct = False
+                    await self._run(self.ops.set_direct, fd, False)
+                    continue
+                off = end
+            if use_direct and size % ALIGN:
+                await self._run(self.ops.ftruncate, fd, size)
+            t1 = time.perf_counter()
+            await self._run(self.ops.fsync, fd)
+            t2 = time.perf_counter()
+            closing, fd = fd, -1
+            await self._run(self.ops.close, closing)
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise _with_path(e, path) from e
+        finally:
+            if fd >= 0:
+                try:
+                    await self._run(self.ops.close, fd)
+                except OSError:
+                    pass
+        return WriteResult(size, crc, use_direct, t1 - t0, t2 - t1)
+
+
+def _write_chunk(ops: OsOps, fd: int, buf: memoryview, off: int, end: int, crc: int, direct: bool) -> int:
+    """Checksum ``buf[off:end]`` and write it at ``off`` (padded to ALIGN under O_DIRECT)."""
+    crc = crc32c(buf[off:end], crc)
+    stop = round_up(end) if direct else end
+    pos = off
+    while pos < stop:
+        n = ops.pwrite(fd, buf[pos:stop], pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        if direct and n % ALIGN and pos + n < stop:
+            raise OSError(errno.EIO, "unaligned short write under O_DIRECT")
+        pos += n
+    return crc
+
+
+def _remove_tree(ops: OsOps, path: str) -> None:
+    try:
+        st = ops.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        ops.unlink(path)
+        return
+    for name in ops.listdir(path):
+        _remove_tree(ops, os.path.join(path, name))
+    try:
+        ops.rmdir(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,98 @@
+"""The writer: one named daemon thread that owns one asyncio event loop.
+
+The loop is started once per Checkpointer and never moves between threads. Work arrives
+with :meth:`WriterThread.submit`, which returns a real ``concurrent.futures.Future``.
+The loop itself never blocks: coroutines run every blocking file-system call on the
+bounded :class:`IOPool` handed to them (through aiofiles' executor wrappers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_all_writers: weakref.WeakSet[WriterThread] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Threads do not survive fork: a child must never wait on the parent's loop.
+    for w in list(_all_writers):
+        w._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class WriterThread:
+    """A daemon thread running an asyncio loop until :meth:`stop`."""
+
+    def __init__(self, name: str = "asyncckpt-writer") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._forked = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        _all_writers.add(self)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        try:
+            self._loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.close()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def in_writer(self) -> bool:
+        """True when called from the writer thread itself."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule ``coro`` on the loop; the future resolves with its outcome.
+
+        Refuses calls from the writer thread (waiting there would deadlock), after
+        :meth:`stop`, and in a forked child.
+        """
+        if self._forked:
+            coro.close()
+            raise RuntimeError("asyncckpt writer is not usable in a forked child process")
+        if self.in_writer():
+            coro.close()
+            raise RuntimeError("asyncckpt: cannot submit to the writer from its own thread")
+        if not self._thread.is_alive() or self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("asyncckpt writer thread is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (cancelling whatever still runs) and join the thread."""
+        if self._forked or not self._thread.is_alive():
+            return
+        if self.in_writer():
+            raise RuntimeError("asyncckpt: cannot stop the writer from its own thread")
+        try:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        except RuntimeError:  # loop already closed
+            pass
+        self._thread.join(timeout)
