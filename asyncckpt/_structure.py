@@ -10,8 +10,10 @@ unambiguous and needs no pickle:
     {"$bytes": "<base64>"}
 
 ints, finite floats, bools, str and None are JSON scalars (JSON keeps int/float/bool apart).
-Tensor names are the dotted key paths, with ``\\`` and ``.`` inside a key escaped, made unique
-with a ``~N`` suffix on the rare collision (``{0: a, "0": b}``); the tree maps every name back.
+Tensor names are the dotted key paths, keys taken verbatim so module weights keep their usual
+names (``model.layer1.weight``, not an escaped ``model.layer1\\.weight``). Where two paths
+spell the same name (``{"a.b": x, "a": {"b": y}}`` or ``{0: x, "0": y}``) the later one gets a
+``~N`` suffix; the tree, which holds the real keys, maps every name back exactly.
 Objects with ``state_dict()`` are replaced by their state dict at save time.
 """
 
@@ -37,10 +39,6 @@ class TensorRef:
 
     name: str
     tensor: torch.Tensor
-
-
-def _escape(key: str) -> str:
-    return key.replace("\\", "\\\\").replace(".", "\\.")
 
 
 def _describe(path: tuple[str, ...]) -> str:
@@ -110,7 +108,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRef]]:
                             f"unsupported dict key {k!r} ({type(k).__name__}) at "
                             f"{_describe(path)!r}: keys must be str or int"
                         )
-                    comp = _escape(k) if isinstance(k, str) else str(int(k))
+                    comp = k if isinstance(k, str) else str(int(k))
                     items.append([k if isinstance(k, str) else int(k), enc(v, (*path, comp))])
                 return {"$dict": items}
             if isinstance(obj, list):

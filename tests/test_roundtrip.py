@@ -1,0 +1,168 @@
+"""Every supported type round-trips exactly; unsupported ones fail at the call, by key path."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from asyncckpt import Checkpointer, load
+from conftest import assert_same
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.complex64, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (max(1, math.prod(shape)) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape).clone()
+
+
+def roundtrip(tmp_path: Path, state: Any, **kw: Any) -> Any:
+    with Checkpointer(tmp_path / "ck", **kw) as ck:
+        ck.save(1, state).result(timeout=60)
+        return ck.load(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_and_shapes(tmp_path: Path, dtype: torch.dtype) -> None:
+    state = {
+        "scalar0d": _tensor(dtype, (), 1),
+        "empty": _tensor(dtype, (0, 3), 2),
+        "vec": _tensor(dtype, (7,), 3),
+        "mat": _tensor(dtype, (5, 3), 4),
+    }
+    assert_same(roundtrip(tmp_path, state), state)
+
+
+def test_noncontiguous_and_views(tmp_path: Path) -> None:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    state = {"t": base.t(), "slice": base[1:4, ::3], "expand": torch.ones(3, 1).expand(3, 4), "view": base.view(-1)[7:19]}
+    out = roundtrip(tmp_path, state)
+    for k, v in state.items():
+        assert out[k].is_contiguous()
+        assert torch.equal(out[k], v), k
+
+
+def test_python_values_and_containers(tmp_path: Path) -> None:
+    py_rng = random.Random(5).getstate()
+    state = {
+        "int": 3, "big": 2**80, "neg": -7, "float": 0.1, "whole_float": 2.0, "nan": float("nan"),
+        "inf": float("inf"), "ninf": float("-inf"), "true": True, "false": False, "none": None,
+        "str": "héllo", "bytes": b"\x00\xffab", "empty_list": [], "empty_tuple": (), "empty_dict": {},
+        "tuple": (1, 2.5, "x", (None, [True])), "list": [1, [2, (3,)]],
+        "int_keys": {0: "a", 1: {2: torch.ones(2)}, -1: "neg"}, "mixed_keys": {0: 1, "0": 2},
+        "dotted.key": {"a.b": torch.zeros(1), "a\\b": torch.ones(1)},
+        "py_rng": py_rng, "torch_rng": torch.get_rng_state(),
+    }
+    out = roundtrip(tmp_path, state)
+    assert_same(out, state)
+    r = random.Random()
+    r.setstate(out["py_rng"])
+    assert r.random() == random.Random(5).random()
+
+
+def test_module_optimizer_scheduler(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    out = roundtrip(tmp_path, {"model": model, "optim": opt, "sched": sched})
+    assert_same(out["model"], dict(model.state_dict()))
+    assert_same(out["optim"], opt.state_dict())
+    assert list(out["optim"]["state"].keys()) == [0, 1, 2, 3, 4, 5]
+    assert out["sched"] == sched.state_dict()
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2)
+    load(Path(tmp_path / "ck"), into={"model": model2, "optim": opt2, "sched": sched2})
+    assert_same(dict(model2.state_dict()), dict(model.state_dict()))
+    assert_same(opt2.state_dict(), opt.state_dict())
+    assert sched2.state_dict() == sched.state_dict()
+
+
+def test_into_copies_tensors_in_place_and_replaces_plain_values(tmp_path: Path) -> None:
+    saved = {"w": torch.arange(4.0), "nested": [torch.ones(2), 5], "meta": {"epoch": 3}}
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(0, saved).result(timeout=60)
+        target = {"w": torch.zeros(4), "nested": [torch.zeros(2), 0], "meta": {"epoch": 0}}
+        w = target["w"]
+        out = ck.load(into=target)
+    assert target["w"] is w and torch.equal(w, saved["w"])
+    assert torch.equal(target["nested"][0], torch.ones(2)) and target["nested"][1] == 5
+    assert target["meta"]["epoch"] == 3
+    assert_same(out, saved)
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(KeyError, match="missing"):
+            ck.load(into={"missing": torch.zeros(1)})
+        with pytest.raises(ValueError, match="shape"):
+            ck.load(into={"w": torch.zeros(5)})
+
+
+def test_files_are_readable_by_safetensors_under_dotted_names(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path / "ck") as ck:
+        info = ck.save(7, {"model": model, "optim": opt, "x": {"a.b": torch.ones(1)}}).result(timeout=60)
+    shard = info.path / "rank00000.safetensors"
+    tensors = load_file(str(shard))
+    assert torch.equal(tensors["model.0.weight"], model[0].weight.detach())
+    assert "optim.state.0.exp_avg" in tensors and "x.a.b" in tensors
+    with safe_open(str(shard), framework="pt") as f:
+        assert f.metadata()["format"] == "pt"
+    header_len = int.from_bytes(shard.read_bytes()[:8], "little")
+    assert (8 + header_len) % 4096 == 0  # data section page-aligned for O_DIRECT
+    json.loads((info.path / "rank00000.json").read_text())  # structure is plain JSON
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("state", "exc", "where"),
+    [
+        ({"a": {"b": Opaque()}}, TypeError, "a.b"),
+        ({"a": [1, {"c": object()}]}, TypeError, "a.1.c"),
+        ({"a": {1.5: 1}}, TypeError, "dict key"),
+        ({"a": {(1, 2): 1}}, TypeError, "dict key"),
+        ({"m": torch.empty(2, device="meta")}, TypeError, "meta tensor at 'm'"),
+        ({"s": torch.eye(2).to_sparse()}, TypeError, "layout"),
+        ({"c": torch.ones(2, dtype=torch.complex128)}, TypeError, "dtype"),
+        ({"n": {1, 2}}, TypeError, "set"),
+    ],
+)
+def test_unsupported_objects_fail_at_the_call_and_writer_keeps_working(
+    tmp_path: Path, state: Any, exc: type[Exception], where: str
+) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(exc, match=where.replace(".", r"\.")):
+            ck.save(1, state)
+        assert ck.steps() == []
+        ck.save(1, {"ok": torch.ones(2)}).result(timeout=60)
+        assert ck.steps() == [1]
+
+
+def test_cycle_is_a_value_error(tmp_path: Path) -> None:
+    cyc: dict[str, Any] = {}
+    cyc["self"] = cyc
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(ValueError, match="cycle"):
+        ck.save(0, cyc)
