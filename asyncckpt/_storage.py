@@ -131,7 +131,6 @@ def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: O
     """
     p = os.fspath(path)
     t_end = time.monotonic() + deadline_s
-    delay = 0.005
     while True:
         try:
             ops.mkdir(p, 0o777)
@@ -141,9 +140,10 @@ def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: O
             if parent == p or not parent:
                 raise
             ensure_dir(parent, deadline_s=max(0.0, t_end - time.monotonic()), ops=ops)
-            continue
+            continue  # the parent exists now: create the leaf
         except FileExistsError as e:
-            first: OSError = e
+            _wait_until_directory(p, e, t_end, deadline_s, ops)
+            return
         except OSError:
             # EACCES/EROFS may hide an existing directory (CPython's reason for isdir())
             try:
@@ -152,6 +152,12 @@ def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: O
             except OSError:
                 pass
             raise
+
+
+def _wait_until_directory(p: str, first: OSError, t_end: float, deadline_s: float, ops: OsOps) -> None:
+    """After EEXIST: return once ``p`` is seen as a directory; re-stat, never re-mkdir."""
+    delay = 0.005
+    while True:
         try:
             st = ops.lstat(p)
         except FileNotFoundError:
@@ -215,26 +221,30 @@ class Storage:
         result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
         return result
 
-    async def ensure_dir(self, path: str, deadline_s: float) -> None:
-        await self._run(lambda: ensure_dir(path, deadline_s=deadline_s, ops=self.ops))
-
-    async def fsync_dir(self, path: str) -> None:
+    async def _run_on(self, path: str, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`_run`, naming ``path`` in an ``OSError`` that names no file."""
         try:
-            await self._run(self.ops.fsync_dir, path)
+            return await self._run(fn, *args)
         except OSError as e:
             if e.filename is not None:
                 raise
             raise _with_path(e, path) from e
 
+    async def ensure_dir(self, path: str, deadline_s: float) -> None:
+        await self._run_on(path, lambda: ensure_dir(path, deadline_s=deadline_s, ops=self.ops))
+
+    async def fsync_dir(self, path: str) -> None:
+        await self._run_on(path, self.ops.fsync_dir, path)
+
     async def rename(self, src: str, dst: str) -> None:
-        await self._run(self.ops.rename, src, dst)
+        await self._run_on(dst, self.ops.rename, src, dst)
 
     async def listdir(self, path: str) -> list[str]:
-        return await self._run(self.ops.listdir, path)
+        return await self._run_on(path, self.ops.listdir, path)
 
     async def remove_tree(self, path: str) -> None:
         """Remove a directory tree bottom-up; missing entries are fine, other errors raise."""
-        await self._run(_remove_tree, self.ops, path)
+        await self._run_on(path, _remove_tree, self.ops, path)
 
     async def write_bytes(self, path: str, data: bytes) -> WriteResult:
         """Create ``path`` exclusively with ``data``, fsync and close it."""

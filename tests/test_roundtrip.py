@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_same
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from asyncckpt import Checkpointer, load
-from conftest import assert_same
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8,
@@ -48,7 +48,12 @@ def test_dtypes_and_shapes(tmp_path: Path, dtype: torch.dtype) -> None:
 
 def test_noncontiguous_and_views(tmp_path: Path) -> None:
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    state = {"t": base.t(), "slice": base[1:4, ::3], "expand": torch.ones(3, 1).expand(3, 4), "view": base.view(-1)[7:19]}
+    state = {
+        "t": base.t(),
+        "slice": base[1:4, ::3],
+        "expand": torch.ones(3, 1).expand(3, 4),
+        "view": base.view(-1)[7:19],
+    }
     out = roundtrip(tmp_path, state)
     for k, v in state.items():
         assert out[k].is_contiguous()
@@ -64,6 +69,7 @@ def test_python_values_and_containers(tmp_path: Path) -> None:
         "tuple": (1, 2.5, "x", (None, [True])), "list": [1, [2, (3,)]],
         "int_keys": {0: "a", 1: {2: torch.ones(2)}, -1: "neg"}, "mixed_keys": {0: 1, "0": 2},
         "dotted.key": {"a.b": torch.zeros(1), "a\\b": torch.ones(1)},
+        "collide": {"a.b": torch.zeros(2), "a": {"b": torch.ones(2)}},
         "py_rng": py_rng, "torch_rng": torch.get_rng_state(),
     }
     out = roundtrip(tmp_path, state)

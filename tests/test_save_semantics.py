@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same, make_state
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointInfo, SaveState, find_latest
 from asyncckpt._storage import OsOps
-from conftest import assert_same, make_state
 
 
 class GateOps(OsOps):
@@ -66,7 +66,7 @@ def test_backpressure_waits_for_a_slot_and_reuses_the_buffer(tmp_path: Path) -> 
         info2 = result[0].result(timeout=30)
         assert h1.result(timeout=30).step == 1
         assert info2.statistics is not None and info2.statistics.wait_s > 0.3
-        assert len(ck._rt.staging._free) == 1  # noqa: SLF001 - one buffer, reused
+        assert len(ck._rt.staging._free) == 1
 
 
 def test_max_pending_two_allows_two_in_flight(tmp_path: Path) -> None:
@@ -83,10 +83,10 @@ def test_max_pending_two_allows_two_in_flight(tmp_path: Path) -> None:
 def test_staging_buffer_is_reused_across_saves(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         ck.save(1, make_state(1)).result(timeout=30)
-        arena = ck._rt.staging._free[0]  # noqa: SLF001
+        arena = ck._rt.staging._free[0]
         for s in range(2, 6):
             ck.save(s, make_state(s)).result(timeout=30)
-        assert ck._rt.staging._free == [arena]  # noqa: SLF001 - same arena object every time
+        assert ck._rt.staging._free == [arena]
 
 
 def test_committed_step_cannot_be_overwritten_but_failed_step_can_be_retried(tmp_path: Path) -> None:
@@ -248,7 +248,7 @@ def test_cancelling_an_awaiting_task_does_not_cancel_the_save(tmp_path: Path) ->
     async def main() -> None:
         with Checkpointer(tmp_path, _ops=ops) as ck:
             h = ck.save(1, make_state(1))
-            task = asyncio.ensure_future(h._wait())  # noqa: SLF001
+            task = asyncio.ensure_future(h._wait())
             await asyncio.sleep(0.05)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
