@@ -49,7 +49,7 @@ def test_truncated_shard_is_not_latest_and_load_names_it(tmp_path: Path) -> None
     shard = _two_steps(root) / "rank00000.safetensors"
     os.truncate(shard, shard.stat().st_size - 1)
     assert find_latest(root).step == 1  # type: ignore[union-attr]
-    with pytest.raises(CheckpointCorruptError, match="rank00000.safetensors"):
+    with pytest.raises(CheckpointCorruptError, match=r"rank00000\.safetensors"):
         load(root, 2)
     assert load(root)["extra"]["step"] == 1  # resume falls back to the newest complete one
 
