@@ -195,7 +195,7 @@ class StepDir:
         return {
             "step": self.step,
             "name": self.name,
-            "path": self.path,
+            "path": os.path.abspath(self.path),
             "status": "complete" if self.complete else "incomplete",
             "complete": self.complete,
             "problem": self.problem,
@@ -638,7 +638,10 @@ def file_crc(path: str, size: int, progress: Progress) -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # only a hint
         buf = memoryview(bytearray(min(_VERIFY_CHUNK, max(size, 1))))
         crc, off = 0, 0
         while off < size:
@@ -716,7 +719,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             opened.append(open_step(root, step))
         except CheckpointError as e:
             failed += 1
-            print(f"{PROG}: step {step}: incomplete: {e}", file=sys.stderr)
+            what = "incomplete" if os.path.lexists(os.path.join(root, step_dir_name(step))) else "not found"
+            print(f"{PROG}: step {step}: {what}: {e}", file=sys.stderr)
     progress = Progress(sys.stderr, sum(f.size for _, m in opened for f in m.files), sys.stderr.isatty())
     try:
         for step_dir, manifest in opened:
@@ -905,6 +909,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     dest: str = args.to
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
+    inside = os.path.basename(parent)
+    if os.path.dirname(parent) == os.path.realpath(args.root) and (
+        parse_step_dir(inside) is not None or parse_leftover(inside) is not None
+    ):
+        raise UsageError(f"refusing to write into {inside}: an extra file there makes the checkpoint incomplete")
     _, manifest = _resolve_step(args.root, args.step)
     _check_rank(manifest, args.rank)
     state = load(args.root, manifest.step, rank=args.rank, verify=True)
