@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-from . import _discovery, _load
+from . import _discovery, _distributed, _load
 from ._commit import SaveJob, run_save
-from ._coordination import Coordinator, LocalCoordinator
-from ._errors import CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
+from ._errors import CheckpointError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
 from ._format import ShardLayout, plan_layout
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointInfo
@@ -101,6 +101,12 @@ class Checkpointer:
             and falls back to buffered writes; ``"on"`` requires it; ``"off"`` never uses it.
         verify: default of ``load(verify=)``: check every CRC-32C while reading.
         io_threads: threads of the bounded pool that runs blocking file-system calls.
+        process_group: the ``torch.distributed`` group whose ranks save together (default:
+            the default world when ``torch.distributed`` is initialized, else none). Every
+            rank then builds its Checkpointer, calls ``save()`` with the same steps and
+            ``close()`` in the same order; each writes only its own ``rankRRRRR.*`` files and
+            rank 0 commits once every rank reported success. Coordination goes through the
+            group's c10d store with deadlines, never through collectives.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class Checkpointer:
         direct_io: DirectIO = "auto",
         verify: bool = True,
         io_threads: int = 2,
+        process_group: Any = None,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
@@ -146,12 +153,25 @@ class Checkpointer:
         self._layout: ShardLayout | None = None
         self._perm: list[int] = []
 
-        coord: Coordinator = LocalCoordinator()
-        ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=_ops)
-        if coord.rank == 0:
+        self._dist = _distributed.resolve(process_group)
+        self.rank = self._dist.rank if self._dist else 0
+        self.world_size = self._dist.world_size if self._dist else 1
+        self._queries = 0
+        if self.rank == 0:
+            ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=_ops)
             remove_leftovers(self.root, _ops)
-        self._committed = {i.step for i in _discovery.complete_checkpoints(self.root)}
-        self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, coord)
+            committed = [i.step for i in _discovery.complete_checkpoints(self.root)]
+        else:
+            committed = []
+        namespace = ""
+        if self._dist is not None:
+            namespace, committed = self._dist.agree_at_start(self.root, committed, self.timeout)
+        self._committed = set(committed)
+        self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
+        if self._dist is not None:
+            self._rt.coord = StoreCoordinator(
+                self._dist.store, self.rank, self.world_size, namespace, self._rt.storage._run
+            )
         _live.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -383,22 +403,58 @@ class Checkpointer:
         rt.stop_when_idle(pending, self.timeout + _MARGIN_S)
 
     # ------------------------------------------------------------------ reading
+    def _decided_by_leader(self, compute: Any) -> Any:
+        """Rank 0 computes a JSON value and every rank gets that same value (collective)."""
+        if self._dist is None:
+            return compute()
+        self._queries += 1
+        return self._dist.share(f"q/{self._queries}", compute if self.rank == 0 else None, self.timeout)
+
     def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint under ``root``, or ``None``."""
-        return _discovery.find_latest(self.root)
+        """The newest complete checkpoint under ``root``, or ``None``.
+
+        With many ranks this is collective: rank 0 looks and every rank gets its answer.
+        """
+        step = self._decided_by_leader(lambda: _step_of(_discovery.find_latest(self.root)))
+        if step is None:
+            return None
+        try:
+            step_dir, manifest = _discovery.open_step(self.root, step)
+        except CheckpointNotFoundError:
+            return None
+        return _discovery.info_for(step_dir, manifest)
 
     def steps(self) -> list[int]:
-        """Every complete step under ``root``, ascending."""
-        return [i.step for i in _discovery.complete_checkpoints(self.root)]
+        """Every complete step under ``root``, ascending (collective with many ranks)."""
+        steps: list[int] = self._decided_by_leader(lambda: [i.step for i in _discovery.complete_checkpoints(self.root)])
+        return steps
 
-    def load(self, step: int | None = None, *, into: Any = None, verify: bool | None = None) -> Any:
+    def load(
+        self, step: int | None = None, *, into: Any = None, verify: bool | None = None, rank: int | None = None
+    ) -> Any:
         """Load a complete checkpoint (``None``: the newest) and return its state.
 
         With ``into=``, restores in place: objects get ``load_state_dict``, tensors get
         ``copy_``. Raises ``CheckpointNotFoundError`` for a missing or uncommitted step and
         ``CheckpointCorruptError`` (naming the file) when anything fails verification.
+        With many ranks this is collective: rank 0 picks the step, each rank loads its own
+        shard; a checkpoint saved by a different number of ranks raises ``CheckpointError``
+        unless ``rank=`` names the shard to read.
         """
-        return load(self.root, step, into=into, verify=self.verify if verify is None else verify)
+        if step is None:
+            step = self._decided_by_leader(lambda: _step_of(_discovery.find_latest(self.root)))
+            if step is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint under {self.root}")
+        verify = self.verify if verify is None else verify
+        if rank is None:
+            _, manifest = _discovery.open_step(self.root, step)
+            if manifest.world_size != self.world_size:
+                raise CheckpointError(
+                    f"step {step} was saved by {manifest.world_size} rank(s) but this job has "
+                    f"{self.world_size}; resharding is not supported: pass rank= to read one shard"
+                )
+            rank = self.rank
+        return load(self.root, step, into=into, verify=verify, rank=rank)
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
@@ -456,6 +512,10 @@ def load(
     if into is not None:
         _load.restore_into(into, state)
     return state
+
+
+def _step_of(info: CheckpointInfo | None) -> int | None:
+    return None if info is None else info.step
 
 
 def _is_int(v: Any) -> bool:

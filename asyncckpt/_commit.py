@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _manifest
-from ._coordination import Coordinator, Report, Start, Verdict
+from ._coordination import CoordinationLost, Coordinator, Report, Start, Verdict
 from ._discovery import read_manifest
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
 from ._format import ShardLayout
@@ -149,6 +149,12 @@ async def _commit(
     return Verdict(committed=True, nbytes=nbytes, created=created)
 
 
+def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
+    return SaveTimeoutError(
+        step, {0: RankFailure(0, "TimeoutError", str(e))}, missing=(0,), detail="rank 0 did not answer"
+    )
+
+
 def _failure(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure.from_exception(rank, exc)
 
@@ -179,7 +185,10 @@ async def run_save(
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e
             start = Start(attempt, _failure(rank, e))
-    start = await coord.begin(job.step, job.seq, start, job.deadline)
+    try:
+        start = await coord.begin(job.step, job.seq, start, job.deadline)
+    except (TimeoutError, CoordinationLost) as e:
+        raise _leader_lost(job.step, e) from e
     attempt = start.attempt
     tmp = os.path.join(job.root, tmp_dir_name(job.step, attempt))
 
@@ -193,7 +202,10 @@ async def run_save(
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e
             mine = Report(rank=rank, failure=_failure(rank, e))
-    reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
+    try:
+        reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
+    except CoordinationLost as e:
+        raise _leader_lost(job.step, e) from e
 
     # 3. the leader decides, and commits only if everyone succeeded in time
     verdict: Verdict | None = None
@@ -202,6 +214,8 @@ async def run_save(
         if start.failure is not None:
             failures[rank] = start.failure
         missing = tuple(r for r in range(world) if r not in reports)
+        if not failures and not missing and not await coord.may_commit(job.seq):
+            failures[rank] = RankFailure(rank, "TimeoutError", "a follower gave up waiting before the commit began")
         if not failures and not missing:
             try:
                 step_to(SaveEvent.START_COMMIT)
@@ -211,7 +225,12 @@ async def run_save(
                 failures[rank] = _failure(rank, e)
         if verdict is None:
             verdict = Verdict(committed=False, failures=failures, missing=missing)
-    verdict = await coord.decide(job.step, job.seq, attempt, verdict, job.deadline)
+    try:
+        verdict = await coord.decide(job.step, job.seq, attempt, verdict, job.deadline)
+    except (TimeoutError, CoordinationLost) as e:
+        if not job.state.final:
+            step_to(SaveEvent.FAIL)
+        raise _leader_lost(job.step, e) from e
 
     # 4. resolve
     if not verdict.committed:

@@ -15,7 +15,10 @@ protocol early and nobody waits without a deadline.
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 from ._errors import RankFailure
@@ -68,6 +71,10 @@ class Coordinator(Protocol):
         """Leader passes the verdict; others pass ``None`` and receive it."""
         ...
 
+    async def may_commit(self, seq: int) -> bool:
+        """Leader only: claim the right to commit (False if a follower already gave up)."""
+        ...
+
     async def close(self, deadline: float) -> None:
         """Collective: return only once every rank has read the last verdict."""
         ...
@@ -90,5 +97,175 @@ class LocalCoordinator:
         assert verdict is not None
         return verdict
 
+    async def may_commit(self, seq: int) -> bool:
+        return True
+
     async def close(self, deadline: float) -> None:
         return None
+
+
+# ---------------------------------------------------------------------------- many ranks
+_GRACE_S = 2.0  # followers wait this much past the deadline for the leader's verdict
+
+
+def _enc_failure(f: RankFailure | None) -> Any:
+    return (
+        None
+        if f is None
+        else {"rank": f.rank, "exc_type": f.exc_type, "message": f.message, "errno": f.errno, "path": f.path}
+    )
+
+
+def _dec_failure(d: Any) -> RankFailure | None:
+    return None if d is None else RankFailure(d["rank"], d["exc_type"], d["message"], d["errno"], d["path"])
+
+
+class CoordinationLost(RuntimeError):
+    """The c10d store could not be reached (the rank hosting it is gone)."""
+
+
+class StoreCoordinator:
+    """Coordination over the c10d store, driven from the writer thread.
+
+    Why the store and not a gloo side group: a store ``wait`` takes an explicit deadline and
+    the store stays usable after one expires (a gloo group that timed out is dead and must
+    never be reused); ``check`` names exactly which ranks are missing; ``compare_set`` lets
+    the leader and a follower that gave up agree on whether the commit happened; and no
+    collective ordering is imposed, so nothing here can deadlock against training
+    collectives on the process group. Blocking store calls run on the I/O pool, never on
+    the event loop.
+
+    Keys live under ``asyncckpt/<namespace>/``; the namespace is chosen by the leader when
+    the Checkpointer is built, so several Checkpointers in one job never mix their keys.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, namespace: str, run: Any) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.ns = namespace
+        self._run = run  # coroutine function: await run(fn, *args) on the I/O pool
+        self._last_seq = 0
+
+    def _key(self, seq: int, *parts: object) -> str:
+        return "/".join(["asyncckpt", self.ns, str(seq), *map(str, parts)])
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return await self._run(fn, *args)
+        except Exception as e:
+            if _is_timeout(e):
+                raise
+            raise CoordinationLost(f"coordination store unreachable: {e}") from e
+
+    async def _set(self, key: str, value: Any) -> None:
+        await self._call(self.store.set, key, json.dumps(value))
+
+    async def _wait_get(self, key: str, deadline: float) -> Any | None:
+        """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
+        remaining = max(deadline - time.monotonic(), 0.01)
+        try:
+            await self._call(self.store.wait, [key], timedelta(seconds=remaining))
+        except Exception as e:
+            if _is_timeout(e):
+                return None
+            raise
+        return json.loads(await self._call(self.store.get, key))
+
+    async def begin(self, step: int, seq: int, start: Start | None, deadline: float) -> Start:
+        key = self._key(seq, "start")
+        self._last_seq = seq
+        if self.rank == 0:
+            assert start is not None
+            await self._set(key, {"attempt": start.attempt, "step": step, "failure": _enc_failure(start.failure)})
+            return start
+        got = await self._wait_get(key, deadline + _GRACE_S)
+        if got is None:
+            raise _LeaderSilent("the leader (rank 0) did not start the save in time")
+        failure = _dec_failure(got["failure"])
+        if got["step"] != step:
+            failure = RankFailure(
+                0,
+                "ValueError",
+                f"ranks disagree on the step: rank 0 saves {got['step']}, rank {self.rank} saves {step}",
+            )
+        return Start(got["attempt"], failure)
+
+    async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
+        await self._set(
+            self._key(seq, "report", self.rank),
+            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure)},
+        )
+        if self.rank != 0:
+            return {}
+        keys = [self._key(seq, "report", r) for r in range(self.world_size)]
+        remaining = max(deadline - time.monotonic(), 0.01)
+        try:
+            await self._call(self.store.wait, keys, timedelta(seconds=remaining))
+        except Exception as e:
+            if not _is_timeout(e):
+                raise
+        out: dict[int, Report] = {}
+        for r, key in enumerate(keys):
+            if not await self._call(self.store.check, [key]):
+                continue
+            d = json.loads(await self._call(self.store.get, key))
+            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
+        return out
+
+    async def decide(self, step: int, seq: int, attempt: str, verdict: Verdict | None, deadline: float) -> Verdict:
+        lock, key = self._key(seq, "lock"), self._key(seq, "verdict")
+        if self.rank == 0:
+            assert verdict is not None
+            await self._set(key, _enc_verdict(verdict))
+            return verdict
+        got = await self._wait_get(key, deadline + _GRACE_S)
+        if got is None:
+            # give up only if the leader has not started committing: whoever sets the lock first wins
+            won = (await self._call(self.store.compare_set, lock, "", "abort")).decode()
+            if won == "commit":
+                got = await self._wait_get(key, time.monotonic() + _GRACE_S)
+            if got is None:
+                raise _LeaderSilent("the leader (rank 0) did not publish the outcome in time")
+        return _dec_verdict(got)
+
+    async def may_commit(self, seq: int) -> bool:
+        """Leader only: claim the commit unless a follower already gave up on this save."""
+        won = await self._call(self.store.compare_set, self._key(seq, "lock"), "", "commit")
+        return bool(won == b"commit")
+
+    async def close(self, deadline: float) -> None:
+        key = "/".join(["asyncckpt", self.ns, "closed", str(self.rank)])
+        await self._set(key, self._last_seq)
+        if self.rank == 0:
+            # rank 0 usually hosts the store: stay until every rank has read its last verdict
+            keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in range(self.world_size)]
+            remaining = max(deadline - time.monotonic(), 0.01)
+            try:
+                await self._call(self.store.wait, keys, timedelta(seconds=remaining))
+            except Exception as e:
+                if not _is_timeout(e):
+                    raise
+
+
+class _LeaderSilent(TimeoutError):
+    pass
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return isinstance(e, TimeoutError) or "timeout" in str(e).lower() or "timed out" in str(e).lower()
+
+
+def _enc_verdict(v: Verdict) -> Any:
+    return {
+        "committed": v.committed,
+        "failures": {str(r): _enc_failure(f) for r, f in v.failures.items()},
+        "missing": list(v.missing),
+        "nbytes": v.nbytes,
+        "created": v.created,
+    }
+
+
+def _dec_verdict(d: Any) -> Verdict:
+    failures = {int(r): f for r, f in ((r, _dec_failure(x)) for r, x in d["failures"].items()) if f is not None}
+    return Verdict(d["committed"], failures, tuple(d["missing"]), d["nbytes"], d["created"])

@@ -1,0 +1,90 @@
+"""Finding the ranks: the process group, its c10d store, and agreements made at the call.
+
+Everything here runs on the caller's thread and uses only the c10d store (``set`` /
+``wait`` with a deadline / ``get``), never a collective, so it cannot interleave with the
+training loop's collectives on the same group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ._storage import crc32c
+
+_count_lock = threading.Lock()
+_instances: dict[str, int] = {}
+
+
+@dataclass
+class DistContext:
+    """This process's place among the ranks that save together."""
+
+    store: Any
+    rank: int
+    world_size: int
+    prefix: str
+
+    def _wait_get(self, key: str, timeout: float) -> Any:
+        try:
+            self.store.wait([key], timedelta(seconds=timeout))
+        except Exception as e:
+            raise TimeoutError(f"asyncckpt: rank 0 did not answer {key!r} within {timeout:.0f}s ({e})") from e
+        return json.loads(self.store.get(key))
+
+    def share(self, key: str, compute: Callable[[], Any] | None, timeout: float) -> Any:
+        """Rank 0 passes ``compute`` and publishes its JSON result; every rank returns it."""
+        full = f"{self.prefix}/{key}"
+        if self.rank == 0:
+            assert compute is not None
+            value = compute()
+            self.store.set(full, json.dumps(value))
+            return value
+        return self._wait_get(full, timeout)
+
+    def agree_at_start(self, root: str, committed: list[int], timeout: float) -> tuple[str, list[int]]:
+        """Agree on this Checkpointer's key namespace and on the committed steps (rank 0's view).
+
+        Checkpointers are matched across ranks by root and by creation order, so every rank
+        must build the same Checkpointers in the same order (as with any collective).
+        """
+        tag = f"{crc32c(os.path.abspath(root).encode()):08x}"
+        with _count_lock:
+            n = _instances[tag] = _instances.get(tag, 0) + 1
+        key = f"asyncckpt/ctor/{tag}/{n}"
+        if self.rank == 0:
+            ns = uuid.uuid4().hex[:16]
+            self.store.set(key, json.dumps({"ns": ns, "committed": committed, "world": self.world_size}))
+            self.prefix = f"asyncckpt/{ns}"
+            return ns, committed
+        got = self._wait_get(key, timeout)
+        if got["world"] != self.world_size:
+            raise ValueError(f"rank 0 has a world of {got['world']} ranks, this rank {self.world_size}")
+        self.prefix = f"asyncckpt/{got['ns']}"
+        return got["ns"], list(got["committed"])
+
+
+def resolve(process_group: Any) -> DistContext | None:
+    """The ranks to coordinate with: ``process_group``, else the default world if
+    ``torch.distributed`` is initialized, else ``None`` (single process)."""
+    import torch.distributed as dist
+
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not dist.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    store = dist.distributed_c10d._get_default_store()
+    if process_group is None or process_group is dist.group.WORLD:
+        return DistContext(store, dist.get_rank(), dist.get_world_size(), "")
+    name = getattr(process_group, "group_name", None) or "-".join(map(str, dist.get_process_group_ranks(process_group)))
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    prefixed = dist.distributed_c10d.PrefixStore(f"asyncckpt/group/{name}/", store)
+    return DistContext(prefixed, rank, dist.get_world_size(process_group), "")
