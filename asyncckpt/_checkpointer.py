@@ -33,7 +33,7 @@ from ._info import CheckpointInfo
 from ._iopool import IOPool
 from ._lifecycle import SaveState
 from ._retention import remove_leftovers
-from ._staging import StagingPool
+from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
 from ._structure import flatten
 from ._writer import WriterThread
@@ -195,10 +195,15 @@ class Checkpointer:
                 raise ValueError(f"step {step} is already committed under {self.root}")
             if any(r.step == step and not r.future.done() for r in self._records):
                 raise ValueError(f"step {step} is already being saved")
-        tree, refs = flatten(state)
-        tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
-        layout, perm = self._plan(refs)
-        nbytes = layout.data_len
+        try:
+            tree, refs = flatten(state)
+            tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+            layout, perm = self._plan(refs)
+        except (TypeError, ValueError) as e:
+            if self._dist is not None:
+                # the other ranks are saving this step too: fail it for them, within the protocol
+                self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e)
+            raise
         arena, waited = self._rt.staging.acquire(layout.file_size, self.timeout + _MARGIN_S)
         t_stage = time.perf_counter()
         try:
@@ -207,6 +212,21 @@ class Checkpointer:
             self._rt.staging.give_back(arena)
             raise
         staging_s = time.perf_counter() - t_stage
+        return self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s)
+
+    def _submit(
+        self,
+        step: int,
+        t_call: float,
+        arena: Arena | None,
+        layout: ShardLayout | None,
+        tree_bytes: bytes,
+        events: Any,
+        waited: float,
+        staging_s: float,
+        prefailed: BaseException | None = None,
+    ) -> SaveHandle:
+        """Hand a staged save to the writer; the arena goes back to the pool when it settles."""
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -218,12 +238,13 @@ class Checkpointer:
             layout=layout,
             tree=tree_bytes,
             cuda_events=events,
-            nbytes=nbytes,
+            nbytes=layout.data_len if layout is not None else 0,
             deadline=time.monotonic() + self.timeout,
             started=t_call,
             wait_s=waited,
             staging_s=staging_s,
             keep_last=self.keep_last,
+            prefailed=prefailed,
         )
         holder: list[SaveRecord] = []
 
@@ -235,7 +256,8 @@ class Checkpointer:
         try:
             fut = rt.writer.submit(_guarded(run_save(job, rt.storage, rt.coord, on_state), job, rt.coord.rank))
         except BaseException:
-            rt.staging.give_back(arena)
+            if arena is not None:
+                rt.staging.give_back(arena)
             raise
         record = SaveRecord(step, fut)
         holder.append(record)
@@ -244,7 +266,8 @@ class Checkpointer:
         me = weakref.ref(self)
 
         def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
-            rt.staging.give_back(arena)
+            if arena is not None:
+                rt.staging.give_back(arena)
             ok = not f.cancelled() and f.exception() is None
             record.state = SaveState.COMMITTED if ok else SaveState.FAILED
             owner = me()

@@ -50,8 +50,8 @@ class SaveJob:
     step: int
     seq: int
     root: str
-    arena: Arena
-    layout: ShardLayout
+    arena: Arena | None
+    layout: ShardLayout | None
     tree: bytes
     cuda_events: Any
     nbytes: int
@@ -63,6 +63,8 @@ class SaveJob:
     state: SaveState = SaveState.STAGED
     times: dict[str, float] = field(default_factory=dict)
     direct: bool = False
+    # set when this rank's state was refused at the call: the rank still takes part, as a failure
+    prefailed: BaseException | None = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -112,6 +114,7 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
 async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool) -> Report:
     if not leader:
         await storage.ensure_dir(tmp, max(0.0, job.deadline - time.monotonic()))
+    assert job.arena is not None and job.layout is not None
     if job.cuda_events:
         for ev in job.cuda_events:
             await storage._run(ev.synchronize)
@@ -180,6 +183,8 @@ async def run_save(
     if leader:
         attempt = uuid.uuid4().hex[:16]
         try:
+            if job.prefailed is not None:
+                raise job.prefailed
             await _within(_prepare_attempt(storage, job, attempt), job.deadline, "creating the step directory")
             start = Start(attempt)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
@@ -194,7 +199,10 @@ async def run_save(
 
     # 2. every rank writes its own files
     mine = Report(rank=rank)
-    if start.failure is None:
+    if start.failure is None and job.prefailed is not None:
+        local_exc = job.prefailed
+        mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
+    elif start.failure is None:
         try:
             step_to(SaveEvent.START_WRITE)
             mine = await _within(_write_files(storage, job, rank, tmp, leader), job.deadline, "writing the shard")

@@ -1,0 +1,166 @@
+"""A rank of a multi-process test: init gloo on localhost, run one scenario, write a JSON result.
+
+Run as ``python _dist_worker.py SCENARIO RANK WORLD PORT ROOT OUT``. Faults are real: the
+scenarios use RLIMIT_FSIZE (EFBIG), os._exit and SIGSTOP on this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt import Checkpointer, SaveError, SaveTimeoutError
+
+
+def state_for(rank: int, step: int, numel: int = 4096) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"model": {"w": torch.randn(numel, generator=g)}, "extra": {"rank": rank, "step": step}}
+
+
+def describe(exc: BaseException | None) -> Any:
+    if exc is None:
+        return None
+    d: dict[str, Any] = {"type": type(exc).__name__, "msg": str(exc)}
+    if isinstance(exc, SaveError):
+        d["step"] = exc.step
+        d["failures"] = {
+            str(r): {"exc_type": f.exc_type, "errno": f.errno, "path": f.path, "message": f.message}
+            for r, f in exc.failures.items()
+        }
+    if isinstance(exc, SaveTimeoutError):
+        d["missing"] = list(exc.missing)
+    return d
+
+
+def main() -> None:
+    scenario, rank, world, port, root, out = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+        sys.argv[6],
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        globals()[f"scenario_{scenario}"](rank, world, root, result)
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
+        result["crash"] = "".join(traceback.format_exception(e))
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip process-group teardown: a peer may be gone by design
+
+
+def scenario_roundtrip(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    with Checkpointer(root, keep_last=2, timeout=30) as ck:
+        infos = [ck.save(s, state_for(rank, s)).result(timeout=60) for s in (1, 2, 3)]
+        result["infos"] = [(i.step, i.world_size, i.nbytes) for i in infos]
+        result["steps"] = ck.steps()
+        latest = ck.latest()
+        result["latest"] = latest.step if latest else None
+        loaded = ck.load()
+        expected = state_for(rank, 3)
+        result["equal"] = (
+            bool(torch.equal(loaded["model"]["w"], expected["model"]["w"])) and loaded["extra"] == expected["extra"]
+        )
+        result["files"] = sorted(os.listdir(os.path.join(root, "step_00000003")))
+
+
+def scenario_efbig(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    with Checkpointer(root, timeout=20) as ck:
+        ck.save(1, state_for(rank, 1)).result(timeout=60)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        t0 = time.monotonic()
+        h = ck.save(2, state_for(rank, 2))
+        result["error"] = describe(h.exception(timeout=60))
+        result["elapsed"] = time.monotonic() - t0
+        try:
+            ck.flush()
+        except SaveError as e:
+            result["flush_error"] = describe(e)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        latest = ck.latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        result["retry"] = ck.save(2, state_for(rank, 2)).result(timeout=60).step
+        result["steps"] = ck.steps()
+
+
+def scenario_bad_state(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    with Checkpointer(root, timeout=20) as ck:
+        state: Any = state_for(rank, 1)
+        if rank == 2:
+            state["extra"]["bad"] = object()
+        try:
+            h = ck.save(1, state)
+            result["error"] = describe(h.exception(timeout=60))
+        except TypeError as e:
+            result["call_error"] = describe(e)
+        try:
+            ck.flush()
+        except SaveError as e:
+            result["flush_error"] = describe(e)
+        result["next"] = ck.save(2, state_for(rank, 2)).result(timeout=60).step
+
+
+def scenario_exit(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    ck = Checkpointer(root, timeout=4)
+    ck.save(1, state_for(rank, 1)).result(timeout=60)
+    if rank == 2:
+        os._exit(3)  # dies during the next save
+    t0 = time.monotonic()
+    h = ck.save(2, state_for(rank, 2))
+    result["error"] = describe(h.exception(timeout=60))
+    result["elapsed"] = time.monotonic() - t0
+    latest = ck.latest() if rank != 0 or True else None
+    result["latest"] = latest.step if latest else None
+
+
+def scenario_sigstop(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    ck = Checkpointer(root, timeout=4)
+    ck.save(1, state_for(rank, 1)).result(timeout=60)
+    if rank == 1:
+        # stopped in the middle of the save; the test sends SIGCONT much later
+        h = ck.save(2, state_for(rank, 2))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        result["error"] = describe(h.exception(timeout=60))
+        return
+    t0 = time.monotonic()
+    h = ck.save(2, state_for(rank, 2))
+    result["error"] = describe(h.exception(timeout=60))
+    result["elapsed"] = time.monotonic() - t0
+
+
+def scenario_collectives(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    wrong = 0
+    with Checkpointer(root, keep_last=2, timeout=30, max_pending=1) as ck:
+        handles = []
+        for i in range(20):
+            handles.append(ck.save(i, state_for(rank, i, numel=16384)))
+            for j in range(5):  # training collectives on the default group while the save runs
+                t = torch.full((1000,), float(rank + i + j))
+                dist.all_reduce(t)
+                expect = sum(r + i + j for r in range(world))
+                wrong += int(not torch.all(t == expect))
+        result["steps"] = [h.result(timeout=60).step for h in handles]
+    result["wrong"] = wrong
+    result["latest_steps"] = sorted(os.listdir(root))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Many ranks on torch.distributed (gloo on localhost, real processes, real faults)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncckpt import find_latest, load
+
+WORKER = str(Path(__file__).with_name("_dist_worker.py"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    tmp_path: Path, scenario: str, world: int, deadline: float = 90.0, on_started: Any = None
+) -> dict[int, dict[str, Any]]:
+    root, out = tmp_path / "ck", tmp_path / "result"
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(r), str(world), str(port), str(root), str(out)],
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    try:
+        if on_started is not None:
+            on_started(procs)
+        end = time.monotonic() + deadline
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+    results = {}
+    for r in range(world):
+        f = Path(f"{out}.{r}.json")
+        if f.exists():
+            results[r] = json.loads(f.read_text())
+            assert "crash" not in results[r], results[r]["crash"]
+        elif scenario not in ("exit", "sigstop"):
+            raise AssertionError(f"rank {r} wrote no result:\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}")
+    assert not hung or scenario in ("sigstop",), f"ranks {hung} still running at the deadline"
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_four_ranks_save_commit_resume(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "roundtrip", 4)
+    assert sorted(res) == [0, 1, 2, 3]
+    for r in res.values():
+        assert r["infos"] == [[1, 4, 4 * 4096 * 4], [2, 4, 4 * 4096 * 4], [3, 4, 4 * 4096 * 4]]
+        assert r["steps"] == [2, 3] and r["latest"] == 3 and r["equal"]
+    assert res[0]["files"] == ["manifest.json"] + [
+        f"rank{r:05d}.{ext}" for r in range(4) for ext in ("json", "safetensors")
+    ]
+    root = tmp_path / "ck"
+    assert load(root, 3, rank=2)["extra"] == {"rank": 2, "step": 3}
+    assert find_latest(root).world_size == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(150)
+def test_one_rank_efbig_fails_every_rank_the_same(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "efbig", 4)
+    assert sorted(res) == [0, 1, 2, 3]
+    for r in res.values():
+        err = r["error"]
+        assert err["type"] == "SaveError" and list(err["failures"]) == ["1"], err
+        assert err["failures"]["1"]["errno"] == 27 and "rank00001.safetensors" in err["failures"]["1"]["path"]
+        assert r["flush_error"]["failures"] == err["failures"]
+        assert r["elapsed"] < 20
+        assert r["latest_after_failure"] == 1  # no marker: the previous checkpoint is still the latest
+        assert r["retry"] == 2 and r["steps"] == [1, 2]
+
+
+@pytest.mark.timeout(150)
+def test_bad_state_on_one_rank_raises_there_and_fails_the_save_everywhere(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "bad_state", 3)
+    assert res[2]["call_error"]["type"] == "TypeError" and "extra.bad" in res[2]["call_error"]["msg"]
+    for r in (0, 1):
+        assert res[r]["error"]["type"] == "SaveError" and list(res[r]["error"]["failures"]) == ["2"]
+    for r in res.values():
+        assert r["flush_error"]["failures"]["2"]["exc_type"] == "TypeError"
+        assert r["next"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_rank_that_exits_makes_the_others_time_out_naming_it(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "exit", 4)
+    assert sorted(res) == [0, 1, 3]
+    for r in res.values():
+        assert r["error"]["type"] == "SaveTimeoutError", r["error"]
+        assert r["error"]["missing"] == [2], r["error"]
+        assert r["elapsed"] < 4 + 5
+        assert r["latest"] == 1
+    assert find_latest(tmp_path / "ck").step == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(150)
+def test_stopped_rank_times_out_and_never_commits_late(tmp_path: Path) -> None:
+    stopped: list[subprocess.Popen[bytes]] = []
+
+    def resume_later(procs: list[subprocess.Popen[bytes]]) -> None:
+        stopped.append(procs[1])
+
+    root = tmp_path / "ck"
+    import threading
+
+    def cont() -> None:
+        # wait until the others gave up, then let the stopped rank run again
+        time.sleep(12)
+        for p in stopped:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+
+    threading.Thread(target=cont, daemon=True).start()
+    res = run_ranks(tmp_path, "sigstop", 3, deadline=40, on_started=resume_later)
+    for r in (0, 2):
+        assert res[r]["error"]["type"] == "SaveTimeoutError" and res[r]["error"]["missing"] == [1], res[r]
+        assert res[r]["elapsed"] < 4 + 5
+    assert res[1]["error"]["type"] in ("SaveTimeoutError", "SaveError")
+    assert find_latest(root).step == 1  # type: ignore[union-attr]
+    assert not (root / "step_00000002").exists()
+
+
+@pytest.mark.timeout(200)
+def test_training_collectives_run_concurrently_with_background_saves(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "collectives", 2, deadline=150)
+    for r in res.values():
+        assert r["wrong"] == 0
+        assert r["steps"] == list(range(20))
+    # retention runs on rank 0 after the verdict: look at the directory from there
+    assert res[0]["latest_steps"] == ["step_00000018", "step_00000019"]
