@@ -522,6 +522,8 @@ def load(
     """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed)."""
     if step is not None and (not _is_int(step) or step < 0):
         raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+    if not _is_int(rank) or rank < 0:
+        raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
     root_s = os.fspath(root)
     if step is None:
         info = _discovery.find_latest(root_s)

@@ -320,14 +320,16 @@ def _write_chunk(ops: OsOps, fd: int, buf: memoryview, off: int, end: int, crc: 
 
 
 def _remove_tree(ops: OsOps, path: str) -> None:
+    # entries vanishing under us (another remover, e.g. `asyncckpt gc`) are fine
     try:
         st = ops.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            ops.unlink(path)
+            return
+        names = ops.listdir(path)
     except FileNotFoundError:
         return
-    if not stat.S_ISDIR(st.st_mode):
-        ops.unlink(path)
-        return
-    for name in ops.listdir(path):
+    for name in names:
         _remove_tree(ops, os.path.join(path, name))
     try:
         ops.rmdir(path)
