@@ -22,7 +22,7 @@ test: venv lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check asyncckpt tests examples benchmarks
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 bench: venv
