@@ -1,0 +1,300 @@
+"""A real crash loop: SIGKILL a process that is saving checkpoints, at >= 20 random points in
+every phase of a save, restart it, and check after every kill what the commit protocol promises.
+
+The worker (``_crash_worker.py``) saves ``expected_state(step)`` for successive steps,
+overwrites its tensors as soon as ``save()`` returns, and reports its progress. The test picks
+a phase to aim at (staging, shard write, commit, post-commit, between saves), waits for the
+event that opens it, sleeps a seeded random fraction of that phase's observed length and
+sends SIGKILL. After each kill, with the worker reaped:
+
+* every directory with a committed name (``step_N``) has a manifest, loads with
+  verification, and equals exactly what was saved at step N; everything else is a leftover;
+* ``find_latest()`` names the newest of them, ``load(root)`` returns it, and no save the
+  worker saw committed is lost;
+* a new ``Checkpointer`` on the root removes every leftover and keeps every checkpoint;
+* the next worker resumes at the newest complete step + 1.
+
+The phase a kill really landed in is read back from the worker's last events and the disk;
+the test requires hits in every phase (aiming again at any phase the planned kills missed).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+from _crash_worker import IDLE_S, KEEP_LAST, expected_state
+from conftest import assert_same
+
+from asyncckpt import Checkpointer, CheckpointError, find_latest, load
+
+WORKER = Path(__file__).with_name("_crash_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+SEED = 20240521
+KILLS = 25
+TARGETS = ("staging", "shard write", "commit", "post-commit", "between saves")
+# the worker events that open and close each phase, and a first guess of its length (s),
+# replaced by the median of what the workers report
+OPENED_BY = {"staging": "saving", "shard write": "write", "commit": "commit", "post-commit": "renamed",
+             "between saves": "committed"}  # fmt: skip
+CLOSED_BY = {"staging": "staged", "shard write": "commit", "commit": "renamed", "post-commit": "committed",
+             "between saves": "saving"}  # fmt: skip
+GUESS = {"staging": 0.01, "shard write": 0.1, "commit": 0.03, "post-commit": 0.03, "between saves": IDLE_S}
+COMMITTED_NAME = re.compile(r"^step_(\d{8,})$")
+LEFTOVER_NAME = re.compile(r"^step_\d{8,}\.(tmp|deleting)-[0-9a-f]+$")
+WAIT_S = 30.0  # bound on every single wait
+
+
+class ForkServer:
+    """Drives ``_crash_worker.py``: spawn workers, watch their events, reap them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.err_path = tmp_path / "workers.err"
+        self._err = open(self.err_path, "wb")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env
+        )
+        self._lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="crash-loop-reader", daemon=True)
+        self._reader.start()
+        #: pid -> [(arrival time, event, step)], and the exit codes of workers that ended
+        self.events: defaultdict[int, list[tuple[float, str, int]]] = defaultdict(list)
+        self.exited: dict[int, int] = {}
+        self._pump(lambda line: line == "ready", 120.0, "the fork server to start")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self._lines.put((time.monotonic(), raw.decode().rstrip("\n")))
+        self._lines.put((time.monotonic(), None))
+
+    def _fail(self, msg: str) -> None:
+        self._err.flush()
+        tail = self.err_path.read_text(errors="replace")[-3000:]
+        pytest.fail(f"{msg}\n--- worker stderr ---\n{tail}", pytrace=False)
+
+    def _pump(self, until: Callable[[str], bool], timeout: float, what: str) -> str:
+        """Consume output (recording worker events) until a line satisfies ``until``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                t, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            if line is None:
+                self._fail(f"the fork server exited while waiting for {what}")
+            assert line is not None
+            parts = line.split()
+            if len(parts) == 3 and parts[0].isdigit():
+                self.events[int(parts[0])].append((t, parts[1], int(parts[2])))
+            elif len(parts) == 3 and parts[0] == "exited":
+                self.exited[int(parts[1])] = int(parts[2])
+            if until(line):
+                return line
+
+    def _send(self, cmd: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def spawn(self, root: Path) -> int:
+        self._send(f"run {root}")
+        return int(self._pump(lambda line: line.startswith("spawned "), WAIT_S, "a worker to spawn").split()[1])
+
+    def wait_event(self, pid: int, event: str, step: int | None = None) -> tuple[float, int]:
+        """(arrival time, step) of the worker's first ``event`` (of ``step``, if given)."""
+
+        def match() -> tuple[float, int] | None:
+            return next(((t, s) for t, e, s in self.events[pid] if e == event and step in (None, s)), None)
+
+        if match() is None and pid not in self.exited:
+            self._pump(lambda _: match() is not None or pid in self.exited, WAIT_S, f"'{event} {step}' from {pid}")
+        found = match()
+        if found is None:
+            self._fail(f"worker {pid} ended (exit code {self.exited.get(pid)}) before '{event} {step}'")
+        assert found is not None
+        return found
+
+    def reap(self, pid: int) -> int:
+        self._send(f"reap {pid}")
+        line = self._pump(lambda line: line.startswith(f"reaped {pid} "), WAIT_S, f"worker {pid} to be reaped")
+        return int(line.split()[2])
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self._send("quit")
+        except OSError:
+            pass
+        finally:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=WAIT_S)
+            self._reader.join(WAIT_S)
+            self.proc.stdout.close()
+            self._err.close()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def phase_lengths(events: list[tuple[float, str, int]]) -> dict[tuple[str, bool], list[float]]:
+    """How long each phase lasted in one worker's life, from its events, keyed by (phase, first save?).
+
+    A worker's first save allocates the staging buffer, so its staging takes longer than later ones.
+    """
+    at = {(e, s): t for t, e, s in events}
+    first = min((s for _, e, s in events if e == "start"), default=None)
+    out: dict[tuple[str, bool], list[float]] = defaultdict(list)
+    for (e, s), t in at.items():
+        for phase in TARGETS:
+            if e == OPENED_BY[phase]:
+                end = at.get((CLOSED_BY[phase], s + 1 if phase == "between saves" else s))
+                if end is not None:
+                    out[(phase, s == first)].append(end - t)
+    return out
+
+
+def landed_in(events: list[tuple[float, str, int]], root: Path) -> str:
+    """The phase the worker was in when it died: after its last event, judged with the disk."""
+    saving = [s for _, e, s in events if e == "saving"]
+    if not saving:
+        return "startup"
+    step = max(saving)
+    seen = {e for _, e, s in events if s == step}
+    if "committed" in seen:
+        return "between saves"
+    if "commit" in seen:
+        # the disk tells whether the attempt was renamed to step_N (the root fsync, retention, the handle follow)
+        return "post-commit" if (root / f"step_{step:08d}").is_dir() else "commit"
+    if "write" in seen or "staged" in seen:
+        return "shard write"
+    return "staging"
+
+
+def _median_ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
+
+
+@functools.lru_cache(maxsize=4)
+def expected(step: int) -> dict[str, Any]:
+    return expected_state(step)
+
+
+def check_disk(root: Path, acked: int, started: int) -> list[int]:
+    """Assert the on-disk promises after a kill; return the complete steps."""
+    names = sorted(os.listdir(root)) if root.exists() else []
+    complete = []
+    for name in names:
+        m = COMMITTED_NAME.match(name)
+        if not m:
+            assert LEFTOVER_NAME.match(name), f"unexpected entry {name!r} under the root: {names}"
+            continue
+        step = int(m.group(1))
+        assert (root / name / "manifest.json").is_file(), f"{name} has a committed name but no manifest: {names}"
+        try:
+            state = load(root, step, verify=True)
+        except CheckpointError as e:
+            pytest.fail(f"{name} has a manifest but does not load: {e!r}", pytrace=False)
+        assert_same(state, expected(step))
+        complete.append(step)
+    latest = find_latest(root)
+    if acked:
+        assert latest is not None and latest.step >= acked, f"step {acked} was reported committed, newest: {latest}"
+    assert (latest.step if latest else None) == (max(complete) if complete else None), (latest, names)
+    if latest is not None:
+        assert latest.step <= started, f"step {latest.step} was never saved (highest begun: {started})"
+        assert_same(load(root), expected(latest.step))
+    assert len(complete) <= KEEP_LAST + 1, f"retention kept {complete} (keep_last={KEEP_LAST})"
+    return complete
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_crash_loop(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    root = tmp_path / "ckpt"
+    plan = [TARGETS[i % len(TARGETS)] for i in range(KILLS)]
+    rng.shuffle(plan)
+    extra_tries = dict.fromkeys(TARGETS, 4)  # aims at a phase no planned kill landed in
+    lengths: defaultdict[tuple[str, bool], list[float]] = defaultdict(list)
+    landed: Counter[str] = Counter()
+    aimed: Counter[tuple[str, str]] = Counter()
+    cleaned = 0
+    acked = started = 0
+    complete: list[int] = []
+    t_start = time.monotonic()
+
+    with ForkServer(tmp_path) as server:
+        while plan:
+            target = plan.pop()
+            pid = server.spawn(root)
+            _, first = server.wait_event(pid, "start")
+            assert first == (max(complete) + 1 if complete else 1), f"resumed at {first}, complete: {complete}"
+            nth = rng.randint(1, 2)  # the first save after a restart, or the next one
+            t_open, _ = server.wait_event(pid, OPENED_BY[target], first + nth - 1)
+            seen = lengths[(target, nth == 1)] or lengths[(target, nth != 1)]
+            typical = statistics.median(seen) if seen else GUESS[target]
+            time.sleep(max(0.0, t_open + rng.uniform(0.0, typical) - time.monotonic()))
+            os.kill(pid, signal.SIGKILL)
+            code = server.reap(pid)
+            assert code == -signal.SIGKILL, f"worker {pid} ended with {code} before it was killed"
+
+            events = server.events.pop(pid)
+            for key, got in phase_lengths(events).items():
+                lengths[key].extend(got)
+            phase = landed_in(events, root)
+            landed[phase] += 1
+            aimed[(target, phase)] += 1
+            acked = max([acked] + [s for _, e, s in events if e == "committed"])
+            started = max([started] + [s for _, e, s in events if e == "saving"])
+
+            complete = check_disk(root, acked, started)
+            before = sorted(os.listdir(root))
+            with Checkpointer(root, keep_last=KEEP_LAST) as ck:
+                after = sorted(os.listdir(root))
+                assert not [n for n in after if LEFTOVER_NAME.match(n)], f"leftovers survived a restart: {after}"
+                assert ck.steps() == complete, f"a restart changed the checkpoints: {before} -> {after}"
+            cleaned += len(before) != len(after)
+
+            if not plan:  # top up: aim again at any phase that no kill has landed in yet
+                plan = [p for p in TARGETS if not landed[p] and extra_tries[p] > 0]
+                for p in plan:
+                    extra_tries[p] -= 1
+
+    kills = sum(landed.values())
+    report = [f"{kills} SIGKILLs in {time.monotonic() - t_start:.1f}s; kills by phase:"]
+    report += [f"  {p:14s} {landed[p]:3d}" for p in (*TARGETS, "startup") if landed[p]]
+    report.append(f"aimed -> landed: {dict(sorted(aimed.items()))}")
+    report.append("median phase length (ms; first save after a restart / later saves): " + ", ".join(
+        f"{p} {_median_ms(lengths[(p, True)])}/{_median_ms(lengths[(p, False)])}" for p in TARGETS
+    ))  # fmt: skip
+    report.append(f"restarts that removed leftovers: {cleaned}; steps committed: {acked}; complete now: {complete}")
+    print("\n".join(report))
+    assert kills >= 20
+    missed = [p for p in TARGETS if not landed[p]]
+    assert not missed, f"no kill landed in {missed}\n" + "\n".join(report)
+    assert acked >= 10, "the workers made too little progress between kills"
