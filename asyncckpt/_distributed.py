@@ -34,9 +34,9 @@ class DistContext:
     def _wait_get(self, key: str, timeout: float) -> Any:
         try:
             self.store.wait([key], timedelta(seconds=timeout))
+            return json.loads(self.store.get(key))
         except Exception as e:
             raise TimeoutError(f"asyncckpt: rank 0 did not answer {key!r} within {timeout:.0f}s ({e})") from e
-        return json.loads(self.store.get(key))
 
     def share(self, key: str, compute: Callable[[], Any] | None, timeout: float) -> Any:
         """Rank 0 passes ``compute`` and publishes its JSON result; every rank returns it."""

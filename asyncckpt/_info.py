@@ -10,10 +10,12 @@ from dataclasses import dataclass
 class SaveStatistics:
     """Where one save's time went (seconds) and how much it wrote.
 
-    ``wait_s`` is the time ``save()`` waited for a free staging slot (backpressure);
-    ``staging_s`` the copy into the staging buffer; ``write_s``/``fsync_s`` the shard writes
-    and their fsyncs on this rank; ``commit_s`` the manifest, rename and directory fsyncs;
-    ``total_s`` from the call to ``save()`` until the outcome was known.
+    ``wait_s``: ``save()`` waiting for a free staging slot (backpressure).
+    ``staging_s``: everything else ``save()`` did (flatten, layout, the buffer allocation of
+    the first save, the copy); so ``blocking_s`` is the whole time the caller was stopped.
+    ``write_s`` / ``fsync_s``: this rank's shard writes and their fsyncs.
+    ``commit_s``: the manifest, the renames and the directory fsyncs.
+    ``total_s``: from the call to ``save()`` until the outcome was known.
     """
 
     wait_s: float = 0.0

@@ -144,7 +144,8 @@ def test_stopped_rank_times_out_and_never_commits_late(tmp_path: Path) -> None:
     for r in (0, 2):
         assert res[r]["error"]["type"] == "SaveTimeoutError" and res[r]["error"]["missing"] == [1], res[r]
         assert res[r]["elapsed"] < 4 + 5
-    assert res[1]["error"]["type"] in ("SaveTimeoutError", "SaveError")
+    if 1 in res:  # the stopped rank, if it got to report before the harness deadline
+        assert res[1]["error"]["type"] in ("SaveTimeoutError", "SaveError")
     assert find_latest(root).step == 1  # type: ignore[union-attr]
     assert not (root / "step_00000002").exists()
 
