@@ -18,7 +18,7 @@ from ._errors import (
     SaveTimeoutError,
 )
 from ._handle import SaveHandle
-from ._info import CheckpointInfo, SaveStatistics
+from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._lifecycle import SaveState
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "Checkpointer",
+    "CheckpointerStatistics",
     "RankFailure",
     "SaveError",
     "SaveHandle",

@@ -13,13 +13,15 @@ import asyncio
 import atexit
 import concurrent.futures
 import json
+import logging
 import os
+import signal
 import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -29,7 +31,7 @@ from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from ._errors import CheckpointError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
 from ._format import ShardLayout, plan_layout
 from ._handle import SaveHandle, SaveRecord
-from ._info import CheckpointInfo
+from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
 from ._lifecycle import SaveState
 from ._retention import remove_leftovers
@@ -82,6 +84,34 @@ class _Runtime:
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+log = logging.getLogger("asyncckpt")
+
+
+class _Totals:
+    """Running totals behind :meth:`Checkpointer.statistics` (guarded by the owner's lock)."""
+
+    def __init__(self) -> None:
+        self.committed = 0
+        self.failed = 0
+        self.nbytes = 0
+        self.sums = dict.fromkeys(
+            ("blocking_s", "wait_s", "staging_s", "write_s", "fsync_s", "commit_s", "total_s"), 0.0
+        )
+        self.last: SaveStatistics | None = None
+
+    def add(self, info: CheckpointInfo | None) -> None:
+        if info is None or info.statistics is None:
+            self.failed += info is None
+            return
+        st = info.statistics
+        self.committed += 1
+        self.nbytes += st.nbytes
+        for k in self.sums:
+            self.sums[k] += getattr(st, k)
+        self.last = st
+
+    def snapshot(self) -> CheckpointerStatistics:
+        return CheckpointerStatistics(self.committed, self.failed, self.nbytes, **self.sums, last=self.last)
 
 
 class Checkpointer:
@@ -100,6 +130,9 @@ class Checkpointer:
         direct_io: ``"auto"`` writes shards with O_DIRECT where the file system allows it
             and falls back to buffered writes; ``"on"`` requires it; ``"off"`` never uses it.
         verify: default of ``load(verify=)``: check every CRC-32C while reading.
+        on_commit: called with the :class:`CheckpointInfo` of every committed save (its
+            ``statistics`` included), **on the writer thread**, right after the commit; keep it
+            quick (push numbers to a metrics client). Its exceptions are logged, not raised.
         io_threads: threads of the bounded pool that runs blocking file-system calls.
         process_group: the ``torch.distributed`` group whose ranks save together (default:
             the default world when ``torch.distributed`` is initialized, else none). Every
@@ -121,6 +154,7 @@ class Checkpointer:
         verify: bool = True,
         io_threads: int = 2,
         process_group: Any = None,
+        on_commit: Callable[[CheckpointInfo], object] | None = None,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
@@ -144,7 +178,12 @@ class Checkpointer:
         self.on_error: OnError = on_error
         self.verify = verify
         self._closed = False
-        self._lock = threading.Lock()
+        if on_commit is not None and not callable(on_commit):
+            raise TypeError("on_commit must be callable")
+        self._on_commit = on_commit
+        self._totals = _Totals()
+        # reentrant: the SIGTERM handler may flush while the main thread is inside save()
+        self._lock = threading.RLock()
         self._records: list[SaveRecord] = []  # not yet settled, or failed and not yet flushed
         self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
         self._committed: set[int] = set()
@@ -288,6 +327,7 @@ class Checkpointer:
         return self._layout, self._perm
 
     def _settle(self, record: SaveRecord, ok: bool) -> None:
+        info = record.future.result() if ok else None
         with self._lock:
             if ok:
                 self._committed.add(record.step)
@@ -295,6 +335,51 @@ class Checkpointer:
                     self._records.remove(record)
             else:
                 self._unraised.append(record)
+            self._totals.add(info)
+        if info is not None and self._on_commit is not None:
+            try:
+                self._on_commit(info)
+            except Exception:
+                log.exception("asyncckpt on_commit callback raised")
+
+    def statistics(self) -> CheckpointerStatistics:
+        """A frozen snapshot: running totals over this Checkpointer's saves, and the last one."""
+        with self._lock:
+            return self._totals.snapshot()
+
+    def install_sigterm_handler(
+        self, grace_s: float = 30.0, final_save: Callable[[Checkpointer], object] | None = None
+    ) -> None:
+        """On SIGTERM: optionally take a final save, flush within ``grace_s``, then let the
+        previous handler (by default: termination by the signal) proceed.
+
+        ``final_save(ckpt)`` runs inside the signal handler on the main thread and should
+        call ``ckpt.save(...)``. If the final flush fails, the failure is printed and the
+        process exits with status 1. Call from the main thread (Python's signal rule).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("install_sigterm_handler() must be called from the main thread")
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
+            raise ValueError(f"grace_s must be a positive number, not {grace_s!r}")
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            try:
+                if final_save is not None:
+                    final_save(self)
+                self.flush(timeout=grace_s)
+            except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
+                print(f"asyncckpt: final flush on SIGTERM failed: {e}", file=sys.stderr)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous in (signal.SIG_DFL, None):
+                os.kill(os.getpid(), signal.SIGTERM)  # the default action: die by the signal
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def _surface_earlier_failure(self) -> None:
         with self._lock:

@@ -53,3 +53,20 @@ class CheckpointInfo:
     world_size: int = 1
     created: float = 0.0
     statistics: SaveStatistics | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointerStatistics:
+    """Running totals over one Checkpointer's saves (seconds summed over committed saves)."""
+
+    saves_committed: int = 0
+    saves_failed: int = 0
+    bytes_committed: int = 0
+    blocking_s: float = 0.0
+    wait_s: float = 0.0
+    staging_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    last: SaveStatistics | None = None

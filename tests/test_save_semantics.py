@@ -292,7 +292,8 @@ def test_gc_with_pending_saves_warns_and_the_save_completes(tmp_path: Path) -> N
 def test_public_exports_are_pinned() -> None:
     assert sorted(asyncckpt.__all__) == sorted([
         "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
-        "Checkpointer", "RankFailure", "SaveError", "SaveHandle", "SaveState", "SaveStatistics",
+        "Checkpointer", "CheckpointerStatistics", "RankFailure", "SaveError", "SaveHandle", "SaveState",
+        "SaveStatistics",
         "SaveTimeoutError", "__version__", "find_latest", "load",
     ])
     assert issubclass(asyncckpt.SaveTimeoutError, asyncckpt.SaveError)
