@@ -181,6 +181,7 @@ class Checkpointer:
         if on_commit is not None and not callable(on_commit):
             raise TypeError("on_commit must be callable")
         self._on_commit = on_commit
+        self._failed_commits: set[str] = set()
         self._totals = _Totals()
         # reentrant: the SIGTERM handler may flush while the main thread is inside save()
         self._lock = threading.RLock()
@@ -284,6 +285,7 @@ class Checkpointer:
             staging_s=staging_s,
             keep_last=self.keep_last,
             prefailed=prefailed,
+            failed_commits=self._failed_commits,
         )
         holder: list[SaveRecord] = []
 

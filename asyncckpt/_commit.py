@@ -65,6 +65,9 @@ class SaveJob:
     direct: bool = False
     # set when this rank's state was refused at the call: the rank still takes part, as a failure
     prefailed: BaseException | None = None
+    # attempts whose commit rename happened but whose save failed and could not be taken back
+    # (shared by the Checkpointer's saves): a retry of that step may replace them
+    failed_commits: set[str] = field(default_factory=set)
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -82,14 +85,14 @@ async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
         raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
 
 
-def _final_state(final: str) -> str:
+def _final_state(final: str, failed_attempts: set[str]) -> str:
     if not os.path.lexists(final):
         return "absent"
     try:
-        read_manifest(final)
+        manifest = read_manifest(final)
     except (CheckpointNotFoundError, CheckpointCorruptError):
         return "uncommitted"
-    return "committed"
+    return "failed" if manifest.attempt in failed_attempts else "committed"
 
 
 async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
@@ -97,10 +100,10 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     final = os.path.join(root, step_dir_name(job.step))
     for old in await storage._run(leftovers, root, job.step):
         await storage.remove_tree(old)
-    found = await storage._run(_final_state, final)
+    found = await storage._run(_final_state, final, job.failed_commits)
     if found == "committed":
         raise FileExistsError(17, f"step {job.step} is already committed", final)
-    if found == "uncommitted":
+    if found in ("uncommitted", "failed"):
         # an uncommitted directory squatting on the final name: move it aside
         aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
         await storage.rename(final, aside)
@@ -146,8 +149,21 @@ async def _commit(
     await storage.write_bytes(tmp_marker, body)
     await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
     await storage.fsync_dir(tmp)
-    await storage.rename(tmp, os.path.join(job.root, step_dir_name(job.step)))  # commit point
-    await storage.fsync_dir(job.root)
+    final = os.path.join(job.root, step_dir_name(job.step))
+    await storage.rename(tmp, final)  # commit point
+    try:
+        await storage.fsync_dir(job.root)
+    except OSError:
+        # the rename may not survive a power loss and every rank is about to hear "failed":
+        # take the commit back so disk and verdict agree (best effort; GC'd at start if not)
+        try:
+            aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+            await storage.rename(final, aside)
+            await storage.remove_tree(aside)
+        except OSError as e:
+            job.failed_commits.add(attempt)
+            log.warning("could not take back the commit of step %d: %s", job.step, e)
+        raise
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)
 
