@@ -284,6 +284,7 @@ class Checkpointer:
             wait_s=waited,
             staging_s=staging_s,
             keep_last=self.keep_last,
+            timeout=self.timeout,
             prefailed=prefailed,
             failed_commits=self._failed_commits,
         )
@@ -583,17 +584,25 @@ class Checkpointer:
 
 
 async def _guarded(coro: Any, job: SaveJob, rank: int) -> CheckpointInfo:
-    """Bound the whole save by its deadline and turn any escape into a ``SaveError``."""
-    remaining = job.deadline - time.monotonic() + _MARGIN_S
+    """Bound the whole save by its deadline and turn any escape into a ``SaveError``.
+
+    A follower still waiting here past the deadline is waiting on rank 0: the coordinator,
+    which usually also hosts the c10d store (a stopped rank 0 freezes the store, so no store
+    call of ours can complete). It names rank 0, within timeout + 2 s.
+    """
+    follower = rank != 0
+    remaining = job.deadline - time.monotonic() + (2.5 if follower else _MARGIN_S)
     try:
         result: CheckpointInfo = await asyncio.wait_for(coro, remaining)
         return result
     except SaveError:
         raise
     except TimeoutError as e:
-        raise SaveTimeoutError(
-            job.step, {rank: RankFailure.from_exception(rank, e)}, detail="the save did not finish in time"
-        ) from e
+        if follower:
+            failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
+            raise SaveTimeoutError(job.step, {0: failure}, missing=(0,), detail="rank 0 did not answer") from e
+        failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
+        raise SaveTimeoutError(job.step, {rank: failure}) from e
     except Exception as e:
         raise SaveError(job.step, {rank: RankFailure.from_exception(rank, e)}) from e
 

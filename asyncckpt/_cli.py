@@ -415,7 +415,7 @@ def read_slots(path: str, size: int) -> dict[str, TensorSlot]:
     not tile the data section exactly.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot open shard ({e.strerror})", path) from None
     try:
@@ -630,7 +630,7 @@ def file_crc(path: str, size: int, progress: Progress) -> int:
     Raises ``CheckpointCorruptError`` naming ``path`` if it cannot be read in full.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
     try:

@@ -60,6 +60,7 @@ class SaveJob:
     wait_s: float
     staging_s: float
     keep_last: int | None
+    timeout: float = 0.0
     state: SaveState = SaveState.STAGED
     times: dict[str, float] = field(default_factory=dict)
     direct: bool = False
@@ -150,6 +151,9 @@ async def _commit(
     await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
     await storage.fsync_dir(tmp)
     final = os.path.join(job.root, step_dir_name(job.step))
+    if time.monotonic() > job.deadline:
+        # e.g. this process was stopped mid-commit: the other ranks have given up by now
+        raise _PhaseTimeout("the save's deadline passed before the commit point")
     await storage.rename(tmp, final)  # commit point
     try:
         await storage.fsync_dir(job.root)

@@ -105,7 +105,10 @@ class LocalCoordinator:
 
 
 # ---------------------------------------------------------------------------- many ranks
-_GRACE_S = 2.0  # followers wait this much past the deadline for the leader's verdict
+# followers wait this much past the deadline for the leader's verdict, and at most
+# _LATE_S in all when the leader already claimed the commit (so they raise within timeout + 2 s)
+_GRACE_S = 1.0
+_LATE_S = 2.0
 
 
 def _enc_failure(f: RankFailure | None) -> Any:
@@ -224,7 +227,7 @@ class StoreCoordinator:
             # give up only if the leader has not started committing: whoever sets the lock first wins
             won = (await self._call(self.store.compare_set, lock, "", "abort")).decode()
             if won == "commit":
-                got = await self._wait_get(key, time.monotonic() + _GRACE_S)
+                got = await self._wait_get(key, deadline + _LATE_S)
             if got is None:
                 raise _LeaderSilent("the leader (rank 0) did not publish the outcome in time")
         return _dec_verdict(got)

@@ -22,7 +22,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 def read_regular_file(path: str, limit: int) -> bytes:
     """Read a regular file (never through a symlink) of at most ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    # O_NONBLOCK: a FIFO planted under the name must not block us (fstat rejects it below)
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -149,6 +149,8 @@ def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
             raise ValueError(f"unknown dtype {entry['dtype']!r} for {name!r}")
         if not (isinstance(shape, list) and all(_int(d) for d in shape) and len(shape) <= 64):
             raise ValueError(f"malformed shape for {name!r}")
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
+            raise ValueError(f"shape of {name!r} is too large")  # even when one dim is 0
         if not (isinstance(offs, list) and len(offs) == 2 and all(_int(o) for o in offs)):
             raise ValueError(f"malformed data_offsets for {name!r}")
         begin, end = offs

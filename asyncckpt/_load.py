@@ -79,7 +79,7 @@ def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str
     Verifies the CRC-32C of the whole file when ``expected_crc`` is given.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise CheckpointCorruptError(f"cannot open shard ({e.strerror})", path) from None
     try:

@@ -126,8 +126,9 @@ def decode(raw: bytes, path: str) -> Manifest:
         created, extra = doc["created"], doc["extra"]
         if not (_uint(step) and isinstance(attempt, str) and _uint(ws) and ws >= 1 and _uint(nbytes)):
             raise ValueError("bad header fields")
-        if not isinstance(created, (int, float)) or not isinstance(extra, dict):
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not isinstance(extra, dict):
             raise ValueError("bad header fields")
-    except (KeyError, TypeError, ValueError) as e:
+        created = float(created)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
-    return Manifest(step, attempt, ws, nbytes, float(created), tuple(files), extra)
+    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra)

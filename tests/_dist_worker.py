@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import Checkpointer, SaveError, SaveTimeoutError
+from asyncckpt._storage import OsOps
 
 
 def state_for(rank: int, step: int, numel: int = 4096) -> dict[str, Any]:
@@ -168,6 +169,50 @@ def scenario_collectives(rank: int, world: int, root: str, result: dict[str, Any
         result["steps"] = [h.result(timeout=60).step for h in handles]
     result["wrong"] = wrong
     result["latest_steps"] = sorted(os.listdir(root))
+
+
+class PhaseOps(OsOps):
+    """Stands in for one OS call: when this rank reaches ``op`` on a path containing ``where``
+    during step 2, the process kills or stops itself - a real death/stop in that phase."""
+
+    def __init__(self, op: str, where: str, action: str) -> None:
+        self.op, self.where, self.action = op, where, action
+        self._paths: dict[int, str] = {}
+
+    def _hit(self, op: str, path: str) -> None:
+        if op == self.op and self.where in path and "step_00000002" in path:
+            if self.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self._hit("open", path)
+        fd = super().open(path, flags, mode)
+        self._paths[fd] = path
+        return fd
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        self._hit("write", self._paths.get(fd, ""))
+        return super().pwrite(fd, data, offset)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._hit("rename", dst)
+        super().rename(src, dst)
+
+
+def scenario_phase(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    victim, op, where, action = os.environ["PHASE"].split(":")
+    ops = PhaseOps(op, where, action) if rank == int(victim) else OsOps()
+    ck = Checkpointer(root, timeout=4, _ops=ops)
+    ck.save(1, state_for(rank, 1)).result(timeout=60)
+    t0 = time.monotonic()
+    h = ck.save(2, state_for(rank, 2))
+    result["error"] = describe(h.exception(timeout=60))
+    result["elapsed"] = time.monotonic() - t0
+    try:
+        ck.close()
+    except SaveError:
+        pass
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path: Path, scenario: str, world: int, deadline: float = 90.0, on_started: Any = None
+    tmp_path: Path, scenario: str, world: int, deadline: float = 90.0, on_started: Any = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[int, dict[str, Any]]:
     root, out = tmp_path / "ck", tmp_path / "result"
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(extra_env or {}))
     logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(world)]
     procs = [
         subprocess.Popen(
@@ -64,9 +65,9 @@ def run_ranks(
         if f.exists():
             results[r] = json.loads(f.read_text())
             assert "crash" not in results[r], results[r]["crash"]
-        elif scenario not in ("exit", "sigstop"):
+        elif scenario not in ("exit", "sigstop", "phase"):
             raise AssertionError(f"rank {r} wrote no result:\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}")
-    assert not hung or scenario in ("sigstop",), f"ranks {hung} still running at the deadline"
+    assert not hung or scenario in ("sigstop", "phase"), f"ranks {hung} still running at the deadline"
     return results
 
 
@@ -158,3 +159,45 @@ def test_training_collectives_run_concurrently_with_background_saves(tmp_path: P
         assert r["steps"] == list(range(20))
     # retention runs on rank 0 after the verdict: look at the directory from there
     assert res[0]["latest_steps"] == ["step_00000018", "step_00000019"]
+
+
+PHASES = [
+    ("1:write:rank00001.safetensors:kill", 1),  # a follower dies while writing its shard
+    ("0:rename:manifest.json:kill", 0),  # the leader dies in the commit phase
+    ("0:rename:manifest.json:stop", 0),  # ... or is stopped there, and resumed late
+    ("0:open:rank00000.safetensors:stop", 0),  # the leader hangs while writing its own shard
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("phase", "victim"), PHASES, ids=[p for p, _ in PHASES])
+def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim: int) -> None:
+    import threading
+
+    def resume_late(procs: list[subprocess.Popen[bytes]]) -> None:
+        def cont() -> None:
+            pid, end = procs[victim].pid, time.monotonic() + 50
+            while time.monotonic() < end and procs[victim].poll() is None:
+                try:
+                    stopped = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+                except OSError:
+                    return
+                if stopped:
+                    time.sleep(10)  # the others give up after timeout + 2 s; wake it long after
+                    os.kill(pid, signal.SIGCONT)
+                    return
+                time.sleep(0.05)
+
+        threading.Thread(target=cont, daemon=True).start()
+
+    res = run_ranks(tmp_path, "phase", 3, deadline=60, on_started=resume_late, extra_env={"PHASE": phase})
+    survivors = [r for r in range(3) if r != victim]
+    for r in survivors:
+        assert r in res, f"survivor {r} reported nothing"
+        err = res[r]["error"]
+        assert err["type"] == "SaveTimeoutError" and victim in err["missing"], err
+        assert res[r]["elapsed"] < 4 + 2 + 1.5, res[r]  # timeout + 2 s (+ slack for a loaded CI box)
+    time.sleep(1)
+    root = tmp_path / "ck"
+    assert find_latest(root).step == 1  # type: ignore[union-attr]
+    assert not (root / "step_00000002").exists(), "a stopped rank committed late"
