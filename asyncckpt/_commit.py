@@ -86,6 +86,13 @@ async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
         raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
 
 
+def _dir_deadline(job: SaveJob) -> float:
+    """ensure_dir's deadline: a little before the phase's, so its StaleDirectoryError (EEXIST,
+    the path) reaches the caller rather than a generic phase timeout."""
+    remaining = job.deadline - time.monotonic()
+    return max(0.0, remaining - min(0.5, 0.1 * remaining))
+
+
 def _final_state(final: str, failed_attempts: set[str]) -> str:
     if not os.path.lexists(final):
         return "absent"
@@ -110,14 +117,14 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
         await storage.rename(final, aside)
         await storage.remove_tree(aside)
     tmp = os.path.join(root, tmp_dir_name(job.step, attempt))
-    await storage.ensure_dir(tmp, max(0.0, job.deadline - time.monotonic()))
+    await storage.ensure_dir(tmp, _dir_deadline(job))
     await storage.fsync_dir(root)
     return tmp
 
 
 async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool) -> Report:
     if not leader:
-        await storage.ensure_dir(tmp, max(0.0, job.deadline - time.monotonic()))
+        await storage.ensure_dir(tmp, _dir_deadline(job))
     assert job.arena is not None and job.layout is not None
     if job.cuda_events:
         for ev in job.cuda_events:

@@ -113,10 +113,10 @@ def small_tmpfs(tmp_path: Any) -> Iterator[str]:
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        pytest.skip("needs root/mount: mounting a tmpfs needs root")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
+        pytest.skip(f"needs root/mount: cannot mount tmpfs: {r.stderr.decode().strip()}")
     try:
         yield str(mnt)
     finally:

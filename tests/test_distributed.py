@@ -26,7 +26,11 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path: Path, scenario: str, world: int, deadline: float = 90.0, on_started: Any = None,
+    tmp_path: Path,
+    scenario: str,
+    world: int,
+    deadline: float = 90.0,
+    on_started: Any = None,
     extra_env: dict[str, str] | None = None,
 ) -> dict[int, dict[str, Any]]:
     root, out = tmp_path / "ck", tmp_path / "result"
@@ -123,25 +127,33 @@ def test_rank_that_exits_makes_the_others_time_out_naming_it(tmp_path: Path) -> 
     assert find_latest(tmp_path / "ck").step == 1  # type: ignore[union-attr]
 
 
-@pytest.mark.timeout(150)
-def test_stopped_rank_times_out_and_never_commits_late(tmp_path: Path) -> None:
-    stopped: list[subprocess.Popen[bytes]] = []
-
-    def resume_later(procs: list[subprocess.Popen[bytes]]) -> None:
-        stopped.append(procs[1])
-
-    root = tmp_path / "ck"
+def resume_after_stop(victim: int, delay: float = 10.0) -> Any:
+    """An ``on_started`` hook: SIGCONT rank ``victim`` ``delay`` s after it is seen stopped."""
     import threading
 
-    def cont() -> None:
-        # wait until the others gave up, then let the stopped rank run again
-        time.sleep(12)
-        for p in stopped:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
+    def hook(procs: list[subprocess.Popen[bytes]]) -> None:
+        def cont() -> None:
+            pid, end = procs[victim].pid, time.monotonic() + 50
+            while time.monotonic() < end and procs[victim].poll() is None:
+                try:
+                    stopped = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+                except OSError:
+                    return
+                if stopped:
+                    time.sleep(delay)  # the others give up after timeout + 2 s; wake it long after
+                    os.kill(pid, signal.SIGCONT)
+                    return
+                time.sleep(0.05)
 
-    threading.Thread(target=cont, daemon=True).start()
-    res = run_ranks(tmp_path, "sigstop", 3, deadline=40, on_started=resume_later)
+        threading.Thread(target=cont, daemon=True).start()
+
+    return hook
+
+
+@pytest.mark.timeout(150)
+def test_stopped_rank_times_out_and_never_commits_late(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    res = run_ranks(tmp_path, "sigstop", 3, deadline=40, on_started=resume_after_stop(1))
     for r in (0, 2):
         assert res[r]["error"]["type"] == "SaveTimeoutError" and res[r]["error"]["missing"] == [1], res[r]
         assert res[r]["elapsed"] < 4 + 5
@@ -172,25 +184,7 @@ PHASES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("phase", "victim"), PHASES, ids=[p for p, _ in PHASES])
 def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim: int) -> None:
-    import threading
-
-    def resume_late(procs: list[subprocess.Popen[bytes]]) -> None:
-        def cont() -> None:
-            pid, end = procs[victim].pid, time.monotonic() + 50
-            while time.monotonic() < end and procs[victim].poll() is None:
-                try:
-                    stopped = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-                except OSError:
-                    return
-                if stopped:
-                    time.sleep(10)  # the others give up after timeout + 2 s; wake it long after
-                    os.kill(pid, signal.SIGCONT)
-                    return
-                time.sleep(0.05)
-
-        threading.Thread(target=cont, daemon=True).start()
-
-    res = run_ranks(tmp_path, "phase", 3, deadline=60, on_started=resume_late, extra_env={"PHASE": phase})
+    res = run_ranks(tmp_path, "phase", 3, deadline=60, on_started=resume_after_stop(victim), extra_env={"PHASE": phase})
     survivors = [r for r in range(3) if r != victim]
     for r in survivors:
         assert r in res, f"survivor {r} reported nothing"

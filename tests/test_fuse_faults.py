@@ -287,11 +287,6 @@ def test_save_whose_attempt_directory_never_appears_fails_within_the_timeout(fs:
 
 
 @pytest.mark.needs_root
-@pytest.mark.xfail(
-    strict=False,
-    reason="asyncckpt bug: _commit._prepare_attempt gives ensure_dir the phase's own deadline, so the "
-    "generic _PhaseTimeout wins the race and the StaleDirectoryError (EEXIST, path) is lost",
-)
 def test_save_whose_attempt_directory_never_appears_names_eexist_and_the_path(fs: FaultFS) -> None:
     root = fs.path("ck_stale_named")
     with Checkpointer(root, timeout=2.0) as ck:
