@@ -46,7 +46,6 @@ from asyncckpt import Checkpointer, CheckpointError, find_latest, load
 WORKER = Path(__file__).with_name("_crash_worker.py")
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20240521
-KILLS = 25
 TARGETS = ("staging", "shard write", "commit", "post-commit", "between saves")
 # the worker events that open and close each phase, and a first guess of its length (s),
 # replaced by the median of what the workers report
@@ -229,21 +228,26 @@ def check_disk(root: Path, acked: int, started: int) -> list[int]:
     if latest is not None:
         assert latest.step <= started, f"step {latest.step} was never saved (highest begun: {started})"
         assert_same(load(root), expected(latest.step))
-    assert len(complete) <= KEEP_LAST + 1, f"retention kept {complete} (keep_last={KEEP_LAST})"
     return complete
 
 
-@pytest.mark.timeout(120)
-def test_sigkill_crash_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "kills",
+    [
+        pytest.param(50, marks=pytest.mark.timeout(180), id="50"),
+        pytest.param(500, marks=[pytest.mark.slow, pytest.mark.timeout(1800)], id="500"),
+    ],
+)
+def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
     rng = random.Random(SEED)
     root = tmp_path / "ckpt"
-    plan = [TARGETS[i % len(TARGETS)] for i in range(KILLS)]
+    plan = [TARGETS[i % len(TARGETS)] for i in range(kills)]
     rng.shuffle(plan)
     extra_tries = dict.fromkeys(TARGETS, 4)  # aims at a phase no planned kill landed in
     lengths: defaultdict[tuple[str, bool], list[float]] = defaultdict(list)
     landed: Counter[str] = Counter()
     aimed: Counter[tuple[str, str]] = Counter()
-    cleaned = 0
+    cleaned = streak = 0
     acked = started = 0
     complete: list[int] = []
     t_start = time.monotonic()
@@ -273,6 +277,12 @@ def test_sigkill_crash_loop(tmp_path: Path) -> None:
             started = max([started] + [s for _, e, s in events if e == "saving"])
 
             complete = check_disk(root, acked, started)
+            # retention runs after each commit; kills between a commit and its retention (with
+            # no completed save since) may each leave one extra checkpoint, never fewer
+            if any(e == "committed" for _, e, _ in events):
+                streak = 0
+            streak += phase == "post-commit"
+            assert len(complete) <= KEEP_LAST + max(streak, 1), f"retention kept {complete} (keep_last={KEEP_LAST})"
             before = sorted(os.listdir(root))
             with Checkpointer(root, keep_last=KEEP_LAST) as ck:
                 after = sorted(os.listdir(root))
@@ -285,8 +295,8 @@ def test_sigkill_crash_loop(tmp_path: Path) -> None:
                 for p in plan:
                     extra_tries[p] -= 1
 
-    kills = sum(landed.values())
-    report = [f"{kills} SIGKILLs in {time.monotonic() - t_start:.1f}s; kills by phase:"]
+    landed_total = sum(landed.values())
+    report = [f"{landed_total} SIGKILLs in {time.monotonic() - t_start:.1f}s; kills by phase:"]
     report += [f"  {p:14s} {landed[p]:3d}" for p in (*TARGETS, "startup") if landed[p]]
     report.append(f"aimed -> landed: {dict(sorted(aimed.items()))}")
     report.append("median phase length (ms; first save after a restart / later saves): " + ", ".join(
@@ -294,7 +304,7 @@ def test_sigkill_crash_loop(tmp_path: Path) -> None:
     ))  # fmt: skip
     report.append(f"restarts that removed leftovers: {cleaned}; steps committed: {acked}; complete now: {complete}")
     print("\n".join(report))
-    assert kills >= 20
+    assert landed_total >= kills
     missed = [p for p in TARGETS if not landed[p]]
     assert not missed, f"no kill landed in {missed}\n" + "\n".join(report)
     assert acked >= 10, "the workers made too little progress between kills"
