@@ -32,9 +32,9 @@ import torch
 from ._checkpointer import load
 from ._discovery import candidate_steps, complete_checkpoints, find_latest, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._format import MAX_HEADER, TensorSlot, parse_header, plan_layout, validate_header
+from ._format import TensorSlot, plan_layout
 from ._layout import parse_leftover, parse_step_dir, step_dir_name
-from ._load import byte_view, read_tree
+from ._load import byte_view, open_regular, read_header, read_tree
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._retention import choose_victims, leftovers, retire
 from ._storage import DEFAULT_OPS, Storage, _remove_tree, crc32c
@@ -414,24 +414,10 @@ def read_slots(path: str, size: int) -> dict[str, TensorSlot]:
     Raises ``CheckpointCorruptError`` naming ``path`` if the header is unreadable or does
     not tile the data section exactly.
     """
+    fd = open_regular(path, size)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
-    except OSError as e:
-        raise CheckpointCorruptError(f"cannot open shard ({e.strerror})", path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CheckpointCorruptError(f"shard is not a regular file of {size} bytes", path)
-        prefix = os.pread(fd, 8, 0)
-        try:
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if n < 0 or n > MAX_HEADER or n > size - 8:
-                raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
-            head = prefix + os.pread(fd, n, 8)
-            _, header = parse_header(head, size)
-            return {s.name: s for s in validate_header(header, size - 8 - n)}
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+        _, _, slots, _ = read_header(fd, path, size)
+        return {s.name: s for s in slots}
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
     finally:
@@ -629,14 +615,8 @@ def file_crc(path: str, size: int, progress: Progress) -> int:
 
     Raises ``CheckpointCorruptError`` naming ``path`` if it cannot be read in full.
     """
+    fd = open_regular(path, size)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
-    except OSError as e:
-        raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
         if hasattr(os, "posix_fadvise"):
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

@@ -18,7 +18,7 @@ import torch
 
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError
-from ._format import TensorSlot, parse_header, validate_header
+from ._format import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import Manifest, shard_name, tree_name
 from ._storage import crc32c
 from ._structure import tensor_names, unflatten
@@ -73,32 +73,49 @@ def _split(mv: memoryview) -> list[memoryview]:
     return [mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE)] or []
 
 
+def open_regular(path: str, size: int) -> int:
+    """Open ``path`` for reading, refusing symlinks, FIFOs and anything but a regular file of
+    exactly ``size`` bytes (``CheckpointCorruptError`` naming the path)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_header(fd: int, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:
+    """Read and validate a shard's header: its raw bytes, the data offset, its slots, the dict."""
+    prefix = os.pread(fd, 8, 0)
+    try:
+        n = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
+        if n < 0 or n > MAX_HEADER or n > size - 8:
+            raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
+        head = prefix + os.pread(fd, n, 8)
+        _, header = parse_header(head, size)
+        data_start = 8 + n
+        if data_start % 8:
+            raise ValueError("data section is not 8-byte aligned")
+        slots = validate_header(header, size - data_start)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+    return head, data_start, slots, header
+
+
 def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a safetensors shard of ``size`` bytes; return its tensors and header metadata.
 
     Verifies the CRC-32C of the whole file when ``expected_crc`` is given.
     """
+    fd = open_regular(path, size)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise CheckpointCorruptError(f"cannot open shard ({e.strerror})", path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CheckpointCorruptError(f"shard is not a regular file of {size} bytes", path)
-        prefix = os.pread(fd, 8, 0)
-        try:
-            n = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
-            if n < 0 or n > size - 8:
-                raise ValueError(f"declared header length {n} exceeds the file ({size} bytes)")
-            head = prefix + os.pread(fd, n, 8)
-            _, header = parse_header(head, size)
-            data_start = 8 + n
-            if data_start % 8:
-                raise ValueError("data section is not 8-byte aligned")
-            slots = validate_header(header, size - data_start)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+        head, data_start, slots, header = read_header(fd, path, size)
         crc = crc32c(head) if expected_crc is not None else 0
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
         tensors = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in ordered}
