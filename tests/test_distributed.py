@@ -5,24 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _ranks import free_port, log_tail
+from _ranks import run_ranks as launch
 
 from asyncckpt import find_latest, load
 
 WORKER = str(Path(__file__).with_name("_dist_worker.py"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(
@@ -34,35 +28,11 @@ def run_ranks(
     extra_env: dict[str, str] | None = None,
 ) -> dict[int, dict[str, Any]]:
     root, out = tmp_path / "ck", tmp_path / "result"
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(extra_env or {}))
-    logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, scenario, str(r), str(world), str(port), str(root), str(out)],
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    try:
-        if on_started is not None:
-            on_started(procs)
-        end = time.monotonic() + deadline
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in logs:
-            f.close()
+    port = free_port()
+    hung = launch(
+        lambda r: [WORKER, scenario, str(r), str(world), str(port), str(root), str(out)],
+        world, tmp_path, deadline, extra_env=extra_env, on_started=on_started,
+    )  # fmt: skip
     results = {}
     for r in range(world):
         f = Path(f"{out}.{r}.json")
@@ -70,7 +40,7 @@ def run_ranks(
             results[r] = json.loads(f.read_text())
             assert "crash" not in results[r], results[r]["crash"]
         elif scenario not in ("exit", "sigstop", "phase"):
-            raise AssertionError(f"rank {r} wrote no result:\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}")
+            raise AssertionError(f"rank {r} wrote no result:\n{log_tail(tmp_path, r)}")
     assert not hung or scenario in ("sigstop", "phase"), f"ranks {hung} still running at the deadline"
     return results
 

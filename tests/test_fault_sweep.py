@@ -5,13 +5,10 @@ file operation of a save, for every i, on the leader and on a non-leader; each p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_distributed import _free_port
+from _ranks import free_port, log_tail, run_ranks
 
 from asyncckpt import find_latest, load
 
@@ -21,32 +18,15 @@ WORKER = str(Path(__file__).with_name("_sweep_worker.py"))
 @pytest.mark.timeout(300)
 def test_io_error_sweep_on_leader_and_follower(tmp_path: Path) -> None:
     world, root, out = 2, tmp_path / "ck", tmp_path / "res"
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(r), str(world), str(port), str(root), str(out)],
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in logs:
-            f.close()
+    port = free_port()
+    hung = run_ranks(
+        lambda r: [WORKER, str(r), str(world), str(port), str(root), str(out)], world, tmp_path, deadline=240
+    )
+    assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):
         path = Path(f"{out}.{r}.json")
-        assert path.exists(), (tmp_path / f"rank{r}.log").read_text()[-3000:]
+        assert path.exists(), log_tail(tmp_path, r)
         res[r] = json.loads(path.read_text())
         assert "crash" not in res[r], res[r]["crash"]
     n_cases = len(res[0]["cases"])

@@ -18,26 +18,19 @@ import errno
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _ranks import free_port, log_tail, run_ranks
 
 WORKER = str(Path(__file__).with_name("_fault_worker.py"))
 WORLD = 4
 TIMEOUT = 10.0  # the Checkpointer's save timeout in the ranks
 SKIP = "needs root/mount:"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -132,39 +125,15 @@ def _run_ranks(base: Path, scenarios: list[str], params: dict[str, Any], deadlin
     out = base / "result"
     params_path = base / "params.json"
     params_path.write_text(json.dumps(params))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    port = _free_port()
-    logs = [open(base / f"rank{r}.log", "wb") for r in range(WORLD)]
+    port = free_port()
     args = [",".join(scenarios), str(WORLD), str(port), str(out), str(params_path)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, "rank", args[0], str(r), *args[1:]],
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
     t0 = time.monotonic()
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, t0 + deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in logs:
-            f.close()
+    hung = run_ranks(lambda r: [WORKER, "rank", args[0], str(r), *args[1:]], WORLD, base, deadline)
     print(f"\n{WORLD} ranks ran {scenarios} in {time.monotonic() - t0:.1f}s")
     results = {}
     for r in range(WORLD):
         f = Path(f"{out}.{r}.json")
-        log = (base / f"rank{r}.log").read_text(errors="replace")[-3000:]
+        log = log_tail(base, r)
         assert f.exists(), f"rank {r} wrote no result:\n{log}"
         results[r] = json.loads(f.read_text())
     assert not hung, f"ranks {hung} still running after {deadline}s"

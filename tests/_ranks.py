@@ -1,0 +1,61 @@
+"""Launch the ranks of a multi-process test as real subprocesses, with a hard deadline.
+
+Every multi-rank test goes through :func:`run_ranks`: each rank runs ``argv(rank)`` with
+stdout/stderr in ``log_dir/rank<R>.log``; whatever is still running at the deadline is
+killed, so no test can leave a process behind or hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (for the gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    argv: Callable[[int], list[str]],
+    world: int,
+    log_dir: Path,
+    deadline: float,
+    extra_env: dict[str, str] | None = None,
+    on_started: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+) -> list[int]:
+    """Run ``world`` ranks to completion or ``deadline`` seconds; return the ranks that hung."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(extra_env or {}))
+    logs = [open(log_dir / f"rank{r}.log", "wb") for r in range(world)]
+    procs = [
+        subprocess.Popen([sys.executable, *argv(r)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+        for r in range(world)
+    ]
+    try:
+        if on_started is not None:
+            on_started(procs)
+        end = time.monotonic() + deadline
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [r for r, p in enumerate(procs) if p.poll() is None]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+
+
+def log_tail(log_dir: Path, rank: int, n: int = 3000) -> str:
+    return (log_dir / f"rank{rank}.log").read_text(errors="replace")[-n:]
