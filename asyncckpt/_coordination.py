@@ -164,15 +164,21 @@ class StoreCoordinator:
     async def _set(self, key: str, value: Any) -> None:
         await self._call(self.store.set, key, json.dumps(value))
 
-    async def _wait_get(self, key: str, deadline: float) -> Any | None:
-        """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
+    async def _wait_keys(self, keys: list[str], deadline: float) -> bool:
+        """Wait until every key is set; False if ``deadline`` passes first."""
         remaining = max(deadline - time.monotonic(), 0.01)
         try:
-            await self._call(self.store.wait, [key], timedelta(seconds=remaining))
+            await self._call(self.store.wait, keys, timedelta(seconds=remaining))
         except Exception as e:
             if _is_timeout(e):
-                return None
+                return False
             raise
+        return True
+
+    async def _wait_get(self, key: str, deadline: float) -> Any | None:
+        """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
+        if not await self._wait_keys([key], deadline):
+            return None
         return json.loads(await self._call(self.store.get, key))
 
     async def begin(self, step: int, seq: int, start: Start | None, deadline: float) -> Start:
@@ -202,12 +208,7 @@ class StoreCoordinator:
         if self.rank != 0:
             return {}
         keys = [self._key(seq, "report", r) for r in range(self.world_size)]
-        remaining = max(deadline - time.monotonic(), 0.01)
-        try:
-            await self._call(self.store.wait, keys, timedelta(seconds=remaining))
-        except Exception as e:
-            if not _is_timeout(e):
-                raise
+        await self._wait_keys(keys, deadline)  # then see who answered
         out: dict[int, Report] = {}
         for r, key in enumerate(keys):
             if not await self._call(self.store.check, [key]):
@@ -243,12 +244,7 @@ class StoreCoordinator:
         if self.rank == 0:
             # rank 0 usually hosts the store: stay until every rank has read its last verdict
             keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in range(self.world_size)]
-            remaining = max(deadline - time.monotonic(), 0.01)
-            try:
-                await self._call(self.store.wait, keys, timedelta(seconds=remaining))
-            except Exception as e:
-                if not _is_timeout(e):
-                    raise
+            await self._wait_keys(keys, deadline)
 
 
 class _LeaderSilent(TimeoutError):
