@@ -139,7 +139,7 @@ def _race_worker(args: tuple[str, int, bool, float]) -> tuple[int, int]:
 
 @pytest.mark.timeout(120)
 def test_seed_incident_eight_processes_racing(tmp_path: Path) -> None:
-    procs, rounds = 8, 150
+    procs, rounds = 8, 300
     ctx = mp.get_context("spawn")
     with ctx.Pool(procs) as pool:
         coherent = pool.map(_race_worker, [(str(tmp_path / "coherent"), rounds, True, 0.0)] * procs)
