@@ -193,7 +193,7 @@ class Checkpointer:
         self._layout: ShardLayout | None = None
         self._perm: list[int] = []
 
-        self._dist = _distributed.resolve(process_group)
+        self._dist = _distributed.resolve(process_group, self.timeout)
         self.rank = self._dist.rank if self._dist else 0
         self.world_size = self._dist.world_size if self._dist else 1
         self._queries = 0
@@ -210,7 +210,7 @@ class Checkpointer:
         self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
         if self._dist is not None:
             self._rt.coord = StoreCoordinator(
-                self._dist.store, self.rank, self.world_size, namespace, self._rt.storage._run
+                self._dist.connect, self.rank, self.world_size, namespace, self._rt.storage._run
             )
         _live.add(self)
 

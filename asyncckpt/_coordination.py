@@ -16,6 +16,7 @@ protocol early and nobody waits without a deadline.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -142,8 +143,12 @@ class StoreCoordinator:
     the Checkpointer is built, so several Checkpointers in one job never mix their keys.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, namespace: str, run: Any) -> None:
-        self.store = store
+    def __init__(self, connect: Any, rank: int, world_size: int, namespace: str, run: Any) -> None:
+        # One store client per I/O thread: a TCPStore client serves one request at a time, so a
+        # blocking wait on a shared client would stall every other user of it (the training
+        # thread's own store calls included) for the whole wait.
+        self._connect = connect
+        self._clients = threading.local()
         self.rank = rank
         self.world_size = world_size
         self.ns = namespace
@@ -153,22 +158,28 @@ class StoreCoordinator:
     def _key(self, seq: int, *parts: object) -> str:
         return "/".join(["asyncckpt", self.ns, str(seq), *map(str, parts)])
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    def _op(self, name: str, *args: Any) -> Any:
+        client = getattr(self._clients, "store", None)
+        if client is None:
+            client = self._clients.store = self._connect()
+        return getattr(client, name)(*args)
+
+    async def _call(self, name: str, *args: Any) -> Any:
         try:
-            return await self._run(fn, *args)
+            return await self._run(self._op, name, *args)
         except Exception as e:
             if _is_timeout(e):
                 raise
             raise CoordinationLost(f"coordination store unreachable: {e}") from e
 
     async def _set(self, key: str, value: Any) -> None:
-        await self._call(self.store.set, key, json.dumps(value))
+        await self._call("set", key, json.dumps(value))
 
     async def _wait_keys(self, keys: list[str], deadline: float) -> bool:
         """Wait until every key is set; False if ``deadline`` passes first."""
         remaining = max(deadline - time.monotonic(), 0.01)
         try:
-            await self._call(self.store.wait, keys, timedelta(seconds=remaining))
+            await self._call("wait", keys, timedelta(seconds=remaining))
         except Exception as e:
             if _is_timeout(e):
                 return False
@@ -179,7 +190,7 @@ class StoreCoordinator:
         """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
         if not await self._wait_keys([key], deadline):
             return None
-        return json.loads(await self._call(self.store.get, key))
+        return json.loads(await self._call("get", key))
 
     async def begin(self, step: int, seq: int, start: Start | None, deadline: float) -> Start:
         key = self._key(seq, "start")
@@ -211,9 +222,9 @@ class StoreCoordinator:
         await self._wait_keys(keys, deadline)  # then see who answered
         out: dict[int, Report] = {}
         for r, key in enumerate(keys):
-            if not await self._call(self.store.check, [key]):
+            if not await self._call("check", [key]):
                 continue
-            d = json.loads(await self._call(self.store.get, key))
+            d = json.loads(await self._call("get", key))
             out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
         return out
 
@@ -226,7 +237,7 @@ class StoreCoordinator:
         got = await self._wait_get(key, deadline + _GRACE_S)
         if got is None:
             # give up only if the leader has not started committing: whoever sets the lock first wins
-            won = (await self._call(self.store.compare_set, lock, "", "abort")).decode()
+            won = (await self._call("compare_set", lock, "", "abort")).decode()
             if won == "commit":
                 got = await self._wait_get(key, deadline + _LATE_S)
             if got is None:
@@ -235,7 +246,7 @@ class StoreCoordinator:
 
     async def may_commit(self, seq: int) -> bool:
         """Leader only: claim the commit unless a follower already gave up on this save."""
-        won = await self._call(self.store.compare_set, self._key(seq, "lock"), "", "commit")
+        won = await self._call("compare_set", self._key(seq, "lock"), "", "commit")
         return bool(won == b"commit")
 
     async def close(self, deadline: float) -> None:

@@ -24,12 +24,17 @@ _instances: dict[str, int] = {}
 
 @dataclass
 class DistContext:
-    """This process's place among the ranks that save together."""
+    """This process's place among the ranks that save together.
+
+    ``store`` is the job's store (used on the caller's thread for short exchanges);
+    ``connect()`` opens a new client of the same store for the writer's blocking waits.
+    """
 
     store: Any
     rank: int
     world_size: int
     prefix: str
+    connect: Callable[[], Any]
 
     def _wait_get(self, key: str, timeout: float) -> Any:
         try:
@@ -70,7 +75,29 @@ class DistContext:
         return got["ns"], list(got["committed"])
 
 
-def resolve(process_group: Any) -> DistContext | None:
+def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], Any]:
+    """New, independent clients of the TCPStore behind ``store`` (keys under ``prefix``).
+
+    Falls back to the shared ``store`` itself when it is not backed by a TCPStore.
+    """
+    import torch.distributed as dist
+
+    base = store
+    while isinstance(base, dist.distributed_c10d.PrefixStore):
+        base = base.underlying_store
+    tcp = getattr(dist, "TCPStore", None)
+    if tcp is None or not isinstance(base, tcp):
+        return lambda: dist.distributed_c10d.PrefixStore(prefix, store)
+    host, port = base.host, base.port
+
+    def connect() -> Any:
+        client = tcp(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return dist.distributed_c10d.PrefixStore(prefix, client)
+
+    return connect
+
+
+def resolve(process_group: Any, timeout_s: float = 600.0) -> DistContext | None:
     """The ranks to coordinate with: ``process_group``, else the default world if
     ``torch.distributed`` is initialized, else ``None`` (single process)."""
     import torch.distributed as dist
@@ -81,10 +108,14 @@ def resolve(process_group: Any) -> DistContext | None:
         raise ValueError("process_group was given but torch.distributed is not initialized")
     store = dist.distributed_c10d._get_default_store()
     if process_group is None or process_group is dist.group.WORLD:
-        return DistContext(store, dist.get_rank(), dist.get_world_size(), "")
+        connect = _client_factory(store, "asyncckpt-world/", timeout_s)
+        return DistContext(store, dist.get_rank(), dist.get_world_size(), "", connect)
     name = getattr(process_group, "group_name", None) or "-".join(map(str, dist.get_process_group_ranks(process_group)))
     rank = dist.get_rank(process_group)
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
-    prefixed = dist.distributed_c10d.PrefixStore(f"asyncckpt/group/{name}/", store)
-    return DistContext(prefixed, rank, dist.get_world_size(process_group), "")
+    prefix = f"asyncckpt/group/{name}/"
+    prefixed = dist.distributed_c10d.PrefixStore(prefix, store)
+    return DistContext(
+        prefixed, rank, dist.get_world_size(process_group), "", _client_factory(store, prefix, timeout_s)
+    )

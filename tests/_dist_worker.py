@@ -171,6 +171,21 @@ def scenario_collectives(rank: int, world: int, root: str, result: dict[str, Any
     result["latest_steps"] = sorted(os.listdir(root))
 
 
+def scenario_two_checkpointers(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    # model state and data-loader state under different roots, saved interleaved
+    with (
+        Checkpointer(os.path.join(root, "model"), timeout=20) as a,
+        Checkpointer(os.path.join(root, "data"), timeout=20) as b,
+    ):
+        for step in (1, 2, 3):
+            ha = a.save(step, state_for(rank, step))
+            hb = b.save(step * 10, {"pos": step * 100 + rank})
+            result.setdefault("a", []).append(ha.result(timeout=60).step)
+            result.setdefault("b", []).append(hb.result(timeout=60).step)
+        result["a_steps"], result["b_steps"] = a.steps(), b.steps()
+        result["b_loaded"] = b.load()["pos"]
+
+
 class PhaseOps(OsOps):
     """Stands in for one OS call: when this rank reaches ``op`` on a path containing ``where``
     during step 2, the process kills or stops itself - a real death/stop in that phase."""

@@ -14,7 +14,7 @@ import pytest
 from _ranks import free_port, log_tail
 from _ranks import run_ranks as launch
 
-from asyncckpt import find_latest, load
+from asyncckpt import Checkpointer, CheckpointError, find_latest, load
 
 WORKER = str(Path(__file__).with_name("_dist_worker.py"))
 
@@ -58,6 +58,19 @@ def test_four_ranks_save_commit_resume(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     assert load(root, 3, rank=2)["extra"] == {"rank": 2, "step": 3}
     assert find_latest(root).world_size == 4  # type: ignore[union-attr]
+    with Checkpointer(root) as single:  # a job of 1 rank cannot take a 4-rank checkpoint silently
+        with pytest.raises(CheckpointError, match="4 rank"):
+            single.load()
+        assert single.load(rank=3)["extra"] == {"rank": 3, "step": 3}  # unless it asks for a shard
+
+
+@pytest.mark.timeout(150)
+def test_two_checkpointers_in_one_job_keep_their_keys_apart(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "two_checkpointers", 2)
+    for r, got in res.items():
+        assert got["a"] == [1, 2, 3] and got["b"] == [10, 20, 30]
+        assert got["a_steps"] == [1, 2, 3] and got["b_steps"] == [10, 20, 30]
+        assert got["b_loaded"] == 300 + r
 
 
 @pytest.mark.timeout(150)
