@@ -22,6 +22,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from ._format import ShardLayout, plan_layout
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
+from ._layout import step_dir_name
 from ._lifecycle import SaveState
 from ._retention import remove_leftovers
 from ._staging import Arena, StagingPool
@@ -526,14 +528,18 @@ class Checkpointer:
 
         With many ranks this is collective: rank 0 looks and every rank gets its answer.
         """
-        step = self._decided_by_leader(lambda: _step_of(_discovery.find_latest(self.root)))
-        if step is None:
+
+        def look() -> Any:
+            info = _discovery.find_latest(self.root)
+            return None if info is None else [info.step, info.nbytes, info.world_size, info.created]
+
+        # every rank takes rank 0's whole answer: re-reading the directory here could race
+        # with rank 0's next save (retention, or replacing a commit that was taken back)
+        found = self._decided_by_leader(look)
+        if found is None:
             return None
-        try:
-            step_dir, manifest = _discovery.open_step(self.root, step)
-        except CheckpointNotFoundError:
-            return None
-        return _discovery.info_for(step_dir, manifest)
+        step, nbytes, world_size, created = found
+        return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created)
 
     def steps(self) -> list[int]:
         """Every complete step under ``root``, ascending (collective with many ranks)."""
