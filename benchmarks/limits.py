@@ -1,0 +1,143 @@
+"""Physical limits of this machine for the same bytes: copy, write+fsync, read.
+
+* ``memcpy``: ``dst.copy_(src)`` of every tensor into preallocated tensors of the same
+  shape (on CUDA: into pinned host tensors, i.e. the D2H copy a snapshot needs).
+* ``write``: one ``os.write`` loop of all tensor bytes (16 MiB per call) into one new
+  file, then ``fsync`` of the file and its directory; ``write_direct`` does the same with
+  ``O_DIRECT`` from a page-aligned anonymous ``mmap`` buffer.
+* ``read_cold`` / ``read_warm``: ``os.readv`` of that file into a preallocated buffer,
+  after evicting its pages with ``posix_fadvise(DONTNEED)`` (cold) or right after a read
+  (warm).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import time
+from typing import Any
+
+import torch
+from measure import drop_cache, fsync_dir
+from states import byte_view, tensors_of
+
+CHUNK = 16 * 1024 * 1024
+ALIGN = 4096
+_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+class Limits:
+    """Buffers and files for the limit measurements of one state."""
+
+    def __init__(self, state: Any, scratch: str) -> None:
+        self.src = list(tensors_of(state))
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.src)
+        cuda = any(t.device.type == "cuda" for t in self.src)
+        pin = cuda and torch.cuda.is_available()
+        self.dst = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self.src]
+        self.cuda = cuda
+        # the file image: every tensor's bytes back to back, in a page-aligned mapping
+        self.size = _round_up(max(self.nbytes, 1))
+        self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(self.buf)
+        pos = 0
+        for t in self.src:
+            b = byte_view(t.detach().cpu().contiguous() if cuda else t.detach().contiguous())
+            view[pos : pos + len(b)] = b
+            pos += len(b)
+        self.view = view
+        self.read_buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.read_view = memoryview(self.read_buf)
+        self.read_view[:] = self.view  # fault its pages in now, not during the timed read
+        self.scratch = scratch
+        os.makedirs(scratch, exist_ok=True)
+        self._n = 0
+        self.last_file: str | None = None
+
+    # ------------------------------------------------------------------ copy
+    def memcpy(self) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for d, s in zip(self.dst, self.src, strict=True):
+                d.copy_(s, non_blocking=self.cuda)
+            if self.cuda:
+                torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ write
+    def _path(self) -> str:
+        self._n += 1
+        return os.path.join(self.scratch, f"raw_{self._n:04d}.bin")
+
+    def write(self, direct: bool = False) -> float:
+        """Write the bytes to a new file, fsync file and directory; returns seconds."""
+        path = self._path()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if direct:
+            if not _DIRECT:
+                raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
+            flags |= _DIRECT
+        n = self.size if direct else self.nbytes  # O_DIRECT writes whole pages
+        t0 = time.perf_counter()
+        fd = os.open(path, flags, 0o644)
+        try:
+            pos = 0
+            while pos < n:
+                w = os.write(fd, self.view[pos : min(pos + CHUNK, n)])
+                if w <= 0:
+                    raise OSError(errno.EIO, "short write")
+                pos += w
+            if direct and n != self.nbytes:
+                os.ftruncate(fd, self.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.scratch)
+        elapsed = time.perf_counter() - t0
+        self._retire(path)
+        return elapsed
+
+    def _retire(self, path: str) -> None:
+        if self.last_file is not None and os.path.exists(self.last_file):
+            os.unlink(self.last_file)
+        self.last_file = path
+
+    # ------------------------------------------------------------------ read
+    def read(self, cold: bool) -> float:
+        assert self.last_file is not None, "write() first"
+        if cold:
+            drop_cache([self.last_file])
+        pieces = [self.read_view[i : i + CHUNK] for i in range(0, self.nbytes, CHUNK)]
+        if pieces and self.nbytes % CHUNK:
+            pieces[-1] = self.read_view[(len(pieces) - 1) * CHUNK : self.nbytes]
+        t0 = time.perf_counter()
+        fd = os.open(self.last_file, os.O_RDONLY)
+        try:
+            off = 0
+            for i in range(0, len(pieces), 64):
+                batch = pieces[i : i + 64]
+                want = sum(len(p) for p in batch)
+                got = os.preadv(fd, batch, off)
+                if got != want:
+                    raise OSError(errno.EIO, f"short read ({got} of {want})")
+                off += got
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    def verify_read(self) -> bool:
+        return self.read_view[: self.nbytes] == self.view[: self.nbytes]
+
+    def close(self) -> None:
+        if self.last_file is not None and os.path.exists(self.last_file):
+            os.unlink(self.last_file)
+        self.view.release()
+        self.read_view.release()
+        self.buf.close()
+        self.read_buf.close()
+        self.dst = []
