@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from limits import Limits
-from measure import PeakMemory, TrainStep, drop_cache, interference_once, summary, trim_heap
+from measure import PeakMemory, TrainStep, cpu_seconds, drop_cache, interference_once, summary, trim_heap
 from methods import DcpAsync, Method, Unsupported, make_method
 from states import StateSpec, build_state, checksums, describe, mutate
 
@@ -173,13 +173,17 @@ def _run_phases(m: Method, state: Any, cfg: Config, out: dict[str, Any], phase: 
         step += 1
         return step
 
+    cpu_samples: list[float] = []
+
     def timed_save(s: int) -> tuple[float, float, dict[str, Any] | None]:
         _sync_device()
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         pending = m.save(s, state)
         t1 = time.perf_counter()
         stats = m.finish(pending)
         t2 = time.perf_counter()
+        cpu_samples.append(cpu_seconds() - c0)
         return t1 - t0, t2 - t0, stats
 
     # 1. memory (the first save is also the warm-up)
@@ -194,6 +198,7 @@ def _run_phases(m: Method, state: Any, cfg: Config, out: dict[str, Any], phase: 
 
     # 2. timing
     phase("timing")
+    cpu_samples.clear()
     blocking, durable, stats = [], [], []
     for _ in range(cfg.repeats):
         b, d, st = timed_save(s := next_step())
@@ -204,6 +209,9 @@ def _run_phases(m: Method, state: Any, cfg: Config, out: dict[str, Any], phase: 
             stats.append(st)
     out["blocking"] = summary(blocking)
     out["durable"] = summary(durable)
+    # CPU seconds of this process (all threads) from the call until durable: what the save takes
+    # away from training on a machine with no idle core (a DCP daemon process is not included)
+    out["cpu_s"] = summary(cpu_samples)
     if stats:
         out["library_stats"] = {k: summary(x[k] for x in stats) for k in stats[0] if k != "direct_io"}
         out["library_stats"]["direct_io"] = all(x.get("direct_io") for x in stats)

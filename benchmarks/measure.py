@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import threading
 import time
@@ -23,6 +24,37 @@ def summary(samples: Iterable[float]) -> dict[str, Any]:
     if not xs:
         return {"median": None, "min": None, "max": None, "n": 0, "samples": []}
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": xs}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def raise_fd_limit(want: int = 1 << 18) -> int:
+    """Raise this process's open-files limit towards ``want``; returns the soft limit now.
+
+    DCP's process-based save passes every tensor storage to its daemon as file descriptors
+    (a shared-memory fd plus a duplicate held until the daemon picks it up), so 10,000
+    tensors need more than 20,000 descriptors. Raising the hard limit needs privileges;
+    without them the soft limit goes up to the hard one.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            want = min(want, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    for new in ((max(want, hard), max(want, hard)), (hard, hard)):
+        if new[0] <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, new)
+            break
+        except (ValueError, OSError):
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 # ---------------------------------------------------------------------- durability

@@ -10,7 +10,9 @@ for every method what it means for asyncckpt: file data and directory entries on
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,9 +231,9 @@ class DcpAsync(Method):
             kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
         try:
             res = dcp.async_save(state, **kw)
-        except (ValueError, RuntimeError, AssertionError) as e:
+        except (ValueError, RuntimeError, AssertionError, OSError) as e:
             if self.config.startswith("process") or "accelerator" in str(e):
-                raise Unsupported(f"{type(e).__name__}: {e}") from e
+                raise Unsupported(_why(e)) from e
             raise
         if hasattr(res, "staging_completion"):  # AsyncSaveResponse: wait until mutation is safe
             res.staging_completion.result()
@@ -249,9 +251,9 @@ class DcpAsync(Method):
     def finish(self, pending: Any) -> dict[str, Any] | None:
         try:
             pending.future.result()
-        except (ValueError, RuntimeError, AssertionError) as e:
+        except (ValueError, RuntimeError, AssertionError, OSError) as e:
             if self.config.startswith("process"):
-                raise Unsupported(f"{type(e).__name__}: {e}") from e
+                raise Unsupported(_why(e)) from e
             raise
         fsync_tree(pending.path)
         return None
@@ -273,6 +275,17 @@ class DcpAsync(Method):
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._own_pg = False
+
+
+def _why(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}"
+    if (isinstance(e, OSError) and e.errno == errno.EMFILE) or "Too many open files" in str(e):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        msg += (
+            f" - the process-based save passes every tensor storage to its daemon as file descriptors; "
+            f"the open-files limit here is {soft} (hard {hard})"
+        )
+    return msg
 
 
 def _stop_dcp_daemon() -> None:

@@ -260,13 +260,15 @@ def markdown(data: dict[str, Any]) -> str:
             )
             lines.append("")
         lines += [
-            f"| method | blocking s (× memcpy) | durable s (× {wname}) | peak extra RSS (× state) | "
+            f"| method | blocking s (× memcpy) | durable s (× {wname}) | CPU s/save | peak extra RSS (× state) | "
             "lost @1T s (× memcpy) | slowdown @1T | lost @2T s (× memcpy) | slowdown @2T | consistent |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in _rows(data, state):
             if r.get("status") != "ok":
-                lines.append(f"| {r['method']} | {r.get('status')}: {_md_escape(r.get('reason', ''))} | | | | | | | |")
+                lines.append(
+                    f"| {r['method']} | {r.get('status')}: {_md_escape(r.get('reason', ''))} | | | | | | | | |"
+                )
                 continue
             rss = (r.get("memory") or {}).get("extra_bytes")
             rss_cell = "-" if rss is None else f"{format_size(rss)}" + (f" ({rss / nbytes:.2f}×)" if nbytes else "")
@@ -281,6 +283,7 @@ def markdown(data: dict[str, Any]) -> str:
                 r["method"],
                 _cell(r.get("blocking"), memcpy),
                 _cell(r.get("durable"), wl),
+                _fmt_s(_med(r.get("cpu_s"))),
                 rss_cell,
                 _cell(i1.get("lost_s"), memcpy),
                 _cell(i1.get("slowdown"), unit="x"),
@@ -330,6 +333,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines += [
         "Columns: *blocking* = until save() returns (for stager-bg: until staging_completion); *durable* = until "
         "committed with file data and directory entries fsynced (an fsync is added for methods that do not do it); "
+        "*CPU s/save* = CPU time of the process (all threads) from the call until durable; "
         "*peak extra RSS* = peak over the RSS before the first save (this process's VmHWM + children's PSS), "
         "persistent staging buffers included; *lost* = blocking + extra step time of a 1- or 2-thread matmul loop "
         "while the save is in flight; *slowdown* = mean step time in flight / step time before the save.",

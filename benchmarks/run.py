@@ -32,6 +32,7 @@ if REPO not in sys.path:
     sys.path.insert(1, REPO)  # use the checkout's asyncckpt even when it is not installed
 
 from cases import Config, log, run_case  # noqa: E402
+from measure import raise_fd_limit  # noqa: E402
 from methods import all_methods, method_names  # noqa: E402
 from report import evaluate_targets, markdown, plot  # noqa: E402
 from states import StateSpec, format_size, parse_size  # noqa: E402
@@ -239,6 +240,7 @@ def run_subprocess(method: str, spec: StateSpec, cfg: Config, timeout: float) ->
 
 def worker_main(job_path: str) -> int:
     _quiet_warnings()
+    raise_fd_limit()
     with open(job_path) as f:
         job = json.load(f)
     cfg = Config.from_json(job["config"])
@@ -278,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(data))
         return 0
     _quiet_warnings()
+    fd_limit = raise_fd_limit()
     own_scratch = args.scratch is None
     scratch = args.scratch or tempfile.mkdtemp(prefix="asyncckpt-bench-")
     scratch = os.path.join(scratch, f"run-{os.getpid()}") if not own_scratch else scratch
     os.makedirs(scratch, exist_ok=True)
     env = environment(scratch)
+    env["open_files_limit"] = fd_limit
     repeats = 2 if args.quick else args.repeats
     cfg = Config(
         scratch=scratch,
