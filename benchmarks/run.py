@@ -249,10 +249,7 @@ def worker_main(job_path: str) -> int:
     with open(tmp, "w") as f:
         json.dump(res, f)
     os.replace(tmp, job["result"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip interpreter teardown: DCP's daemon and stager threads can take seconds to wind down
-    os._exit(0)
+    return 0
 
 
 def write_outputs(data: dict[str, Any], out_dir: str) -> None:
