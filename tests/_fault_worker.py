@@ -99,30 +99,6 @@ def race_main(params_path: str) -> int:
 
 
 # ------------------------------------------------------------------------------ the ranks
-def state_for(rank: int, step: int, numel: int) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {"model": {"w": torch.randn(numel, generator=g)}, "extra": {"rank": rank, "step": step}}
-
-
-def describe(exc: BaseException | None) -> Any:
-    from asyncckpt import SaveError, SaveTimeoutError
-
-    if exc is None:
-        return None
-    d: dict[str, Any] = {"type": type(exc).__name__, "msg": str(exc)}
-    if isinstance(exc, SaveError):
-        d["step"] = exc.step
-        d["failures"] = {
-            str(r): {"exc_type": f.exc_type, "errno": f.errno, "path": f.path, "message": f.message}
-            for r, f in exc.failures.items()
-        }
-    if isinstance(exc, SaveTimeoutError):
-        d["missing"] = list(exc.missing)
-    return d
-
-
 def _usage(path: str) -> list[int]:
     s = os.statvfs(path)
     return [s.f_bfree, s.f_ffree]
@@ -148,6 +124,7 @@ def _fail_then_recover(
 ) -> None:
     """Commit step 1; inject the fault; save step 2 (must fail); remove it; save step 3."""
     import torch.distributed as dist
+    from _dist_worker import describe, state_for  # imported here: the race mode stays torch-free
 
     from asyncckpt import Checkpointer, SaveError
 
