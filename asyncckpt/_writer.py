@@ -40,7 +40,8 @@ class WriterThread:
         self._forked = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self._ready.wait()
+        if not self._ready.wait(30.0):  # the loop signals readiness on its first iteration
+            raise RuntimeError("asyncckpt writer thread did not start its event loop within 30 s")
         _all_writers.add(self)
 
     def _run(self) -> None:
