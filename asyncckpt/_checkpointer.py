@@ -212,7 +212,7 @@ class Checkpointer:
         self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
         if self._dist is not None:
             self._rt.coord = StoreCoordinator(
-                self._dist.connect, self.rank, self.world_size, namespace, self._rt.storage._run
+                self._dist.connect, self.rank, self.world_size, namespace, self._rt.storage.run
             )
         _live.add(self)
 

@@ -30,6 +30,7 @@ from typing import IO, Any
 import torch
 
 from ._checkpointer import load
+from ._checksum import crc32c
 from ._discovery import candidate_steps, complete_checkpoints, find_latest, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._format import TensorSlot, plan_layout
@@ -37,7 +38,7 @@ from ._layout import parse_leftover, parse_step_dir, step_dir_name
 from ._load import byte_view, open_regular, read_header, read_tree
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._retention import choose_victims, leftovers, retire
-from ._storage import DEFAULT_OPS, Storage, _remove_tree, crc32c
+from ._storage import DEFAULT_OPS, Storage, remove_tree
 from ._structure import MAX_DEPTH, tensor_names, unflatten
 
 PROG = "asyncckpt"
@@ -758,7 +759,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         what = "crashed save attempt" if ".tmp-" in name else "interrupted retirement"
         if not dry:
             try:
-                _remove_tree(DEFAULT_OPS, path)
+                remove_tree(path, DEFAULT_OPS)
             except FileNotFoundError:
                 pass  # removed concurrently (by the library's own clean-up): fine
         print(f"{verb} {name} (leftover of a {what}, {human_bytes(usage.size)})")

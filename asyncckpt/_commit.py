@@ -106,9 +106,9 @@ def _final_state(final: str, failed_attempts: set[str]) -> str:
 async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     root = job.root
     final = os.path.join(root, step_dir_name(job.step))
-    for old in await storage._run(leftovers, root, job.step):
+    for old in await storage.run(leftovers, root, job.step):
         await storage.remove_tree(old)
-    found = await storage._run(_final_state, final, job.failed_commits)
+    found = await storage.run(_final_state, final, job.failed_commits)
     if found == "committed":
         raise FileExistsError(17, f"step {job.step} is already committed", final)
     if found in ("uncommitted", "failed"):
@@ -128,7 +128,7 @@ async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, lead
     assert job.arena is not None and job.layout is not None
     if job.cuda_events:
         for ev in job.cuda_events:
-            await storage._run(ev.synchronize)
+            await storage.run(ev.synchronize)
     shard = await storage.write_file(
         os.path.join(tmp, _manifest.shard_name(rank)), job.arena.buffer, job.layout.file_size, direct=True
     )

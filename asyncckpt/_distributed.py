@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ._storage import crc32c
+from ._checksum import crc32c
 
 _count_lock = threading.Lock()
 _instances: dict[str, int] = {}

@@ -9,11 +9,15 @@
         rank00000.json               rank 0's structure and non-tensor values
       step_00000300.tmp-<attempt>/   a save in progress, or a crashed/failed one
       step_00000100.deleting-<id>/   a checkpoint being retired
+      .asyncckpt/                    the root's own metadata (owner lock, verification marks)
 """
 
 from __future__ import annotations
 
 import re
+
+#: The root's metadata directory; never a checkpoint, never a leftover.
+META_DIR = ".asyncckpt"
 
 _STEP = re.compile(r"^step_(\d{8,20})$")
 _LEFTOVER = re.compile(r"^step_(\d{8,20})\.(tmp|deleting)-[0-9a-f]{1,64}$")

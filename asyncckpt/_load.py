@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from ._checksum import crc32c
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError
 from ._format import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import Manifest, shard_name, tree_name
-from ._storage import crc32c
 from ._structure import tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ._checksum import crc32c
 from ._errors import CheckpointCorruptError
-from ._storage import crc32c
 
 MANIFEST = "manifest.json"
 FORMAT = "asyncckpt/1"

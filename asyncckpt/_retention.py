@@ -13,7 +13,7 @@ import uuid
 
 from ._discovery import complete_checkpoints
 from ._layout import deleting_dir_name, parse_leftover, step_dir_name
-from ._storage import DEFAULT_OPS, OsOps, Storage, _remove_tree
+from ._storage import DEFAULT_OPS, OsOps, Storage, remove_tree
 
 
 def leftovers(root: str, step: int | None = None) -> list[str]:
@@ -37,7 +37,7 @@ def remove_leftovers(root: str, ops: OsOps = DEFAULT_OPS) -> list[str]:
     """
     removed = []
     for path in leftovers(root):
-        _remove_tree(ops, path)
+        remove_tree(path, ops)
         removed.append(path)
     return removed
 
@@ -52,7 +52,7 @@ def choose_victims(steps: list[int], keep_last: int) -> list[int]:
 
 async def retire(storage: Storage, root: str, keep_last: int) -> list[int]:
     """Retire complete checkpoints beyond the newest ``keep_last``; return their steps."""
-    infos = await storage._run(complete_checkpoints, root)
+    infos = await storage.run(complete_checkpoints, root)
     victims = choose_victims([i.step for i in infos], keep_last)
     moved = []
     for step in victims:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiofiles.os
-import crc32c as _crc32c
 
+from ._checksum import crc32c
 from ._format import ALIGN, round_up
 
 T = TypeVar("T")
@@ -38,11 +38,6 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # errors a stat() may report transiently on network/FUSE file systems
 _TRANSIENT_STAT = {errno.ESTALE, errno.EIO, errno.EINTR, errno.EAGAIN}
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """CRC-32C of ``data`` continuing from ``value`` (releases the GIL on large buffers)."""
-    return int(_crc32c.crc32c(data, value))
 
 
 class StaleDirectoryError(FileExistsError):
@@ -217,14 +212,14 @@ class Storage:
         self._direct = direct_io != "off" and bool(_DIRECT)
         self._direct_required = direct_io == "on"
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
         result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
         return result
 
     async def _run_on(self, path: str, fn: Callable[..., T], *args: Any) -> T:
         """:meth:`_run`, naming ``path`` in an ``OSError`` that names no file."""
         try:
-            return await self._run(fn, *args)
+            return await self.run(fn, *args)
         except OSError as e:
             if e.filename is not None:
                 raise
@@ -244,7 +239,7 @@ class Storage:
 
     async def remove_tree(self, path: str) -> None:
         """Remove a directory tree bottom-up; missing entries are fine, other errors raise."""
-        await self._run_on(path, _remove_tree, self.ops, path)
+        await self._run_on(path, remove_tree, path, self.ops)
 
     async def write_bytes(self, path: str, data: bytes) -> WriteResult:
         """Create ``path`` exclusively with ``data``, fsync and close it."""
@@ -264,33 +259,33 @@ class Storage:
         fd = -1
         try:
             try:
-                fd = await self._run(self.ops.open, path, flags | (_DIRECT if use_direct else 0), 0o644)
+                fd = await self.run(self.ops.open, path, flags | (_DIRECT if use_direct else 0), 0o644)
             except OSError as e:
                 if not (use_direct and e.errno == errno.EINVAL) or self._direct_required:
                     raise
                 use_direct = False
-                fd = await self._run(self.ops.open, path, flags, 0o644)
+                fd = await self.run(self.ops.open, path, flags, 0o644)
             crc, off = 0, 0
             while off < size:
                 end = min(off + CHUNK, size)
                 try:
-                    crc = await self._run(_write_chunk, self.ops, fd, buf, off, end, crc, use_direct)
+                    crc = await self.run(_write_chunk, self.ops, fd, buf, off, end, crc, use_direct)
                 except OSError as e:
                     if not (use_direct and off == 0 and e.errno == errno.EINVAL) or self._direct_required:
                         raise
                     # the file system accepted O_DIRECT at open but refuses the I/O
                     use_direct = False
                     self._direct = False
-                    await self._run(self.ops.set_direct, fd, False)
+                    await self.run(self.ops.set_direct, fd, False)
                     continue
                 off = end
             if use_direct and size % ALIGN:
-                await self._run(self.ops.ftruncate, fd, size)
+                await self.run(self.ops.ftruncate, fd, size)
             t1 = time.perf_counter()
-            await self._run(self.ops.fsync, fd)
+            await self.run(self.ops.fsync, fd)
             t2 = time.perf_counter()
             closing, fd = fd, -1
-            await self._run(self.ops.close, closing)
+            await self.run(self.ops.close, closing)
         except OSError as e:
             if e.filename is not None:
                 raise
@@ -298,7 +293,7 @@ class Storage:
         finally:
             if fd >= 0:
                 try:
-                    await self._run(self.ops.close, fd)
+                    await self.run(self.ops.close, fd)
                 except OSError:
                     pass
         return WriteResult(size, crc, use_direct, t1 - t0, t2 - t1)
@@ -319,7 +314,8 @@ def _write_chunk(ops: OsOps, fd: int, buf: memoryview, off: int, end: int, crc: 
     return crc
 
 
-def _remove_tree(ops: OsOps, path: str) -> None:
+def remove_tree(path: str, ops: OsOps = DEFAULT_OPS) -> None:
+    """Remove the tree at ``path`` (missing entries are fine; other errors raise)."""
     # entries vanishing under us (another remover, e.g. `asyncckpt gc`) are fine
     try:
         st = ops.lstat(path)
@@ -330,7 +326,7 @@ def _remove_tree(ops: OsOps, path: str) -> None:
     except FileNotFoundError:
         return
     for name in names:
-        _remove_tree(ops, os.path.join(path, name))
+        remove_tree(os.path.join(path, name), ops)
     try:
         ops.rmdir(path)
     except FileNotFoundError:

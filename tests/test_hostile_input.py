@@ -44,10 +44,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointNotFoundError, find_latest, load
+from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import complete_checkpoints
 from asyncckpt._format import MAX_HEADER, ST_TO_DTYPE
 from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
-from asyncckpt._storage import crc32c
 
 STEP2 = "step_00000002"
 SHARD, TREE = "rank00000.safetensors", "rank00000.json"
