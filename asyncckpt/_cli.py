@@ -33,7 +33,8 @@ from ._checkpointer import load
 from ._checksum import crc32c
 from ._discovery import candidate_steps, complete_checkpoints, find_latest, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._format import TensorSlot, plan_layout
+from ._format import ST_TO_DTYPE, plan_layout
+from ._header import TORCH_NAME, TensorSlot
 from ._layout import parse_leftover, parse_step_dir, step_dir_name
 from ._load import byte_view, open_regular, read_header, read_tree
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
@@ -449,10 +450,6 @@ def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[Any
     return tree, slots
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _key_label(key: Any) -> str:
     if isinstance(key, str) and key and key.isprintable() and key == key.strip():
         return key
@@ -546,7 +543,7 @@ def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
             elif tag == "$tensor" and isinstance(val, str) and val in slots:
                 s = slots[val]
-                out.append(Entry(path, depth, label, "tensor", _dtype_name(s.dtype), s.shape, s.end - s.begin))
+                out.append(Entry(path, depth, label, "tensor", TORCH_NAME[s.dtype], s.shape, s.end - s.begin))
                 return
             elif tag == "$float" and val in ("nan", "inf", "-inf"):
                 out.append(Entry(path, depth, label, "value", value=float(val)))
@@ -660,7 +657,8 @@ def verify_step(step_dir: str, manifest: Manifest, progress: Progress) -> list[s
         try:
             tree, slots = read_rank_outline(step_dir, manifest, rank)
             total += sum(s.end - s.begin for s in slots.values())
-            unflatten(tree, {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in slots.items()})
+            meta = {n: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for n, s in slots.items()}
+            unflatten(tree, meta)
         except CheckpointCorruptError as e:
             problems.append(str(e))
         except (ValueError, TypeError, RecursionError) as e:

@@ -19,7 +19,8 @@ import torch
 from ._checksum import crc32c
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError
-from ._format import MAX_HEADER, TensorSlot, parse_header, validate_header
+from ._format import ST_TO_DTYPE
+from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import Manifest, shard_name, tree_name
 from ._structure import tensor_names, unflatten
 
@@ -118,7 +119,7 @@ def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str
         head, data_start, slots, header = read_header(fd, path, size)
         crc = crc32c(head) if expected_crc is not None else 0
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
-        tensors = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in ordered}
+        tensors = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype]) for s in ordered}
         pieces: list[memoryview] = []
         for s in ordered:
             pieces.extend(_split(byte_view(tensors[s.name])))

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ._format import ShardLayout, round_up
+from ._format import ST_TO_DTYPE, ShardLayout
+from ._header import round_up
 
 
 def _new_mapping(capacity: int) -> mmap.mmap:
@@ -60,7 +61,10 @@ class Arena:
         """Typed views of the arena, one per slot of ``layout`` (cached per layout)."""
         if self._views_for is not layout:
             base = layout.data_start
-            self._views = [self.tensor[base + s.begin : base + s.end].view(s.dtype).view(s.shape) for s in layout.slots]
+            self._views = [
+                self.tensor[base + s.begin : base + s.end].view(ST_TO_DTYPE[s.dtype]).view(s.shape)
+                for s in layout.slots
+            ]
             self._views_for = layout
         return self._views
 

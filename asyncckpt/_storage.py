@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import aiofiles.os
 
 from ._checksum import crc32c
-from ._format import ALIGN, round_up
+from ._header import ALIGN, round_up
 
 T = TypeVar("T")
 

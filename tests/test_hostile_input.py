@@ -46,7 +46,8 @@ from hypothesis import strategies as st
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointNotFoundError, find_latest, load
 from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import complete_checkpoints
-from asyncckpt._format import MAX_HEADER, ST_TO_DTYPE
+from asyncckpt._format import ST_TO_DTYPE
+from asyncckpt._header import MAX_HEADER
 from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
 
 STEP2 = "step_00000002"

@@ -1,0 +1,154 @@
+"""The safetensors header, torch-free: byte sizes of its dtypes, parsing and validation.
+
+A shard is ``[u64 little-endian N][N bytes JSON header][data]``. Everything here works on the
+header's own names (``"F32"``, ``"BF16"``, ...) so that tools reading checkpoints (the CLI's
+``ls``/``info``/``verify``) never import torch; ``_format`` maps the names to torch dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+#: Alignment of the data section (and of O_DIRECT I/O).
+ALIGN = 4096
+#: Readers reject headers larger than this (the safetensors reference limit).
+MAX_HEADER = 100 * 1024 * 1024
+
+#: Bytes per element of every safetensors dtype asyncckpt writes.
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+    "C64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
+
+#: The torch name of each dtype, for display without importing torch.
+TORCH_NAME: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+}
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """The smallest multiple of ``align`` that is >= ``n``."""
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in a shard: offsets are relative to the data section.
+
+    ``dtype`` is the safetensors name (``"F32"``); ``_format.ST_TO_DTYPE`` maps it to torch.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r} in header")
+        out[k] = v
+    return out
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def parse_header(prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
+    """Parse the length prefix and header given the first bytes of a shard.
+
+    ``prefix`` must hold at least 8 bytes; returns ``(N, raw header dict)``. Raises
+    ``ValueError`` if the declared length does not fit in ``file_size``.
+    """
+    if file_size < 8 or len(prefix) < 8:
+        raise ValueError("file too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER or n > file_size - 8:
+        raise ValueError(f"declared header length {n} exceeds the file ({file_size} bytes)")
+    if len(prefix) < 8 + n:
+        raise ValueError("header truncated")
+    header = json.loads(prefix[8 : 8 + n].decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return n, header
+
+
+def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
+    """Check a parsed header against the data section length; return its slots.
+
+    Every tensor must have a known dtype, a shape whose byte size matches its offsets, and
+    the tensors must tile the data section exactly (no gaps, no overlap). Raises
+    ``ValueError`` otherwise.
+    """
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("__metadata__ must map str to str")
+    slots: list[TensorSlot] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"malformed header entry for {name!r}")
+        dtype = entry["dtype"] if isinstance(entry["dtype"], str) and entry["dtype"] in ITEMSIZE else None
+        shape, offs = entry["shape"], entry["data_offsets"]
+        if dtype is None:
+            raise ValueError(f"unknown dtype {entry['dtype']!r} for {name!r}")
+        if not (isinstance(shape, list) and all(_int(d) for d in shape) and len(shape) <= 64):
+            raise ValueError(f"malformed shape for {name!r}")
+        if math.prod(max(d, 1) for d in shape) * ITEMSIZE[dtype] >= 2**63:
+            raise ValueError(f"shape of {name!r} is too large")  # even when one dim is 0
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_int(o) for o in offs)):
+            raise ValueError(f"malformed data_offsets for {name!r}")
+        begin, end = offs
+        if not begin <= end <= data_len:
+            raise ValueError(f"offsets of {name!r} fall outside the data section")
+        if math.prod(shape) * ITEMSIZE[dtype] != end - begin:
+            raise ValueError(f"size of {name!r} does not match its shape and dtype")
+        if begin % ITEMSIZE[dtype]:
+            raise ValueError(f"{name!r} is not aligned to its element size")
+        slots.append(TensorSlot(name, dtype, tuple(shape), begin, end))
+    pos = 0
+    for s in sorted(slots, key=lambda s: (s.begin, s.end)):
+        if s.begin != pos:
+            raise ValueError(f"tensor {s.name!r} overlaps or leaves a gap at offset {pos}")
+        pos = s.end
+    if pos != data_len:
+        raise ValueError(f"tensors cover {pos} bytes of a {data_len}-byte data section")
+    return slots
