@@ -1,6 +1,6 @@
 """Data-parallel training on CPU (gloo) that checkpoints asynchronously and resumes.
 
-    torchrun --nproc_per_node=4 examples/distributed_train.py --root runs/ddp --steps 60
+    .venv/bin/torchrun --nproc_per_node=4 examples/distributed_train.py --root runs/ddp --steps 60
 
 Every rank saves its own shard (model replica + its optimizer state + its data position);
 rank 0 commits once all ranks reported success. Kill it at any point (Ctrl-C, kill -9 one
@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
+
+if os.environ.get("RANK", "0") == "0":
+    # importing torch in several processes at once takes a while on a small machine: say so
+    print(f"rank 0: importing torch and joining the gloo group of {os.environ.get('WORLD_SIZE', '1')} "
+          f"rank(s) on {os.cpu_count()} core(s)...", file=sys.stderr, flush=True)
 
 import torch
 import torch.distributed as dist
@@ -25,10 +32,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=10)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s %(message)s")
     torch.manual_seed(0)  # identical initial replicas
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
