@@ -3,14 +3,22 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# Where torch comes from. Empty: pip's configured index (PyPI by default, whose Linux x86_64
+# torch is the CUDA build, several GB). For the CPU-only build, e.g.:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: demo test lint bench venv clean
 
 $(BIN)/.installed: pyproject.toml
+	@echo "set-up: creating $(VENV) with $$($(PY) --version)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	@echo "set-up: installing $(TORCH)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download; pip is quiet meanwhile)"
+	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@echo "set-up: installing asyncckpt (editable) with its test and dev tools"
 	$(BIN)/pip install -q -e ".[test,dev]"
+	@$(BIN)/python -c "import torch; print('set-up: done, torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU-only build)')"
 	touch $@
 
 venv: $(BIN)/.installed
