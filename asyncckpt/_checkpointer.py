@@ -26,10 +26,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from . import _discovery, _distributed, _load
+from . import _agree, _discovery, _distributed, _load, _resume
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
-from ._errors import CheckpointError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._errors import CheckpointCorruptError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
 from ._format import ShardLayout, plan_layout
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
@@ -47,6 +47,8 @@ DirectIO = Literal["auto", "on", "off"]
 
 #: Extra time past the save deadline before a waiter gives up on the writer itself.
 _MARGIN_S = 5.0
+#: Rounds of a collective load(step=None) (each one a retired choice or a corrupt fallback).
+_MAX_LOAD_ROUNDS = 64
 
 
 class _Runtime:
@@ -549,29 +551,92 @@ class Checkpointer:
     def load(
         self, step: int | None = None, *, into: Any = None, verify: bool | None = None, rank: int | None = None
     ) -> Any:
-        """Load a complete checkpoint (``None``: the newest) and return its state.
+        """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
-        With ``into=``, restores in place: objects get ``load_state_dict``, tensors get
-        ``copy_``. Raises ``CheckpointNotFoundError`` for a missing or uncommitted step and
-        ``CheckpointCorruptError`` (naming the file) when anything fails verification.
+        With ``into=``, restores in place once the whole state has been read and verified:
+        objects get ``load_state_dict``, tensors get ``copy_``. For an explicit ``step``,
+        raises ``CheckpointNotFoundError`` if it is missing, uncommitted or retired while
+        being read, and ``CheckpointCorruptError`` (naming the file) when anything fails
+        verification. With ``step=None`` a corrupt newest checkpoint is logged (WARNING,
+        naming the file) and the next newest that verifies is loaded.
+
         With many ranks this is collective: rank 0 picks the step, each rank loads its own
-        shard; a checkpoint saved by a different number of ranks raises ``CheckpointError``
-        unless ``rank=`` names the shard to read.
+        shard and reports, and every rank takes the same decision, so if any rank's shard
+        is corrupt every rank falls back to the same older step (or, for an explicit step,
+        every rank raises). Every wait is bounded by ``timeout``. A checkpoint saved by a
+        different number of ranks raises ``CheckpointError`` unless ``rank=`` names the
+        shard to read.
         """
-        if step is None:
-            step = self._decided_by_leader(lambda: _step_of(_discovery.find_latest(self.root)))
-            if step is None:
-                raise CheckpointNotFoundError(f"no complete checkpoint under {self.root}")
+        _check_step_arg(step)
+        if rank is not None and (not _is_int(rank) or rank < 0):
+            raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
         verify = self.verify if verify is None else verify
-        if rank is None:
-            _, manifest = _discovery.open_step(self.root, step)
-            if manifest.world_size != self.world_size:
-                raise CheckpointError(
-                    f"step {step} was saved by {manifest.world_size} rank(s) but this job has "
-                    f"{self.world_size}; resharding is not supported: pass rank= to read one shard"
-                )
-            rank = self.rank
-        return load(self.root, step, into=into, verify=verify, rank=rank)
+        expect = self.world_size if rank is None else None
+        shard = self.rank if rank is None else rank
+        if self._dist is None:
+            if step is None:
+                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect)
+            else:
+                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect)
+        else:
+            state = self._load_agreed(step, shard, verify, expect)
+        if into is not None:
+            _load.restore_into(into, state)
+        return state
+
+    def _load_agreed(self, step: int | None, shard: int, verify: bool, expect: int | None) -> Any:
+        """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
+        assert self._dist is not None
+        rejected: dict[int, CheckpointCorruptError] = {}
+        for _ in range(_MAX_LOAD_ROUNDS):
+
+            def pick() -> Any:
+                if step is not None:
+                    return step
+                skipped: dict[int, CheckpointCorruptError] = {}
+                info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
+                for s, e in sorted(skipped.items(), reverse=True):
+                    if s not in rejected:
+                        _resume.warn_corrupt(self.root, s, e)
+                        rejected[s] = e
+                return None if info is None else info.step
+
+            chosen = self._decided_by_leader(pick)
+            if chosen is None:
+                raise _resume.no_checkpoint(self.root, rejected)
+            state: Any = None
+            error: BaseException | None = None
+            try:
+                state = _resume.attempt(self.root, chosen, shard, verify, expect)
+            except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
+                error = e
+            self._queries += 1
+            verdict = _agree.agree(
+                self._dist,
+                f"q/{self._queries}/load",
+                _resume.outcome_of(error),
+                lambda outcomes: _resume.decide(step is not None, outcomes),
+                self.timeout,
+            )
+            kind = verdict["kind"]
+            if kind == "ok":
+                return state
+            if kind == "error":
+                if error is not None:
+                    if isinstance(error, _discovery.Vanished | _resume.NoSuchShard):
+                        raise CheckpointNotFoundError(str(error)) from None
+                    raise error
+                raise _resume.error_from(chosen, verdict["failures"])
+            if kind == "fallback":
+                failures = verdict["failures"]
+                r, first = min(failures.items(), key=lambda kv: int(kv[0]))
+                _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
+                rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
+            # "retry": the choice was retired meanwhile; rank 0 looks again
+            del state
+        raise CheckpointNotFoundError(
+            f"no checkpoint under {self.root} stayed in place long enough to load ({_MAX_LOAD_ROUNDS} tries)"
+        )
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
@@ -621,24 +686,31 @@ def load(
     verify: bool = True,
     rank: int = 0,
 ) -> Any:
-    """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed)."""
-    if step is not None and (not _is_int(step) or step < 0):
-        raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+    """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed).
+
+    ``step=None`` loads the newest checkpoint that verifies: a corrupt newest one is logged
+    (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
+    ``CheckpointNotFoundError`` if it is missing or was retired while being read and
+    ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
+    only after the whole state has been read and verified. Needs no ownership of the root:
+    any number of readers may run while a job writes.
+    """
+    _check_step_arg(step)
     if not _is_int(rank) or rank < 0:
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
     root_s = os.fspath(root)
     if step is None:
-        info = _discovery.find_latest(root_s)
-        if info is None:
-            raise CheckpointNotFoundError(f"no complete checkpoint under {root_s}")
-        step = info.step
-    step_dir, manifest = _discovery.open_step(root_s, step)
-    if rank >= manifest.world_size:
-        raise CheckpointNotFoundError(f"step {step} was saved by {manifest.world_size} rank(s); no rank {rank}")
-    state = _load.load_rank(step_dir, manifest, rank, verify)
+        _, state = _resume.load_newest(root_s, rank=rank, verify=verify)
+    else:
+        state = _resume.load_step(root_s, step, rank=rank, verify=verify)
     if into is not None:
         _load.restore_into(into, state)
     return state
+
+
+def _check_step_arg(step: Any) -> None:
+    if step is not None and (not _is_int(step) or step < 0):
+        raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
 
 
 def _step_of(info: CheckpointInfo | None) -> int | None:

@@ -4,41 +4,78 @@ A step is complete when its directory has the committed name, its manifest parse
 passes its own checksum, and the directory holds exactly the files the manifest names,
 each a regular file of the recorded size. Checksums of the data are verified by the
 loader (and by ``verify``), not here, so listing stays cheap.
+
+Readers race the writer's retention (rename to ``.deleting-``, then removal) and need no
+lock for it:
+
+* a step directory is *pinned*: opened once as a directory handle, and the manifest, the
+  listing and every file are read relative to that handle, so one read sees one directory
+  even if it is renamed away meanwhile (and a retry of the step can never be mixed in);
+* a file or directory that went missing is told apart from damage by looking again: if
+  ``ROOT/step_N`` is no longer the directory that was pinned, the checkpoint was retired
+  (:class:`Vanished`, a ``CheckpointNotFoundError``), never "corrupt";
+* a listing is trusted to say "nothing" only when it is stable: a candidate that vanished
+  between ``listdir`` and its opening makes the scan list again (the newer checkpoint that
+  replaced it was committed before the old one was retired), and "no checkpoint" is only
+  answered after two identical listings.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import stat
+import time
+from types import TracebackType
 
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ._bounds import MAX_MANIFEST_BYTES
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._info import CheckpointInfo
-from ._layout import parse_step_dir, step_dir_name
-from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, decode
+from ._layout import parse_leftover, parse_step_dir, step_dir_name
+from ._manifest import MANIFEST, Manifest, decode
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+#: A scan that keeps seeing candidates vanish gives up after this long (and this many rounds).
+_SETTLE_S = 10.0
+_MIN_ROUNDS = 3
 
 
-def read_regular_file(path: str, limit: int) -> bytes:
-    """Read a regular file (never through a symlink) of at most ``limit`` bytes."""
+class Vanished(CheckpointNotFoundError):
+    """A checkpoint went away while it was being read (retired or replaced): not corrupt."""
+
+
+def _read_fd(fd: int, path: str, limit: int) -> bytes:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError("not a regular file", path)
+    if st.st_size > limit:
+        raise CheckpointCorruptError(f"file larger than {limit} bytes", path)
+    chunks = []
+    remaining = st.st_size
+    while remaining > 0:
+        b = os.read(fd, remaining)
+        if not b:
+            break
+        chunks.append(b)
+        remaining -= len(b)
+    return b"".join(chunks)
+
+
+def read_regular_file(path: str, limit: int, *, dir_fd: int | None = None, name: str | None = None) -> bytes:
+    """Read a regular file (never through a symlink) of at most ``limit`` bytes.
+
+    With ``dir_fd``, the file opened is ``name`` inside that directory (``path`` names it in
+    errors). ``OSError`` from opening propagates (the caller knows what a missing file
+    means); a FIFO, a device or a file over ``limit`` raises ``CheckpointCorruptError``.
+    """
     # O_NONBLOCK: a FIFO planted under the name must not block us (fstat rejects it below)
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    target = path if dir_fd is None or name is None else name
+    fd = os.open(target, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError("not a regular file", path)
-        if st.st_size > limit:
-            raise CheckpointCorruptError(f"file larger than {limit} bytes", path)
-        chunks = []
-        remaining = st.st_size
-        while remaining > 0:
-            b = os.read(fd, remaining)
-            if not b:
-                break
-            chunks.append(b)
-            remaining -= len(b)
-        return b"".join(chunks)
+        return _read_fd(fd, path, limit)
     finally:
         os.close(fd)
 
@@ -60,42 +97,151 @@ def read_manifest(step_dir: str) -> Manifest:
     return decode(raw, path)
 
 
+class PinnedStep:
+    """An open handle on one step directory, with its checked manifest.
+
+    Everything is read relative to the handle; :meth:`gone` tells a retired checkpoint
+    from a damaged one. Close it (or use it as a context manager).
+    """
+
+    def __init__(self, root: str, step: int, path: str, fd: int) -> None:
+        self.root, self.step, self.path, self.fd = root, step, path, fd
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.manifest: Manifest | None = None
+
+    def still_there(self) -> bool:
+        """Whether ``ROOT/step_N`` is still the very directory this handle holds."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
+
+    def gone(self, what: str) -> Vanished:
+        return Vanished(f"step {self.step} under {self.root} was retired or replaced while {what}")
+
+    def missing(self, name: str, what: str) -> CheckpointError:
+        """The error for ``name`` not being there: retired (Vanished) or damaged (corrupt)."""
+        if not self.still_there():
+            return self.gone(what)
+        return CheckpointCorruptError("file listed in the manifest is missing", os.path.join(self.path, name))
+
+    def open_file(self, name: str, size: int) -> int:
+        """Open ``name`` in the directory: a regular file of exactly ``size`` bytes, not a link."""
+        path = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise self.missing(name, f"it was being read ({name} is gone)") from None
+        except OSError as e:
+            raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> PinnedStep:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _load_manifest(self) -> Manifest:
+        path = os.path.join(self.path, MANIFEST)
+        try:
+            raw = read_regular_file(path, MAX_MANIFEST_BYTES, dir_fd=self.fd, name=MANIFEST)
+        except FileNotFoundError:
+            if not self.still_there():
+                raise self.gone("its manifest was being read") from None
+            raise CheckpointNotFoundError(f"{self.path} has no completion marker") from None
+        except OSError as e:
+            raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", path) from None
+        manifest = decode(raw, path)
+        if manifest.step != self.step:
+            raise CheckpointCorruptError(f"manifest is for step {manifest.step}", self.path)
+        return manifest
+
+    def _check_files(self, manifest: Manifest) -> None:
+        try:
+            present = set(os.listdir(self.fd))
+        except OSError as e:
+            raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", self.path) from None
+        expected = {f.name for f in manifest.files} | {MANIFEST}
+        lacking = expected - present
+        if lacking and not self.still_there():
+            raise self.gone("its files were being checked")
+        extra = present - expected
+        if extra:
+            raise CheckpointCorruptError(f"unexpected files {sorted(extra)[:5]}", self.path)
+        for f in manifest.files:
+            path = os.path.join(self.path, f.name)
+            try:
+                st = os.stat(f.name, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise self.missing(f.name, "its files were being checked") from None
+            except OSError as e:
+                raise CheckpointCorruptError(f"cannot stat ({e.strerror})", path) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError("not a regular file", path)
+            if st.st_size != f.size:
+                raise CheckpointCorruptError(f"size {st.st_size} != {f.size} recorded in the manifest", path)
+
+
+def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
+    """Open ``step``'s directory and check it is complete; the caller closes the result.
+
+    Raises ``CheckpointNotFoundError`` (no such directory, a symlink, no marker),
+    :class:`Vanished` (retired while being checked) or ``CheckpointCorruptError``.
+    """
+    root_s = os.fspath(root)
+    path = os.path.join(root_s, step_dir_name(step))
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlinked or non-directory step is not ours
+            raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}") from None
+        raise CheckpointCorruptError(f"cannot open checkpoint directory ({e.strerror})", path) from None
+    pinned = PinnedStep(root_s, step, path, fd)
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}")
+        manifest = pinned._load_manifest()
+        pinned._check_files(manifest)
+        pinned.manifest = manifest
+    except BaseException:
+        pinned.close()
+        raise
+    return pinned
+
+
 def check_files(step_dir: str, manifest: Manifest) -> None:
     """Check the directory holds exactly the manifest's files with the recorded sizes."""
     try:
-        present = set(os.listdir(step_dir))
+        fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", step_dir) from None
-    expected = {f.name for f in manifest.files} | {MANIFEST}
-    extra = present - expected
-    if extra:
-        raise CheckpointCorruptError(f"unexpected files {sorted(extra)[:5]}", step_dir)
-    for f in manifest.files:
-        path = os.path.join(step_dir, f.name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            raise CheckpointCorruptError("file listed in the manifest is missing", path) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError("not a regular file", path)
-        if st.st_size != f.size:
-            raise CheckpointCorruptError(f"size {st.st_size} != {f.size} recorded in the manifest", path)
+    pinned = PinnedStep(os.path.dirname(step_dir), manifest.step, step_dir, fd)
+    with pinned:
+        pinned._check_files(manifest)
 
 
 def open_step(root: str | os.PathLike[str], step: int) -> tuple[str, Manifest]:
     """Locate a step and check it is complete; return its directory and manifest."""
-    step_dir = os.path.join(os.fspath(root), step_dir_name(step))
-    try:
-        is_dir = stat.S_ISDIR(os.lstat(step_dir).st_mode)  # a symlinked step is not ours
-    except OSError:
-        is_dir = False
-    if not is_dir:
-        raise CheckpointNotFoundError(f"no checkpoint for step {step} under {os.fspath(root)}")
-    manifest = read_manifest(step_dir)
-    if manifest.step != step:
-        raise CheckpointCorruptError(f"manifest is for step {manifest.step}", step_dir)
-    check_files(step_dir, manifest)
-    return step_dir, manifest
+    with pin_step(root, step) as pinned:
+        assert pinned.manifest is not None
+        return pinned.path, pinned.manifest
 
 
 def info_for(step_dir: str, manifest: Manifest) -> CheckpointInfo:
@@ -108,12 +254,16 @@ def info_for(step_dir: str, manifest: Manifest) -> CheckpointInfo:
     )
 
 
-def candidate_steps(root: str | os.PathLike[str]) -> list[int]:
-    """Steps whose directory has the committed name, ascending (not yet checked)."""
+def _list_root(root: str) -> list[str]:
     try:
-        names = os.listdir(os.fspath(root))
-    except FileNotFoundError:
+        return os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as e:
+        raise CheckpointError(f"cannot list checkpoint root {root} ({e.strerror})") from None
+
+
+def _committed_steps(names: list[str]) -> list[int]:
     steps = []
     for name in names:
         step = parse_step_dir(name)
@@ -122,28 +272,80 @@ def candidate_steps(root: str | os.PathLike[str]) -> list[int]:
     return sorted(steps)
 
 
+def candidate_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Steps whose directory has the committed name, ascending (not yet checked)."""
+    return _committed_steps(_list_root(os.fspath(root)))
+
+
+def _scan(
+    root: str,
+    newest_only: bool,
+    exclude: frozenset[int] = frozenset(),
+    skipped: dict[int, CheckpointCorruptError] | None = None,
+) -> list[CheckpointInfo]:
+    """Complete checkpoints, newest first (only the newest with ``newest_only``).
+
+    Lists again whenever a candidate vanished while it was checked, and answers "none" only
+    from two identical listings, so a checkpoint that existed throughout is never missed
+    because retention replaced another one under the scan. Corrupt step directories passed
+    over on the way are put in ``skipped``.
+    """
+    previous: frozenset[str] | None = None
+    deadline = time.monotonic() + _SETTLE_S
+    rounds = 0
+    while True:
+        rounds += 1
+        names = _list_root(root)
+        listing = frozenset(n for n in names if parse_step_dir(n) is not None or parse_leftover(n) is not None)
+        found: list[CheckpointInfo] = []
+        vanished = False
+        for step in reversed(_committed_steps(names)):
+            if step in exclude:
+                continue
+            try:
+                with pin_step(root, step) as pinned:
+                    assert pinned.manifest is not None
+                    found.append(info_for(pinned.path, pinned.manifest))
+            except Vanished:
+                vanished = True
+                break  # the listing is stale: whatever replaced it is newer
+            except CheckpointNotFoundError:
+                continue
+            except CheckpointCorruptError as e:
+                if skipped is not None:
+                    skipped[step] = e
+                continue
+            if newest_only:
+                return found
+        settled = not vanished and (bool(found) or listing == previous)
+        if settled or (rounds >= _MIN_ROUNDS and time.monotonic() > deadline):
+            return found
+        previous = listing
+
+
 def complete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Every complete checkpoint under ``root``, ascending by step."""
-    out = []
-    for step in candidate_steps(root):
-        try:
-            step_dir, manifest = open_step(root, step)
-        except (CheckpointNotFoundError, CheckpointCorruptError):
-            continue
-        out.append(info_for(step_dir, manifest))
-    return out
+    return list(reversed(_scan(os.fspath(root), newest_only=False)))
+
+
+def newest_complete(
+    root: str | os.PathLike[str],
+    exclude: frozenset[int] = frozenset(),
+    skipped: dict[int, CheckpointCorruptError] | None = None,
+) -> CheckpointInfo | None:
+    """The newest complete checkpoint whose step is not in ``exclude``, or ``None``.
+
+    Corrupt step directories newer than the answer are put in ``skipped``.
+    """
+    found = _scan(os.fspath(root), newest_only=True, exclude=exclude, skipped=skipped)
+    return found[0] if found else None
 
 
 def find_latest(root: str | os.PathLike[str]) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``root``, or ``None`` if there is none.
 
-    Incomplete, corrupt-looking and leftover directories are skipped; this never raises
-    for what it finds on disk.
+    Incomplete, corrupt-looking and leftover directories are skipped. Safe against a
+    writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
+    across a stable listing. Raises ``CheckpointError`` only for a root it cannot list.
     """
-    for step in reversed(candidate_steps(root)):
-        try:
-            step_dir, manifest = open_step(root, step)
-        except (CheckpointNotFoundError, CheckpointCorruptError):
-            continue
-        return info_for(step_dir, manifest)
-    return None
+    return newest_complete(root)

@@ -17,6 +17,10 @@ from typing import Any
 ALIGN = 4096
 #: Readers reject headers larger than this (the safetensors reference limit).
 MAX_HEADER = 100 * 1024 * 1024
+#: Readers reject shards declaring more tensors than this (counted before parsing).
+MAX_TENSORS = 2**20
+#: JSON items one header entry may take (dict, dtype, shape dims, offsets) before parsing.
+_ITEMS_PER_TENSOR = 80
 
 #: Bytes per element of every safetensors dtype asyncckpt writes.
 ITEMSIZE: dict[str, int] = {
@@ -87,8 +91,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+_ENTRY_KEYS = {"dtype": 0, "shape": 0, "data_offsets": 0}.keys()
 
 
 def parse_header(prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
@@ -104,7 +107,16 @@ def parse_header(prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
         raise ValueError(f"declared header length {n} exceeds the file ({file_size} bytes)")
     if len(prefix) < 8 + n:
         raise ValueError("header truncated")
-    header = json.loads(prefix[8 : 8 + n].decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    text = prefix[8 : 8 + n]
+    # bounded before parsing: every entry is one JSON object, so "{" counts the tensors
+    if text.count(b"{") > MAX_TENSORS + 2:
+        raise ValueError(f"header declares more than {MAX_TENSORS} tensors")
+    if text.count(b",") + text.count(b"[") > _ITEMS_PER_TENSOR * (MAX_TENSORS + 2):
+        raise ValueError("header has too many JSON items")
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except MemoryError:
+        raise ValueError("header too large to parse in the memory available") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     return n, header
@@ -120,28 +132,33 @@ def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("__metadata__ must map str to str")
+    if len(header) > MAX_TENSORS + 1:
+        raise ValueError(f"header declares more than {MAX_TENSORS} tensors")
     slots: list[TensorSlot] = []
+    keys = _ENTRY_KEYS
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if type(entry) is not dict or entry.keys() != keys:
             raise ValueError(f"malformed header entry for {name!r}")
-        dtype = entry["dtype"] if isinstance(entry["dtype"], str) and entry["dtype"] in ITEMSIZE else None
+        dtype = entry["dtype"]
         shape, offs = entry["shape"], entry["data_offsets"]
-        if dtype is None:
-            raise ValueError(f"unknown dtype {entry['dtype']!r} for {name!r}")
-        if not (isinstance(shape, list) and all(_int(d) for d in shape) and len(shape) <= 64):
+        size = ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if size is None:
+            raise ValueError(f"unknown dtype {dtype!r} for {name!r}")
+        # type() is int: bool and int subclasses are not dimensions
+        if type(shape) is not list or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"malformed shape for {name!r}")
-        if math.prod(max(d, 1) for d in shape) * ITEMSIZE[dtype] >= 2**63:
+        if math.prod([d or 1 for d in shape]) * size >= 2**63:
             raise ValueError(f"shape of {name!r} is too large")  # even when one dim is 0
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_int(o) for o in offs)):
+        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int and o >= 0 for o in offs):
             raise ValueError(f"malformed data_offsets for {name!r}")
         begin, end = offs
         if not begin <= end <= data_len:
             raise ValueError(f"offsets of {name!r} fall outside the data section")
-        if math.prod(shape) * ITEMSIZE[dtype] != end - begin:
+        if math.prod(shape) * size != end - begin:
             raise ValueError(f"size of {name!r} does not match its shape and dtype")
-        if begin % ITEMSIZE[dtype]:
+        if begin % size:
             raise ValueError(f"{name!r} is not aligned to its element size")
         slots.append(TensorSlot(name, dtype, tuple(shape), begin, end))
     pos = 0

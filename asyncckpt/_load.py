@@ -1,9 +1,12 @@
 """Loading: read one rank's shard back, verify it, rebuild the state, restore in place.
 
 Nothing here unpickles. Every byte read is bounded by the sizes the manifest recorded and
-the file actually has; every defect becomes ``CheckpointCorruptError`` naming the file.
-Tensors are read straight into freshly allocated tensors with vectored reads, checksummed
-as they arrive.
+the file actually has, and by the limits of ``_bounds`` checked before anything is parsed or
+allocated; every defect becomes ``CheckpointCorruptError`` naming the file, and a state too
+large for this machine's memory a ``CheckpointError`` saying how much it needs. Tensors are
+read straight into freshly allocated tensors with vectored reads, checksummed as they
+arrive. :func:`load_pinned` reads through a pinned step directory (``_discovery``), so a
+checkpoint retired meanwhile is reported as gone, not as corrupt.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from typing import Any
 
 import torch
 
+from ._bounds import ITEM_BYTES, MAX_TREE_BYTES, MAX_TREE_ITEMS, check_memory, human, json_items
 from ._checksum import crc32c
-from ._discovery import read_regular_file
-from ._errors import CheckpointCorruptError
+from ._discovery import PinnedStep, read_regular_file
+from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
-from ._manifest import Manifest, shard_name, tree_name
+from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._structure import tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -116,10 +120,28 @@ def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str
     """
     fd = open_regular(path, size)
     try:
+        return read_shard_fd(fd, path, size, expected_crc)
+    finally:
+        os.close(fd)
+
+
+def _allocate(slots: list[TensorSlot], need: int, path: str) -> dict[str, torch.Tensor]:
+    check_memory(need, f"loading {len(slots)} tensors", path)
+    try:
+        return {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype]) for s in slots}
+    except (RuntimeError, MemoryError) as e:  # the allocator refused after all
+        raise CheckpointError(f"loading the shard needs {human(need)} of memory ({type(e).__name__}): {path}") from None
+
+
+def read_shard_fd(
+    fd: int, path: str, size: int, expected_crc: int | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`read_shard` on an open file (the caller closes it)."""
+    try:
         head, data_start, slots, header = read_header(fd, path, size)
         crc = crc32c(head) if expected_crc is not None else 0
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
-        tensors = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype]) for s in ordered}
+        tensors = _allocate(ordered, size - data_start, path)
         pieces: list[memoryview] = []
         for s in ordered:
             pieces.extend(_split(byte_view(tensors[s.name])))
@@ -133,38 +155,113 @@ def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str
         return tensors, meta
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
-    finally:
-        os.close(fd)
+    except MemoryError:
+        raise CheckpointError(f"not enough memory to read the shard: {path}") from None
 
 
-def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
-    """Read and parse one rank's structure file."""
-    try:
-        raw = read_regular_file(path, size)
-    except OSError as e:
-        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+def _check_tree_size(path: str, size: int) -> None:
+    if size > MAX_TREE_BYTES:
+        raise CheckpointCorruptError(f"structure file of {size} bytes exceeds the {human(MAX_TREE_BYTES)} limit", path)
+
+
+def parse_tree(raw: bytes, path: str, size: int, expected_crc: int | None) -> Any:
+    """Check and parse the bytes of a structure file: size, checksum, item count, memory, JSON."""
     if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
         raise CheckpointCorruptError("checksum mismatch", path)
+    items = json_items(raw)
+    if items > MAX_TREE_ITEMS:
+        raise CheckpointCorruptError(f"structure file has more than {MAX_TREE_ITEMS} JSON items", path)
+    # the text, its decoded copy, the parsed tree and the state rebuilt from it
+    check_memory(2 * len(raw) + 2 * items * ITEM_BYTES, "parsing the structure file", path)
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
+    except MemoryError:
+        raise CheckpointError(f"not enough memory to parse the structure file: {path}") from None
+
+
+def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
+    """Read and parse one rank's structure file (bounded: see ``_bounds``)."""
+    _check_tree_size(path, size)
+    try:
+        raw = read_regular_file(path, size)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+    return parse_tree(raw, path, size, expected_crc)
+
+
+def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str) -> Any:
+    try:
+        if sorted(tensor_names(tree)) != sorted(tensors):
+            raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+        return unflatten(tree, tensors)
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:
+        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    except MemoryError:
+        raise CheckpointError(f"not enough memory to rebuild the state: {tree_path}") from None
+
+
+def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
+    try:
+        f = manifest.file(name)
+    except CheckpointCorruptError:
+        raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(step_dir, MANIFEST)) from None
+    return f.name, f.size, f.crc32c
 
 
 def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any:
-    """Rebuild rank ``rank``'s saved state from a complete step directory."""
-    tree_file = manifest.file(tree_name(rank))
-    shard_file = manifest.file(shard_name(rank))
-    tree_path = os.path.join(step_dir, tree_file.name)
-    shard_path = os.path.join(step_dir, shard_file.name)
-    tree = read_tree(tree_path, tree_file.size, tree_file.crc32c if verify else None)
-    tensors, _ = read_shard(shard_path, shard_file.size, shard_file.crc32c if verify else None)
-    if sorted(tensor_names(tree)) != sorted(tensors):
-        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    """Rebuild rank ``rank``'s saved state from a complete step directory (by path)."""
+    tree_name_, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
+    shard_name_, shard_size, shard_crc = _listed(step_dir, manifest, shard_name(rank))
+    tree_path = os.path.join(step_dir, tree_name_)
+    shard_path = os.path.join(step_dir, shard_name_)
+    tree = read_tree(tree_path, tree_size, tree_crc if verify else None)
+    tensors, _ = read_shard(shard_path, shard_size, shard_crc if verify else None)
+    return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+def load_pinned(pinned: PinnedStep, rank: int, verify: bool) -> Any:
+    """Rebuild rank ``rank``'s state from a pinned, complete step directory.
+
+    Both files are opened before either is read, so a retirement that starts afterwards
+    cannot touch the read; one that removed a file first raises ``Vanished``.
+    """
+    manifest = pinned.manifest
+    assert manifest is not None
+    tree_name_, tree_size, tree_crc = _listed(pinned.path, manifest, tree_name(rank))
+    shard_name_, shard_size, shard_crc = _listed(pinned.path, manifest, shard_name(rank))
+    tree_path = os.path.join(pinned.path, tree_name_)
+    shard_path = os.path.join(pinned.path, shard_name_)
+    _check_tree_size(tree_path, tree_size)
+    tree_fd = pinned.open_file(tree_name_, tree_size)
     try:
-        return unflatten(tree, tensors)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+        shard_fd = pinned.open_file(shard_name_, shard_size)
+        try:
+            try:
+                raw = _read_all(tree_fd, tree_size)
+            except OSError as e:
+                raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", tree_path) from None
+            tree = parse_tree(raw, tree_path, tree_size, tree_crc if verify else None)
+            del raw
+            tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, shard_crc if verify else None)
+        finally:
+            os.close(shard_fd)
+    finally:
+        os.close(tree_fd)
+    return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks = []
+    pos = 0
+    while pos < size:
+        b = os.pread(fd, size - pos, pos)
+        if not b:
+            break
+        chunks.append(b)
+        pos += len(b)
+    return b"".join(chunks)
 
 
 def restore_into(target: Any, loaded: Any, path: str = "") -> None:

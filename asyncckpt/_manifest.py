@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ._bounds import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, MAX_MANIFEST_ITEMS, json_items
 from ._checksum import crc32c
 from ._errors import CheckpointCorruptError
 
@@ -20,8 +21,6 @@ MANIFEST = "manifest.json"
 FORMAT = "asyncckpt/1"
 #: Names a manifest may list: plain file names inside the step directory, nothing else.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-#: Manifests larger than this are refused unread (hostile files must not exhaust memory).
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 
 def shard_name(rank: int) -> str:
@@ -53,12 +52,17 @@ class Manifest:
     created: float
     files: tuple[FileEntry, ...]
     extra: dict[str, Any]
+    _by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {f.name: f for f in self.files})
 
     def file(self, name: str) -> FileEntry:
-        for f in self.files:
-            if f.name == name:
-                return f
-        raise CheckpointCorruptError(f"manifest does not list {name}")
+        """The entry of ``name`` (``CheckpointCorruptError`` if the manifest does not list it)."""
+        f = self._by_name.get(name)
+        if f is None:
+            raise CheckpointCorruptError(f"manifest does not list {name}")
+        return f
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -97,30 +101,49 @@ def _uint(v: Any) -> bool:
 
 
 def decode(raw: bytes, path: str) -> Manifest:
-    """Parse and check a manifest; any defect raises ``CheckpointCorruptError`` naming ``path``."""
+    """Parse and check a manifest; any defect raises ``CheckpointCorruptError`` naming ``path``.
+
+    Bounded before parsing (size, JSON item count) and checked for consistency: every file
+    belongs to a rank below ``world_size`` and every rank has a file, so nothing that walks
+    the ranks can be sent on a walk of 10**12 of them. Unknown top-level fields are kept
+    under the seal (a newer writer may add them) and ignored.
+    """
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", path)
+    if json_items(raw) > MAX_MANIFEST_ITEMS:
+        raise CheckpointCorruptError(f"manifest has more than {MAX_MANIFEST_ITEMS} JSON items", path)
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(f"manifest is not valid JSON ({e})", path) from None
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        raise CheckpointCorruptError(f"manifest is not valid JSON ({type(e).__name__}: {e})", path) from None
     if not isinstance(doc, dict) or "checksum" not in doc:
         raise CheckpointCorruptError("manifest has no checksum", path)
     seal = doc.pop("checksum")
-    if not _uint(seal) or crc32c(_canonical(doc)) != seal:
+    try:
+        canonical = _canonical(doc)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
+    if not _uint(seal) or crc32c(canonical) != seal:
         raise CheckpointCorruptError("manifest checksum mismatch", path)
-    if raw != json.dumps(dict(doc, checksum=seal), sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n":
-        raise CheckpointCorruptError("manifest is not in canonical form", path)
     if doc.get("format") != FORMAT:
         raise CheckpointCorruptError(f"unknown manifest format {doc.get('format')!r}", path)
     try:
+        entries = doc["files"]
+        if not isinstance(entries, list) or len(entries) > MAX_MANIFEST_FILES:
+            raise ValueError(f"files must be a list of at most {MAX_MANIFEST_FILES} entries")
         files = []
         names = set()
-        for f in doc["files"]:
+        ranks = set()
+        for f in entries:
             name, size, crc, rank = f["name"], f["size"], f["crc32c"], f["rank"]
             if not (isinstance(name, str) and _SAFE_NAME.match(name) and name != MANIFEST):
                 raise ValueError(f"unsafe file name {name!r}")
             if name in names or not (_uint(size) and _uint(crc) and _uint(rank)):
                 raise ValueError(f"bad entry for {name!r}")
+            if size >= 2**63 or crc >= 2**32:
+                raise ValueError(f"bad entry for {name!r}")
             names.add(name)
+            ranks.add(rank)
             files.append(FileEntry(name, size, crc, rank))
         step, attempt, ws, nbytes = doc["step"], doc["attempt"], doc["world_size"], doc["nbytes"]
         created, extra = doc["created"], doc["extra"]
@@ -128,7 +151,15 @@ def decode(raw: bytes, path: str) -> Manifest:
             raise ValueError("bad header fields")
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not isinstance(extra, dict):
             raise ValueError("bad header fields")
+        if step >= 2**63:
+            raise ValueError(f"step {step} is beyond 2**63 - 1")
+        # ranks are distinct ints >= 0: all below ws and ws of them is exactly range(ws)
+        if len(ranks) != ws or max(ranks, default=-1) >= ws:
+            raise ValueError(f"world_size {ws} does not match the ranks of the files listed")
         created = float(created)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
+    # last, as the dearest check: the bytes must be exactly what encode() writes
+    if raw != json.dumps(dict(doc, checksum=seal), sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n":
+        raise CheckpointCorruptError("manifest is not in canonical form", path)
     return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra)
