@@ -436,9 +436,12 @@ def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[lis
     shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
     tree = read_structure(tree_path, tree_size, tree_crc)
     slots = read_shard_slots(shard_path, shard_size)
-    entries, missing = _outline(tree, slots, tree_path)
+    entries, missing, referenced = _outline(tree, slots, tree_path)
     if missing:
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}", shard_path)
+    if referenced is not None and referenced != set(slots):
+        extra = sorted(set(slots) - referenced)
+        raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_path)
     return entries, slots
 
 
@@ -509,14 +512,20 @@ def _tensor_refs(node: Any) -> Iterator[str]:
                 stack.extend(n.values())
 
 
-def _outline(tree: Any, slots: dict[str, TensorSlot], path_for_errors: str) -> tuple[list[Entry], list[str]]:
+def _outline(
+    tree: Any, slots: dict[str, TensorSlot], path_for_errors: str
+) -> tuple[list[Entry], list[str], set[str] | None]:
+    """Entries, referenced tensors the shard lacks, and every tensor referenced (``None`` when
+    the tree holds a type this module does not decode, whose references it cannot know)."""
     out: list[Entry] = []
     missing: list[str] = []
+    referenced: set[str] | None = set()
 
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(what, path_for_errors)
 
     def walk(node: Any, path: tuple[str | int, ...], label: str, depth: int) -> None:
+        nonlocal referenced
         if depth > MAX_DEPTH:
             raise bad(f"structure nested deeper than {MAX_DEPTH} levels")
         if _is_scalar_node(node):
@@ -538,6 +547,8 @@ def _outline(tree: Any, slots: dict[str, TensorSlot], path_for_errors: str) -> t
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
             elif tag == "$tensor" and isinstance(val, str):
                 s = slots.get(val)
+                if referenced is not None:
+                    referenced.add(val)
                 if s is None:
                     missing.append(val)
                     return
@@ -557,6 +568,7 @@ def _outline(tree: Any, slots: dict[str, TensorSlot], path_for_errors: str) -> t
                 # another stored type (OrderedDict, numpy, datetime, ...): shown as stored; the
                 # tensors it refers to still have to be in the shard
                 missing.extend(r for r in _tensor_refs(val) if r not in slots)
+                referenced = None
                 out.append(Entry(path, depth, label, tag[1:], value=val))
                 return
             else:
@@ -571,7 +583,7 @@ def _outline(tree: Any, slots: dict[str, TensorSlot], path_for_errors: str) -> t
 
     is_root_dict = isinstance(tree, dict) and len(tree) == 1 and "$dict" in tree
     walk(tree, (), "<root>", -1 if is_root_dict else 0)
-    return out, missing
+    return out, missing, referenced
 
 
 def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
@@ -580,7 +592,7 @@ def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
     A dict at the top level is shown by its keys (no line for the root itself). Raises
     ``CheckpointCorruptError`` on a malformed node or a tensor the shard lacks.
     """
-    entries, missing = _outline(tree, slots, "<structure>")
+    entries, missing, _ = _outline(tree, slots, "<structure>")
     if missing:
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}")
     return entries

@@ -14,6 +14,8 @@ from ._print import dump_json, human_age, human_bytes, say
 
 #: Containers of plain values longer than this are shown on one abbreviated line (``--full``: all).
 SHOWN_ITEMS = 8
+#: Children shown of any other container (``--full``: all).
+SHOWN_CHILDREN = 100
 _VALUE_WIDTH = 72
 
 
@@ -61,14 +63,28 @@ def describe(e: Entry) -> str:
 
 
 def lines(entries: list[Entry], full: bool) -> list[tuple[str, str]]:
-    """(label, description) rows; a long container of plain values becomes one line unless ``full``."""
+    """(label, description) rows, abbreviated unless ``full``.
+
+    A long container of plain values (an RNG state) becomes one line with its first items;
+    any other container shows its first :data:`SHOWN_CHILDREN` children and a count of the rest.
+    """
     out: list[tuple[str, str]] = []
     skip_below: int | None = None
+    open_: list[list[int]] = []  # [depth, children seen] of the containers around the current entry
     for i, e in enumerate(entries):
         if skip_below is not None:
             if e.depth > skip_below:
                 continue
             skip_below = None
+        while open_ and open_[-1][0] >= e.depth:
+            depth, seen = open_.pop()
+            if not full and seen > SHOWN_CHILDREN:
+                out.append(("  " * max(depth + 1, 0) + "...", f"{seen - SHOWN_CHILDREN} more (--full shows all)"))
+        if open_ and open_[-1][0] == e.depth - 1:
+            open_[-1][1] += 1
+            if not full and open_[-1][1] > SHOWN_CHILDREN:
+                skip_below = e.depth
+                continue
         label = "  " * max(e.depth, 0) + e.label
         if not full and e.scalars and (e.length or 0) > SHOWN_ITEMS:
             items = [_value_repr(c.value, 24) for c in entries[i + 1 : i + 1 + SHOWN_ITEMS]]
@@ -77,6 +93,12 @@ def lines(entries: list[Entry], full: bool) -> list[tuple[str, str]]:
             skip_below = e.depth
             continue
         out.append((label, describe(e)))
+        if e.length is not None:
+            open_.append([e.depth, 0])
+    while open_:
+        depth, seen = open_.pop()
+        if not full and seen > SHOWN_CHILDREN:
+            out.append(("  " * max(depth + 1, 0) + "...", f"{seen - SHOWN_CHILDREN} more (--full shows all)"))
     return out
 
 
