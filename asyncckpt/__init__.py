@@ -5,10 +5,17 @@ buffers; a background writer thread (one asyncio loop) writes safetensors shards
 them, and commits a checksummed manifest atomically. Failures reach the caller on the
 handle, at the next ``save()``, and at ``flush()``/``close()``. ``find_latest()`` and
 ``load()`` resume from the newest complete checkpoint.
+
+The names below are imported on first use (PEP 562), so ``import asyncckpt`` and the
+torch-free parts (:mod:`asyncckpt.reading`, the ``asyncckpt`` command) never import torch
+until a torch-backed name such as ``Checkpointer`` or ``load`` is touched.
 """
 
-from ._checkpointer import Checkpointer, load
-from ._discovery import find_latest
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -17,11 +24,41 @@ from ._errors import (
     SaveError,
     SaveTimeoutError,
 )
-from ._handle import SaveHandle
-from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from ._lifecycle import SaveState
+
+if TYPE_CHECKING:
+    from ._checkpointer import Checkpointer, load
+    from ._discovery import find_latest
+    from ._handle import SaveHandle
+    from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
+    from ._lifecycle import SaveState
 
 __version__ = "0.1.0"
+
+#: Public name -> the private module that defines it (imported when first asked for).
+_LAZY = {
+    "Checkpointer": "._checkpointer",
+    "load": "._checkpointer",
+    "find_latest": "._discovery",
+    "SaveHandle": "._handle",
+    "CheckpointerStatistics": "._info",
+    "CheckpointInfo": "._info",
+    "SaveStatistics": "._info",
+    "SaveState": "._lifecycle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointCorruptError",

@@ -1,8 +1,8 @@
-"""``python -m asyncckpt``: the command line (see :mod:`asyncckpt._cli`)."""
+"""``python -m asyncckpt``: the command line (see :mod:`asyncckpt.cli`)."""
 
 from __future__ import annotations
 
-from ._cli import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

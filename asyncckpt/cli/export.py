@@ -1,0 +1,188 @@
+"""``asyncckpt export``: one rank's tensors as a flat name->tensor .safetensors or .pt file.
+
+The only command that imports torch, and only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._layout import parse_leftover, parse_step_dir
+from .._storage import DEFAULT_OPS
+from ..reading import resolve_step
+from ._args import DataError, UsageError, add_step, command, non_negative_int
+from ._print import PROG, dump_json, human_bytes, say
+
+if TYPE_CHECKING:
+    import torch
+
+#: Output suffixes ``export`` understands; ``.safetensors`` selects safetensors, the rest torch.save.
+SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+def _export_path(text: str) -> str:
+    if not text.lower().endswith(SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{text!r} must end in .safetensors, .pt or .pth")
+    return text
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = command(
+        sub,
+        "export",
+        "write one rank's tensors to a single .safetensors or .pt file",
+        "Write the tensors of one rank (default 0) of a step (default: the newest complete) as\n"
+        "one flat name->tensor file for other tools: .safetensors (read by\n"
+        "safetensors.torch.load_file and Hugging Face loaders) or .pt/.pth (a torch.save of the\n"
+        "dict, loadable with torch.load(weights_only=True)). Names are the dotted key paths; --key\n"
+        "keeps only the subtree under a key and strips that prefix (model.layer.weight becomes\n"
+        "layer.weight). Non-tensor values are skipped. The data is verified while it is read; the\n"
+        "output is written atomically.",
+        "  asyncckpt export ckpt/ --to all.safetensors\n"
+        "  asyncckpt export ckpt/ --step 300 --key model --to model.safetensors\n"
+        "  asyncckpt export ckpt/ --step 300 --key model --to model.pt",
+    )
+    add_step(p, "export")
+    p.add_argument("--key", metavar="KEY", help="export only the subtree under this dotted key, prefix stripped")
+    p.add_argument("--rank", type=non_negative_int, default=0, metavar="R", help="the rank to export (default: 0)")
+    p.add_argument(
+        "--to", type=_export_path, required=True, metavar="OUT", help="output file: *.safetensors, *.pt or *.pth"
+    )
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    return p
+
+
+def named_tensors(state: Any) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Flatten a loaded state into ``(dotted name, tensor)`` pairs in saved order, and the skipped names."""
+    import torch
+
+    tensors: list[tuple[str, torch.Tensor]] = []
+    skipped: list[str] = []
+    stack: list[tuple[Any, tuple[str, ...]]] = [(state, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, torch.Tensor):
+            tensors.append((".".join(path) if path else "_", node))
+        elif isinstance(node, dict):
+            stack.extend(reversed([(v, (*path, str(k))) for k, v in node.items()]))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed([(v, (*path, str(i))) for i, v in enumerate(node)]))
+        else:
+            skipped.append(".".join(path) if path else "_")
+    return tensors, skipped
+
+
+def select_key(tensors: list[tuple[str, torch.Tensor]], key: str | None) -> dict[str, torch.Tensor]:
+    """The tensors under dotted prefix ``key`` with the prefix stripped (all of them when ``None``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if key is None:
+            new = name
+        elif name.startswith(key + "."):
+            new = name[len(key) + 1 :]
+        elif name == key:
+            raise UsageError(f"--key {key} names a single tensor, not a subtree; use its parent key")
+        else:
+            continue
+        if new in out:
+            raise DataError(f"two tensors would both be named {new!r} in the exported file")
+        out[new] = t
+    if not out:
+        from .._errors import CheckpointNotFoundError
+
+        tops = sorted({n.split(".", 1)[0] for n, _ in tensors})
+        hint = f" (top-level keys with tensors: {', '.join(tops[:10])})" if tops else ""
+        raise CheckpointNotFoundError(f"no tensors under key {key!r}{hint}")
+    return out
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as one safetensors file (``format: pt`` metadata) at ``path``, fsynced."""
+    from .._format import plan_layout
+    from .._load import byte_view
+
+    layout = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {"format": "pt"})
+    with open(path, "xb") as f:
+        f.write(layout.header)
+        for s in layout.slots:
+            f.write(byte_view(tensors[s.name].detach().cpu().contiguous()))
+        f.flush()
+        if f.tell() != layout.file_size:
+            raise OSError(f"wrote {f.tell()} bytes, expected {layout.file_size}")
+        os.fsync(f.fileno())
+
+
+def write_torch(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``), fsynced."""
+    import torch
+
+    with open(path, "xb") as f:
+        torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write(dest: str, writer: Callable[[str], None], force: bool) -> None:
+    """Have ``writer`` fill a temporary file beside ``dest``, then rename it into place."""
+    if os.path.lexists(dest) and not force:
+        raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
+    parent = os.path.dirname(os.path.abspath(dest))
+    tmp = os.path.join(parent, f".{os.path.basename(dest)}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        writer(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    DEFAULT_OPS.fsync_dir(parent)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write one rank's tensors (or those under ``--key``) of a step as a flat name->tensor file."""
+    dest: str = args.to
+    if os.path.lexists(dest) and not args.force:
+        raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
+    inside = os.path.basename(parent)
+    if os.path.dirname(parent) == os.path.realpath(args.root) and (
+        parse_step_dir(inside) is not None or parse_leftover(inside) is not None
+    ):
+        raise UsageError(f"refusing to write into {inside}: an extra file there makes the checkpoint incomplete")
+    _, manifest = resolve_step(args.root, args.step)
+    if args.rank >= manifest.world_size:
+        raise DataError(
+            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
+        )
+    from .._checkpointer import load  # torch: only this command needs it
+
+    state = load(args.root, manifest.step, rank=args.rank, verify=True)
+    pairs, skipped = named_tensors(state)
+    tensors = select_key(pairs, args.key)
+    if args.key is not None:
+        skipped = [s for s in skipped if s.startswith(args.key + ".")]
+    writer = write_safetensors if dest.lower().endswith(".safetensors") else write_torch
+    _atomic_write(dest, lambda p: writer(p, tensors), args.force)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if args.json:
+        dump_json(
+            {"path": os.path.abspath(dest), "step": manifest.step, "rank": args.rank, "key": args.key,
+             "tensors": len(tensors), "nbytes": nbytes, "skipped": skipped}
+        )  # fmt: skip
+        return 0
+    where = f" under {args.key!r}" if args.key is not None else ""
+    say(
+        f"wrote {len(tensors)} tensor(s){where}, {human_bytes(nbytes)}, of step {manifest.step} "
+        f"rank {args.rank} to {dest}"
+    )
+    if skipped:
+        shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        say(f"{PROG}: note: skipped {len(skipped)} non-tensor value(s): {shown}", sys.stderr)
+    return 0

@@ -1,0 +1,60 @@
+"""``asyncckpt ls``: one row per step directory, complete or not."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ..reading import scan
+from ._args import command
+from ._print import PROG, dump_json, human_age, human_bytes, say, table
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    return command(
+        sub,
+        "ls",
+        "list every step directory, complete or not",
+        "List every step directory under ROOT, oldest first: complete checkpoints, those a\n"
+        "verification found bad, incomplete ones (and why: no completion marker, corrupt\n"
+        "manifest, size mismatch, ...) and leftovers of crashed save attempts or interrupted\n"
+        "retirements, with their size, number of files (manifest included), ranks and age.\n"
+        "'complete' means exactly what load() would accept.",
+        "  asyncckpt ls ckpt/\n  asyncckpt ls ckpt/ --json | jq '.[] | select(.complete) | .step'",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one row per step directory (newest last); ``--json`` prints a JSON list."""
+    root: str = args.root
+    dirs = scan(root)
+    now = time.time()
+    if args.json:
+        dump_json([d.as_json(now) for d in dirs])
+        return 0
+    if not dirs:
+        say(f"{PROG}: no step directories under {root}", sys.stderr)
+        return 0
+    rows = []
+    for d in dirs:
+        since = d.created if d.created is not None else d.modified
+        note = d.reason or ""
+        if d.bad is not None:
+            note = f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}"
+        rows.append(
+            [
+                str(d.step),
+                d.status,
+                human_bytes(d.size),
+                str(d.files),
+                "?" if d.ranks is None else str(d.ranks),
+                human_age(now - since),
+                d.name,
+                note,
+            ]
+        )
+    for line in table(["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "NOTE"], rows):
+        say(line)
+    return 0

@@ -1,0 +1,704 @@
+"""What is on disk under a checkpoint root, read without torch.
+
+The one reading layer that the ``asyncckpt`` command and tools stand on: which step
+directories exist and in what state (complete, incomplete and why, a leftover, found bad by
+an earlier verification), their files, sizes and checksums, and the key tree one rank saved.
+Completeness is decided by the library's own discovery (:func:`find_latest`,
+:func:`open_step`), so what this module calls complete is exactly what ``load()`` resumes
+from. Manifests, shard headers and structure files are parsed by the same bounded parsers
+the loader uses (``_manifest``, ``_header``); nothing here imports torch or unpickles.
+
+Every defect of a file becomes a :class:`~asyncckpt.CheckpointCorruptError` naming it; one bad
+step never stops :func:`scan` from describing the others.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._badmarks import bad_mark, record_bad
+from ._checksum import crc32c
+from ._discovery import candidate_steps, check_files, complete_checkpoints, find_latest, open_step, read_manifest
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._header import MAX_HEADER, TORCH_NAME, TensorSlot, parse_header, validate_header
+from ._layout import META_DIR, parse_leftover, parse_step_dir, step_dir_name
+from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+
+__all__ = [
+    "Entry",
+    "Problem",
+    "StepDir",
+    "candidate_steps",
+    "check_files",
+    "complete_checkpoints",
+    "file_crc",
+    "find_latest",
+    "local_time",
+    "open_step",
+    "outline",
+    "read_manifest",
+    "read_rank_outline",
+    "read_shard_slots",
+    "read_structure",
+    "resolve_step",
+    "scan",
+    "step_bytes",
+    "timestamp",
+    "usage",
+    "verify_step",
+]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: Bytes read per call while recomputing checksums (memory use stays at one chunk).
+VERIFY_CHUNK = 8 * 1024 * 1024
+#: Structure files larger than this are refused unread (no real state comes near it).
+MAX_STRUCTURE_BYTES = 256 * 1024 * 1024
+#: Outlines deeper than this are refused (hostile files must not exhaust the stack).
+MAX_DEPTH = 200
+#: A ``created`` time outside this range (seconds since the epoch) is shown as unknown.
+_TIME_RANGE = (0.0, 2.0**33)
+
+#: Tags this module decodes itself; any other ``$tag`` node is shown as stored.
+_CORE_TAGS = frozenset({"$dict", "$tuple", "$tensor", "$float", "$bytes"})
+
+Status = Literal["complete", "incomplete", "bad"]
+
+
+def timestamp(value: float | None) -> float | None:
+    """``value`` if it is a plausible wall-clock time, else ``None`` (NaN, inf, 1e300, negative)."""
+    if value is None or not math.isfinite(value) or not _TIME_RANGE[0] <= value < _TIME_RANGE[1]:
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------------- step directories
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """One step-like directory under a root.
+
+    ``complete`` is true exactly when the library would load the step; ``bad`` then holds
+    the verification mark (``path``, ``reason``, ``time``) if someone found its checksums
+    wrong. ``problem`` is a stable code (``no-marker``, ``corrupt-manifest``,
+    ``step-mismatch``, ``unexpected-file``, ``missing-file``, ``not-regular-file``,
+    ``size-mismatch``, ``not-a-directory``, ``non-canonical-name``, ``save-leftover``,
+    ``retire-leftover``, ``unreadable``) and ``reason`` its explanation; both ``None`` for
+    complete steps. ``files`` counts the files in the directory (the manifest included) and
+    ``size`` their bytes; ``ranks`` comes from the manifest, else from the rank file names.
+    ``created`` is ``None`` when unknown or implausible; ``modified`` is the newest mtime.
+    """
+
+    step: int
+    name: str
+    path: str
+    complete: bool
+    problem: str | None
+    reason: str | None
+    size: int
+    files: int
+    ranks: int | None
+    created: float | None
+    modified: float
+    attempt: str | None = None
+    bad: dict[str, object] | None = None
+
+    @property
+    def status(self) -> Status:
+        """``complete``, ``incomplete``, or ``bad`` (complete, but marked bad by a verification)."""
+        if not self.complete:
+            return "incomplete"
+        return "bad" if self.bad is not None else "complete"
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """The row as a JSON-ready dict (``age_s`` measured from ``now``)."""
+        since = self.created if self.created is not None else self.modified
+        return {
+            "step": self.step,
+            "name": self.name,
+            "path": os.path.abspath(self.path),
+            "status": self.status,
+            "complete": self.complete,
+            "problem": self.problem,
+            "reason": self.reason,
+            "bad": self.bad,
+            "size": self.size,
+            "files": self.files,
+            "ranks": self.ranks,
+            "attempt": self.attempt,
+            "created": self.created,
+            "modified": self.modified,
+            "age_s": round(now - since, 3),
+        }
+
+
+@dataclass(frozen=True)
+class _Usage:
+    size: int
+    files: int
+    ranks: int | None
+    modified: float
+
+
+def _rank_of(name: str) -> int | None:
+    for suffix in (".safetensors", ".json"):
+        if name.startswith("rank") and name.endswith(suffix):
+            digits = name[4 : -len(suffix)]
+            if len(digits) == 5 and digits.isdigit() and digits.isascii():
+                return int(digits)
+    return None
+
+
+def usage(path: str) -> _Usage:
+    """Bytes, file count, ranks (from rank file names) and newest mtime of ``path``; never follows links."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return _Usage(st.st_size if stat.S_ISREG(st.st_mode) else 0, 1, None, st.st_mtime)
+    size, files, newest = 0, 0, st.st_mtime
+    ranks: set[int] = set()
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                files += 1
+                rank = _rank_of(entry.name)
+                if rank is not None:
+                    ranks.add(rank)
+                try:
+                    est = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                newest = max(newest, est.st_mtime)
+                if stat.S_ISREG(est.st_mode):
+                    size += est.st_size
+    except OSError:
+        pass
+    return _Usage(size, files, len(ranks) or None, newest)
+
+
+def _short(e: CheckpointError) -> str:
+    """The message of ``e`` without the trailing ``: path`` the library appends."""
+    msg = str(e)
+    path = getattr(e, "path", None)
+    if path and msg.endswith(f": {path}"):
+        msg = msg[: -len(path) - 2]
+    return msg
+
+
+def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
+    """Why the files of ``step_dir`` do not match ``manifest`` (the library's order of checks)."""
+    try:
+        present = set(os.listdir(step_dir))
+    except OSError as e:
+        return "unreadable", f"cannot list the directory ({e.strerror})"
+    extra = sorted(present - {f.name for f in manifest.files} - {MANIFEST})
+    if extra:
+        return "unexpected-file", f"unexpected file(s) not in the manifest: {', '.join(extra[:5])}"
+    for f in manifest.files:
+        try:
+            st = os.lstat(os.path.join(step_dir, f.name))
+        except OSError:
+            return "missing-file", f"{f.name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return "not-regular-file", f"{f.name} is not a regular file"
+        if st.st_size != f.size:
+            return "size-mismatch", f"size mismatch: {f.name} is {st.st_size} bytes, the manifest says {f.size}"
+    return "unreadable", "the files do not match the manifest"
+
+
+def _examine_committed(root: str, name: str, step: int) -> StepDir:
+    """Classify a directory with a committed-looking name; the verdict is ``open_step``'s."""
+    path = os.path.join(root, name)
+    use = usage(path)
+    manifest: Manifest | None = None
+    problem: str | None = None
+    reason: str | None = None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        problem, reason = "not-a-directory", "a symbolic link (the library never follows one)"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem, reason = "not-a-directory", "not a directory"
+    elif name != step_dir_name(step):
+        problem, reason = "non-canonical-name", f"not the canonical name {step_dir_name(step)}; the library ignores it"
+    else:
+        try:
+            _, manifest = open_step(root, step)
+        except CheckpointNotFoundError:
+            problem, reason = "no-marker", "no completion marker (manifest.json is missing)"
+        except CheckpointCorruptError as e:
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError as me:
+                problem, reason = "corrupt-manifest", f"corrupt manifest: {_short(me)}"
+            else:
+                if manifest.step != step:
+                    problem, reason = "step-mismatch", f"the manifest is for step {manifest.step}"
+                else:
+                    problem, reason = _diagnose_files(path, manifest)
+                    if problem == "unreadable":
+                        reason = _short(e)
+    mark = bad_mark(root, step, manifest.attempt) if manifest is not None and problem is None else None
+    return StepDir(
+        step=step,
+        name=name,
+        path=path,
+        complete=problem is None,
+        problem=problem,
+        reason=reason,
+        size=use.size,
+        files=use.files,
+        ranks=manifest.world_size if manifest is not None else use.ranks,
+        created=timestamp(manifest.created) if manifest is not None else None,
+        modified=use.modified,
+        attempt=manifest.attempt if manifest is not None else None,
+        bad=mark,
+    )
+
+
+def _examine_leftover(root: str, name: str, step: int) -> StepDir:
+    """Describe an in-progress (``.tmp-``) or retiring (``.deleting-``) directory."""
+    path = os.path.join(root, name)
+    use = usage(path)
+    if ".tmp-" in name:
+        problem, reason = "save-leftover", "leftover of a crashed save attempt (or a save still in progress)"
+    else:
+        problem, reason = "retire-leftover", "leftover of an interrupted retirement (being deleted)"
+    return StepDir(step, name, path, False, problem, reason, use.size, use.files, use.ranks, None, use.modified)
+
+
+def _examine(root: str, name: str) -> StepDir | None:
+    step = parse_step_dir(name)
+    if step is not None:
+        return _examine_committed(root, name, step)
+    step = parse_leftover(name)
+    if step is not None:
+        return _examine_leftover(root, name, step)
+    return None
+
+
+def scan(root: str) -> list[StepDir]:
+    """Every step directory under ``root`` (complete, incomplete, leftovers), oldest step first.
+
+    Names that are not step-like (and the root's ``.asyncckpt`` metadata) are ignored. A
+    directory that cannot be read is reported as ``unreadable``, never raised, so one bad
+    step never hides the others. Raises ``CheckpointNotFoundError`` if ``root`` is not a
+    directory.
+    """
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"{root} is not a directory") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot list {root} ({e.strerror})") from None
+    out: list[StepDir] = []
+    for name in names:
+        if name == META_DIR:
+            continue
+        try:
+            d = _examine(root, name)
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except (OSError, CheckpointError, ValueError, OverflowError, RecursionError, MemoryError) as e:
+            step = parse_step_dir(name)
+            step = parse_leftover(name) if step is None else step
+            if step is None:
+                continue
+            d = StepDir(step, name, os.path.join(root, name), False, "unreadable", f"cannot examine ({e})", 0, 0, None,
+                        None, 0.0)  # fmt: skip
+        if d is not None:
+            out.append(d)
+    out.sort(key=lambda d: (d.step, d.complete, d.modified, d.name))
+    return out
+
+
+def resolve_step(root: str, step: int | None) -> tuple[str, Manifest]:
+    """The directory and manifest of complete ``step``, or of the newest complete one when ``None``.
+
+    Raises ``CheckpointNotFoundError`` when there is no such (or no) complete checkpoint.
+    """
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"{root} is not a directory")
+    if step is None:
+        info = find_latest(root)
+        if info is None:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {root}")
+        step = info.step
+    return open_step(root, step)
+
+
+# ---------------------------------------------------------------------------- files of one step
+
+
+def _open_regular(path: str, size: int) -> int:
+    """Open a regular file of exactly ``size`` bytes, never through a link or a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    chunks: list[bytes] = []
+    while n > 0:
+        b = os.pread(fd, n, offset)
+        if not b:
+            raise CheckpointCorruptError("file ended early", path)
+        chunks.append(b)
+        n -= len(b)
+        offset += len(b)
+    return b"".join(chunks)
+
+
+def read_shard_slots(path: str, size: int) -> dict[str, TensorSlot]:
+    """The tensors a safetensors shard of ``size`` bytes declares, from its header alone.
+
+    Uses the loader's header parser and validation (bounded by ``MAX_HEADER``). Raises
+    ``CheckpointCorruptError`` naming ``path`` if the header is unreadable or does not tile
+    the data section exactly.
+    """
+    fd = _open_regular(path, size)
+    try:
+        prefix = _pread_exact(fd, 8, 0, path) if size >= 8 else b""
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if n < 0 or n > MAX_HEADER or n > size - 8:
+            raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
+        head = prefix + _pread_exact(fd, n, 8, path)
+        _, header = parse_header(head, size)
+        if (8 + n) % 8:
+            raise ValueError("data section is not 8-byte aligned")
+        return {s.name: s for s in validate_header(header, size - 8 - n)}
+    except (ValueError, UnicodeDecodeError, RecursionError, OverflowError, MemoryError) as e:
+        raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+
+
+def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
+    """One rank's structure file (the JSON key tree), checksum verified when ``expected_crc`` is given."""
+    if size > MAX_STRUCTURE_BYTES:
+        raise CheckpointCorruptError(f"structure file of {size} bytes exceeds the {MAX_STRUCTURE_BYTES} limit", path)
+    fd = _open_regular(path, size)
+    try:
+        raw = _pread_exact(fd, size, 0, path)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+    if expected_crc is not None and crc32c(raw) != expected_crc:
+        raise CheckpointCorruptError("checksum mismatch", path)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        raise CheckpointCorruptError(f"structure is not valid JSON ({type(e).__name__})", path) from None
+
+
+def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
+    """Path, size and CRC of ``name`` as the manifest lists it (corrupt if it does not)."""
+    try:
+        f = manifest.file(name)
+    except CheckpointCorruptError:
+        raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(step_dir, MANIFEST)) from None
+    return os.path.join(step_dir, f.name), f.size, f.crc32c
+
+
+def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
+    """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots.
+
+    Reads only the structure file (checksum verified) and the shard header, never the tensor
+    data. Raises ``CheckpointNotFoundError`` if the step has no such rank and
+    ``CheckpointCorruptError`` if the files are malformed or the tree names a tensor the
+    shard lacks.
+    """
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {rank}"
+        )
+    tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
+    shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
+    tree = read_structure(tree_path, tree_size, tree_crc)
+    slots = read_shard_slots(shard_path, shard_size)
+    entries, missing, referenced = _outline(tree, slots, tree_path)
+    if missing:
+        raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}", shard_path)
+    if referenced is not None and referenced != set(slots):
+        extra = sorted(set(slots) - referenced)
+        raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_path)
+    return entries, slots
+
+
+# ---------------------------------------------------------------------------- the key tree
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One node of a rank's key tree: its key path and what is stored there.
+
+    ``kind`` is ``tensor`` (``dtype``/``shape``/``nbytes`` set), ``value`` (a JSON scalar in
+    ``value``), ``bytes`` (``nbytes`` set), ``dict``/``list``/``tuple`` (``length`` set), or
+    the tag of another stored type (``odict``, ``ndarray``, ...; its raw ``value``).
+    ``scalars`` is true for a container whose children are all plain values (an RNG state,
+    a list of numbers) so a display may abbreviate it.
+    """
+
+    path: tuple[str | int, ...]
+    depth: int
+    label: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    nbytes: int | None = None
+    value: Any = None
+    length: int | None = None
+    scalars: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        """The entry as a JSON-ready dict (non-finite floats become strings)."""
+        out: dict[str, Any] = {"path": list(self.path), "kind": self.kind}
+        if self.kind == "tensor":
+            out.update(dtype=self.dtype, shape=list(self.shape or ()), nbytes=self.nbytes)
+        elif self.kind == "bytes":
+            out["nbytes"] = self.nbytes
+        elif self.kind == "value":
+            v = self.value
+            out["type"] = type(v).__name__
+            out["value"] = repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+        elif self.length is not None:
+            out["length"] = self.length
+        else:
+            out["value"] = self.value
+        return out
+
+
+def _key_label(key: Any) -> str:
+    if isinstance(key, str) and key and key.isprintable() and key == key.strip():
+        return key
+    return repr(key)
+
+
+def _is_scalar_node(node: Any) -> bool:
+    return node is None or isinstance(node, (bool, int, float, str))
+
+
+def _tensor_refs(node: Any) -> Iterator[str]:
+    """Names of the ``{"$tensor": name}`` nodes anywhere under ``node`` (iterative)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+        elif isinstance(n, dict):
+            if len(n) == 1 and isinstance(n.get("$tensor"), str):
+                yield n["$tensor"]
+            else:
+                stack.extend(n.values())
+
+
+def _outline(
+    tree: Any, slots: dict[str, TensorSlot], path_for_errors: str
+) -> tuple[list[Entry], list[str], set[str] | None]:
+    """Entries, referenced tensors the shard lacks, and every tensor referenced (``None`` when
+    the tree holds a type this module does not decode, whose references it cannot know)."""
+    out: list[Entry] = []
+    missing: list[str] = []
+    referenced: set[str] | None = set()
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(what, path_for_errors)
+
+    def walk(node: Any, path: tuple[str | int, ...], label: str, depth: int) -> None:
+        nonlocal referenced
+        if depth > MAX_DEPTH:
+            raise bad(f"structure nested deeper than {MAX_DEPTH} levels")
+        if _is_scalar_node(node):
+            out.append(Entry(path, depth, label, "value", value=node))
+            return
+        children: list[tuple[str | int, str, Any]]
+        if isinstance(node, list):
+            kind, children = "list", [(i, f"[{i}]", v) for i, v in enumerate(node)]
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$dict" and isinstance(val, list):
+                kind, children = "dict", []
+                for item in val:
+                    ok = isinstance(item, list) and len(item) == 2
+                    if not ok or isinstance(item[0], bool) or not isinstance(item[0], (str, int)):
+                        raise bad("malformed $dict item in the structure")
+                    children.append((item[0], _key_label(item[0]), item[1]))
+            elif tag == "$tuple" and isinstance(val, list):
+                kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
+            elif tag == "$tensor" and isinstance(val, str):
+                s = slots.get(val)
+                if referenced is not None:
+                    referenced.add(val)
+                if s is None:
+                    missing.append(val)
+                    return
+                out.append(Entry(path, depth, label, "tensor", TORCH_NAME[s.dtype], s.shape, s.end - s.begin))
+                return
+            elif tag == "$float" and val in ("nan", "inf", "-inf"):
+                out.append(Entry(path, depth, label, "value", value=float(val)))
+                return
+            elif tag == "$bytes" and isinstance(val, str):
+                try:
+                    n = len(base64.b64decode(val.encode("ascii"), validate=True))
+                except (ValueError, binascii.Error):
+                    raise bad("malformed $bytes in the structure") from None
+                out.append(Entry(path, depth, label, "bytes", nbytes=n))
+                return
+            elif isinstance(tag, str) and tag.startswith("$") and tag not in _CORE_TAGS:
+                # another stored type (OrderedDict, numpy, datetime, ...): shown as stored; the
+                # tensors it refers to still have to be in the shard
+                missing.extend(r for r in _tensor_refs(val) if r not in slots)
+                referenced = None
+                out.append(Entry(path, depth, label, tag[1:], value=val))
+                return
+            else:
+                raise bad(f"malformed {tag!r} node in the structure at {'.'.join(map(str, path)) or '<root>'}")
+        else:
+            raise bad(f"malformed node in the structure at {'.'.join(map(str, path)) or '<root>'}")
+        if depth >= 0:
+            scalars = bool(children) and all(_is_scalar_node(c) for _, _, c in children)
+            out.append(Entry(path, depth, label, kind, length=len(children), scalars=scalars))
+        for key, child_label, child in children:
+            walk(child, (*path, key), child_label, depth + 1)
+
+    is_root_dict = isinstance(tree, dict) and len(tree) == 1 and "$dict" in tree
+    walk(tree, (), "<root>", -1 if is_root_dict else 0)
+    return out, missing, referenced
+
+
+def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
+    """Walk a structure tree depth-first into :class:`Entry` lines, in saved order.
+
+    A dict at the top level is shown by its keys (no line for the root itself). Raises
+    ``CheckpointCorruptError`` on a malformed node or a tensor the shard lacks.
+    """
+    entries, missing, _ = _outline(tree, slots, "<structure>")
+    if missing:
+        raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}")
+    return entries
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect found by :func:`verify_step`: the file and what is wrong with it."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.path}"
+
+
+def file_crc(path: str, size: int, advance: Callable[[int], None] | None = None) -> int:
+    """CRC-32C of the regular file ``path``, which must be ``size`` bytes, read in bounded chunks.
+
+    ``advance(n)`` is called after each chunk. Raises ``CheckpointCorruptError`` naming
+    ``path`` if it cannot be read in full.
+    """
+    fd = _open_regular(path, size)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # only a hint
+        buf = memoryview(bytearray(min(VERIFY_CHUNK, max(size, 1))))
+        crc, off = 0, 0
+        while off < size:
+            n = os.preadv(fd, [buf[: min(len(buf), size - off)]], off)
+            if n <= 0:
+                raise CheckpointCorruptError("file ended early", path)
+            crc = crc32c(buf[:n], crc)
+            off += n
+            if advance is not None:
+                advance(n)
+        return crc
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+
+
+def step_bytes(step_dir: str, manifest: Manifest) -> int:
+    """Bytes :func:`verify_step` reads: every listed file plus the manifest."""
+    try:
+        mbytes = os.lstat(os.path.join(step_dir, MANIFEST)).st_size
+    except OSError:
+        mbytes = 0
+    return mbytes + sum(f.size for f in manifest.files)
+
+
+def verify_step(
+    root: str,
+    step_dir: str,
+    manifest: Manifest,
+    advance: Callable[[int], None] | None = None,
+    *,
+    record: bool = True,
+) -> list[Problem]:
+    """Recompute every file's CRC-32C and check each rank's tree against its shard header.
+
+    The manifest was already checked against its own checksum when it was opened. Tensor
+    data is streamed, never held in memory; ``advance(n)`` reports bytes read. Returns the
+    problems found (empty: every rank of this step would load). With ``record``, a failure is
+    remembered for ``asyncckpt ls`` (``_badmarks.record_bad``; best effort, a read-only root
+    simply keeps no mark).
+    """
+    problems: list[Problem] = []
+    if advance is not None:
+        advance(step_bytes(step_dir, manifest) - sum(f.size for f in manifest.files))
+    for f in manifest.files:
+        path = os.path.join(step_dir, f.name)
+        try:
+            if file_crc(path, f.size, advance) != f.crc32c:
+                problems.append(Problem(path, "checksum mismatch"))
+        except CheckpointCorruptError as e:
+            problems.append(Problem(e.path or path, _short(e)))
+    if not problems:
+        total = 0
+        for rank in range(manifest.world_size):
+            try:
+                _, slots = read_rank_outline(step_dir, manifest, rank)
+                total += sum(s.end - s.begin for s in slots.values())
+            except CheckpointError as e:
+                problems.append(Problem(getattr(e, "path", None) or step_dir, _short(e)))
+        if not problems and total != manifest.nbytes:
+            reason = f"shards hold {total} tensor bytes, the manifest says {manifest.nbytes}"
+            problems.append(Problem(os.path.join(step_dir, MANIFEST), reason))
+    if problems and record:
+        record_bad(root, manifest.step, manifest.attempt, problems[0].path, problems[0].reason)
+    return problems
+
+
+def local_time(ts: float | None) -> str:
+    """``ts`` as local ``YYYY-MM-DD HH:MM:SS``, or ``unknown`` for an implausible time."""
+    ts = timestamp(ts)
+    if ts is None:
+        return "unknown"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "unknown"
