@@ -8,12 +8,14 @@ as they arrive.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import stat
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._checksum import crc32c
@@ -22,7 +24,7 @@ from ._errors import CheckpointCorruptError
 from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import Manifest, shard_name, tree_name
-from ._structure import tensor_names, unflatten
+from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -167,13 +169,17 @@ def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
 
 
-def restore_into(target: Any, loaded: Any, path: str = "") -> None:
+def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Sequence[str] = ()) -> None:
     """Restore ``loaded`` into ``target`` in place.
 
-    Objects with ``load_state_dict`` get it called; tensors get ``copy_``; dicts and lists
-    are walked, and plain values in mutable containers are replaced. Raises ``KeyError``
-    when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or shape
-    mismatch (targets may be partly overwritten then).
+    Objects with ``load_state_dict`` get it called; tensors get ``copy_``, numpy arrays
+    ``np.copyto``, ``torch.Generator`` objects ``set_state``; dicts and lists are walked, and
+    other values in mutable containers are replaced. A module loads keys saved without
+    wrapper prefixes: a ``torch.compile`` wrapper (``_orig_mod.``) and any of
+    ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
+    of a compiled or wrapped model loads into a plain one and the other way round. Raises
+    ``KeyError`` when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or
+    shape mismatch (targets may be partly overwritten then).
     """
     where = path or "<root>"
     if isinstance(target, torch.Tensor):
@@ -183,6 +189,21 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             raise ValueError(f"{where}: shape {tuple(loaded.shape)} in checkpoint, {tuple(target.shape)} in target")
         with torch.no_grad():
             target.copy_(loaded)
+        return
+    if isinstance(target, np.ndarray):
+        if not isinstance(loaded, np.ndarray) or loaded.shape != target.shape or loaded.dtype != target.dtype:
+            got = f"{loaded.dtype}{list(loaded.shape)}" if isinstance(loaded, np.ndarray) else type(loaded).__name__
+            raise ValueError(f"{where}: checkpoint holds {got}, target is an array {target.dtype}{list(target.shape)}")
+        np.copyto(target, loaded)
+        return
+    if isinstance(target, torch.Generator):
+        if not isinstance(loaded, torch.Generator):
+            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a torch.Generator")
+        target.set_state(loaded.get_state())
+        return
+    if isinstance(target, torch.nn.Module) and isinstance(loaded, Mapping):
+        module, state = _match_module(target, loaded, tuple(strip_prefixes))
+        module.load_state_dict(state)
         return
     load_state_dict = getattr(target, "load_state_dict", None)
     if callable(load_state_dict):
@@ -198,7 +219,7 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             if _is_leaf(target[key]) and isinstance(target, MutableMapping):
                 target[key] = loaded[key]
             else:
-                restore_into(target[key], loaded[key], sub)
+                restore_into(target[key], loaded[key], sub, strip_prefixes)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
@@ -208,10 +229,41 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             if _is_leaf(t) and isinstance(target, MutableSequence):
                 target[i] = v
             else:
-                restore_into(t, v, sub)
+                restore_into(t, v, sub, strip_prefixes)
         return
     # a plain value at the top level or inside a tuple: nothing to restore in place
 
 
 def _is_leaf(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str, bytes))
+    """A value restored by replacing it, not in place."""
+    if isinstance(v, (torch.Tensor, np.ndarray, torch.Generator, Mapping, list, tuple)):
+        return False
+    return not callable(getattr(v, "load_state_dict", None))
+
+
+def _match_module(
+    target: torch.nn.Module, loaded: Mapping[Any, Any], prefixes: tuple[str, ...]
+) -> tuple[torch.nn.Module, Mapping[Any, Any]]:
+    """The module that takes ``loaded`` and the state renamed for it.
+
+    A wrapper whose keys all carry one of the prefixes (``_orig_mod.`` of ``torch.compile``
+    always, the named ones such as ``module.`` of DDP) hands over to the module it wraps; the
+    checkpoint's keys and ``_metadata`` lose the same prefixes (old checkpoints may have them).
+    """
+    wanted = (COMPILE_PREFIX, *prefixes)
+    unwrapped = True
+    while unwrapped:
+        unwrapped = False
+        keys = list(target.state_dict().keys())
+        for p in wanted:
+            inner = getattr(target, p[:-1], None) if p.endswith(".") else None
+            if isinstance(inner, torch.nn.Module) and keys and all(k.startswith(p) for k in keys):
+                target, unwrapped = inner, True
+                break
+    if not all(isinstance(k, str) for k in loaded):
+        return target, loaded
+    items, meta = strip_state_dict_prefixes(loaded, wanted)
+    state: collections.OrderedDict[str, Any] = collections.OrderedDict(items)
+    if meta is not None:
+        state._metadata = meta  # type: ignore[attr-defined]
+    return target, state
