@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,dev]"
+	$(BIN)/pip install -q -e ".[test,dev,lightning]" "$(TORCH)"
 	touch $@
 
 venv: $(BIN)/.installed
