@@ -7,6 +7,7 @@ argv: rank world port root out
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from datetime import timedelta
 
@@ -24,6 +25,11 @@ def net(seed: int) -> torch.nn.Module:
 
 def main() -> None:
     rank, world, port, root, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    # the test also reads each rank's asyncckpt log lines (stdout goes to rank<R>.log)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("LOG %(levelname)s %(message)s"))
+    logging.getLogger("asyncckpt").addHandler(handler)
+    logging.getLogger("asyncckpt").setLevel(logging.DEBUG)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
     )

@@ -121,3 +121,12 @@ def test_ddp_module_prefix_is_stripped_when_asked(tmp_path: Path) -> None:
         assert res["saved_keys"] == sorted(["0.weight", "0.bias", "2.weight", "2.bias"])
         assert res["kept_keys"] == sorted("module." + k for k in res["saved_keys"])
         assert res["ddp_equal"] and res["plain_equal"]
+    # the commit line: once per save, by rank 0, with the bytes of both ranks in readable units
+    logs = [[ln for ln in log_tail(tmp_path, r, 100_000).splitlines() if ln.startswith("LOG ")] for r in range(world)]
+    committed = [ln for ln in logs[0] if "committed step 1:" in ln]
+    per_rank = 4 * (4 * 3 + 3 + 3 * 2 + 2)  # float32 weights and biases of the worker's net
+    assert len(committed) == 2
+    assert all(f"rank 0: committed step 1: {2 * per_rank} B from 2 ranks" in ln for ln in committed), committed
+    assert all("/s;" in ln and "GB/s" not in ln for ln in committed), committed
+    assert not any("committed step" in ln for ln in logs[1])
+    assert sum(f"rank 1: step 1 committed by rank 0 ({per_rank} B written here)" in ln for ln in logs[1]) == 2
