@@ -254,11 +254,9 @@ def _match_module(
     unwrapped = True
     while unwrapped:
         unwrapped = False
-        keys = list(target.state_dict().keys())
         for p in wanted:
-            inner = getattr(target, p[:-1], None) if p.endswith(".") else None
-            if isinstance(inner, torch.nn.Module) and keys and all(k.startswith(p) for k in keys):
-                target, unwrapped = inner, True
+            if _is_wrapper(target, p[:-1]):
+                target, unwrapped = getattr(target, p[:-1]), True
                 break
     if not all(isinstance(k, str) for k in loaded):
         return target, loaded
@@ -267,3 +265,18 @@ def _match_module(
     if meta is not None:
         state._metadata = meta  # type: ignore[attr-defined]
     return target, state
+
+
+def _is_wrapper(m: torch.nn.Module, attr: str) -> bool:
+    """Whether every key of ``m``'s state dict is ``attr.`` + a key of its child ``attr``.
+
+    Decided from the module's structure, without calling ``state_dict()`` (which may be
+    expensive or collective for some wrappers).
+    """
+    children = [name for name, _ in m.named_children()]
+    return (
+        children == [attr]
+        and next(m.parameters(recurse=False), None) is None
+        and next(m.buffers(recurse=False), None) is None
+        and type(m).get_extra_state is torch.nn.Module.get_extra_state
+    )
