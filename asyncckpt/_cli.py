@@ -508,6 +508,12 @@ class Entry:
         return out
 
 
+#: Tags of single values (see asyncckpt._structure), shown as their tag and JSON.
+_VALUE_TAGS = frozenset(
+    "$np $complex $bytearray $size $dtype $device $generator $path $date $timedelta $datetime".split()
+)
+
+
 def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
     """Walk a structure tree depth-first into :class:`Entry` lines, in saved order.
 
@@ -539,8 +545,29 @@ def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
                     ):
                         raise CheckpointCorruptError("malformed $dict item in the structure")
                     children.append((item[0], _key_label(item[0]), item[1]))
+            elif tag in ("$odict", "$defaultdict") and isinstance(val, list) and len(val) == 2:
+                return walk({"$dict": val[0] if tag == "$odict" else val[1]}, path, label, depth)
             elif tag == "$tuple" and isinstance(val, list):
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
+            elif tag in ("$set", "$frozenset") and isinstance(val, list):
+                kind, children = tag[1:], [(i, f"[{i}]", v) for i, v in enumerate(val)]
+            elif tag == "$param" and isinstance(val, list) and len(val) == 2:
+                return walk(val[0], path, label, depth)
+            elif (
+                tag == "$ndarray"
+                and isinstance(val, list)
+                and len(val) == 3
+                and isinstance(val[0], str)
+                and val[0] in slots
+                and isinstance(val[2], list)
+            ):
+                s = slots[val[0]]
+                out.append(Entry(path, depth, label, "tensor", f"numpy.{val[1]}", tuple(val[2]), s.end - s.begin))
+                return
+            elif tag in _VALUE_TAGS:
+                # numpy scalars, complex, torch.Size/dtype/device/Generator, paths, datetimes
+                out.append(Entry(path, depth, label, "value", value=f"{tag[1:]}({json.dumps(val)[:200]})"))
+                return
             elif tag == "$tensor" and isinstance(val, str) and val in slots:
                 s = slots[val]
                 out.append(Entry(path, depth, label, "tensor", TORCH_NAME[s.dtype], s.shape, s.end - s.begin))
