@@ -400,3 +400,26 @@ def test_ordered_dict_with_other_attributes_is_refused() -> None:
 def test_malformed_new_nodes_are_value_errors(node: Any) -> None:
     with pytest.raises(ValueError):
         unflatten(node, {"t": torch.zeros(2, dtype=torch.float32)})
+
+
+def test_cli_info_and_verify_read_every_value_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncckpt._cli import main
+
+    state = {
+        "model": torch.nn.Linear(2, 2),
+        "arr": np.arange(6.0).reshape(2, 3),
+        "c128": np.ones(2, np.complex128),
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "g": torch.Generator(),
+        "np_rng": np.random.get_state(),
+        "dd": collections.defaultdict(list, a=[1]),
+        "misc": [np.float32(1), 1j, {1}, frozenset(), torch.Size([2]), torch.int8, torch.device("cpu")],
+        "when": [datetime.date(2020, 1, 1), datetime.timedelta(1), datetime.datetime(2020, 1, 1), pathlib.Path("x")],
+    }
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, state).result(timeout=60)
+    assert main(["verify", str(tmp_path / "ck")]) == 0
+    assert main(["info", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "numpy.float64 [2, 3]" in out and "weight" in out and "set (1 item)" in out
+    assert main(["info", "--json", str(tmp_path / "ck")]) == 0
