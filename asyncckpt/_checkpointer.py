@@ -144,6 +144,9 @@ class Checkpointer:
             ``close()`` in the same order; each writes only its own ``rankRRRRR.*`` files and
             rank 0 commits once every rank reported success. Coordination goes through the
             group's c10d store with deadlines, never through collectives.
+        strip_prefixes: key prefixes of module wrappers to drop from module state dicts at
+            save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
+            ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
     """
 
     def __init__(
@@ -159,8 +162,10 @@ class Checkpointer:
         io_threads: int = 2,
         process_group: Any = None,
         on_commit: Callable[[CheckpointInfo], object] | None = None,
+        strip_prefixes: Sequence[str] = (),
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
+        self.strip_prefixes = _prefixes(strip_prefixes)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path, not {type(root).__name__}")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
@@ -240,7 +245,7 @@ class Checkpointer:
             if any(r.step == step and not r.future.done() for r in self._records):
                 raise ValueError(f"step {step} is already being saved")
         try:
-            tree, refs = flatten(state)
+            tree, refs = flatten(state, self.strip_prefixes)
             tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
             layout, perm = self._plan(refs)
         except (TypeError, ValueError) as e:
@@ -581,7 +586,7 @@ class Checkpointer:
         else:
             state = self._load_agreed(step, shard, verify, expect)
         if into is not None:
-            _load.restore_into(into, state)
+            _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
     def _load_agreed(self, step: int | None, shard: int, verify: bool, expect: int | None) -> Any:
@@ -685,6 +690,7 @@ def load(
     into: Any = None,
     verify: bool = True,
     rank: int = 0,
+    strip_prefixes: Sequence[str] = (),
 ) -> Any:
     """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed).
 
@@ -694,7 +700,10 @@ def load(
     ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
     only after the whole state has been read and verified. Needs no ownership of the root:
     any number of readers may run while a job writes.
+
+    ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
     """
+    prefixes = _prefixes(strip_prefixes)
     _check_step_arg(step)
     if not _is_int(rank) or rank < 0:
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
@@ -704,13 +713,22 @@ def load(
     else:
         state = _resume.load_step(root_s, step, rank=rank, verify=verify)
     if into is not None:
-        _load.restore_into(into, state)
+        _load.restore_into(into, state, strip_prefixes=prefixes)
     return state
 
 
 def _check_step_arg(step: Any) -> None:
     if step is not None and (not _is_int(step) or step < 0):
         raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+
+
+def _prefixes(value: Sequence[str]) -> tuple[str, ...]:
+    """``strip_prefixes`` checked: a sequence of non-empty str, each ending in ``.``."""
+    if isinstance(value, str) or not all(isinstance(p, str) and len(p) > 1 and p.endswith(".") for p in value):
+        raise ValueError(
+            f"strip_prefixes must be a sequence of key prefixes ending in '.', e.g. ('module.',), not {value!r}"
+        )
+    return tuple(value)
 
 
 def _step_of(info: CheckpointInfo | None) -> int | None:

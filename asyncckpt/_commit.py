@@ -307,17 +307,23 @@ async def run_save(
         nbytes=verdict.nbytes,
         direct_io=job.direct,
     )
-    log.info(
-        "committed step %d: %.1f MB in %.3fs (%.2f GB/s; staging %.3fs, write %.3fs, fsync %.3fs, commit %.3fs)",
-        job.step,
-        stats.nbytes / 1e6,
-        total,
-        stats.gbps,
-        stats.staging_s,
-        stats.write_s,
-        stats.fsync_s,
-        stats.commit_s,
-    )
+    if leader:
+        # once per save, by the rank that committed it, with the bytes of every rank
+        log.info(
+            "%scommitted step %d: %s%s in %.3fs (%s; staging %.3fs, write %.3fs, fsync %.3fs, commit %.3fs)",
+            f"rank {rank}: " if world > 1 else "",
+            job.step,
+            format_bytes(stats.nbytes),
+            f" from {world} ranks" if world > 1 else "",
+            total,
+            format_rate(stats.nbytes, total),
+            stats.staging_s,
+            stats.write_s,
+            stats.fsync_s,
+            stats.commit_s,
+        )
+    else:
+        log.debug("rank %d: step %d committed by rank 0 (%s written here)", rank, job.step, format_bytes(job.nbytes))
     return CheckpointInfo(
         step=job.step,
         path=Path(job.root) / step_dir_name(job.step),
@@ -326,3 +332,19 @@ async def run_save(
         created=verdict.created,
         statistics=stats,
     )
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units a person reads at a glance: ``512 B``, ``3.4 MB``, ``1.25 GB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """A transfer rate with its unit picked by size (``812 MB/s``, never ``0.00 GB/s``)."""
+    if seconds <= 0:
+        return "n/a"
+    return format_bytes(nbytes / seconds) + "/s"

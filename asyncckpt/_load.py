@@ -11,12 +11,14 @@ checkpoint retired meanwhile is reported as gone, not as corrupt.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import stat
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._bounds import ITEM_BYTES, MAX_TREE_BYTES, MAX_TREE_ITEMS, check_memory, human, json_items
@@ -26,7 +28,7 @@ from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
-from ._structure import tensor_names, unflatten
+from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -264,13 +266,17 @@ def _read_all(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def restore_into(target: Any, loaded: Any, path: str = "") -> None:
+def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Sequence[str] = ()) -> None:
     """Restore ``loaded`` into ``target`` in place.
 
-    Objects with ``load_state_dict`` get it called; tensors get ``copy_``; dicts and lists
-    are walked, and plain values in mutable containers are replaced. Raises ``KeyError``
-    when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or shape
-    mismatch (targets may be partly overwritten then).
+    Objects with ``load_state_dict`` get it called; tensors get ``copy_``, numpy arrays
+    ``np.copyto``, ``torch.Generator`` objects ``set_state``; dicts and lists are walked, and
+    other values in mutable containers are replaced. A module loads keys saved without
+    wrapper prefixes: a ``torch.compile`` wrapper (``_orig_mod.``) and any of
+    ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
+    of a compiled or wrapped model loads into a plain one and the other way round. Raises
+    ``KeyError`` when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or
+    shape mismatch (targets may be partly overwritten then).
     """
     where = path or "<root>"
     if isinstance(target, torch.Tensor):
@@ -280,6 +286,21 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             raise ValueError(f"{where}: shape {tuple(loaded.shape)} in checkpoint, {tuple(target.shape)} in target")
         with torch.no_grad():
             target.copy_(loaded)
+        return
+    if isinstance(target, np.ndarray):
+        if not isinstance(loaded, np.ndarray) or loaded.shape != target.shape or loaded.dtype != target.dtype:
+            got = f"{loaded.dtype}{list(loaded.shape)}" if isinstance(loaded, np.ndarray) else type(loaded).__name__
+            raise ValueError(f"{where}: checkpoint holds {got}, target is an array {target.dtype}{list(target.shape)}")
+        np.copyto(target, loaded)
+        return
+    if isinstance(target, torch.Generator):
+        if not isinstance(loaded, torch.Generator):
+            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a torch.Generator")
+        target.set_state(loaded.get_state())
+        return
+    if isinstance(target, torch.nn.Module) and isinstance(loaded, Mapping):
+        module, state = _match_module(target, loaded, tuple(strip_prefixes))
+        module.load_state_dict(state)
         return
     load_state_dict = getattr(target, "load_state_dict", None)
     if callable(load_state_dict):
@@ -295,7 +316,7 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             if _is_leaf(target[key]) and isinstance(target, MutableMapping):
                 target[key] = loaded[key]
             else:
-                restore_into(target[key], loaded[key], sub)
+                restore_into(target[key], loaded[key], sub, strip_prefixes)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
@@ -305,10 +326,54 @@ def restore_into(target: Any, loaded: Any, path: str = "") -> None:
             if _is_leaf(t) and isinstance(target, MutableSequence):
                 target[i] = v
             else:
-                restore_into(t, v, sub)
+                restore_into(t, v, sub, strip_prefixes)
         return
     # a plain value at the top level or inside a tuple: nothing to restore in place
 
 
 def _is_leaf(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str, bytes))
+    """A value restored by replacing it, not in place."""
+    if isinstance(v, (torch.Tensor, np.ndarray, torch.Generator, Mapping, list, tuple)):
+        return False
+    return not callable(getattr(v, "load_state_dict", None))
+
+
+def _match_module(
+    target: torch.nn.Module, loaded: Mapping[Any, Any], prefixes: tuple[str, ...]
+) -> tuple[torch.nn.Module, Mapping[Any, Any]]:
+    """The module that takes ``loaded`` and the state renamed for it.
+
+    A wrapper whose keys all carry one of the prefixes (``_orig_mod.`` of ``torch.compile``
+    always, the named ones such as ``module.`` of DDP) hands over to the module it wraps; the
+    checkpoint's keys and ``_metadata`` lose the same prefixes (old checkpoints may have them).
+    """
+    wanted = (COMPILE_PREFIX, *prefixes)
+    unwrapped = True
+    while unwrapped:
+        unwrapped = False
+        for p in wanted:
+            if _is_wrapper(target, p[:-1]):
+                target, unwrapped = getattr(target, p[:-1]), True
+                break
+    if not all(isinstance(k, str) for k in loaded):
+        return target, loaded
+    items, meta = strip_state_dict_prefixes(loaded, wanted)
+    state: collections.OrderedDict[str, Any] = collections.OrderedDict(items)
+    if meta is not None:
+        state._metadata = meta  # type: ignore[attr-defined]
+    return target, state
+
+
+def _is_wrapper(m: torch.nn.Module, attr: str) -> bool:
+    """Whether every key of ``m``'s state dict is ``attr.`` + a key of its child ``attr``.
+
+    Decided from the module's structure, without calling ``state_dict()`` (which may be
+    expensive or collective for some wrappers).
+    """
+    children = [name for name, _ in m.named_children()]
+    return (
+        children == [attr]
+        and next(m.parameters(recurse=False), None) is None
+        and next(m.buffers(recurse=False), None) is None
+        and type(m).get_extra_state is torch.nn.Module.get_extra_state
+    )

@@ -1,36 +1,98 @@
 """Turn a nested training state into (JSON tree, named tensors) and back.
 
 The tree is plain JSON in which every object is a one-key tagged node, so decoding is
-unambiguous and needs no pickle:
+unambiguous and needs no pickle (and never imports or calls anything named by the file):
 
-    {"$dict": [[key, node], ...]}   key is a str or an int (optimizer state uses ints)
-    {"$tuple": [node, ...]}         lists stay JSON arrays
+    {"$dict": [[key, node], ...]}          key is a str or an int (optimizer state uses ints)
+    {"$tuple": [node, ...]}                lists stay JSON arrays
     {"$tensor": "model.layer1.weight"}
     {"$float": "nan" | "inf" | "-inf"}
     {"$bytes": "<base64>"}
+    {"$odict": [[[key, node], ...], meta]} OrderedDict; meta: null or the node of ``_metadata``
+    {"$defaultdict": [factory, [[key, node], ...]]}  factory: a builtin type name or null
+    {"$param": [tensor_node, requires_grad]}         nn.Parameter
+    {"$ndarray": [tensor_name, dtype, shape]}        numpy array stored as tensor data
+    {"$np": [dtype, value_node]}           numpy scalar (np.float32(1.5) etc.)
+    {"$complex": [re_node, im_node]}
+    {"$set": [node, ...]} / {"$frozenset": [node, ...]}   elements in a deterministic order
+    {"$bytearray": "<base64>"}
+    {"$size": [int, ...]} / {"$dtype": "float32"} / {"$device": "cuda:0"}
+    {"$generator": [device, tensor_node]}  torch.Generator: its device and get_state()
+    {"$path": [class_name, str]}           PurePosixPath, PureWindowsPath, PosixPath
+    {"$date": "2024-01-31"} / {"$timedelta": [days, seconds, microseconds]}
+    {"$datetime": [naive_iso, fold, tz]}   tz: null, ["fixed", [d, s, us], name|null], ["zone", key]
 
 ints, finite floats, bools, str and None are JSON scalars (JSON keeps int/float/bool apart).
-Tensor names are the dotted key paths, keys taken verbatim so module weights keep their usual
-names (``model.layer1.weight``, not an escaped ``model.layer1\\.weight``). Where two paths
-spell the same name (``{"a.b": x, "a": {"b": y}}`` or ``{0: x, "0": y}``) the later one gets a
-``~N`` suffix; the tree, which holds the real keys, maps every name back exactly.
-Objects with ``state_dict()`` are replaced by their state dict at save time.
+Types are matched exactly: a subclass of a supported type (IntEnum, namedtuple, a dict
+subclass) is refused with a hint rather than silently saved as its base type. Tensor names are
+the dotted key paths, keys taken verbatim so module weights keep their usual names
+(``model.layer1.weight``, not an escaped ``model.layer1\\.weight``). Where two paths spell the
+same name (``{"a.b": x, "a": {"b": y}}`` or ``{0: x, "0": y}``) the later one gets a ``~N``
+suffix; the tree, which holds the real keys, maps every name back exactly.
+Objects with ``state_dict()`` are replaced by their state dict at save time; a module state
+dict (an OrderedDict carrying ``_metadata``) is stored without the ``_orig_mod.`` prefix of a
+``torch.compile`` wrapper, and without any prefix the caller names in ``strip_prefixes``.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import dataclasses
+import datetime
+import enum
 import math
-from collections.abc import Mapping
+import pathlib
+import zoneinfo
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._format import DTYPE_TO_ST
 
 #: Decoding refuses trees deeper than this (hostile files must not exhaust the stack).
 MAX_DEPTH = 200
+
+#: The wrapper prefix ``torch.compile`` puts before every key of a module state dict.
+COMPILE_PREFIX = "_orig_mod."
+
+#: numpy dtypes stored as tensor data, by name; complex128 (which torch cannot store in
+#: safetensors here) travels as its float64 pairs.
+_NP_STORAGE: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.float64,
+}
+
+#: default_factory values a defaultdict may have (named by the file, never resolved by import).
+_FACTORIES: dict[str, type] = {
+    t.__name__: t for t in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
+}
+
+#: torch.dtype by name (from the module's own namespace: a lookup never triggers an import).
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+_PATHS: dict[str, type[pathlib.PurePath]] = {
+    "PurePosixPath": pathlib.PurePosixPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+    "PosixPath": pathlib.PosixPath,
+}
 
 
 @dataclass(frozen=True)
@@ -59,12 +121,113 @@ def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
         raise TypeError(f"unsupported dtype {t.dtype} at {where!r}")
 
 
-def flatten(state: Any) -> tuple[Any, list[TensorRef]]:
+def _enc_float(x: float) -> Any:
+    if math.isfinite(x):
+        return float(x)
+    return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def _array_source(a: np.ndarray[Any, Any], where: str) -> torch.Tensor:
+    """A CPU tensor over ``a``'s data (a view when ``a`` is contiguous and writable)."""
+    name = a.dtype.name
+    if name not in _NP_STORAGE or not a.dtype.isnative:
+        hint = "x.tolist()" if a.dtype.kind in "OUSV" else "x.astype(<a numeric dtype>)"
+        raise TypeError(
+            f"unsupported numpy array dtype {a.dtype.str} ({a.dtype.name}) at {where!r}: arrays of "
+            f"{', '.join(_NP_STORAGE)} in native byte order are saved; convert it, e.g. {hint}"
+        )
+    # torch.from_numpy needs contiguous, writable memory: copy (once, here) when it is not
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        a = np.array(a, order="C", copy=True)
+    if name == "complex128":
+        a = a.reshape(-1).view(np.float64)
+    return torch.from_numpy(a)
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _refusal(obj: Any, where: str) -> TypeError:
+    """The ``TypeError`` for an unsupported object, with a hint how to convert it."""
+    hint = (
+        "save tensors, numpy arrays and scalars, numbers, str, None, bytes, dict/OrderedDict/list/"
+        "tuple/set, torch.Size/dtype/device/Generator, pathlib paths, datetime values, or objects "
+        "with state_dict()/load_state_dict()"
+    )
+    if isinstance(obj, enum.Enum):
+        hint = "save x.value (or x.name) and rebuild the enum member after loading"
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        hint = "save dataclasses.asdict(x) and rebuild the dataclass after loading"
+    elif type(obj).__name__ == "Namespace" or type(obj).__name__ == "SimpleNamespace":
+        hint = "save vars(x) (a dict) and rebuild the namespace after loading"
+    elif isinstance(obj, tuple) and hasattr(obj, "_asdict"):
+        hint = "save x._asdict() (or tuple(x)) and rebuild the namedtuple after loading"
+    elif isinstance(obj, np.random.Generator):
+        hint = "save x.bit_generator.state (a dict) and restore it with x.bit_generator.state = saved"
+    elif isinstance(obj, np.random.RandomState):
+        hint = "save x.get_state() and restore it with x.set_state(saved)"
+    elif isinstance(obj, np.ndarray):
+        hint = "save np.asarray(x) (a plain ndarray)"
+    elif isinstance(obj, datetime.time):
+        hint = "save x.isoformat() and rebuild it with datetime.time.fromisoformat()"
+    elif isinstance(obj, np.generic):
+        hint = "save x.item() or convert it to a supported numpy dtype"
+    elif isinstance(obj, Mapping):
+        hint = "save dict(x) (only dict, OrderedDict and defaultdict of builtin types are kept as such)"
+    else:
+        for base in (bool, int, float, complex, str, bytes, list, tuple, set, frozenset):
+            if isinstance(obj, base):
+                hint = f"save {base.__name__}(x): subclasses of {base.__name__} are not saved as such"
+                break
+    return TypeError(f"unsupported object of type {_type_name(obj)} at {where!r}: {hint}")
+
+
+def strip_state_dict_prefixes(sd: Mapping[str, Any], prefixes: Iterable[str]) -> tuple[dict[str, Any], Any]:
+    """The keys and ``_metadata`` of a module state dict with wrapper prefixes removed.
+
+    A prefix is removed only when every key starts with it (repeatedly, so a compiled DDP
+    module loses both); ``_orig_mod.`` always, the others when named. Returns the renamed
+    items and the renamed metadata (``None`` when there is none).
+    """
+    wanted = (COMPILE_PREFIX, *prefixes)
+    items = dict(sd)
+    meta = getattr(sd, "_metadata", None)
+    changed = True
+    while changed and items:
+        changed = False
+        for p in wanted:
+            if p and all(isinstance(k, str) and k.startswith(p) for k in items):
+                items = {k[len(p) :]: v for k, v in items.items()}
+                meta = _strip_meta(meta, p)
+                changed = True
+    return items, meta
+
+
+def _strip_meta(meta: Any, prefix: str) -> Any:
+    """Module-prefix metadata of the wrapped module: ``"p"`` becomes ``""``, ``"p.x"`` ``"x"``."""
+    if not isinstance(meta, Mapping):
+        return meta
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+    out: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    for k, v in meta.items():
+        if k == head:
+            out[""] = v
+        elif isinstance(k, str) and k.startswith(prefix):
+            out[k[len(prefix) :]] = v
+    return out
+
+
+def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[TensorRef]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
 
-    Raises ``TypeError`` naming the key path of the first unsupported object, and
-    ``ValueError`` for a reference cycle. Calls ``state_dict()`` on stateful objects.
+    Every value comes back from :func:`unflatten` as the type it was saved as, or is refused:
+    raises ``TypeError`` naming the key path of the first unsupported object and how to
+    convert it, and ``ValueError`` for a reference cycle or too deep a nesting. Calls
+    ``state_dict()`` on stateful objects. Module state dicts lose the ``torch.compile``
+    prefix and any of ``strip_prefixes`` that every key carries (e.g. DDP's ``"module."``).
     """
+    prefixes = tuple(strip_prefixes)
     tensors: list[TensorRef] = []
     used: set[str] = set()
     active: set[int] = set()
@@ -78,64 +241,216 @@ def flatten(state: Any) -> tuple[Any, list[TensorRef]]:
         used.add(name)
         return name
 
+    def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        _check_tensor(t, path)
+        name = unique(path)
+        tensors.append(TensorRef(name, t.detach()))
+        return {"$tensor": name}
+
+    def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:
+        items = []
+        for k, v in obj.items():
+            if isinstance(k, bool) or type(k) not in (str, int):
+                raise TypeError(
+                    f"unsupported dict key {k!r} ({type(k).__name__}) at "
+                    f"{_describe(path)!r}: keys must be str or int"
+                )
+            items.append([k, enc(v, (*path, str(k)))])
+        return items
+
+    def elements(obj: Iterable[Any], path: tuple[str, ...]) -> list[Any]:
+        # sets: elements sorted by their encoding, so equal sets give equal trees
+        before = len(tensors)
+        out = sorted((enc(v, (*path, "*")) for v in obj), key=repr)
+        if len(tensors) != before:
+            raise TypeError(f"set at {_describe(path)!r} holds tensors or arrays: save a list instead")
+        return out
+
     def enc(obj: Any, path: tuple[str, ...]) -> Any:
-        if obj is None or isinstance(obj, (bool, str)):
+        t = type(obj)
+        if obj is None or t is bool or t is str:
             return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            if math.isfinite(obj):
-                return float(obj)
-            return {"$float": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+        if t is int:
+            return obj
+        if t is float:
+            return _enc_float(obj)
+        if t is torch.nn.Parameter:
+            return {"$param": [tensor_node(obj, path), bool(obj.requires_grad)]}
         if isinstance(obj, torch.Tensor):
-            _check_tensor(obj, path)
+            return tensor_node(obj, path)
+        if t is np.ndarray:
+            src = _array_source(obj, _describe(path))
             name = unique(path)
-            tensors.append(TensorRef(name, obj.detach()))
-            return {"$tensor": name}
-        if isinstance(obj, (bytes, bytearray)):
-            return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+            tensors.append(TensorRef(name, src))
+            return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
+        if isinstance(obj, np.generic) and obj.dtype.name in _NP_STORAGE and obj.dtype.isnative:
+            return {"$np": [obj.dtype.name, enc(obj.item(), path)]}
+        if t is bytes:
+            return {"$bytes": base64.b64encode(obj).decode("ascii")}
+        if t is bytearray:
+            return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
+        if t is complex:
+            return {"$complex": [_enc_float(obj.real), _enc_float(obj.imag)]}
+        if t is torch.Size:
+            return {"$size": [int(d) for d in obj]}
+        if t is torch.dtype:
+            return {"$dtype": str(obj).removeprefix("torch.")}
+        if t is torch.device:
+            return {"$device": str(obj)}
+        if t is torch.Generator:
+            return {"$generator": [str(obj.device), tensor_node(obj.get_state(), path)]}
+        if t in _PATHS.values():
+            return {"$path": [t.__name__, str(obj)]}
+        if t is datetime.datetime:
+            return {"$datetime": [obj.replace(tzinfo=None, fold=0).isoformat(), obj.fold, _enc_tz(obj, path)]}
+        if t is datetime.date:
+            return {"$date": obj.isoformat()}
+        if t is datetime.timedelta:
+            return {"$timedelta": [obj.days, obj.seconds, obj.microseconds]}
         if len(path) > MAX_DEPTH:
             raise ValueError(f"state is nested deeper than {MAX_DEPTH} levels at {_describe(path)!r}")
         if id(obj) in active:
             raise ValueError(f"reference cycle in state at {_describe(path)!r}")
         active.add(id(obj))
         try:
-            if isinstance(obj, Mapping):
-                items = []
-                for k, v in obj.items():
-                    if isinstance(k, bool) or not isinstance(k, (str, int)):
-                        raise TypeError(
-                            f"unsupported dict key {k!r} ({type(k).__name__}) at "
-                            f"{_describe(path)!r}: keys must be str or int"
-                        )
-                    comp = k if isinstance(k, str) else str(int(k))
-                    items.append([k if isinstance(k, str) else int(k), enc(v, (*path, comp))])
-                return {"$dict": items}
-            if isinstance(obj, list):
+            if t is dict:
+                return {"$dict": items_of(obj, path)}
+            if t is collections.OrderedDict:
+                return enc_odict(obj, path)
+            if t is collections.defaultdict:
+                factory = obj.default_factory
+                if factory is not None and _FACTORIES.get(getattr(factory, "__name__", "")) is not factory:
+                    raise TypeError(
+                        f"defaultdict at {_describe(path)!r} has default_factory {factory!r}: only builtin "
+                        f"types ({', '.join(_FACTORIES)}) or None are saved; save dict(x) instead"
+                    )
+                return {"$defaultdict": [None if factory is None else factory.__name__, items_of(obj, path)]}
+            if t is list:
                 return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
-            if isinstance(obj, tuple):
+            if t is tuple:
                 return {"$tuple": [enc(v, (*path, str(i))) for i, v in enumerate(obj)]}
+            if t is set:
+                return {"$set": elements(obj, path)}
+            if t is frozenset:
+                return {"$frozenset": elements(obj, path)}
             state_dict = getattr(obj, "state_dict", None)
             if callable(state_dict) and callable(getattr(obj, "load_state_dict", None)):
                 return enc(state_dict(), path)
         finally:
             active.discard(id(obj))
-        raise TypeError(
-            f"unsupported object of type {type(obj).__module__}.{type(obj).__qualname__} at "
-            f"{_describe(path)!r}: save tensors, numbers, str, None, bytes, dict/list/tuple, or "
-            "objects with state_dict()/load_state_dict()"
-        )
+        raise _refusal(obj, _describe(path))
+
+    def enc_odict(obj: collections.OrderedDict[Any, Any], path: tuple[str, ...]) -> Any:
+        extra = set(vars(obj)) - {"_metadata"}
+        if extra:
+            raise TypeError(
+                f"OrderedDict at {_describe(path)!r} carries attributes {sorted(extra)}: only _metadata "
+                "is saved; save collections.OrderedDict(x) instead"
+            )
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            obj, meta = strip_state_dict_prefixes(obj, prefixes)  # type: ignore[assignment]
+            meta_node = enc(meta, (*path, "_metadata"))
+        else:
+            meta_node = None
+        return {"$odict": [items_of(obj, path), meta_node]}
 
     tree = enc(state, ())
     return tree, tensors
+
+
+def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:
+    tz = dt.tzinfo
+    if tz is None:
+        return None
+    if type(tz) is datetime.timezone:
+        off = tz.utcoffset(None)
+        own = tz.tzname(None)
+        name = own if own != datetime.timezone(off).tzname(None) else None
+        return ["fixed", [off.days, off.seconds, off.microseconds], name]
+    if type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
+        return ["zone", tz.key]
+    raise TypeError(
+        f"datetime at {_describe(path)!r} has tzinfo {type(tz).__name__}: fixed offsets "
+        "(datetime.timezone) and zoneinfo.ZoneInfo zones are saved; save "
+        "x.astimezone(datetime.timezone.utc) instead"
+    )
+
+
+def _dec_tz(node: Any) -> datetime.tzinfo | None:
+    if node is None:
+        return None
+    if isinstance(node, list) and len(node) == 3 and node[0] == "fixed":
+        off = node[1]
+        if not (isinstance(off, list) and len(off) == 3 and all(type(x) is int for x in off)):
+            raise ValueError("malformed tz offset")
+        delta = datetime.timedelta(days=off[0], seconds=off[1], microseconds=off[2])
+        if node[2] is None:
+            return datetime.timezone(delta)
+        if not isinstance(node[2], str):
+            raise ValueError("malformed tz name")
+        return datetime.timezone(delta, node[2])
+    if isinstance(node, list) and len(node) == 2 and node[0] == "zone" and isinstance(node[1], str):
+        try:
+            return zoneinfo.ZoneInfo(node[1])
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError) as e:
+            raise ValueError(f"unknown time zone {node[1]!r} ({e})") from None
+    raise ValueError("malformed tz")
+
+
+def _array_from(t: torch.Tensor, dtype: Any, shape: Any) -> Any:
+    """The ndarray a ``$ndarray`` node names, checked against its tensor."""
+    if not isinstance(dtype, str) or dtype not in _NP_STORAGE:
+        raise ValueError(f"malformed $ndarray dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError("malformed $ndarray shape")
+    want = math.prod(shape) * (2 if dtype == "complex128" else 1)
+    if t.dtype != _NP_STORAGE[dtype] or t.numel() != want:
+        raise ValueError(f"$ndarray of {dtype}{shape} disagrees with its tensor ({t.dtype}, {t.numel()} elements)")
+    if t.is_meta:  # a structure check (verify) with placeholder tensors: nothing to convert
+        return t
+    a = t.contiguous().numpy()
+    if dtype == "complex128":
+        a = a.reshape(-1).view(np.complex128)
+    return a.reshape(shape)
+
+
+def _dec_float(v: Any) -> float:
+    if type(v) in (int, float):
+        return float(v)
+    if isinstance(v, dict) and len(v) == 1 and v.get("$float") in ("nan", "inf", "-inf"):
+        return float(v["$float"])
+    raise ValueError("malformed float")
 
 
 def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the state encoded by :func:`flatten` from its tree and loaded tensors.
 
     Raises ``ValueError`` on any malformed node (the loader turns it into
-    ``CheckpointCorruptError``).
+    ``CheckpointCorruptError``), and ``RuntimeError`` for a ``torch.Generator`` whose device
+    this machine cannot create.
     """
+
+    def tensor(val: Any) -> torch.Tensor:
+        if not isinstance(val, str) or val not in tensors:
+            raise ValueError(f"tree names a tensor the shard lacks: {val!r}")
+        return tensors[val]
+
+    def items(val: Any, depth: int) -> Iterable[tuple[Any, Any]]:
+        if not isinstance(val, list):
+            raise ValueError("malformed mapping items")
+        for item in val:
+            if not (isinstance(item, list) and len(item) == 2):
+                raise ValueError("malformed mapping item")
+            k, v = item
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise ValueError("malformed mapping key")
+            yield k, dec(v, depth + 1)
+
+    def listed(val: Any, what: str) -> list[Any]:
+        if not isinstance(val, list):
+            raise ValueError(f"malformed {what}")
+        return val
 
     def dec(node: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -147,35 +462,188 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if not isinstance(node, dict) or len(node) != 1:
             raise ValueError(f"malformed node {type(node).__name__}")
         ((tag, val),) = node.items()
-        if tag == "$dict":
-            if not isinstance(val, list):
-                raise ValueError("malformed $dict")
-            out: dict[Any, Any] = {}
-            for item in val:
-                if not (isinstance(item, list) and len(item) == 2):
-                    raise ValueError("malformed $dict item")
-                k, v = item
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise ValueError("malformed $dict key")
-                out[k] = dec(v, depth + 1)
-            return out
-        if tag == "$tuple":
-            if not isinstance(val, list):
-                raise ValueError("malformed $tuple")
-            return tuple(dec(v, depth + 1) for v in val)
-        if tag == "$tensor":
-            if not isinstance(val, str) or val not in tensors:
-                raise ValueError(f"tree names a tensor the shard lacks: {val!r}")
-            return tensors[val]
-        if tag == "$float":
-            if val not in ("nan", "inf", "-inf"):
-                raise ValueError("malformed $float")
-            return float(val)
-        if tag == "$bytes":
-            if not isinstance(val, str):
-                raise ValueError("malformed $bytes")
-            return base64.b64decode(val.encode("ascii"), validate=True)
-        raise ValueError(f"unknown tag {tag!r}")
+        decode = _DECODERS.get(tag)
+        if decode is None:
+            raise ValueError(f"unknown tag {tag!r}")
+        return decode(val, depth)
+
+    def d_dict(val: Any, depth: int) -> Any:
+        return dict(items(val, depth))
+
+    def d_tuple(val: Any, depth: int) -> Any:
+        return tuple(dec(v, depth + 1) for v in listed(val, "$tuple"))
+
+    def d_tensor(val: Any, depth: int) -> Any:
+        return tensor(val)
+
+    def d_float(val: Any, depth: int) -> Any:
+        if val not in ("nan", "inf", "-inf"):
+            raise ValueError("malformed $float")
+        return float(val)
+
+    def d_bytes(val: Any, depth: int) -> Any:
+        if not isinstance(val, str):
+            raise ValueError("malformed $bytes")
+        return base64.b64decode(val.encode("ascii"), validate=True)
+
+    def d_bytearray(val: Any, depth: int) -> Any:
+        return bytearray(d_bytes(val, depth))
+
+    def d_odict(val: Any, depth: int) -> Any:
+        val = listed(val, "$odict")
+        if len(val) != 2:
+            raise ValueError("malformed $odict")
+        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(items(val[0], depth))
+        if val[1] is not None:
+            meta = dec(val[1], depth + 1)
+            if not isinstance(meta, dict):
+                raise ValueError("malformed $odict metadata")
+            out._metadata = meta  # type: ignore[attr-defined]
+        return out
+
+    def d_defaultdict(val: Any, depth: int) -> Any:
+        val = listed(val, "$defaultdict")
+        if len(val) != 2 or not (val[0] is None or val[0] in _FACTORIES):
+            raise ValueError("malformed $defaultdict")
+        factory: Callable[[], Any] | None = None if val[0] is None else _FACTORIES[val[0]]
+        return collections.defaultdict(factory, items(val[1], depth))
+
+    def d_param(val: Any, depth: int) -> Any:
+        val = listed(val, "$param")
+        if len(val) != 2 or not isinstance(val[1], bool):
+            raise ValueError("malformed $param")
+        t = dec(val[0], depth + 1)
+        if type(t) is not torch.Tensor:
+            raise ValueError("malformed $param tensor")
+        if t.is_meta:
+            return t
+        return torch.nn.Parameter(t, requires_grad=val[1])
+
+    def d_ndarray(val: Any, depth: int) -> Any:
+        val = listed(val, "$ndarray")
+        if len(val) != 3:
+            raise ValueError("malformed $ndarray")
+        return _array_from(tensor(val[0]), val[1], val[2])
+
+    def d_np(val: Any, depth: int) -> Any:
+        val = listed(val, "$np")
+        if len(val) != 2 or val[0] not in _NP_STORAGE:
+            raise ValueError("malformed $np")
+        v = dec(val[1], depth + 1)
+        if type(v) not in (bool, int, float, complex):
+            raise ValueError("malformed $np value")
+        try:
+            return np.dtype(val[0]).type(v)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"malformed $np value ({e})") from None
+
+    def d_complex(val: Any, depth: int) -> Any:
+        val = listed(val, "$complex")
+        if len(val) != 2:
+            raise ValueError("malformed $complex")
+        return complex(_dec_float(val[0]), _dec_float(val[1]))
+
+    def d_set(val: Any, depth: int) -> Any:
+        try:
+            return {dec(v, depth + 1) for v in listed(val, "$set")}
+        except TypeError as e:
+            raise ValueError(f"malformed $set element ({e})") from None
+
+    def d_frozenset(val: Any, depth: int) -> Any:
+        return frozenset(d_set(val, depth))
+
+    def d_size(val: Any, depth: int) -> Any:
+        if not all(type(d) is int and d >= 0 for d in listed(val, "$size")):
+            raise ValueError("malformed $size")
+        return torch.Size(val)
+
+    def d_dtype(val: Any, depth: int) -> Any:
+        dt = _TORCH_DTYPES.get(val) if isinstance(val, str) else None
+        if dt is None:
+            raise ValueError(f"malformed $dtype {val!r}")
+        return dt
+
+    def d_device(val: Any, depth: int) -> Any:
+        if not isinstance(val, str) or len(val) > 64:
+            raise ValueError("malformed $device")
+        try:
+            return torch.device(val)
+        except RuntimeError as e:
+            raise ValueError(f"malformed $device ({e})") from None
+
+    def d_generator(val: Any, depth: int) -> Any:
+        val = listed(val, "$generator")
+        if len(val) != 2:
+            raise ValueError("malformed $generator")
+        device = d_device(val[0], depth)
+        state = dec(val[1], depth + 1)
+        if type(state) is not torch.Tensor or state.dtype != torch.uint8:
+            raise ValueError("malformed $generator state")
+        if state.is_meta:
+            return state
+        try:
+            g = torch.Generator(device=device)
+        except RuntimeError as e:
+            raise RuntimeError(f"checkpoint holds a torch.Generator on {device}, which this machine lacks: {e}") from e
+        try:
+            g.set_state(state)
+        except RuntimeError as e:
+            raise ValueError(f"malformed $generator state ({e})") from None
+        return g
+
+    def d_path(val: Any, depth: int) -> Any:
+        val = listed(val, "$path")
+        if len(val) != 2 or val[0] not in _PATHS or not isinstance(val[1], str):
+            raise ValueError("malformed $path")
+        return _PATHS[val[0]](val[1])
+
+    def d_date(val: Any, depth: int) -> Any:
+        if not isinstance(val, str):
+            raise ValueError("malformed $date")
+        return datetime.date.fromisoformat(val)
+
+    def d_timedelta(val: Any, depth: int) -> Any:
+        val = listed(val, "$timedelta")
+        if len(val) != 3 or not all(type(x) is int for x in val):
+            raise ValueError("malformed $timedelta")
+        try:
+            return datetime.timedelta(days=val[0], seconds=val[1], microseconds=val[2])
+        except OverflowError as e:
+            raise ValueError(f"malformed $timedelta ({e})") from None
+
+    def d_datetime(val: Any, depth: int) -> Any:
+        val = listed(val, "$datetime")
+        if len(val) != 3 or not isinstance(val[0], str) or val[1] not in (0, 1) or isinstance(val[1], bool):
+            raise ValueError("malformed $datetime")
+        naive = datetime.datetime.fromisoformat(val[0])
+        if naive.tzinfo is not None:
+            raise ValueError("malformed $datetime")
+        return naive.replace(tzinfo=_dec_tz(val[2]), fold=val[1])
+
+    _DECODERS: dict[str, Callable[[Any, int], Any]] = {
+        "$dict": d_dict,
+        "$tuple": d_tuple,
+        "$tensor": d_tensor,
+        "$float": d_float,
+        "$bytes": d_bytes,
+        "$bytearray": d_bytearray,
+        "$odict": d_odict,
+        "$defaultdict": d_defaultdict,
+        "$param": d_param,
+        "$ndarray": d_ndarray,
+        "$np": d_np,
+        "$complex": d_complex,
+        "$set": d_set,
+        "$frozenset": d_frozenset,
+        "$size": d_size,
+        "$dtype": d_dtype,
+        "$device": d_device,
+        "$generator": d_generator,
+        "$path": d_path,
+        "$date": d_date,
+        "$timedelta": d_timedelta,
+        "$datetime": d_datetime,
+    }
 
     return dec(tree, 0)
 
@@ -192,8 +660,9 @@ def tensor_names(tree: Any) -> list[str]:
             ((tag, val),) = node.items()
             if tag == "$tensor" and isinstance(val, str):
                 out.append(val)
-            elif tag == "$dict" and isinstance(val, list):
-                stack.extend(item[1] for item in val if isinstance(item, list) and len(item) == 2)
-            elif tag == "$tuple" and isinstance(val, list):
-                stack.extend(val)
+            elif tag == "$ndarray" and isinstance(val, list) and val and isinstance(val[0], str):
+                out.append(val[0])
+            elif tag != "$ndarray":
+                # every other node's value may hold nodes ($dict items, $param, $generator, ...)
+                stack.append(val)
     return out

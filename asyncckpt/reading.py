@@ -71,6 +71,11 @@ _TIME_RANGE = (0.0, 2.0**33)
 #: Tags this module decodes itself; any other ``$tag`` node is shown as stored.
 _CORE_TAGS = frozenset({"$dict", "$tuple", "$tensor", "$float", "$bytes"})
 
+#: Tags of single values (see asyncckpt._structure), shown as their tag and JSON.
+_VALUE_TAGS = frozenset(
+    "$np $complex $bytearray $size $dtype $device $generator $path $date $timedelta $datetime".split()
+)
+
 Status = Literal["complete", "incomplete", "bad"]
 
 
@@ -545,6 +550,41 @@ def _outline(
                     children.append((item[0], _key_label(item[0]), item[1]))
             elif tag == "$tuple" and isinstance(val, list):
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
+            elif tag in ("$odict", "$defaultdict") and isinstance(val, list) and len(val) == 2:
+                # shown as the dict they hold (see asyncckpt._structure for the node shapes)
+                walk({"$dict": val[0] if tag == "$odict" else val[1]}, path, label, depth)
+                return
+            elif tag in ("$set", "$frozenset") and isinstance(val, list):
+                kind, children = tag[1:], [(i, f"[{i}]", v) for i, v in enumerate(val)]
+            elif tag == "$param" and isinstance(val, list) and len(val) == 2:
+                walk(val[0], path, label, depth)
+                return
+            elif (
+                tag == "$ndarray"
+                and isinstance(val, list)
+                and len(val) == 3
+                and isinstance(val[0], str)
+                and isinstance(val[1], str)
+                and isinstance(val[2], list)
+            ):
+                s = slots.get(val[0])
+                if referenced is not None:
+                    referenced.add(val[0])
+                if s is None:
+                    missing.append(val[0])
+                    return
+                out.append(Entry(path, depth, label, "tensor", f"numpy.{val[1]}", tuple(val[2]), s.end - s.begin))
+                return
+            elif tag in _VALUE_TAGS:
+                # numpy scalars, complex, torch.Size/dtype/device/Generator, paths, datetimes;
+                # a Generator's state is a tensor of the shard
+                for ref in _tensor_refs(val):
+                    if referenced is not None:
+                        referenced.add(ref)
+                    if ref not in slots:
+                        missing.append(ref)
+                out.append(Entry(path, depth, label, "value", value=f"{tag[1:]}({json.dumps(val)[:200]})"))
+                return
             elif tag == "$tensor" and isinstance(val, str):
                 s = slots.get(val)
                 if referenced is not None:

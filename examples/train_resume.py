@@ -11,8 +11,14 @@ Exact continuation needs *everything* that influences the next step in the check
 * the model's weights, and the optimizer's moments and step counts (Adam),
 * the LR scheduler's position,
 * every random number generator in play: torch's global RNG (dropout), Python's ``random``
-  (input noise below), and the data pipeline's own ``torch.Generator``,
-* the step counter.
+  (which tokens get noise below), a numpy ``Generator`` (how much noise), and the data
+  pipeline's own ``torch.Generator``,
+* the data position (here: the generator state and batches served; with a DataLoader, the
+  sampler's position or a stateful loader) and the step counter.
+
+All of these are plain checkpoint values: ``random.getstate()`` (a tuple), the numpy
+``bit_generator.state`` (a dict with 128-bit ints) and ``torch.get_rng_state()`` come back
+exactly as saved.
 
 ``Checkpointer.save()`` copies all of that into staging buffers and returns; the slow part
 (writing, fsync, the atomic commit) happens on a background thread while training goes on.
@@ -27,6 +33,7 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,6 +163,7 @@ def main() -> None:
     optim = torch.optim.Adam(model.parameters(), lr=3e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)
     data = SyntheticText(args.seed)
+    noise_rng = np.random.default_rng(args.seed)  # the noise level per batch
     # everything with state_dict()/load_state_dict(); saved and restored as one tree
     stateful = {"model": model, "optim": optim, "sched": sched, "data": data}
     n_params = sum(p.numel() for p in model.parameters())
@@ -172,13 +180,15 @@ def main() -> None:
             step = extra["step"]
             torch.set_rng_state(extra["rng"])
             random.setstate(extra["py_rng"])
+            noise_rng.bit_generator.state = extra["np_rng"]
             print(f"resumed from step {step} ({latest.path})", flush=True)
 
         while step < args.steps:
             step += 1
             t0 = time.perf_counter()
             tokens = data.next_batch()
-            inputs, targets = add_input_noise(tokens[:, :-1]), tokens[:, 1:]
+            p = float(noise_rng.uniform(0.02, 0.08))
+            inputs, targets = add_input_noise(tokens[:, :-1], p), tokens[:, 1:]
             loss = F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1))
             optim.zero_grad(set_to_none=True)
             loss.backward()
@@ -188,7 +198,12 @@ def main() -> None:
             line = f"step {step:5d}  loss {loss.item():.6f}  {step_ms:6.1f} ms"
 
             if step % args.save_every == 0 or step == args.steps:
-                extra = {"step": step, "rng": torch.get_rng_state(), "py_rng": random.getstate()}
+                extra = {
+                    "step": step,
+                    "rng": torch.get_rng_state(),
+                    "py_rng": random.getstate(),
+                    "np_rng": noise_rng.bit_generator.state,
+                }
                 t1 = time.perf_counter()
                 ck.save(step, {**stateful, "extra": extra})  # returns once the state is staged
                 line += f"  save stall {(time.perf_counter() - t1) * 1e3:6.1f} ms"

@@ -153,7 +153,7 @@ class Opaque:
         ({"m": torch.empty(2, device="meta")}, TypeError, "meta tensor at 'm'"),
         ({"s": torch.eye(2).to_sparse()}, TypeError, "layout"),
         ({"c": torch.ones(2, dtype=torch.complex128)}, TypeError, "dtype"),
-        ({"n": {1, 2}}, TypeError, "set"),
+        ({"n": {torch.ones(1)}}, TypeError, "set at 'n' holds tensors"),
     ],
 )
 def test_unsupported_objects_fail_at_the_call_and_writer_keeps_working(
