@@ -16,13 +16,16 @@ protocol early and nobody waits without a deadline.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ._errors import RankFailure
+from ._errors import CheckpointError, RankFailure
+
+log = logging.getLogger("asyncckpt")
 
 
 @dataclass
@@ -124,8 +127,21 @@ def _dec_failure(d: Any) -> RankFailure | None:
     return None if d is None else RankFailure(d["rank"], d["exc_type"], d["message"], d["errno"], d["path"])
 
 
-class CoordinationLost(RuntimeError):
-    """The c10d store could not be reached (the rank hosting it is gone)."""
+#: Longest single store call (``wait`` is chunked to it): a gone store host costs at most this.
+CALL_S = 5.0
+
+
+class CoordinationLost(CheckpointError, RuntimeError):
+    """The coordinator is gone: the c10d store cannot be reached (its host, rank 0 or the
+    launcher, died or closed the connection). Every later store call fails at once."""
+
+
+def lost_message(e: BaseException) -> str:
+    """The wording of :class:`CoordinationLost` for the store error ``e``."""
+    return (
+        "the coordinator is gone: the c10d store (hosted by rank 0 or the launcher) cannot be "
+        f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'connection lost'})"
+    )
 
 
 class StoreCoordinator:
@@ -154,6 +170,10 @@ class StoreCoordinator:
         self.ns = namespace
         self._run = run  # coroutine function: await run(fn, *args) on the I/O pool
         self._last_seq = 0
+        # leader: ranks that did not report in the last save (known dead or stopped): close()
+        # does not wait for them
+        self.missing: set[int] = set()
+        self.lost: CoordinationLost | None = None  # once the store is gone, stay gone
 
     def _key(self, seq: int, *parts: object) -> str:
         return "/".join(["asyncckpt", self.ns, str(seq), *map(str, parts)])
@@ -165,26 +185,36 @@ class StoreCoordinator:
         return getattr(client, name)(*args)
 
     async def _call(self, name: str, *args: Any) -> Any:
+        if self.lost is not None:
+            # no reconnect attempts against a store that is gone: each would cost a connect timeout
+            raise CoordinationLost(str(self.lost))
         try:
             return await self._run(self._op, name, *args)
         except Exception as e:
-            if _is_timeout(e):
+            if is_store_timeout(e):
                 raise
-            raise CoordinationLost(f"coordination store unreachable: {e}") from e
+            self.lost = CoordinationLost(lost_message(e))
+            raise CoordinationLost(str(self.lost)) from e
 
     async def _set(self, key: str, value: Any) -> None:
         await self._call("set", key, json.dumps(value))
 
     async def _wait_keys(self, keys: list[str], deadline: float) -> bool:
-        """Wait until every key is set; False if ``deadline`` passes first."""
-        remaining = max(deadline - time.monotonic(), 0.01)
-        try:
-            await self._call("wait", keys, timedelta(seconds=remaining))
-        except Exception as e:
-            if _is_timeout(e):
+        """Wait until every key is set; False if ``deadline`` passes first.
+
+        Waits in slices of at most :data:`CALL_S`, so no single store call outlives the
+        client's own timeout and a store that goes away is noticed at once.
+        """
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                await self._call("wait", keys, timedelta(seconds=min(max(remaining, 0.01), CALL_S)))
+                return True
+            except Exception as e:
+                if not is_store_timeout(e):
+                    raise
+            if deadline - time.monotonic() <= 0:
                 return False
-            raise
-        return True
 
     async def _wait_get(self, key: str, deadline: float) -> Any | None:
         """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
@@ -223,7 +253,9 @@ class StoreCoordinator:
         out: dict[int, Report] = {}
         for r, key in enumerate(keys):
             if not await self._call("check", [key]):
+                self.missing.add(r)
                 continue
+            self.missing.discard(r)
             d = json.loads(await self._call("get", key))
             out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
         return out
@@ -252,18 +284,34 @@ class StoreCoordinator:
     async def close(self, deadline: float) -> None:
         key = "/".join(["asyncckpt", self.ns, "closed", str(self.rank)])
         await self._set(key, self._last_seq)
-        if self.rank == 0:
-            # rank 0 usually hosts the store: stay until every rank has read its last verdict
-            keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in range(self.world_size)]
-            await self._wait_keys(keys, deadline)
+        if self.rank != 0:
+            return
+        # rank 0 usually hosts the store: stay until every rank has read its last verdict, but
+        # not for ranks already known missing (they died or stopped during a save: waiting a
+        # whole timeout for them only delays the exit of every survivor's job)
+        alive = [r for r in range(self.world_size) if r not in self.missing]
+        if self.missing:
+            log.warning("close(): not waiting for rank(s) %s, missing since an earlier save", sorted(self.missing))
+        keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in alive]
+        if not await self._wait_keys(keys, deadline):
+            log.warning("close(): not every rank closed within the timeout; leaving anyway")
 
 
 class _LeaderSilent(TimeoutError):
     pass
 
 
-def _is_timeout(e: BaseException) -> bool:
-    return isinstance(e, TimeoutError) or "timeout" in str(e).lower() or "timed out" in str(e).lower()
+def is_store_timeout(e: BaseException) -> bool:
+    """A store call that ran out of time (the store is alive), as opposed to a lost store."""
+    if isinstance(e, TimeoutError):
+        return True
+    import torch.distributed as dist
+
+    network = getattr(dist, "DistNetworkError", None)
+    if network is not None and isinstance(e, network):
+        return False  # connection refused/reset/closed, or a connect that timed out: the store is gone
+    msg = str(e).lower()
+    return "wait timeout" in msg or "timeout" in msg or "timed out" in msg
 
 
 def _enc_verdict(v: Verdict) -> Any:
