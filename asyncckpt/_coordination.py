@@ -303,6 +303,8 @@ class _LeaderSilent(TimeoutError):
 
 def is_store_timeout(e: BaseException) -> bool:
     """A store call that ran out of time (the store is alive), as opposed to a lost store."""
+    if isinstance(e, CoordinationLost):
+        return False  # its message may quote a connect that "timed out"
     if isinstance(e, TimeoutError):
         return True
     import torch.distributed as dist

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -113,6 +114,10 @@ def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], A
     host, port = base.host, base.port
 
     def connect() -> Any:
+        # TCPStore's connect retries a refused connection until its timeout (it waits for a
+        # server still starting); ours is long up, so a refusal means the host is gone
+        probe = socket.create_connection((host, port), timeout=min(timeout_s, CALL_S))
+        probe.close()
         per_call = timedelta(seconds=min(timeout_s, CALL_S))
         client = tcp(host, port, is_master=False, timeout=per_call, wait_for_workers=False)
         return dist.distributed_c10d.PrefixStore(prefix, client)
