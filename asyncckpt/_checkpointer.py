@@ -377,8 +377,12 @@ class Checkpointer:
         previous handler (by default: termination by the signal) proceed.
 
         ``final_save(ckpt)`` runs inside the signal handler on the main thread and should
-        call ``ckpt.save(...)``. If the final flush fails, the failure is printed and the
-        process exits with status 1. Call from the main thread (Python's signal rule).
+        call ``ckpt.save(...)``. Everything the handler waits for (the final save's staging
+        slot, the flush) shares one deadline, ``grace_s`` after the signal; if the signal
+        lands inside a ``save()`` on the main thread, the final save does not wait for the
+        slot that save holds but stages into a spare buffer. If the final save or flush fails
+        or runs out of time, the failure is printed and the process exits with status 1.
+        Call from the main thread (Python's signal rule).
         """
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("install_sigterm_handler() must be called from the main thread")
@@ -395,9 +399,10 @@ class Checkpointer:
             # a staging slot it will not give back before this handler returns
             self._interrupted_save = _inside_save(frame, self)
             try:
-                if final_save is not None:
-                    final_save(self)
-                self.flush(timeout=max(0.0, self._grace_end - time.monotonic()))
+                if not self._closed:  # closed (or closing): its saves are flushed already
+                    if final_save is not None:
+                        final_save(self)
+                    self.flush(timeout=max(0.0, self._grace_end - time.monotonic()))
             except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
                 print(f"asyncckpt: final flush on SIGTERM failed: {_describe(e)}", file=sys.stderr)
                 sys.stdout.flush()
