@@ -84,6 +84,9 @@ class _Runtime:
             pass
         finally:
             try:
+                shutdown = getattr(self.coord, "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
                 self.writer.stop(timeout=10.0)
                 self.pool.shutdown(wait=True, timeout=10.0)
             finally:

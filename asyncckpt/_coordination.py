@@ -129,6 +129,9 @@ def _dec_failure(d: Any) -> RankFailure | None:
 
 #: Longest single store call (``wait`` is chunked to it): a gone store host costs at most this.
 CALL_S = 5.0
+#: Followers beat this often; rank 0's close() stops waiting for a rank whose beat is this stale.
+HEARTBEAT_S = 1.0
+STALE_S = 6.0
 
 
 class CoordinationLost(CheckpointError, RuntimeError):
@@ -174,6 +177,16 @@ class StoreCoordinator:
         # does not wait for them
         self.missing: set[int] = set()
         self.lost: CoordinationLost | None = None  # once the store is gone, stay gone
+        # the liveness check rank 0's close() uses for ranks that died while no save was running
+        self._heartbeat = _Heartbeat(connect, self._ns_key("alive", rank)) if rank != 0 else None
+
+    def _ns_key(self, *parts: object) -> str:
+        return "/".join(["asyncckpt", self.ns, *map(str, parts)])
+
+    def shutdown(self) -> None:
+        """Stop this rank's heartbeat (bounded); the store itself is left alone."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     def _key(self, seq: int, *parts: object) -> str:
         return "/".join(["asyncckpt", self.ns, str(seq), *map(str, parts)])
@@ -282,23 +295,67 @@ class StoreCoordinator:
         return bool(won == b"commit")
 
     async def close(self, deadline: float) -> None:
-        key = "/".join(["asyncckpt", self.ns, "closed", str(self.rank)])
-        await self._set(key, self._last_seq)
+        await self._set(self._ns_key("closed", self.rank), self._last_seq)
         if self.rank != 0:
             return
         # rank 0 usually hosts the store: stay until every rank has read its last verdict, but
-        # not for ranks already known missing (they died or stopped during a save: waiting a
-        # whole timeout for them only delays the exit of every survivor's job)
-        alive = [r for r in range(self.world_size) if r not in self.missing]
+        # not for ranks known dead: missing in the last save, or whose heartbeat stopped
+        # (waiting a whole timeout for them only delays the exit of every survivor)
         if self.missing:
             log.warning("close(): not waiting for rank(s) %s, missing since an earlier save", sorted(self.missing))
-        keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in alive]
-        if not await self._wait_keys(keys, deadline):
-            log.warning("close(): not every rank closed within the timeout; leaving anyway")
+        pending = {r for r in range(self.world_size) if r not in self.missing}
+        beats: dict[int, tuple[Any, float]] = {}
+        while pending:
+            keys = [self._ns_key("closed", r) for r in sorted(pending)]
+            if await self._wait_keys(keys, min(deadline, time.monotonic() + 2 * HEARTBEAT_S)):
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                log.warning("close(): rank(s) %s did not close within the timeout; leaving anyway", sorted(pending))
+                return
+            for r in sorted(pending):
+                if await self._call("check", [self._ns_key("closed", r)]):
+                    pending.discard(r)
+                    continue
+                alive_key = self._ns_key("alive", r)
+                beat = await self._call("get", alive_key) if await self._call("check", [alive_key]) else None
+                last = beats.get(r)
+                if last is None or last[0] != beat:
+                    beats[r] = (beat, now)
+                elif beat is not None and now - last[1] > STALE_S:
+                    log.warning("close(): rank %d stopped beating %.0fs ago; not waiting for it", r, now - last[1])
+                    self.missing.add(r)
+                    pending.discard(r)
 
 
 class _LeaderSilent(TimeoutError):
     pass
+
+
+class _Heartbeat:
+    """A follower's liveness signal: a counter under ``key``, bumped every HEARTBEAT_S on its
+    own thread and store client (so a busy writer or I/O pool cannot delay it)."""
+
+    def __init__(self, connect: Any, key: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(connect, key), name="asyncckpt-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, connect: Any, key: str) -> None:
+        try:
+            client = connect()
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                client.set(key, str(n))
+                self._stop.wait(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - the store is gone: there is nobody left to tell
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(HEARTBEAT_S + CALL_S)
 
 
 def is_store_timeout(e: BaseException) -> bool:

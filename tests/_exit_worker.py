@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -55,6 +56,21 @@ def scenario_follower_dies(rank: int, world: int, root: str, result: dict[str, A
     except SaveError:
         pass
     result["close_s"] = time.monotonic() - t0
+
+
+def scenario_follower_dies_idle(rank: int, world: int, root: str, result: dict[str, Any], extra: list[str]) -> None:
+    ck = Checkpointer(root, timeout=20)
+    ck.save(1, state_for(rank, 1)).result(timeout=60)
+    if rank == 2:
+        time.sleep(1.5)  # beats a little, then dies while no save is running
+        result["died_at"] = time.monotonic()
+        write_result(result)
+        os._exit(3)
+    Path(root, "..", f"closing.{rank}").write_text("")
+    t0 = time.monotonic()
+    ck.close()  # rank 0 learns of the death only from rank 2's heartbeat
+    result["close_s"] = time.monotonic() - t0
+    result["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
 
 
 def _after_coordinator_died(ck: Checkpointer, rank: int, result: dict[str, Any], pending: Any) -> None:

@@ -355,6 +355,18 @@ def test_rank0_close_does_not_wait_for_a_follower_known_dead(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(90)
+def test_rank0_close_stops_waiting_for_a_follower_whose_heartbeat_stopped(tmp_path: Path) -> None:
+    res = run_exit_ranks(tmp_path, "follower_dies_idle", 3)
+    death = res[2]["died_at"]
+    for r in (0, 1):
+        got = res[r]
+        print(f"rank {r}: idle death -> exit {got['exit_at'] - death:.2f}s (close() {got['close_s']:.2f}s, timeout=20)")
+        assert res[r]["threads"] == [], res[r]  # the heartbeat stopped with the rest
+    assert res[0]["close_s"] < 12, res[0]  # the heartbeat's staleness bound, not the 20 s timeout
+    assert res[1]["close_s"] < 2, res[1]
+
+
+@pytest.mark.timeout(90)
 def test_leader_killed_followers_end_within_seconds_saying_the_coordinator_is_gone(tmp_path: Path) -> None:
     res = run_exit_ranks(tmp_path, "leader_killed", 3)
     assert 0 not in res
