@@ -615,6 +615,7 @@ class Checkpointer:
         """Rank 0 computes a JSON value and every rank gets that same value (collective)."""
         if self._dist is None:
             return compute()
+        self._check_not_forked()  # the store connection is the parent's: a child must not speak on it
         self._queries += 1
         return self._dist.share(f"q/{self._queries}", compute if self.rank == 0 else None, self.timeout)
 
