@@ -61,21 +61,38 @@ class _Runtime:
         self.staging = StagingPool(max_pending)
         self.coord = coord
         self.stopped = False
+        self.pid = os.getpid()
 
-    def stop(self, timeout: float) -> None:
+    @property
+    def forked(self) -> bool:
+        """True in a child forked from the process that built this runtime: its threads are
+        not there, so nothing may wait on them and nothing may be written from here."""
+        return os.getpid() != self.pid
+
+    def stop(self, timeout: float, *, collective: bool = True) -> None:
+        """Say goodbye to the other ranks (``collective``, bounded by ``timeout``), then stop
+        the writer (cancelling what still runs) and the I/O threads. Every wait is bounded."""
         if self.stopped:
             return
         self.stopped = True
+        if self.forked:
+            return  # the threads live in the parent; the child has nothing to stop
         deadline = time.monotonic() + timeout
         try:
-            if not self.writer.in_writer():
+            if collective and not self.writer.in_writer():
                 fut = self.writer.submit(self.coord.close(deadline))
                 fut.result(max(0.0, deadline - time.monotonic()) + _MARGIN_S)
         except Exception:  # noqa: BLE001 - peers gone or coordination dead: still stop locally
             pass
-        self.writer.stop(timeout=10.0)
-        self.pool.shutdown(wait=True, timeout=10.0)
-        self.staging.close()
+        finally:
+            try:
+                shutdown = getattr(self.coord, "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+                self.writer.stop(timeout=10.0)
+                self.pool.shutdown(wait=True, timeout=10.0)
+            finally:
+                self.staging.close()
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
         """Stop from a background thread once ``futures`` settle (used after GC)."""
@@ -148,6 +165,10 @@ class Checkpointer:
             save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
             ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
     """
+
+    # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
+    _grace_end: float | None = None
+    _interrupted_save: bool = False
 
     def __init__(
         self,
@@ -253,7 +274,7 @@ class Checkpointer:
                 # the other ranks are saving this step too: fail it for them, within the protocol
                 self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e)
             raise
-        arena, waited = self._rt.staging.acquire(layout.file_size, self.timeout + _MARGIN_S)
+        arena, waited = self._acquire_slot(layout.file_size)
         try:
             events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
         except BaseException:
@@ -366,8 +387,12 @@ class Checkpointer:
         previous handler (by default: termination by the signal) proceed.
 
         ``final_save(ckpt)`` runs inside the signal handler on the main thread and should
-        call ``ckpt.save(...)``. If the final flush fails, the failure is printed and the
-        process exits with status 1. Call from the main thread (Python's signal rule).
+        call ``ckpt.save(...)``. Everything the handler waits for (the final save's staging
+        slot, the flush) shares one deadline, ``grace_s`` after the signal; if the signal
+        lands inside a ``save()`` on the main thread, the final save does not wait for the
+        slot that save holds but stages into a spare buffer. If the final save or flush fails
+        or runs out of time, the failure is printed and the process exits with status 1.
+        Call from the main thread (Python's signal rule).
         """
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("install_sigterm_handler() must be called from the main thread")
@@ -377,15 +402,25 @@ class Checkpointer:
 
         def on_sigterm(signum: int, frame: Any) -> None:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            # one deadline for all of it (final save's slot wait, staging, flush): the process is
+            # gone within grace_s, whatever it was doing when the signal came
+            self._grace_end = time.monotonic() + grace_s
+            # the signal may have landed inside save() on this thread, which holds (or waits for)
+            # a staging slot it will not give back before this handler returns
+            self._interrupted_save = _inside_save(frame, self)
             try:
-                if final_save is not None:
-                    final_save(self)
-                self.flush(timeout=grace_s)
+                if not self._closed:  # closed (or closing): its saves are flushed already
+                    if final_save is not None:
+                        final_save(self)
+                    self.flush(timeout=max(0.0, self._grace_end - time.monotonic()))
             except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
-                print(f"asyncckpt: final flush on SIGTERM failed: {e}", file=sys.stderr)
+                print(f"asyncckpt: final flush on SIGTERM failed: {_describe(e)}", file=sys.stderr)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
+            finally:
+                self._grace_end = None
+                self._interrupted_save = False
             if callable(previous):
                 previous(signum, frame)
             elif previous in (signal.SIG_DFL, None):
@@ -393,9 +428,27 @@ class Checkpointer:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
+    def _acquire_slot(self, nbytes: int) -> tuple[Arena, float]:
+        """A staging arena for the next save: wait for a slot, bounded by the save timeout, or
+        by the grace period inside the SIGTERM handler. A final save that interrupted another
+        save() on this thread cannot wait for the slot that save holds: it stages into a spare
+        buffer instead (freed when it settles)."""
+        grace_end = self._grace_end
+        if grace_end is None:
+            return self._rt.staging.acquire(nbytes, self.timeout + _MARGIN_S)
+        if self._interrupted_save:
+            try:
+                return self._rt.staging.acquire(nbytes, 0.0)
+            except TimeoutError:
+                return self._rt.staging.spare(nbytes), 0.0
+        return self._rt.staging.acquire(nbytes, min(self.timeout + _MARGIN_S, max(0.0, grace_end - time.monotonic())))
+
     def _surface_earlier_failure(self) -> None:
         with self._lock:
             pending, self._unraised = self._unraised, []
+        # a failure the caller already saw on its handle (result(), exception(), await) is
+        # not raised again here; flush()/close() still report it
+        pending = [r for r in pending if not r.reported]
         if not pending:
             return
         if self.on_error == "warn":
@@ -441,6 +494,7 @@ class Checkpointer:
         seconds (they keep running).
         """
         self._check_not_in_writer()
+        self._check_not_forked()
         futures = self._pending_futures()
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
@@ -450,6 +504,7 @@ class Checkpointer:
     async def aflush(self, timeout: float | None = None) -> None:
         """:meth:`flush` for asyncio code: waits without blocking the running loop."""
         self._check_not_in_writer()
+        self._check_not_forked()
         futures = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures()]
         if futures:
             _, not_done = await asyncio.wait(futures, timeout=timeout)
@@ -459,18 +514,58 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ closing
     def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the writer thread; raises what :meth:`flush` raises. Idempotent."""
+        """Flush, then stop the writer thread; raises what :meth:`flush` raises. Idempotent.
+
+        Interrupted (Ctrl-C) while saves are pending, it stops the writer at once, which
+        leaves each pending step either committed or not there at all (the previous
+        checkpoint stays the latest), prints which, and re-raises. In a forked child it only
+        marks this copy closed: the parent's writer is not there.
+        """
         if self._closed:
+            return
+        if self._rt.forked:
+            self._closed = True
             return
         try:
             self.flush(timeout)
+        except KeyboardInterrupt:
+            self._closed = True
+            self._abandon_pending("close() was interrupted")
+            raise
         finally:
             self._closed = True
             self._rt.stop(self.timeout)
 
+    def _abandon_pending(self, why: str) -> None:
+        """Stop the writer now and print what became of each pending save (stderr)."""
+        with self._lock:
+            pending = [r for r in self._records if not r.future.done()]
+        self._rt.stop(_MARGIN_S, collective=False)
+        newest = _discovery.find_latest(self.root)
+        newest_s = f"step {newest.step}" if newest is not None else "none"
+        for r in pending:
+            r.mark_reported()  # said here: the exit hook must not report it again
+            committed = r.future.done() and r.failure() is None
+            if not committed:
+                committed = newest is not None and newest.step == r.step
+            fate = (
+                "committed"
+                if committed
+                else "abandoned before its commit (not on disk; its leftover is removed at the next start)"
+            )
+            print(
+                f"asyncckpt: {why}: save of step {r.step} under {self.root} {fate}; "
+                f"newest complete checkpoint: {newest_s}",
+                file=sys.stderr,
+            )
+        sys.stderr.flush()
+
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close` for asyncio code."""
         if self._closed:
+            return
+        if self._rt.forked:
+            self._closed = True
             return
         try:
             await self.aflush(timeout)
@@ -510,7 +605,7 @@ class Checkpointer:
 
     def __del__(self) -> None:
         rt = getattr(self, "_rt", None)
-        if rt is None or self._closed or rt.stopped:
+        if rt is None or self._closed or rt.stopped or rt.forked:
             return
         pending = [r.future for r in self._records if not r.future.done()]
         if pending:
@@ -527,6 +622,7 @@ class Checkpointer:
         """Rank 0 computes a JSON value and every rank gets that same value (collective)."""
         if self._dist is None:
             return compute()
+        self._check_not_forked()  # the store connection is the parent's: a child must not speak on it
         self._queries += 1
         return self._dist.share(f"q/{self._queries}", compute if self.rank == 0 else None, self.timeout)
 
@@ -647,7 +743,15 @@ class Checkpointer:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+        self._check_not_forked()
         self._check_not_in_writer()
+
+    def _check_not_forked(self) -> None:
+        if self._rt.forked:
+            raise RuntimeError(
+                f"this Checkpointer belongs to process {self._rt.pid}; a forked child cannot save or "
+                "wait with it (its writer thread did not survive the fork): build a new one in the child"
+            )
 
     def _check_not_in_writer(self) -> None:
         if self._rt.writer.in_writer():
@@ -731,6 +835,23 @@ def _prefixes(value: Sequence[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _inside_save(frame: Any, ck: Checkpointer) -> bool:
+    """True if ``frame`` (where a signal interrupted this thread) is inside ``ck.save()``."""
+    while frame is not None:
+        if frame.f_code is Checkpointer.save.__code__ and frame.f_locals.get("self") is ck:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _describe(exc: BaseException | None) -> str:
+    """``str(exc)``, never empty (a bare ``KeyboardInterrupt()`` or ``CancelledError()``)."""
+    if exc is None:
+        return "no error"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _step_of(info: CheckpointInfo | None) -> int | None:
     return None if info is None else info.step
 
@@ -743,6 +864,8 @@ def _exit_hook() -> None:
     """At exit: finish pending saves (bounded), print unseen failures, exit non-zero if any."""
     unseen: list[str] = []
     for ck in list(_live):
+        if ck._rt.forked:
+            continue  # a forked child: the saves belong to the parent, which waits for them
         if not ck._closed:
             # wait without marking anything reported: what nobody saw is printed below
             concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
@@ -754,7 +877,7 @@ def _exit_hook() -> None:
             except BaseException:  # noqa: BLE001
                 pass
         for r in failures:
-            unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {r.failure()}")
+            unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
     if unseen:
         for line in unseen:
             print(line, file=sys.stderr)

@@ -180,6 +180,9 @@ async def _commit(
 
 
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
+    if isinstance(e, CoordinationLost):  # the store host died: say so, not "did not answer"
+        failure = RankFailure(0, "CoordinationLost", str(e))
+        return SaveTimeoutError(step, {0: failure}, missing=(0,), detail="the coordinator is gone")
     return SaveTimeoutError(
         step, {0: RankFailure(0, "TimeoutError", str(e))}, missing=(0,), detail="rank 0 did not answer"
     )

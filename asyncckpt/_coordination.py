@@ -16,13 +16,16 @@ protocol early and nobody waits without a deadline.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ._errors import RankFailure
+from ._errors import CheckpointError, RankFailure
+
+log = logging.getLogger("asyncckpt")
 
 
 @dataclass
@@ -124,8 +127,24 @@ def _dec_failure(d: Any) -> RankFailure | None:
     return None if d is None else RankFailure(d["rank"], d["exc_type"], d["message"], d["errno"], d["path"])
 
 
-class CoordinationLost(RuntimeError):
-    """The c10d store could not be reached (the rank hosting it is gone)."""
+#: Longest single store call (``wait`` is chunked to it): a gone store host costs at most this.
+CALL_S = 5.0
+#: Followers beat this often; rank 0's close() stops waiting for a rank whose beat is this stale.
+HEARTBEAT_S = 1.0
+STALE_S = 6.0
+
+
+class CoordinationLost(CheckpointError, RuntimeError):
+    """The coordinator is gone: the c10d store cannot be reached (its host, rank 0 or the
+    launcher, died or closed the connection). Every later store call fails at once."""
+
+
+def lost_message(e: BaseException) -> str:
+    """The wording of :class:`CoordinationLost` for the store error ``e``."""
+    return (
+        "the coordinator is gone: the c10d store (hosted by rank 0 or the launcher) cannot be "
+        f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'connection lost'})"
+    )
 
 
 class StoreCoordinator:
@@ -154,6 +173,20 @@ class StoreCoordinator:
         self.ns = namespace
         self._run = run  # coroutine function: await run(fn, *args) on the I/O pool
         self._last_seq = 0
+        # leader: ranks that did not report in the last save (known dead or stopped): close()
+        # does not wait for them
+        self.missing: set[int] = set()
+        self.lost: CoordinationLost | None = None  # once the store is gone, stay gone
+        # the liveness check rank 0's close() uses for ranks that died while no save was running
+        self._heartbeat = _Heartbeat(connect, self._ns_key("alive", rank)) if rank != 0 else None
+
+    def _ns_key(self, *parts: object) -> str:
+        return "/".join(["asyncckpt", self.ns, *map(str, parts)])
+
+    def shutdown(self) -> None:
+        """Stop this rank's heartbeat (bounded); the store itself is left alone."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     def _key(self, seq: int, *parts: object) -> str:
         return "/".join(["asyncckpt", self.ns, str(seq), *map(str, parts)])
@@ -165,26 +198,36 @@ class StoreCoordinator:
         return getattr(client, name)(*args)
 
     async def _call(self, name: str, *args: Any) -> Any:
+        if self.lost is not None:
+            # no reconnect attempts against a store that is gone: each would cost a connect timeout
+            raise CoordinationLost(str(self.lost))
         try:
             return await self._run(self._op, name, *args)
         except Exception as e:
-            if _is_timeout(e):
+            if is_store_timeout(e):
                 raise
-            raise CoordinationLost(f"coordination store unreachable: {e}") from e
+            self.lost = CoordinationLost(lost_message(e))
+            raise CoordinationLost(str(self.lost)) from e
 
     async def _set(self, key: str, value: Any) -> None:
         await self._call("set", key, json.dumps(value))
 
     async def _wait_keys(self, keys: list[str], deadline: float) -> bool:
-        """Wait until every key is set; False if ``deadline`` passes first."""
-        remaining = max(deadline - time.monotonic(), 0.01)
-        try:
-            await self._call("wait", keys, timedelta(seconds=remaining))
-        except Exception as e:
-            if _is_timeout(e):
+        """Wait until every key is set; False if ``deadline`` passes first.
+
+        Waits in slices of at most :data:`CALL_S`, so no single store call outlives the
+        client's own timeout and a store that goes away is noticed at once.
+        """
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                await self._call("wait", keys, timedelta(seconds=min(max(remaining, 0.01), CALL_S)))
+                return True
+            except Exception as e:
+                if not is_store_timeout(e):
+                    raise
+            if deadline - time.monotonic() <= 0:
                 return False
-            raise
-        return True
 
     async def _wait_get(self, key: str, deadline: float) -> Any | None:
         """The value of ``key`` once set, or ``None`` if ``deadline`` passes first."""
@@ -223,7 +266,9 @@ class StoreCoordinator:
         out: dict[int, Report] = {}
         for r, key in enumerate(keys):
             if not await self._call("check", [key]):
+                self.missing.add(r)
                 continue
+            self.missing.discard(r)
             d = json.loads(await self._call("get", key))
             out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
         return out
@@ -250,20 +295,82 @@ class StoreCoordinator:
         return bool(won == b"commit")
 
     async def close(self, deadline: float) -> None:
-        key = "/".join(["asyncckpt", self.ns, "closed", str(self.rank)])
-        await self._set(key, self._last_seq)
-        if self.rank == 0:
-            # rank 0 usually hosts the store: stay until every rank has read its last verdict
-            keys = ["/".join(["asyncckpt", self.ns, "closed", str(r)]) for r in range(self.world_size)]
-            await self._wait_keys(keys, deadline)
+        await self._set(self._ns_key("closed", self.rank), self._last_seq)
+        if self.rank != 0:
+            return
+        # rank 0 usually hosts the store: stay until every rank has read its last verdict, but
+        # not for ranks known dead: missing in the last save, or whose heartbeat stopped
+        # (waiting a whole timeout for them only delays the exit of every survivor)
+        if self.missing:
+            log.warning("close(): not waiting for rank(s) %s, missing since an earlier save", sorted(self.missing))
+        pending = {r for r in range(self.world_size) if r not in self.missing}
+        beats: dict[int, tuple[Any, float]] = {}
+        while pending:
+            keys = [self._ns_key("closed", r) for r in sorted(pending)]
+            if await self._wait_keys(keys, min(deadline, time.monotonic() + 2 * HEARTBEAT_S)):
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                log.warning("close(): rank(s) %s did not close within the timeout; leaving anyway", sorted(pending))
+                return
+            for r in sorted(pending):
+                if await self._call("check", [self._ns_key("closed", r)]):
+                    pending.discard(r)
+                    continue
+                alive_key = self._ns_key("alive", r)
+                beat = await self._call("get", alive_key) if await self._call("check", [alive_key]) else None
+                last = beats.get(r)
+                if last is None or last[0] != beat:
+                    beats[r] = (beat, now)
+                elif beat is not None and now - last[1] > STALE_S:
+                    log.warning("close(): rank %d stopped beating %.0fs ago; not waiting for it", r, now - last[1])
+                    self.missing.add(r)
+                    pending.discard(r)
 
 
 class _LeaderSilent(TimeoutError):
     pass
 
 
-def _is_timeout(e: BaseException) -> bool:
-    return isinstance(e, TimeoutError) or "timeout" in str(e).lower() or "timed out" in str(e).lower()
+class _Heartbeat:
+    """A follower's liveness signal: a counter under ``key``, bumped every HEARTBEAT_S on its
+    own thread and store client (so a busy writer or I/O pool cannot delay it)."""
+
+    def __init__(self, connect: Any, key: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(connect, key), name="asyncckpt-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, connect: Any, key: str) -> None:
+        try:
+            client = connect()
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                client.set(key, str(n))
+                self._stop.wait(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - the store is gone: there is nobody left to tell
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(HEARTBEAT_S + CALL_S)
+
+
+def is_store_timeout(e: BaseException) -> bool:
+    """A store call that ran out of time (the store is alive), as opposed to a lost store."""
+    if isinstance(e, CoordinationLost):
+        return False  # its message may quote a connect that "timed out"
+    if isinstance(e, TimeoutError):
+        return True
+    import torch.distributed as dist
+
+    network = getattr(dist, "DistNetworkError", None)
+    if network is not None and isinstance(e, network):
+        return False  # connection refused/reset/closed, or a connect that timed out: the store is gone
+    msg = str(e).lower()
+    return "wait timeout" in msg or "timeout" in msg or "timed out" in msg
 
 
 def _enc_verdict(v: Verdict) -> Any:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._checksum import crc32c
+from ._coordination import CALL_S, CoordinationLost, is_store_timeout, lost_message
 
 _count_lock = threading.Lock()
 _instances: dict[str, int] = {}
@@ -37,11 +40,25 @@ class DistContext:
     connect: Callable[[], Any]
 
     def _wait_get(self, key: str, timeout: float) -> Any:
-        try:
-            self.store.wait([key], timedelta(seconds=timeout))
-            return json.loads(self.store.get(key))
-        except Exception as e:
-            raise TimeoutError(f"asyncckpt: rank 0 did not answer {key!r} within {timeout:.0f}s ({e})") from e
+        """Rank 0's value of ``key``. Raises ``TimeoutError`` when rank 0 is alive but did not
+        answer in ``timeout`` s, :class:`CoordinationLost` at once when the store is gone."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while True:
+            # slices of at most CALL_S: a store that goes away is noticed between them
+            remaining = deadline - time.monotonic()
+            try:
+                self.store.wait([key], timedelta(seconds=min(max(remaining, 0.01), CALL_S)))
+                return json.loads(self.store.get(key))
+            except Exception as e:
+                if not is_store_timeout(e):
+                    raise CoordinationLost(lost_message(e)) from e
+                if time.monotonic() >= deadline:
+                    waited = time.monotonic() - t0
+                    raise TimeoutError(
+                        f"asyncckpt: rank 0 did not answer {key!r} within {timeout:.0f}s "
+                        f"(waited {waited:.1f}s: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                    ) from e
 
     def share(self, key: str, compute: Callable[[], Any] | None, timeout: float) -> Any:
         """Rank 0 passes ``compute`` and publishes its JSON result; every rank returns it."""
@@ -49,7 +66,10 @@ class DistContext:
         if self.rank == 0:
             assert compute is not None
             value = compute()
-            self.store.set(full, json.dumps(value))
+            try:
+                self.store.set(full, json.dumps(value))
+            except Exception as e:
+                raise CoordinationLost(lost_message(e)) from e
             return value
         return self._wait_get(full, timeout)
 
@@ -78,7 +98,10 @@ class DistContext:
 def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], Any]:
     """New, independent clients of the TCPStore behind ``store`` (keys under ``prefix``).
 
-    Falls back to the shared ``store`` itself when it is not backed by a TCPStore.
+    Each client's own timeout (which bounds connecting and every non-wait call) is at most
+    :data:`CALL_S`: after the store host died, a connect attempt must fail in seconds, not
+    retry for the whole save timeout. Long waits are sliced by the caller. Falls back to the
+    shared ``store`` itself when it is not backed by a TCPStore.
     """
     import torch.distributed as dist
 
@@ -91,7 +114,12 @@ def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], A
     host, port = base.host, base.port
 
     def connect() -> Any:
-        client = tcp(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # TCPStore's connect retries a refused connection until its timeout (it waits for a
+        # server still starting); ours is long up, so a refusal means the host is gone
+        probe = socket.create_connection((host, port), timeout=min(timeout_s, CALL_S))
+        probe.close()
+        per_call = timedelta(seconds=min(timeout_s, CALL_S))
+        client = tcp(host, port, is_master=False, timeout=per_call, wait_for_workers=False)
         return dist.distributed_c10d.PrefixStore(prefix, client)
 
     return connect

@@ -23,9 +23,18 @@ class SaveRecord:
         self._lock = threading.Lock()
 
     def failure(self) -> BaseException | None:
-        """The save's exception if it is done and failed (does not mark it reported)."""
-        if not self.future.done() or self.future.cancelled():
-            return concurrent.futures.CancelledError() if self.future.cancelled() else None
+        """The save's exception if it is done and failed (does not mark it reported).
+
+        A save the writer dropped when it was stopped (``close()`` interrupted or timed out)
+        is a ``CancelledError`` that says so: never an empty message.
+        """
+        if self.future.cancelled():
+            return concurrent.futures.CancelledError(
+                f"the save of step {self.step} was abandoned before it finished: the writer was stopped "
+                "(close() interrupted or timed out); nothing of it was committed"
+            )
+        if not self.future.done():
+            return None
         return self.future.exception()
 
     def mark_reported(self) -> None:
@@ -70,6 +79,11 @@ class SaveHandle:
         done, _ = concurrent.futures.wait([self._record.future], timeout)
         if not done:
             raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+        if self._record.future.cancelled():
+            self._record.mark_reported()
+            exc = self._record.failure()
+            assert exc is not None
+            raise exc
         try:
             return self._record.future.result()
         except BaseException:

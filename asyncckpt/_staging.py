@@ -41,6 +41,7 @@ class Arena:
         self.buffer = memoryview(self._mapping)
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.pinned = False
+        self.spare = False  # outside the pool's slots: released, not pooled, when given back
         self._views_for: ShardLayout | None = None
         self._views: list[torch.Tensor] = []
 
@@ -95,7 +96,7 @@ class StagingPool:
         """
         t0 = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+            if not self._cond.wait_for(lambda: bool(self._free), max(0.0, timeout)):
                 raise TimeoutError(f"no staging slot became free within {timeout:.1f}s")
             # prefer an arena that is already big enough
             idx = next(
@@ -111,8 +112,18 @@ class StagingPool:
             arena = Arena(nbytes)
         return arena, waited
 
+    def spare(self, nbytes: int) -> Arena:
+        """A fresh arena outside the slots, for a save that must not wait for one (the final
+        save of a SIGTERM handler that interrupted a save holding the slot)."""
+        arena = Arena(nbytes)
+        arena.spare = True
+        return arena
+
     def give_back(self, arena: Arena) -> None:
         """Return an arena to the pool (called when its save committed or failed)."""
+        if arena.spare:
+            arena.release()
+            return
         with self._cond:
             self._free.append(arena)
             self._cond.notify()

@@ -110,6 +110,10 @@ def _with_path(e: OSError, path: str) -> OSError:
     return OSError(e.errno, e.strerror or os.strerror(e.errno or 0), path)
 
 
+#: mkdir ENOENT after the parent was made: how many times to retry before giving up.
+_MISSING_PARENT_TRIES = 3
+
+
 def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: OsOps = DEFAULT_OPS) -> None:
     """Make sure ``path`` (and its parents) exist as directories; safe to race.
 
@@ -126,15 +130,28 @@ def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: O
     """
     p = os.fspath(path)
     t_end = time.monotonic() + deadline_s
+    missing_parent = 0
     while True:
         try:
             ops.mkdir(p, 0o777)
             return
-        except FileNotFoundError:
+        except FileNotFoundError as e:
             parent = os.path.dirname(p.rstrip("/")) or "."
             if parent == p or not parent:
                 raise
+            # the parent was made or seen as a directory, yet mkdir still says ENOENT (/proc,
+            # or a parent removed under us): retry a bounded number of times, within the deadline
+            missing_parent += 1
+            if missing_parent > _MISSING_PARENT_TRIES or (missing_parent > 1 and time.monotonic() >= t_end):
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"cannot create the directory: mkdir keeps failing with ENOENT although its parent "
+                    f"{parent!r} exists (a file system that refuses new directories here?)",
+                    p,
+                ) from e
             ensure_dir(parent, deadline_s=max(0.0, t_end - time.monotonic()), ops=ops)
+            if missing_parent > 1:
+                time.sleep(min(0.01 * missing_parent, max(0.0, t_end - time.monotonic())))
             continue  # the parent exists now: create the leaf
         except FileExistsError as e:
             _wait_until_directory(p, e, t_end, deadline_s, ops)
