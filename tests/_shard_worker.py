@@ -111,10 +111,14 @@ def run(rank: int, world: int, out: dict[str, Any]) -> None:
     local = torch.zeros(8 // world, 6)
     strided = DTensor.from_local(local, mesh1, [_StridedShard(0, split_factor=2)], shape=(8, 6), stride=(6, 1))
     partial = DTensor.from_local(torch.ones(3), mesh1, [Partial()])
+    # a local shard whose shape disagrees with what torch's layout rules say for this rank
+    rows = 3 if rank == 0 else 1
+    wrong = DTensor.from_local(torch.zeros(rows, 6), mesh1, [Shard(0)], shape=(4 * world, 6), stride=(6, 1))
     out["refused"] = {
         "strided_1d": refusal(lambda: _sharding.describe("opt.strided", strided)),
         "partial": refusal(lambda: _sharding.describe("opt.partial", partial)),
         "plain": refusal(lambda: _sharding.describe("plain", torch.zeros(2))),
+        "wrong_local": refusal(lambda: _sharding.describe("opt.wrong", wrong)),
     }
     if world != 4:
         return

@@ -133,6 +133,8 @@ def test_non_box_layouts_and_partial_are_refused_naming_the_key(world_results: A
         assert ref["partial"]["type"] == "TypeError"
         assert "'opt.partial'" in ref["partial"]["msg"] and "redistribute" in ref["partial"]["msg"]
         assert ref["plain"]["type"] == "TypeError"
+        assert ref["wrong_local"]["type"] == "TypeError" and "'opt.wrong'" in ref["wrong_local"]["msg"]
+        assert "layout rules" in ref["wrong_local"]["msg"]
         if world == 4:
             assert ref["shard_strided_2d"]["type"] == "TypeError" and "'opt.bad'" in ref["shard_strided_2d"]["msg"]
 
