@@ -215,6 +215,10 @@ class ShardInfo:
         return bool(self.replicas) and self.replicas[0] == self.rank
 
 
+#: (global shape, mesh shape, placements, coordinate) whose box torch's public helper confirmed
+_AGREED: set[tuple[Any, ...]] = set()
+
+
 def _mesh_ranks(mesh: Any) -> list[int]:
     ranks: list[int] = mesh.mesh.flatten().tolist()
     return ranks
@@ -239,7 +243,14 @@ def describe(key: str, dt: Any) -> ShardInfo:
         return ShardInfo(key, global_shape, dt.dtype, layout, local, None, None, ())
     coord = tuple(int(c) for c in coord)
     box = layout.box(coord)
-    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, dt.placements)
+    agreed = (global_shape, mesh_shape, tuple(dt.placements), coord)
+    if agreed not in _AGREED:
+        # the public helper costs ~1 ms with _StridedShard: compare once per layout and coordinate
+        shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, dt.placements)
+        if (tuple(shape), tuple(offset)) == (box.sizes, box.offsets):
+            _AGREED.add(agreed)
+    else:
+        shape, offset = box.sizes, box.offsets
     if (tuple(shape), tuple(offset)) != (box.sizes, box.offsets) or tuple(local.shape) != box.sizes:
         raise TypeError(
             f"DTensor at {key!r}: torch places this rank's shard {tuple(local.shape)} at "
