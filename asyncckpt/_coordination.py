@@ -127,8 +127,11 @@ def _dec_failure(d: Any) -> RankFailure | None:
     return None if d is None else RankFailure(d["rank"], d["exc_type"], d["message"], d["errno"], d["path"])
 
 
-#: Longest single store call (``wait`` is chunked to it): a gone store host costs at most this.
+#: Longest single store ``wait`` (longer waits are sliced), and the time a connect probe may take.
 CALL_S = 5.0
+#: Our store clients' own timeout (handshake and each non-wait call). A host that is gone is
+#: found at once (refused probe, closed connection); this only bounds a store that is slow.
+CLIENT_S = 30.0
 #: Followers beat this often; rank 0's close() stops waiting for a rank whose beat is this stale.
 HEARTBEAT_S = 1.0
 STALE_S = 6.0

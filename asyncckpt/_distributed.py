@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._checksum import crc32c
-from ._coordination import CALL_S, CoordinationLost, is_store_timeout, lost_message
+from ._coordination import CALL_S, CLIENT_S, CoordinationLost, is_store_timeout, lost_message
 
 _count_lock = threading.Lock()
 _instances: dict[str, int] = {}
@@ -98,10 +98,11 @@ class DistContext:
 def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], Any]:
     """New, independent clients of the TCPStore behind ``store`` (keys under ``prefix``).
 
-    Each client's own timeout (which bounds connecting and every non-wait call) is at most
-    :data:`CALL_S`: after the store host died, a connect attempt must fail in seconds, not
-    retry for the whole save timeout. Long waits are sliced by the caller. Falls back to the
-    shared ``store`` itself when it is not backed by a TCPStore.
+    A TCP probe comes first: TCPStore's own connect retries a refused connection for its
+    whole timeout, but after the store host died a connect must fail at once. Each client's
+    own timeout (handshake and every non-wait call) is at most :data:`CLIENT_S`; waits are
+    sliced by the caller. Falls back to the shared ``store`` itself when it is not backed
+    by a TCPStore.
     """
     import torch.distributed as dist
 
@@ -118,7 +119,7 @@ def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], A
         # server still starting); ours is long up, so a refusal means the host is gone
         probe = socket.create_connection((host, port), timeout=min(timeout_s, CALL_S))
         probe.close()
-        per_call = timedelta(seconds=min(timeout_s, CALL_S))
+        per_call = timedelta(seconds=min(timeout_s, CLIENT_S))
         client = tcp(host, port, is_master=False, timeout=per_call, wait_for_workers=False)
         return dist.distributed_c10d.PrefixStore(prefix, client)
 
