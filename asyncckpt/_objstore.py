@@ -73,7 +73,7 @@ MAX_SINGLE_PUT = 5 * 1024 * MiB
 _SECRET_KEYS = {"access_key_id", "secret_access_key", "session_token", "token", "aws_access_key_id",
                 "aws_secret_access_key", "aws_session_token"}
 _SECRET_HINT = re.compile(r"secret|token|password|credential|access_key", re.I)
-_STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})|(\d{3}) [A-Z][a-z]+ ?[A-Za-z ]*:")
+_STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})")
 
 
 class ObjectStoreError(CheckpointError, OSError):
@@ -257,11 +257,32 @@ class ObjectStore:
             "backoff": {"init_backoff": _dt.timedelta(milliseconds=100), "max_backoff": _dt.timedelta(seconds=5),
                         "base": 2},
         }
-        return S3Store(self.bucket, prefix=self.prefix or None, config=self._config,  # type: ignore[arg-type] # a plain dict of S3Config keys
-                       client_options=client, retry_config=retry)  # type: ignore[arg-type] # TypedDicts built as dicts
+        try:
+            return S3Store(
+                self.bucket,
+                prefix=self.prefix or None,
+                config=self._config,  # type: ignore[arg-type] # user keys, checked by obstore at run time
+                client_options=client,  # type: ignore[arg-type] # a ClientConfig built as a dict
+                retry_config=retry,  # type: ignore[arg-type] # a RetryConfig built as a dict
+            )
+        except Exception as e:  # noqa: BLE001 - obstore's text may quote option values
+            bad = ValueError(f"invalid storage_options for {self.url}: {self._summary(e)}")
+        raise bad  # outside the except block: obstore's exception must not be the context
 
     def object_url(self, key: str) -> str:
         return f"{self.url}/{key}"
+
+    @staticmethod
+    def _check_key(key: str, *, prefix: bool = False) -> str:
+        """``key`` relative to the store: no leading slash, no empty, ``.`` or ``..`` segment."""
+        if not isinstance(key, str):
+            raise TypeError(f"object key must be a str, not {type(key).__name__}")
+        if prefix and key == "":
+            return key
+        segs = (key[:-1] if prefix and key.endswith("/") else key).split("/")
+        if not key or any(seg in ("", ".", "..") for seg in segs) or any(ord(c) < 32 for c in key):
+            raise ValueError(f"invalid object key {key!r}")
+        return key
 
     def _scrub(self, text: str) -> str:
         for s in self._secrets:
@@ -410,6 +431,7 @@ class ObjectStore:
         ``part_size``; the parts go out ``max_concurrency`` at a time. Raises a typed
         :class:`ObjectStoreError` on failure, after aborting the key's incomplete uploads.
         """
+        self._check_key(key)
         mv = _as_bytes(data)
         size = mv.nbytes
         crc_fut = asyncio.ensure_future(self._in_thread(crc32c, mv))
@@ -474,6 +496,7 @@ class ObjectStore:
         deadline. Raises :class:`ObjectStoreTimeoutError` with ``outcome_unknown`` if the
         deadline passes first.
         """
+        self._check_key(key)
         if not isinstance(body, bytes):
             raise TypeError("body must be bytes")
         if len(body) > MAX_SINGLE_PUT:
@@ -526,7 +549,7 @@ class ObjectStore:
 
     async def delete(self, keys: Sequence[str], deadline: float) -> None:
         """Delete ``keys`` (bulk requests; missing keys are fine)."""
-        keys = list(keys)
+        keys = [self._check_key(k) for k in keys]
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
             await self._retrying(deadline, batch[0] if batch else "", "delete",
@@ -536,11 +559,13 @@ class ObjectStore:
 
     async def head(self, key: str, deadline: float) -> ObjectInfo:
         """Size, ETag and modification time of ``key`` (:class:`ObjectNotFoundError` if absent)."""
+        self._check_key(key)
         meta = await self._retrying(deadline, key, "head", lambda _b: obstore.head_async(self._store, key))
         return _info(meta, self.prefix)
 
     async def get_bytes(self, key: str, deadline: float, limit: int = 64 * MiB) -> bytes:
         """The whole of a small object (at most ``limit`` bytes)."""
+        self._check_key(key)
 
         async def fetch(_b: float) -> bytes:
             res = await obstore.get_async(self._store, key)
@@ -556,6 +581,7 @@ class ObjectStore:
         """Fill ``out`` with the bytes of ``key`` from ``offset``: parallel ranged GETs of at
         most ``range_size`` (default ``part_size``), ``max_concurrency`` in flight, each
         copied once into ``out``. A short object raises :class:`ObjectIntegrityError`."""
+        self._check_key(key)
         dst = _as_bytes(out, writable=True)
         if offset < 0:
             raise ValueError("offset must be >= 0")
@@ -599,6 +625,7 @@ class ObjectStore:
 
     async def list(self, prefix: str, deadline: float) -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (relative to the store), by key."""
+        self._check_key(prefix, prefix=True)
 
         async def run(_b: float) -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
@@ -622,6 +649,7 @@ class ObjectStore:
 
     async def list_uploads(self, prefix: str, deadline: float) -> builtins.list[Upload]:
         """Incomplete multipart uploads whose key starts with ``prefix`` (keys relative)."""
+        self._check_key(prefix, prefix=True)
         if self._uploads is None:
             raise ObjectStoreError(errno.ENOTSUP, "listing multipart uploads needs static credentials",
                                    self.object_url(prefix))

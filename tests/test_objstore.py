@@ -125,6 +125,9 @@ def test_multipart_round_trip_and_ranged_reads(s3: S3Server, proxy: FaultProxy, 
             await st.get_range_into("step/a-1/shard.bin", len(data) - 100, memoryview(short), deadline(30))
         listed = await st.list("step/", deadline(10))
         assert [(o.key, o.size) for o in listed] == [("step/a-1/shard.bin", len(data))]
+        empty = await st.put_file("step/a-1/empty", memoryview(b""), deadline(10))
+        assert empty.size == 0 and (await st.head("step/a-1/empty", deadline(10))).size == 0
+        await st.delete(["step/a-1/empty"], deadline(10))
         small = payload(1000)
         await st.put_file("step/a-1/tree.json", memoryview(small), deadline(10))
         assert (await st.head("step/a-1/tree.json", deadline(10))).size == 1000
@@ -138,6 +141,43 @@ def test_multipart_round_trip_and_ranged_reads(s3: S3Server, proxy: FaultProxy, 
     assert pending(s3, prefix) == []
 
 
+_RSS_SCRIPT = """
+import asyncio, json, sys, time
+from asyncckpt._objstore import ObjectStore
+size = 96 << 20
+buf = bytearray(size)
+for i in range(0, size, 4096):
+    buf[i] = i % 251
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+st = ObjectStore(sys.argv[2], {"endpoint": sys.argv[1], "access_key_id": "k", "secret_access_key": "s",
+                 "region": "us-east-1"}, part_size=8 << 20, max_concurrency=4)
+async def go():
+    await st.put_file("warm", memoryview(buf)[: 8 << 20], time.monotonic() + 60)  # runtime + pools up
+    open("/proc/self/clear_refs", "w").write("5")
+    base = kib("VmRSS")
+    await st.put_file("big", memoryview(buf), time.monotonic() + 60)
+    print(json.dumps({"extra_mib": (kib("VmHWM") - base) / 1024}))
+asyncio.run(go())
+"""
+
+
+def test_put_sends_from_the_buffer_without_copying(s3: S3Server, prefix: str) -> None:
+    """96 MiB in 8 MiB parts, 4 in flight: a copy of the object (+96 MiB) or of each part in
+    flight (+32 MiB) would show in the peak RSS; obstore sends straight from the buffer."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    p = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, s3.endpoint, f"s3://{BUCKET}/{prefix}"],
+                       capture_output=True, text=True, timeout=90, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    extra = json.loads(p.stdout.strip().splitlines()[-1])["extra_mib"]
+    assert extra < 24, f"peak RSS grew by {extra:.1f} MiB during the upload"
+
+
 def test_bad_input_is_refused_at_the_call(s3: S3Server, prefix: str) -> None:
     with pytest.raises(ValueError):
         ObjectStore("/local/path")
@@ -147,9 +187,19 @@ def test_bad_input_is_refused_at_the_call(s3: S3Server, prefix: str) -> None:
         ObjectStore(f"s3://{BUCKET}/{prefix}", part_size=1024)
     with pytest.raises(TypeError):
         ObjectStore(f"s3://{BUCKET}/{prefix}", {"endpoint": 1})  # type: ignore[dict-item]
+    with pytest.raises(ValueError) as ei:
+        ObjectStore(f"s3://{BUCKET}/{prefix}", {"no_such_option": "hunter2-secret-value", "secret_access_key": "x"})
+    assert "hunter2" not in str(ei.value) or "no_such_option" in str(ei.value)
     st = store(s3.endpoint, prefix)
     with pytest.raises(TypeError):
         run(st.put_file("k", "not a buffer", deadline(5)))  # type: ignore[arg-type]
+    for bad in ("", "/abs", "a//b", "a/../b", "a/./b", "a\nb"):
+        with pytest.raises(ValueError):
+            run(st.put_file(bad, memoryview(b"x"), deadline(5)))
+        with pytest.raises(ValueError):
+            run(st.create_once(bad, b"x", deadline(5)))
+    with pytest.raises(ValueError):
+        run(st.get_range_into("k", -1, memoryview(bytearray(4)), deadline(5)))
     with pytest.raises(ValueError):
         run(st.get_range_into("k", 0, memoryview(b"read-only"), deadline(5)))
 
