@@ -341,6 +341,7 @@ class ObjectStore:
         """
         delay = 0.2
         tries = 0
+        answered: ObjectStoreError | None = None  # the last failure the store answered with a status
         while True:
             tries += 1
             left = deadline - time.monotonic()
@@ -348,6 +349,10 @@ class ObjectStore:
             try:
                 return await self._bounded(fn(left), deadline, key, what)
             except ObjectStoreTimeoutError:
+                if answered is not None:
+                    # a retry ran into the deadline after the store had kept answering with
+                    # errors: that failure, not the clock, is the cause worth reporting
+                    raise answered from None
                 raise
             except _Transient as t:
                 err = t.err
@@ -359,6 +364,8 @@ class ObjectStore:
                 status = None
             if fatal:
                 raise err
+            if status is not None:
+                answered = err
             pause = delay * (0.5 + random.random())
             if time.monotonic() + pause + 0.5 >= deadline:
                 if status is None and not isinstance(err, ObjectStoreTimeoutError):
