@@ -621,12 +621,14 @@ class ObjectStore:
     async def crc32c_of(self, key: str, size: int, deadline: float) -> int:
         """CRC-32C of the first ``size`` bytes of ``key``, read in windows of bounded memory."""
         crc = 0
-        window = self.part_size * self.max_concurrency
+        # scratch of two parts, read as max_concurrency smaller ranges: memory stays bounded
+        window = 2 * self.part_size
+        piece = max(MiB, window // self.max_concurrency)
         buf = bytearray(min(window, size))
         for start in range(0, size, window):
             n = min(window, size - start)
             view = memoryview(buf)[:n]
-            await self.get_range_into(key, start, view, deadline)
+            await self.get_range_into(key, start, view, deadline, range_size=piece)
             crc = await self._in_thread(crc32c, view, crc)
         return crc
 

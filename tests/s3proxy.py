@@ -13,6 +13,8 @@ run-time :class:`Rule` s matched on method, path, query keys and request headers
 * ``reset_response`` forward, send headers and half the body, then RST;
 * ``drop_response`` forward (the server applies the request), then reset the connection
                   without sending a byte back - the ambiguous outcome;
+* ``error_200``   answer 200 with an S3 ``<Error>`` body without forwarding (S3 does this on
+                  CompleteMultipartUpload when it fails after sending the status);
 * ``strip_header`` forward without the header named by ``header`` (a store that ignores a
                   precondition; the loopback server does not check signatures).
 
@@ -215,6 +217,10 @@ class FaultProxy:
                     writer.write(_error_response(rule.status, rule.code, echo))
                     await writer.drain()
                     continue
+                if action == "error_200":
+                    writer.write(_error_response(200, "InternalError"))
+                    await writer.drain()
+                    continue
                 if action == "strip_header":
                     assert rule is not None and rule.header is not None
                     raw_head = _strip(raw_head, rule.header[0])
@@ -289,7 +295,9 @@ async def _read_response(reader: asyncio.StreamReader, method: str) -> tuple[byt
     return raw_head, headers, await asyncio.wait_for(reader.read(), _IO_TIMEOUT)
 
 
-_REASONS = {409: "Conflict", 412: "Precondition Failed", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK", 409: "Conflict", 412: "Precondition Failed", 500: "Internal Server Error", 503: "Service Unavailable"
+}
 
 
 def _strip(raw_head: bytes, name: str) -> bytes:

@@ -296,6 +296,7 @@ RECOVERABLE = [
     pytest.param(Rule("reset_body", method="PUT", query_has=("partNumber",), times=1), id="reset-mid-part"),
     pytest.param(Rule("drop_response", method="PUT", query_has=("partNumber",), times=1), id="part-response-lost"),
     pytest.param(Rule("cut_response", method="POST", query_has=("uploadId",), times=1), id="complete-cut-short"),
+    pytest.param(Rule("error_200", method="POST", query_has=("uploadId",), times=1), id="complete-200-with-error"),
 ]
 
 
