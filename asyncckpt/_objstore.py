@@ -76,6 +76,24 @@ _SECRET_HINT = re.compile(r"secret|token|password|credential|access_key", re.I)
 _STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})")
 
 
+#: The process whose obstore (tokio) runtime is running; a forked child cannot use it.
+_RUNTIME_PID: int | None = None
+
+
+def _check_not_forked() -> None:
+    """Raise ``RuntimeError`` in a forked child of a process that already made requests:
+    obstore's runtime threads do not survive fork, so every request would just time out."""
+    global _RUNTIME_PID
+    pid = os.getpid()
+    if _RUNTIME_PID is None:
+        _RUNTIME_PID = pid
+    elif _RUNTIME_PID != pid:
+        raise RuntimeError(
+            "object-store I/O in a forked child of a process that already used it: obstore's runtime "
+            "does not survive fork(); start such processes with the 'spawn' or 'forkserver' method"
+        )
+
+
 class ObjectStoreError(CheckpointError, OSError):
     """An object-store operation failed. ``errno`` says how, ``filename`` is the object's URL."""
 
@@ -321,13 +339,14 @@ class ObjectStore:
         status = _status_of(str(e))
         return status is None or status >= 500 or status in (408, 409, 429)
 
-    async def _bounded(self, coro: Any, deadline: float, key: str, what: str) -> Any:
+    async def _bounded(self, aw: Any, deadline: float, key: str, what: str) -> Any:
+        """Await ``aw`` (a coroutine or obstore's already-running future) until ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
-            coro.close()
+            _discard(aw)
             raise ObjectStoreTimeoutError(errno.ETIMEDOUT, f"{what}: the deadline had passed", self.object_url(key))
         try:
-            return await asyncio.wait_for(coro, left)
+            return await asyncio.wait_for(aw, left)
         except (asyncio.TimeoutError, TimeoutError):
             raise ObjectStoreTimeoutError(
                 errno.ETIMEDOUT, f"{what}: not finished within the deadline", self.object_url(key)
@@ -339,6 +358,7 @@ class ObjectStore:
         Errors are raised outside the ``except`` block so the obstore exception (whose text
         may quote a server's echo of our credentials) is not even the ``__context__``.
         """
+        _check_not_forked()
         delay = 0.2
         tries = 0
         answered: ObjectStoreError | None = None  # the last failure the store answered with a status
@@ -506,6 +526,7 @@ class ObjectStore:
         self._check_key(key)
         if not isinstance(body, bytes):
             raise TypeError("body must be bytes")
+        _check_not_forked()
         if len(body) > MAX_SINGLE_PUT:
             raise ValueError("a conditional create is one PUT: body must be <= 5 GiB")
         tries = 0
@@ -659,6 +680,7 @@ class ObjectStore:
     async def list_uploads(self, prefix: str, deadline: float) -> builtins.list[Upload]:
         """Incomplete multipart uploads whose key starts with ``prefix`` (keys relative)."""
         self._check_key(prefix, prefix=True)
+        _check_not_forked()
         if self._uploads is None:
             raise ObjectStoreError(errno.ENOTSUP, "listing multipart uploads needs static credentials",
                                    self.object_url(prefix))
@@ -695,6 +717,14 @@ class ObjectStore:
             if failure is not None:
                 raise failure
         return len(ups)
+
+
+def _discard(aw: Any) -> None:
+    """Drop an awaitable that will not be awaited, without a 'never awaited' warning."""
+    if asyncio.isfuture(aw):
+        aw.cancel()
+    elif hasattr(aw, "close"):
+        aw.close()
 
 
 def _status_of(text: str) -> int | None:

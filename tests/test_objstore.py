@@ -415,6 +415,47 @@ def test_upload_listing_sees_what_the_server_holds(s3: S3Server, prefix: str) ->
     assert pending(s3, prefix) == []
 
 
+def test_a_passed_deadline_is_a_timeout_at_once(s3: S3Server, prefix: str) -> None:
+    st = store(s3.endpoint, prefix)
+    past = time.monotonic() - 1
+    for coro in (st.head("x", past), st.get_bytes("x", past), st.put_file("x", memoryview(b"1"), past),
+                 st.list("", past), st.get_range_into("x", 0, memoryview(bytearray(4)), past)):
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreTimeoutError):
+            run(coro)
+        assert time.monotonic() - t0 < 1.0
+    with pytest.raises(ObjectStoreTimeoutError) as ei:
+        run(st.create_once("m", b"1", past))
+    assert ei.value.outcome_unknown
+
+
+def test_forked_child_gets_a_clear_error_not_a_timeout(s3: S3Server, prefix: str) -> None:
+    st = store(s3.endpoint, prefix)
+    run(st.put_file("x", memoryview(b"parent"), deadline(10)))  # the parent's runtime is up
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        try:
+            fresh = store(s3.endpoint, prefix)
+            t0 = time.monotonic()
+            try:
+                asyncio.run(fresh.head("x", deadline(10)))
+            except RuntimeError as e:
+                code = 0 if ("fork" in str(e) and time.monotonic() - t0 < 1.0) else 2
+            os.write(w, bytes([code]))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 1)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert got == b"\x00", got
+    assert run(st.get_bytes("x", deadline(10))) == b"parent"  # the parent is unaffected
+
+
 # -- the server dies ------------------------------------------------------------------------------
 
 
