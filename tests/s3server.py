@@ -53,6 +53,17 @@ def free_ports(n: int) -> list[int]:
             ports.append(p)
     return ports
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so a killed pytest never leaves a server running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class S3ServerError(RuntimeError):
     """The test server did not start or answer in time (its log tail is in the message)."""
 
@@ -113,7 +124,9 @@ class S3Server:
             os.close(self._log)
         self._log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # own session: a kill of the process group never reaches pytest
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=self._log, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=self._log, start_new_session=True, preexec_fn=_die_with_parent
+        )
         self.wait_ready(timeout)
 
     def answers(self) -> bool:
