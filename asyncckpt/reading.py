@@ -728,9 +728,20 @@ def verify_step(
         if not problems and total != manifest.nbytes:
             reason = f"shards hold {total} tensor bytes, the manifest says {manifest.nbytes}"
             problems.append(Problem(os.path.join(step_dir, MANIFEST), reason))
+    if problems and not _still_there(step_dir, manifest):
+        # retired or replaced while we read it: that is not damage, and nothing to remember
+        return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified")]
     if problems and record:
         record_bad(root, manifest.step, manifest.attempt, problems[0].path, problems[0].reason)
     return problems
+
+
+def _still_there(step_dir: str, manifest: Manifest) -> bool:
+    """Whether ``step_dir`` still holds the checkpoint ``manifest`` describes (same attempt)."""
+    try:
+        return read_manifest(step_dir).attempt == manifest.attempt
+    except CheckpointError:
+        return False
 
 
 def local_time(ts: float | None) -> str:

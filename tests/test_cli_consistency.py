@@ -218,3 +218,20 @@ def test_verify_progress_on_a_real_terminal_and_quiet_when_piped(tmp_path: Path)
 
     piped = run_cli("verify", root)
     assert piped.code == 0 and piped.err == ""
+
+
+def test_a_step_retired_during_verify_is_not_called_corrupt(root: Path) -> None:
+    from asyncckpt.reading import open_step, verify_step
+
+    step_dir, manifest = open_step(str(root), 2)
+    calls = []
+
+    def retire_midway(n: int) -> None:  # the retention of a running job, between two reads
+        calls.append(n)
+        if len(calls) == 2:
+            os.rename(step_dir, str(root / "step_00000002.deleting-0abc"))
+            shutil.rmtree(root / "step_00000002.deleting-0abc")
+
+    problems = verify_step(str(root), step_dir, manifest, retire_midway)
+    assert len(problems) == 1 and "retired or replaced while being verified" in problems[0].reason
+    assert bad_mark(root, 2, manifest.attempt) is None  # nothing recorded against the step
