@@ -12,8 +12,8 @@ what                       limit                        why that number
 manifest.json              64 MiB, 2**18 files,         65k ranks x 2 files is ~14 MB
                            2**22 JSON items
 rankRRRRR.json             256 MiB, 2**23 JSON items    8M saved values (a list of 8M ints)
-shard header               100 MiB, 2**20 tensors       the safetensors reference limit;
-                                                        1M tensors in one rank's shard
+shard header               100 MiB, 2**19 tensors       the safetensors reference limit;
+                                                        524k tensors in one rank's shard
 tensor data / structure    available memory             MemAvailable + SwapFree, cgroup
                                                         memory.max, RLIMIT_AS / RLIMIT_DATA
 =========================  ===========================  ====================================
@@ -34,7 +34,6 @@ MAX_MANIFEST_FILES = 2**18
 MAX_MANIFEST_ITEMS = 2**22
 MAX_TREE_BYTES = 256 * 1024 * 1024
 MAX_TREE_ITEMS = 2**23
-MAX_TENSORS = 2**20
 #: Bytes of memory one parsed JSON item may take (a list slot plus a small object), for the
 #: memory check of structure files.
 ITEM_BYTES = 96

@@ -18,7 +18,7 @@ ALIGN = 4096
 #: Readers reject headers larger than this (the safetensors reference limit).
 MAX_HEADER = 100 * 1024 * 1024
 #: Readers reject shards declaring more tensors than this (counted before parsing).
-MAX_TENSORS = 2**20
+MAX_TENSORS = 2**19
 #: JSON items one header entry may take (dict, dtype, shape dims, offsets) before parsing.
 _ITEMS_PER_TENSOR = 80
 
@@ -132,7 +132,7 @@ def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("__metadata__ must map str to str")
-    if len(header) > MAX_TENSORS + 1:
+    if len(header) - ("__metadata__" in header) > MAX_TENSORS:
         raise ValueError(f"header declares more than {MAX_TENSORS} tensors")
     slots: list[TensorSlot] = []
     keys = _ENTRY_KEYS
