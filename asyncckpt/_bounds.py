@@ -24,10 +24,13 @@ upper bound of the values the parser would create, computed at C speed.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+from typing import Any
 
-from ._errors import CheckpointError
+from ._checksum import crc32c
+from ._errors import CheckpointCorruptError, CheckpointError
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_FILES = 2**18
@@ -148,3 +151,20 @@ def check_memory(need: int, what: str, path: str) -> None:
             f"{what} needs {human(need)} of memory but only {human(room)} is available "
             f"(free memory, cgroup and rlimits): {path}"
         )
+
+
+def parse_structure(raw: bytes, path: str, size: int, expected_crc: int | None) -> Any:
+    """Check and parse the bytes of a structure file: size, checksum, item count, memory, JSON."""
+    if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
+        raise CheckpointCorruptError("checksum mismatch", path)
+    items = json_items(raw)
+    if items > MAX_TREE_ITEMS:
+        raise CheckpointCorruptError(f"structure file has more than {MAX_TREE_ITEMS} JSON items", path)
+    # the text, its decoded copy, the parsed tree and the state rebuilt from it
+    check_memory(2 * len(raw) + 2 * items * ITEM_BYTES, "parsing the structure file", path)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
+    except MemoryError:
+        raise CheckpointError(f"not enough memory to parse the structure file: {path}") from None

@@ -12,7 +12,6 @@ checkpoint retired meanwhile is reported as gone, not as corrupt.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import stat
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._bounds import ITEM_BYTES, MAX_TREE_BYTES, MAX_TREE_ITEMS, check_memory, human, json_items
+from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
 from ._checksum import crc32c
 from ._discovery import PinnedStep, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
@@ -166,23 +165,6 @@ def _check_tree_size(path: str, size: int) -> None:
         raise CheckpointCorruptError(f"structure file of {size} bytes exceeds the {human(MAX_TREE_BYTES)} limit", path)
 
 
-def parse_tree(raw: bytes, path: str, size: int, expected_crc: int | None) -> Any:
-    """Check and parse the bytes of a structure file: size, checksum, item count, memory, JSON."""
-    if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
-        raise CheckpointCorruptError("checksum mismatch", path)
-    items = json_items(raw)
-    if items > MAX_TREE_ITEMS:
-        raise CheckpointCorruptError(f"structure file has more than {MAX_TREE_ITEMS} JSON items", path)
-    # the text, its decoded copy, the parsed tree and the state rebuilt from it
-    check_memory(2 * len(raw) + 2 * items * ITEM_BYTES, "parsing the structure file", path)
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
-    except MemoryError:
-        raise CheckpointError(f"not enough memory to parse the structure file: {path}") from None
-
-
 def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
     """Read and parse one rank's structure file (bounded: see ``_bounds``)."""
     _check_tree_size(path, size)
@@ -190,7 +172,7 @@ def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
         raw = read_regular_file(path, size)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
-    return parse_tree(raw, path, size, expected_crc)
+    return parse_structure(raw, path, size, expected_crc)
 
 
 def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str) -> Any:
@@ -244,7 +226,7 @@ def load_pinned(pinned: PinnedStep, rank: int, verify: bool) -> Any:
                 raw = _read_all(tree_fd, tree_size)
             except OSError as e:
                 raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", tree_path) from None
-            tree = parse_tree(raw, tree_path, tree_size, tree_crc if verify else None)
+            tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
             del raw
             tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, shard_crc if verify else None)
         finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._badmarks import bad_mark, record_bad
+from ._bounds import parse_structure
 from ._checksum import crc32c
 from ._discovery import candidate_steps, check_files, complete_checkpoints, find_latest, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -408,12 +409,7 @@ def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
         raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
     finally:
         os.close(fd)
-    if expected_crc is not None and crc32c(raw) != expected_crc:
-        raise CheckpointCorruptError("checksum mismatch", path)
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
-        raise CheckpointCorruptError(f"structure is not valid JSON ({type(e).__name__})", path) from None
+    return parse_structure(raw, path, size, expected_crc)
 
 
 def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
