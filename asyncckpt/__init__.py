@@ -14,6 +14,8 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     RankFailure,
+    RootInUseError,
+    RootNotWritableError,
     SaveError,
     SaveTimeoutError,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "Checkpointer",
     "CheckpointerStatistics",
     "RankFailure",
+    "RootInUseError",
+    "RootNotWritableError",
     "SaveError",
     "SaveHandle",
     "SaveState",

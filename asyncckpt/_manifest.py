@@ -53,6 +53,8 @@ class Manifest:
     created: float
     files: tuple[FileEntry, ...]
     extra: dict[str, Any]
+    #: global ranks of the writing group, in group-rank order (``None``: an older manifest)
+    ranks: tuple[int, ...] | None = None
 
     def file(self, name: str) -> FileEntry:
         for f in self.files:
@@ -73,8 +75,12 @@ def encode(
     created: float,
     files: list[FileEntry],
     extra: dict[str, Any],
+    ranks: list[int] | None = None,
 ) -> bytes:
-    """Serialize a manifest, sealed with a CRC-32C of its canonical body."""
+    """Serialize a manifest, sealed with a CRC-32C of its canonical body.
+
+    ``ranks``: the global ranks of the group that wrote it, in group-rank order.
+    """
     body: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
@@ -88,6 +94,8 @@ def encode(
         ],
         "extra": extra,
     }
+    if ranks is not None:
+        body["ranks"] = list(ranks)
     sealed = dict(body, checksum=crc32c(_canonical(body)))
     return json.dumps(sealed, sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n"
 
@@ -129,6 +137,11 @@ def decode(raw: bytes, path: str) -> Manifest:
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not isinstance(extra, dict):
             raise ValueError("bad header fields")
         created = float(created)
+        ranks = doc.get("ranks")  # absent in manifests written before it was recorded
+        if ranks is not None and not (
+            isinstance(ranks, list) and len(ranks) == ws and all(_uint(r) for r in ranks)
+        ):
+            raise ValueError("bad ranks")
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
-    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra)
+    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra, None if ranks is None else tuple(ranks))
