@@ -21,8 +21,6 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     RankFailure,
-    RootInUseError,
-    RootNotWritableError,
     SaveError,
     SaveTimeoutError,
 )
@@ -70,8 +68,6 @@ __all__ = [
     "Checkpointer",
     "CheckpointerStatistics",
     "RankFailure",
-    "RootInUseError",
-    "RootNotWritableError",
     "SaveError",
     "SaveHandle",
     "SaveState",
