@@ -21,6 +21,8 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     RankFailure,
+    RootInUseError,
+    RootNotWritableError,
     SaveError,
     SaveTimeoutError,
 )
@@ -68,6 +70,8 @@ __all__ = [
     "Checkpointer",
     "CheckpointerStatistics",
     "RankFailure",
+    "RootInUseError",
+    "RootNotWritableError",
     "SaveError",
     "SaveHandle",
     "SaveState",

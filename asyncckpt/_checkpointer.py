@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import errno
 import json
 import logging
 import os
@@ -26,17 +27,26 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from . import _agree, _discovery, _distributed, _load, _resume
+from . import _agree, _discovery, _distributed, _load, _ownership, _resume
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    RankFailure,
+    SaveError,
+    SaveTimeoutError,
+    with_global_ranks,
+)
 from ._format import ShardLayout, plan_layout
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
-from ._layout import step_dir_name
+from ._layout import check_step, step_dir_name
 from ._lifecycle import SaveState
-from ._retention import remove_leftovers
+from ._ownership import Ownership
+from ._retention import leftovers, remove_leftovers
 from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
 from ._structure import flatten
@@ -62,6 +72,9 @@ class _Runtime:
         self.coord = coord
         self.stopped = False
         self.pid = os.getpid()
+        self.ownership: Ownership | None = None
+        # one per writer loop: overlapping saves apply retention one at a time
+        self.retention_lock = asyncio.Lock()
 
     @property
     def forked(self) -> bool:
@@ -93,6 +106,8 @@ class _Runtime:
                 self.pool.shutdown(wait=True, timeout=10.0)
             finally:
                 self.staging.close()
+                if self.ownership is not None:
+                    self.ownership.release()  # the writer is gone: the root is free for the next job
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
         """Stop from a background thread once ``futures`` settle (used after GC)."""
@@ -164,6 +179,16 @@ class Checkpointer:
         strip_prefixes: key prefixes of module wrappers to drop from module state dicts at
             save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
             ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
+        allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
+            committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
+            ``keep_last`` then keeps the most recently *committed* checkpoints.
+
+    One root has one writing job: the Checkpointer (rank 0 of its group) takes ownership of
+    ``root`` at construction and holds it until ``close()``; a second writer on the same
+    root - another process, job, process group, or Checkpointer - raises
+    ``RootInUseError`` naming the owner. A root that cannot be written raises
+    ``RootNotWritableError`` (a ``PermissionError``). Reading needs no Checkpointer:
+    ``asyncckpt.load()`` / ``find_latest()``.
     """
 
     # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
@@ -184,6 +209,7 @@ class Checkpointer:
         process_group: Any = None,
         on_commit: Callable[[CheckpointInfo], object] | None = None,
         strip_prefixes: Sequence[str] = (),
+        allow_earlier_steps: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
@@ -211,7 +237,14 @@ class Checkpointer:
         if on_commit is not None and not callable(on_commit):
             raise TypeError("on_commit must be callable")
         self._on_commit = on_commit
+        if not isinstance(allow_earlier_steps, bool):
+            raise TypeError(f"allow_earlier_steps must be a bool, not {allow_earlier_steps!r}")
+        self.allow_earlier_steps = allow_earlier_steps
         self._failed_commits: set[str] = set()
+        self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
+        # steps reserved by save() (registered atomically with the checks): the record once
+        # submitted, None while save() is still staging
+        self._reserved: dict[int, SaveRecord | None] = {}
         self._totals = _Totals()
         # reentrant: the SIGTERM handler may flush while the main thread is inside save()
         self._lock = threading.RLock()
@@ -226,23 +259,57 @@ class Checkpointer:
         self._dist = _distributed.resolve(process_group, self.timeout)
         self.rank = self._dist.rank if self._dist else 0
         self.world_size = self._dist.world_size if self._dist else 1
+        self._ranks = _global_ranks(process_group, self.world_size) if self._dist else (0,)
         self._queries = 0
+        ownership: Ownership | None = None
+        committed: list[int] = []
+        failure: BaseException | None = None
         if self.rank == 0:
-            ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=_ops)
-            remove_leftovers(self.root, _ops)
-            committed = [i.step for i in _discovery.complete_checkpoints(self.root)]
-        else:
-            committed = []
+            try:
+                ownership, committed = self._take_root(_ops)
+            except (CheckpointError, OSError, ValueError) as e:
+                failure = e
         namespace = ""
-        if self._dist is not None:
-            namespace, committed = self._dist.agree_at_start(self.root, committed, self.timeout)
+        try:
+            if self._dist is not None:
+                namespace, committed = self._dist.agree_at_start(self.root, committed, self.timeout, failure)
+            elif failure is not None:
+                raise failure
+        except BaseException:
+            if ownership is not None:
+                ownership.release()
+            raise
         self._committed = set(committed)
         self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
+        self._rt.ownership = ownership
         if self._dist is not None:
             self._rt.coord = StoreCoordinator(
                 self._dist.connect, self.rank, self.world_size, namespace, self._rt.storage.run
             )
         _live.add(self)
+
+    def _take_root(self, ops: OsOps) -> tuple[Ownership, list[int]]:
+        """Rank 0 at construction: create the root, take ownership, then clean up leftovers."""
+        try:
+            ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=ops)
+        except (PermissionError, OSError) as e:
+            if not (isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+                raise
+            raise _ownership._not_writable(self.root, e) from e
+        own = _ownership.acquire(self.root, self._ranks)
+        try:
+            # leftovers present now, with the root ours, are dead: a retry may remove them
+            self._dead.update(os.path.basename(p) for p in leftovers(self.root))
+            try:
+                remove_leftovers(self.root, ops)
+            except OSError as e:
+                if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise _ownership._not_writable(self.root, e) from e
+                raise
+            return own, [i.step for i in _discovery.complete_checkpoints(self.root)]
+        except BaseException:
+            own.release()
+            raise
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any) -> SaveHandle:
@@ -257,32 +324,68 @@ class Checkpointer:
         """
         t_call = time.perf_counter()
         self._check_usable()
-        if not _is_int(step) or step < 0:
-            raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
+        check_step(step)
         self._surface_earlier_failure()
+        self._reserve(step)
+        handed = False  # once the save is handed to the writer, its settling frees the step
+        try:
+            try:
+                tree, refs = flatten(state, self.strip_prefixes)
+                tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+                layout, perm = self._plan(refs)
+            except (TypeError, ValueError) as e:
+                if self._dist is not None:
+                    # the other ranks are saving this step too: fail it for them, within the protocol
+                    self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e)
+                    handed = True
+                raise
+            arena, waited = self._acquire_slot(layout.file_size)
+            try:
+                events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
+            except BaseException:
+                self._rt.staging.give_back(arena)
+                raise
+            # everything save() did but wait for a slot: flatten, plan, allocation, copy
+            staging_s = time.perf_counter() - t_call - waited
+            handle = self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s)
+            handed = True
+            return handle
+        finally:
+            if not handed:
+                with self._lock:
+                    if self._reserved.get(step, 0) is None:
+                        del self._reserved[step]
+
+    def _reserve(self, step: int) -> None:
+        """Check ``step`` may be saved and reserve it, in one step under the lock, so two
+        threads saving the same step cannot both pass: the second raises ``ValueError``."""
         with self._lock:
+            for s, rec in list(self._reserved.items()):
+                # settled saves free their step (a done future counts at once, even before
+                # its done-callback ran: the caller may have seen the result already)
+                if rec is not None and rec.future.done():
+                    del self._reserved[s]
+                    if not rec.future.cancelled() and rec.future.exception() is None:
+                        self._committed.add(s)
             if step in self._committed:
                 raise ValueError(f"step {step} is already committed under {self.root}")
-            if any(r.step == step and not r.future.done() for r in self._records):
+            if step in self._reserved:
                 raise ValueError(f"step {step} is already being saved")
-        try:
-            tree, refs = flatten(state, self.strip_prefixes)
-            tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
-            layout, perm = self._plan(refs)
-        except (TypeError, ValueError) as e:
-            if self._dist is not None:
-                # the other ranks are saving this step too: fail it for them, within the protocol
-                self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e)
-            raise
-        arena, waited = self._acquire_slot(layout.file_size)
-        try:
-            events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
-        except BaseException:
-            self._rt.staging.give_back(arena)
-            raise
-        # everything save() did but wait for a slot: flatten, plan, allocation, copy
-        staging_s = time.perf_counter() - t_call - waited
-        return self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s)
+            if not self.allow_earlier_steps:
+                newest = max(self._committed, default=None)
+                if newest is not None and step < newest:
+                    raise ValueError(
+                        f"step {step} is lower than step {newest}, the newest committed checkpoint under "
+                        f"{self.root}: steps must increase (keep_last and latest() go by step); pass "
+                        "allow_earlier_steps=True to save earlier steps anyway"
+                    )
+                pending = max(self._reserved, default=None)
+                if pending is not None and step < pending:
+                    raise ValueError(
+                        f"step {step} is lower than step {pending}, which is being saved: steps must "
+                        "increase; pass allow_earlier_steps=True to save earlier steps anyway"
+                    )
+            self._reserved[step] = None
 
     def _submit(
         self,
@@ -317,6 +420,10 @@ class Checkpointer:
             timeout=self.timeout,
             prefailed=prefailed,
             failed_commits=self._failed_commits,
+            dead=self._dead,
+            retention_lock=self._rt.retention_lock,
+            by_commit_order=self.allow_earlier_steps,
+            ranks=self._ranks,
         )
         holder: list[SaveRecord] = []
 
@@ -326,7 +433,8 @@ class Checkpointer:
 
         rt = self._rt
         try:
-            fut = rt.writer.submit(_guarded(run_save(job, rt.storage, rt.coord, on_state), job, rt.coord.rank))
+            coro = run_save(job, rt.storage, rt.coord, on_state)
+            fut = rt.writer.submit(_guarded(coro, job, rt.coord.rank, self._ranks))
         except BaseException:
             if arena is not None:
                 rt.staging.give_back(arena)
@@ -335,6 +443,8 @@ class Checkpointer:
         holder.append(record)
         with self._lock:
             self._records.append(record)
+            if step in self._reserved:
+                self._reserved[step] = record
         me = weakref.ref(self)
 
         def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
@@ -362,6 +472,8 @@ class Checkpointer:
     def _settle(self, record: SaveRecord, ok: bool) -> None:
         info = record.future.result() if ok else None
         with self._lock:
+            if self._reserved.get(record.step) is record:
+                del self._reserved[record.step]
             if ok:
                 self._committed.add(record.step)
                 if record in self._records:
@@ -668,7 +780,8 @@ class Checkpointer:
         different number of ranks raises ``CheckpointError`` unless ``rank=`` names the
         shard to read.
         """
-        _check_step_arg(step)
+        if step is not None:
+            check_step(step)
         if rank is not None and (not _is_int(rank) or rank < 0):
             raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
         verify = self.verify if verify is None else verify
@@ -763,7 +876,7 @@ class Checkpointer:
         return [r for r in recs if r.future.done() and r.failure() is not None and not r.reported]
 
 
-async def _guarded(coro: Any, job: SaveJob, rank: int) -> CheckpointInfo:
+async def _guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ()) -> CheckpointInfo:
     """Bound the whole save by its deadline and turn any escape into a ``SaveError``.
 
     A follower still waiting here past the deadline is waiting on rank 0: the coordinator,
@@ -780,11 +893,12 @@ async def _guarded(coro: Any, job: SaveJob, rank: int) -> CheckpointInfo:
     except TimeoutError as e:
         if follower:
             failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
-            raise SaveTimeoutError(job.step, {0: failure}, missing=(0,), detail="rank 0 did not answer") from e
+            failures = with_global_ranks({0: failure}, ranks)
+            raise SaveTimeoutError(job.step, failures, missing=(0,), detail="rank 0 did not answer") from e
         failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
-        raise SaveTimeoutError(job.step, {rank: failure}) from e
+        raise SaveTimeoutError(job.step, with_global_ranks({rank: failure}, ranks)) from e
     except Exception as e:
-        raise SaveError(job.step, {rank: RankFailure.from_exception(rank, e)}) from e
+        raise SaveError(job.step, with_global_ranks({rank: RankFailure.from_exception(rank, e)}, ranks)) from e
 
 
 def load(
@@ -808,7 +922,8 @@ def load(
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
     """
     prefixes = _prefixes(strip_prefixes)
-    _check_step_arg(step)
+    if step is not None:
+        check_step(step)
     if not _is_int(rank) or rank < 0:
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
     root_s = os.fspath(root)
@@ -819,11 +934,6 @@ def load(
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)
     return state
-
-
-def _check_step_arg(step: Any) -> None:
-    if step is not None and (not _is_int(step) or step < 0):
-        raise (TypeError if not _is_int(step) else ValueError)(f"step must be a non-negative int, not {step!r}")
 
 
 def _prefixes(value: Sequence[str]) -> tuple[str, ...]:
@@ -850,6 +960,15 @@ def _describe(exc: BaseException | None) -> str:
         return "no error"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _global_ranks(process_group: Any, world_size: int) -> tuple[int, ...]:
+    """The global ranks of the group's members, in group-rank order."""
+    import torch.distributed as dist
+
+    if process_group is None or process_group is dist.group.WORLD:
+        return tuple(range(world_size))
+    return tuple(dist.get_process_group_ranks(process_group))
 
 
 def _step_of(info: CheckpointInfo | None) -> int | None:

@@ -29,8 +29,17 @@ from typing import Any, TypeVar
 
 from . import _manifest
 from ._coordination import CoordinationLost, Coordinator, Report, Start, Verdict
-from ._discovery import read_manifest
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError, RankFailure, SaveError, SaveTimeoutError
+from ._discovery import open_step, read_manifest
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    RankFailure,
+    SaveError,
+    SaveTimeoutError,
+    describe_ranks,
+    with_global_ranks,
+)
 from ._format import ShardLayout
 from ._info import CheckpointInfo, SaveStatistics
 from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
@@ -69,6 +78,16 @@ class SaveJob:
     # attempts whose commit rename happened but whose save failed and could not be taken back
     # (shared by the Checkpointer's saves): a retry of that step may replace them
     failed_commits: set[str] = field(default_factory=set)
+    # names of directories under the root known dead (shared by the Checkpointer's saves):
+    # its own failed attempts and retirements, and the leftovers present when it took the
+    # root; only these may be removed before a save of their step
+    dead: set[str] = field(default_factory=set)
+    # one per writer loop: overlapping saves apply retention one at a time
+    retention_lock: asyncio.Lock | None = None
+    # retention keeps the latest committed rather than the highest steps
+    by_commit_order: bool = False
+    # global ranks of the writing group, in group-rank order (recorded in the manifest)
+    ranks: tuple[int, ...] | None = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -107,7 +126,13 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     root = job.root
     final = os.path.join(root, step_dir_name(job.step))
     for old in await storage.run(leftovers, root, job.step):
-        await storage.remove_tree(old)
+        name = os.path.basename(old)
+        if name in job.dead:
+            await storage.remove_tree(old)
+            job.dead.discard(name)
+        else:
+            # not provably dead: another writer's live attempt, say; never touch it
+            log.warning("leaving %s alone: not an attempt this Checkpointer knows to be dead", old)
     found = await storage.run(_final_state, final, job.failed_commits)
     if found == "committed":
         raise FileExistsError(17, f"step {job.step} is already committed", final)
@@ -115,7 +140,9 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
         # an uncommitted directory squatting on the final name: move it aside
         aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
         await storage.rename(final, aside)
+        job.dead.add(os.path.basename(aside))
         await storage.remove_tree(aside)
+        job.dead.discard(os.path.basename(aside))
     tmp = os.path.join(root, tmp_dir_name(job.step, attempt))
     await storage.ensure_dir(tmp, _dir_deadline(job))
     await storage.fsync_dir(root)
@@ -152,7 +179,8 @@ async def _commit(
     created = time.time()
     nbytes = sum(r.nbytes for r in reports.values())
     files = [_manifest.FileEntry(**f) for r in reports.values() for f in r.files]
-    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={})
+    ranks = list(job.ranks) if job.ranks is not None else list(range(world))
+    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks)
     tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")
     await storage.write_bytes(tmp_marker, body)
     await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
@@ -164,19 +192,31 @@ async def _commit(
     await storage.rename(tmp, final)  # commit point
     try:
         await storage.fsync_dir(job.root)
-    except OSError:
-        # the rename may not survive a power loss and every rank is about to hear "failed":
-        # take the commit back so disk and verdict agree (best effort; GC'd at start if not)
+        # check what was committed: exactly the manifest's files with their sizes, our attempt
+        await storage.run(_check_committed, job.root, job.step, attempt)
+    except (OSError, CheckpointError):
+        # the rename may not survive a power loss, or the directory is not what was written,
+        # and every rank is about to hear "failed": take the commit back so disk and verdict
+        # agree (best effort; GC'd at start if not)
         try:
             aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
             await storage.rename(final, aside)
+            job.dead.add(os.path.basename(aside))
             await storage.remove_tree(aside)
+            job.dead.discard(os.path.basename(aside))
         except OSError as e:
             job.failed_commits.add(attempt)
             log.warning("could not take back the commit of step %d: %s", job.step, e)
         raise
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)
+
+
+def _check_committed(root: str, step: int, attempt: str) -> None:
+    """Raise ``CheckpointCorruptError`` unless ``step_N`` is complete and holds ``attempt``."""
+    step_dir, manifest = open_step(root, step)
+    if manifest.attempt != attempt:
+        raise CheckpointCorruptError(f"holds attempt {manifest.attempt}, not the committed {attempt}", step_dir)
 
 
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
@@ -275,28 +315,33 @@ async def run_save(
         if not job.state.final:
             step_to(SaveEvent.FAIL)
         if leader:
+            job.dead.add(os.path.basename(tmp))  # ours and failed: provably dead
             try:
                 await storage.remove_tree(tmp)
-            except Exception as e:  # noqa: BLE001 - a leftover is removed at the next start
+                job.dead.discard(os.path.basename(tmp))
+            except Exception as e:  # noqa: BLE001 - removed before a retry or at the next start
                 log.warning("could not remove failed attempt %s: %s", tmp, e)
         timed_out = bool(verdict.missing) or any(
             f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError") for f in verdict.failures.values()
         )
         err: SaveError
+        failures = with_global_ranks(verdict.failures, job.ranks)
         if timed_out:
             err = SaveTimeoutError(
                 job.step,
-                verdict.failures,
+                failures,
                 missing=verdict.missing,
-                detail=f"ranks {list(verdict.missing)} did not answer" if verdict.missing else "",
+                detail=f"ranks {describe_ranks(verdict.missing, job.ranks)} did not answer" if verdict.missing else "",
             )
         else:
-            err = SaveError(job.step, verdict.failures)
+            err = SaveError(job.step, failures)
         raise err from local_exc
     step_to(SaveEvent.COMMITTED)
     if leader and job.keep_last is not None:
         try:
-            await retire(storage, job.root, job.keep_last)
+            await retire(
+                storage, job.root, job.keep_last, by_commit_order=job.by_commit_order, lock=job.retention_lock
+            )
         except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
             log.warning("retention after step %d failed: %s", job.step, e)
     total = time.perf_counter() - job.started

@@ -7,6 +7,7 @@ training loop's collectives on the same group.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -73,9 +74,14 @@ class DistContext:
             return value
         return self._wait_get(full, timeout)
 
-    def agree_at_start(self, root: str, committed: list[int], timeout: float) -> tuple[str, list[int]]:
+    def agree_at_start(
+        self, root: str, committed: list[int], timeout: float, failure: BaseException | None = None
+    ) -> tuple[str, list[int]]:
         """Agree on this Checkpointer's key namespace and on the committed steps (rank 0's view).
 
+        ``failure`` is rank 0's start-up failure (the root owned by another writer, not
+        writable, ...): it is shared too, and every rank raises the same error type with the
+        same message here, so no rank waits for a Checkpointer that will never exist.
         Checkpointers are matched across ranks by root and by creation order, so every rank
         must build the same Checkpointers in the same order (as with any collective).
         """
@@ -85,14 +91,44 @@ class DistContext:
         key = f"asyncckpt/ctor/{tag}/{n}"
         if self.rank == 0:
             ns = uuid.uuid4().hex[:16]
-            self.store.set(key, json.dumps({"ns": ns, "committed": committed, "world": self.world_size}))
+            doc: dict[str, Any] = {"ns": ns, "committed": committed, "world": self.world_size}
+            if failure is not None:
+                doc["failure"] = _enc_start_failure(failure)
+            self.store.set(key, json.dumps(doc))
+            if failure is not None:
+                raise failure
             self.prefix = f"asyncckpt/{ns}"
             return ns, committed
         got = self._wait_get(key, timeout)
+        if got.get("failure") is not None:
+            raise _dec_start_failure(got["failure"])
         if got["world"] != self.world_size:
             raise ValueError(f"rank 0 has a world of {got['world']} ranks, this rank {self.world_size}")
         self.prefix = f"asyncckpt/{got['ns']}"
         return got["ns"], list(got["committed"])
+
+
+def _enc_start_failure(e: BaseException) -> dict[str, Any]:
+    err = e.errno if isinstance(e, OSError) else None
+    return {"type": type(e).__name__, "message": str(e) if not isinstance(e, OSError) else e.strerror or str(e),
+            "errno": err, "path": getattr(e, "filename", None) if isinstance(e, OSError) else None}
+
+
+def _dec_start_failure(d: dict[str, Any]) -> BaseException:
+    """Rank 0's start-up failure as the same exception type here where it is ours."""
+    from . import _errors
+
+    cls = getattr(_errors, str(d.get("type")), None)
+    msg = f"{d.get('message')} (reported by rank 0)"
+    if cls is _errors.RootNotWritableError:
+        return _errors.RootNotWritableError(d.get("errno") or errno.EACCES, msg, d.get("path"))
+    if isinstance(cls, type) and issubclass(cls, _errors.CheckpointError) and cls.__init__ is Exception.__init__:
+        return cls(msg)
+    if d.get("errno") is not None:
+        return OSError(d["errno"], f"{d.get('type')}: {msg}", d.get("path"))
+    if d.get("type") == "ValueError":
+        return ValueError(msg)
+    return _errors.CheckpointError(f"{d.get('type')}: {msg}")
 
 
 def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], Any]:

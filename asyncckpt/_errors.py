@@ -8,7 +8,9 @@
     │                                        (also a builtin TimeoutError)
     ├── CheckpointNotFoundError          no complete checkpoint for that step / root
     │                                        (also a builtin FileNotFoundError)
-    └── CheckpointCorruptError           a marker, manifest, header or checksum is wrong
+    ├── CheckpointCorruptError           a marker, manifest, header or checksum is wrong
+    ├── RootInUseError                   another writer owns the root (at construction)
+    └── RootNotWritableError             the root cannot be written (also a PermissionError)
 
 Bad arguments are not in the tree: they raise ``TypeError`` / ``ValueError`` at the call
 that received them. Waiting with a ``timeout=`` that runs out raises the builtin
@@ -19,8 +21,8 @@ failed.
 from __future__ import annotations
 
 import errno as _errno
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 
 class CheckpointError(Exception):
@@ -39,6 +41,8 @@ class RankFailure:
     message: str
     errno: int | None = None
     path: str | None = None
+    #: the rank in the default (global) group, when it differs from ``rank`` (a sub-group)
+    global_rank: int | None = None
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> RankFailure:
@@ -54,7 +58,10 @@ class RankFailure:
         )
 
     def __str__(self) -> str:
-        parts = [f"rank {self.rank}: {self.exc_type}"]
+        who = f"rank {self.rank}"
+        if self.global_rank is not None and self.global_rank != self.rank:
+            who += f" (global rank {self.global_rank})"
+        parts = [f"{who}: {self.exc_type}"]
         if self.errno is not None:
             parts.append(f"[{_errno.errorcode.get(self.errno, self.errno)}]")
         parts.append(f": {self.message}")
@@ -103,6 +110,27 @@ class SaveTimeoutError(SaveError, TimeoutError):
         return (type(self), (self.step, self.failures, "", self.missing))
 
 
+def with_global_ranks(failures: Mapping[int, RankFailure], ranks: Sequence[int] | None) -> dict[int, RankFailure]:
+    """``failures`` with each group rank's global rank filled in (``ranks[group_rank]``)."""
+    if not ranks:
+        return dict(failures)
+    out = {}
+    for r, f in failures.items():
+        g = ranks[f.rank] if 0 <= f.rank < len(ranks) else None
+        out[r] = replace(f, global_rank=g) if g is not None and g != f.rank else f
+    return out
+
+
+def describe_ranks(group_ranks: Sequence[int], ranks: Sequence[int] | None) -> str:
+    """``[1, 2]``, or ``[1, 2] (global [5, 6])`` when the group's ranks are not the global ones."""
+    text = str(list(group_ranks))
+    if ranks:
+        glob = [ranks[r] if 0 <= r < len(ranks) else r for r in group_ranks]
+        if glob != list(group_ranks):
+            text += f" (global {glob})"
+    return text
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No complete checkpoint exists for the requested step (or under the root at all)."""
 
@@ -119,6 +147,19 @@ class CheckpointCorruptError(CheckpointError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_corrupt, (str(self), self.path))
+
+
+class RootInUseError(CheckpointError):
+    """Another writer owns the root: one root has one writing job at a time.
+
+    Raised at construction of the second writing Checkpointer; the message names the owner
+    (host, pid, process start time, ranks). Reading needs no ownership.
+    """
+
+
+class RootNotWritableError(CheckpointError, PermissionError):
+    """The root cannot be written (read-only file system, no permission): raised at
+    construction. Read-only users load with ``asyncckpt.load()`` / ``find_latest()``."""
 
 
 def _rebuild_corrupt(message: str, path: str | None) -> CheckpointCorruptError:

@@ -52,6 +52,8 @@ class Manifest:
     created: float
     files: tuple[FileEntry, ...]
     extra: dict[str, Any]
+    #: global ranks of the writing group, in group-rank order (``None``: an older manifest)
+    ranks: tuple[int, ...] | None = None
     _by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,8 +79,12 @@ def encode(
     created: float,
     files: list[FileEntry],
     extra: dict[str, Any],
+    ranks: list[int] | None = None,
 ) -> bytes:
-    """Serialize a manifest, sealed with a CRC-32C of its canonical body."""
+    """Serialize a manifest, sealed with a CRC-32C of its canonical body.
+
+    ``ranks``: the global ranks of the group that wrote it, in group-rank order.
+    """
     body: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
@@ -92,6 +98,8 @@ def encode(
         ],
         "extra": extra,
     }
+    if ranks is not None:
+        body["ranks"] = list(ranks)
     sealed = dict(body, checksum=crc32c(_canonical(body)))
     return json.dumps(sealed, sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n"
 
@@ -157,9 +165,14 @@ def decode(raw: bytes, path: str) -> Manifest:
         if len(ranks) != ws or max(ranks, default=-1) >= ws:
             raise ValueError(f"world_size {ws} does not match the ranks of the files listed")
         created = float(created)
+        group = doc.get("ranks")  # global ranks; absent in manifests written before it was recorded
+        if group is not None and not (
+            isinstance(group, list) and len(group) == ws and all(_uint(r) for r in group)
+        ):
+            raise ValueError("bad ranks")
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
     # last, as the dearest check: the bytes must be exactly what encode() writes
     if raw != json.dumps(dict(doc, checksum=seal), sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n":
         raise CheckpointCorruptError("manifest is not in canonical form", path)
-    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra)
+    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra, None if group is None else tuple(group))

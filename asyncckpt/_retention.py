@@ -8,10 +8,12 @@ crash half-way through never leaves a half-deleted directory that looks complete
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 
 from ._discovery import complete_checkpoints
+from ._info import CheckpointInfo
 from ._layout import deleting_dir_name, parse_leftover, step_dir_name
 from ._storage import DEFAULT_OPS, OsOps, Storage, remove_tree
 
@@ -50,10 +52,41 @@ def choose_victims(steps: list[int], keep_last: int) -> list[int]:
     return ordered[:-keep_last] if len(ordered) > keep_last else []
 
 
-async def retire(storage: Storage, root: str, keep_last: int) -> list[int]:
-    """Retire complete checkpoints beyond the newest ``keep_last``; return their steps."""
+def choose_by_commit_order(infos: list[CheckpointInfo], keep_last: int) -> list[int]:
+    """Which steps to retire to keep the ``keep_last`` most recently committed (manifest
+    ``created`` time, then step): retention of a root that allows earlier steps."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    ordered = sorted(infos, key=lambda i: (i.created, i.step))
+    return sorted(i.step for i in ordered[:-keep_last]) if len(ordered) > keep_last else []
+
+
+async def retire(
+    storage: Storage,
+    root: str,
+    keep_last: int,
+    *,
+    by_commit_order: bool = False,
+    lock: asyncio.Lock | None = None,
+) -> list[int]:
+    """Retire complete checkpoints beyond the newest ``keep_last``; return their steps.
+
+    Newest means the highest step, or with ``by_commit_order`` the latest committed.
+    ``lock`` (one per writer loop) serializes overlapping saves' retention, so two of them
+    never pick and rename the same victim.
+    """
+    if lock is None:
+        return await _retire(storage, root, keep_last, by_commit_order)
+    async with lock:
+        return await _retire(storage, root, keep_last, by_commit_order)
+
+
+async def _retire(storage: Storage, root: str, keep_last: int, by_commit_order: bool) -> list[int]:
     infos = await storage.run(complete_checkpoints, root)
-    victims = choose_victims([i.step for i in infos], keep_last)
+    if by_commit_order:
+        victims = choose_by_commit_order(infos, keep_last)
+    else:
+        victims = choose_victims([i.step for i in infos], keep_last)
     moved = []
     for step in victims:
         src = os.path.join(root, step_dir_name(step))

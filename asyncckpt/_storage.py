@@ -14,6 +14,7 @@ Two layers:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import stat
@@ -29,6 +30,7 @@ from ._checksum import crc32c
 from ._header import ALIGN, round_up
 
 T = TypeVar("T")
+log = logging.getLogger("asyncckpt")
 
 #: Size of one write call: large enough that the GIL is held for microseconds per call.
 CHUNK = 16 * 1024 * 1024
@@ -36,6 +38,7 @@ CHUNK = 16 * 1024 * 1024
 _DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 # errors a stat() may report transiently on network/FUSE file systems
 _TRANSIENT_STAT = {errno.ESTALE, errno.EIO, errno.EINTR, errno.EAGAIN}
 
@@ -88,6 +91,29 @@ class OsOps:
 
     def rmdir(self, path: str) -> None:
         os.rmdir(path)
+
+    # fd-based calls of tree removal: never follow a link, never re-walk a path
+    def open_dir(self, name: str, dir_fd: int | None = None) -> int:
+        """Open directory ``name``; relative to ``dir_fd`` it never follows a final symlink
+        (``ELOOP``/``ENOTDIR`` if it is not a directory any more). Without ``dir_fd`` the
+        path is opened as given (the root may be a symlink on purpose)."""
+        nofollow = _NOFOLLOW if dir_fd is not None else 0
+        return os.open(name, os.O_RDONLY | _DIRECTORY | nofollow | _CLOEXEC, dir_fd=dir_fd)
+
+    def close_dir(self, fd: int) -> None:
+        os.close(fd)
+
+    def lstat_at(self, dir_fd: int, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+
+    def listdir_fd(self, fd: int) -> list[str]:
+        return os.listdir(fd)
+
+    def unlink_at(self, dir_fd: int, name: str) -> None:
+        os.unlink(name, dir_fd=dir_fd)
+
+    def rmdir_at(self, dir_fd: int, name: str) -> None:
+        os.rmdir(name, dir_fd=dir_fd)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
@@ -254,9 +280,9 @@ class Storage:
     async def listdir(self, path: str) -> list[str]:
         return await self._run_on(path, self.ops.listdir, path)
 
-    async def remove_tree(self, path: str) -> None:
-        """Remove a directory tree bottom-up; missing entries are fine, other errors raise."""
-        await self._run_on(path, remove_tree, path, self.ops)
+    async def remove_tree(self, path: str) -> bool:
+        """:func:`remove_tree` on the I/O pool."""
+        return await self._run_on(path, remove_tree, path, self.ops)
 
     async def write_bytes(self, path: str, data: bytes) -> WriteResult:
         """Create ``path`` exclusively with ``data``, fsync and close it."""
@@ -331,20 +357,76 @@ def _write_chunk(ops: OsOps, fd: int, buf: memoryview, off: int, end: int, crc: 
     return crc
 
 
-def remove_tree(path: str, ops: OsOps = DEFAULT_OPS) -> None:
-    """Remove the tree at ``path`` (missing entries are fine; other errors raise)."""
-    # entries vanishing under us (another remover, e.g. `asyncckpt gc`) are fine
+def remove_tree(path: str, ops: OsOps = DEFAULT_OPS) -> bool:
+    """Remove the tree at ``path`` without ever leaving it; ``False`` if ``path`` was absent.
+
+    Works by directory handle: the parent of ``path`` is opened once, and every directory
+    below is opened relative to its parent's descriptor with ``O_NOFOLLOW``, listed by
+    descriptor and emptied with ``unlinkat``/``unlinkat(AT_REMOVEDIR)``. A symlink is
+    removed as a link, never followed, so a directory swapped for a link to somewhere else
+    (a race, or a hostile process) can make this fail but never delete outside ``path``.
+    An entry that vanishes under the removal (another remover) is logged as a warning
+    naming it; other errors raise.
+    """
+    parent, name = os.path.split(os.path.normpath(path))
+    if not name or name in (".", ".."):
+        raise ValueError(f"refusing to remove {path!r}")
     try:
-        st = ops.lstat(path)
+        pfd = ops.open_dir(parent or ".")
+    except FileNotFoundError:
+        return False
+    try:
+        return _remove_at(pfd, name, path, ops, top=True)
+    finally:
+        ops.close_dir(pfd)
+
+
+#: how often one entry may turn from directory to non-directory and back under us
+_MAX_FLIPS = 100
+
+
+def _remove_at(dir_fd: int, name: str, shown: str, ops: OsOps, top: bool = False) -> bool:
+    """Remove entry ``name`` of the directory open as ``dir_fd`` (``shown``: its path, for messages)."""
+    for _ in range(_MAX_FLIPS):
+        try:
+            st = ops.lstat_at(dir_fd, name)
+        except FileNotFoundError:
+            if not top:
+                _vanished(shown)
+            return False
         if not stat.S_ISDIR(st.st_mode):
-            ops.unlink(path)
-            return
-        names = ops.listdir(path)
-    except FileNotFoundError:
-        return
-    for name in names:
-        remove_tree(os.path.join(path, name), ops)
-    try:
-        ops.rmdir(path)
-    except FileNotFoundError:
-        pass
+            try:
+                ops.unlink_at(dir_fd, name)  # a file, or a symlink itself (never its target)
+                return True
+            except FileNotFoundError:
+                _vanished(shown)
+                return False
+            except IsADirectoryError:
+                continue  # became a directory since the lstat: look again
+        try:
+            fd = ops.open_dir(name, dir_fd)
+        except FileNotFoundError:
+            _vanished(shown)
+            return False
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                continue  # swapped for a link or a file since the lstat: look again
+            raise
+        try:
+            for child in ops.listdir_fd(fd):
+                _remove_at(fd, child, os.path.join(shown, child), ops)
+        finally:
+            ops.close_dir(fd)
+        try:
+            ops.rmdir_at(dir_fd, name)
+            return True
+        except FileNotFoundError:
+            _vanished(shown)
+            return False
+        except NotADirectoryError:
+            continue  # the emptied directory was moved away and replaced: remove what is there now
+    raise OSError(errno.EAGAIN, "entry keeps changing between directory and non-directory while removed", shown)
+
+
+def _vanished(path: str) -> None:
+    log.warning("asyncckpt: %s vanished while it was being removed (another process removing it?)", path)

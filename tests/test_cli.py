@@ -362,7 +362,7 @@ def test_gc_keep_last_1_keeps_newest_complete_and_removes_leftovers(
 
     code, out, err = cli(capsys, "gc", root, "--keep-last", "1")
     assert code == 0 and err == ""
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == [".asyncckpt", "step_00000003", "step_00000004"]
     assert "removed step_00000005.tmp-00ff" in out and "removed step_00000001.deleting-abcd" in out
     assert "retired step 1 " in out and "retired step 2 " in out
     assert "left alone step_00000004" in out
@@ -379,10 +379,10 @@ def test_gc_spares_fresh_leftovers_and_checks_usage(root: Path, capsys: pytest.C
     fresh = make_leftover(root, "step_00000004.tmp-00ff")
     code, out, _ = cli(capsys, "gc", root)
     assert code == 0 and fresh.exists() and "kept step_00000004.tmp-00ff" in out
-    assert sorted(p.name for p in root.iterdir())[:3] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert sorted(p.name for p in root.iterdir())[1:4] == ["step_00000001", "step_00000002", "step_00000003"]
     code, out, _ = cli(capsys, "gc", root, "--min-age", "0")
     assert code == 0 and not fresh.exists() and "removed step_00000004.tmp-00ff" in out
-    assert len(list(root.iterdir())) == 3  # no --keep-last: complete checkpoints untouched
+    assert len(list(root.iterdir())) == 4  # .asyncckpt + 3; no --keep-last: complete checkpoints untouched
 
     for bad in (["--keep-last", "0"], ["--keep-last", "x"], ["--min-age", "-1"]):
         code, _, err = cli(capsys, "gc", root, *bad)

@@ -710,7 +710,9 @@ def test_tensor_keys_never_become_paths(tmp_path: Path) -> None:
         ck.save(1, hostile).result(timeout=60)
     after = {p for p in tmp_path.rglob("*")}
     step = root / "step_00000001"
-    assert after - before == {tmp_path / "deep", root, step, step / MANIFEST, step / SHARD, step / TREE}
+    meta = root / ".asyncckpt"  # the owner lock, and nothing else outside the step
+    made = {tmp_path / "deep", root, step, step / MANIFEST, step / SHARD, step / TREE, meta, meta / "owner.lock"}
+    assert after - before == made
     assert_same(load(root, 1), hostile)
 
 

@@ -97,7 +97,7 @@ def test_sigterm_flushes_takes_final_save_and_dies_by_the_signal(tmp_path: Path)
     assert "not reached" not in out
     latest = find_latest(root)
     assert latest is not None and latest.step == 99
-    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000099"]
+    assert sorted(os.listdir(root)) == [".asyncckpt", "step_00000001", "step_00000099"]
 
 
 def test_sigterm_with_failed_final_flush_exits_nonzero(tmp_path: Path) -> None:

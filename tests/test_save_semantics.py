@@ -160,7 +160,7 @@ def test_retention_keeps_newest_complete(tmp_path: Path) -> None:
         for s in range(5):
             ck.save(s, make_state(s)).result(timeout=30)
         assert ck.steps() == [3, 4]
-    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]
+    assert sorted(os.listdir(tmp_path)) == [".asyncckpt", "step_00000003", "step_00000004"]  # + the owner lock
 
 
 def test_retention_counts_only_complete_checkpoints(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_leftovers_are_removed_at_start_never_complete_ones(tmp_path: Path) -> N
     (tmp_path / "unrelated").mkdir()
     with Checkpointer(tmp_path) as ck:
         assert ck.steps() == [1]
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "unrelated"]
+    assert sorted(os.listdir(tmp_path)) == [".asyncckpt", "step_00000001", "unrelated"]
 
 
 def test_handle_api_and_statistics(tmp_path: Path) -> None:
@@ -292,7 +292,8 @@ def test_gc_with_pending_saves_warns_and_the_save_completes(tmp_path: Path) -> N
 def test_public_exports_are_pinned() -> None:
     assert sorted(asyncckpt.__all__) == sorted([
         "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
-        "Checkpointer", "CheckpointerStatistics", "RankFailure", "SaveError", "SaveHandle", "SaveState",
+        "Checkpointer", "CheckpointerStatistics", "RankFailure", "RootInUseError", "RootNotWritableError",
+        "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
         "SaveTimeoutError", "__version__", "find_latest", "load",
     ])

@@ -1,0 +1,222 @@
+"""Ownership of a root: one writing job at a time.
+
+The writing Checkpointer (rank 0 of its group) takes ownership at construction, before any
+clean-up: an exclusive, non-blocking ``flock`` on ``ROOT/.asyncckpt/owner.lock``, which the
+kernel releases when the process dies (no stale lock after SIGKILL), plus an owner record
+``ROOT/.asyncckpt/owner.json`` (host, pid, process start time, global ranks, time taken)
+that names the owner in the error a second writer gets. ``flock`` locks conflict between
+two descriptors of one process too, so a second Checkpointer in the same process is refused
+like another job. Readers never touch any of this.
+
+Limits: where the file system refuses locks (ENOLCK, EOPNOTSUPP, ENOSYS: some NFS set-ups,
+FUSE file systems) a ``RuntimeWarning`` says so and the root is written unprotected; on NFS
+``flock`` is emulated with POSIX locks by the client (it then works across clients only
+with a lock manager).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ._errors import RootInUseError, RootNotWritableError
+from ._layout import META_DIR
+
+LOCK = "owner.lock"
+RECORD = "owner.json"
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+# descriptors of the locks this process holds: closed in a fork child, which must not own
+_held: set[int] = set()
+_held_lock = threading.Lock()
+
+
+def _close_in_child() -> None:
+    # the child's copies of the descriptors keep the lock alive after the parent dies;
+    # closing them there leaves the parent's lock intact (it is per open file description)
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _process_start_time() -> float | None:
+    """This process's start time (epoch seconds), from /proc; ``None`` where unknown."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _iso(t: Any) -> str:
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return "?"
+    try:
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+def describe_owner(record: Any) -> str:
+    """The owner record as text for an error message (tolerates a missing or odd record)."""
+    if not isinstance(record, dict):
+        return "owner record not written yet or unreadable"
+    ranks = record.get("ranks")
+    return (
+        f"host {record.get('host', '?')!s}, pid {record.get('pid', '?')!s} "
+        f"(started {_iso(record.get('start_time'))}), global ranks {ranks if isinstance(ranks, list) else '?'}, "
+        f"owner since {_iso(record.get('since'))}"
+    )
+
+
+def read_owner(root: str) -> Any:
+    """The owner record under ``root`` (``None`` if absent or unreadable)."""
+    try:
+        fd = os.open(os.path.join(root, META_DIR, RECORD), os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _not_writable(root: str, e: OSError) -> RootNotWritableError:
+    why = os.strerror(e.errno) if e.errno else str(e)
+    return RootNotWritableError(
+        e.errno or errno.EACCES,
+        f"asyncckpt: cannot write to checkpoint root {root} ({why}); a Checkpointer needs a "
+        "writable root - to only read checkpoints use asyncckpt.load() / asyncckpt.find_latest()",
+        getattr(e, "filename", None) or root,
+    )
+
+
+class Ownership:
+    """A held ownership of one root; :meth:`release` (idempotent) gives it up."""
+
+    def __init__(self, root: str, fd: int | None) -> None:
+        self.root = root
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    @property
+    def locked(self) -> bool:
+        """Whether an OS lock protects the root (False where the file system refused locks)."""
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Remove the owner record and drop the lock (a no-op the second time)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(os.path.join(self.root, META_DIR, RECORD))  # before the unlock: never a stale record
+        except OSError:
+            pass
+        with _held_lock:
+            _held.discard(fd)
+        try:
+            os.close(fd)  # closing the last descriptor releases the flock
+        except OSError:
+            pass
+
+
+def acquire(root: str, ranks: Sequence[int]) -> Ownership:
+    """Take ownership of ``root`` (an existing directory) for the group of ``ranks``.
+
+    Raises ``RootInUseError`` naming the owner if another writer holds it, and
+    ``RootNotWritableError`` if the root cannot be written. Where the file system refuses
+    locks, warns (``RuntimeWarning``) and returns an unlocked ownership.
+    """
+    import fcntl
+
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise _not_writable(root, OSError(errno.EACCES, os.strerror(errno.EACCES), root))
+    meta = os.path.join(root, META_DIR)
+    try:
+        os.mkdir(meta, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise _not_writable(root, e) from e
+    try:
+        fd = os.open(os.path.join(meta, LOCK), os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+    except OSError as e:
+        raise _not_writable(root, e) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RootInUseError(
+                f"asyncckpt: checkpoint root {root} is already owned by another writing Checkpointer "
+                f"({describe_owner(read_owner(root))}); one root has one writing job at a time: close "
+                "that Checkpointer, or give this job its own root (reading - asyncckpt.load(), "
+                "find_latest(), the CLI - needs no ownership)"
+            ) from None
+        if e.errno in _UNSUPPORTED:
+            warnings.warn(
+                f"asyncckpt: the file system of {root} refuses file locks ({os.strerror(e.errno)}); "
+                "a second writer on this root will not be detected - make sure only one job writes it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return Ownership(root, None)
+        raise
+    with _held_lock:
+        _held.add(fd)
+    own = Ownership(root, fd)
+    record = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_time": _process_start_time(),
+        "ranks": list(ranks),
+        "since": time.time(),
+    }
+    try:
+        _write_record(meta, record)
+    except OSError as e:
+        own.release()
+        if e.errno in _NOT_WRITABLE or e.errno == errno.ENOSPC:
+            raise _not_writable(root, e) from e
+        raise
+    return own
+
+
+def _write_record(meta: str, record: dict[str, Any]) -> None:
+    """Write the owner record under a unique temp name, then rename it into place."""
+    tmp = os.path.join(meta, f"{RECORD}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
+    try:
+        os.write(fd, json.dumps(record).encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, os.path.join(meta, RECORD))
