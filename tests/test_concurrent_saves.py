@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from _ckcheck import dir_problem
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, SaveHandle, find_latest
@@ -39,26 +39,6 @@ WAIT_S = 30.0
 def _state(step: int, who: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(10 * step + who)
     return {"w": torch.randn(2048, generator=g), "b": torch.randn(64, generator=g), "who": who, "step": step}
-
-
-def _dir_problem(root: Path, step: int) -> str | None:
-    """Why ``step_N`` is not exactly what its manifest says (``None``: it is)."""
-    d = root / step_dir_name(step)
-    try:
-        manifest = json.loads((d / "manifest.json").read_bytes())
-        present = set(os.listdir(d))
-    except (OSError, ValueError) as e:
-        return f"unreadable: {e}"
-    expected = {f["name"]: f["size"] for f in manifest["files"]}
-    if present != set(expected) | {"manifest.json"}:
-        return f"files {sorted(present)} != manifest {sorted(expected)}"
-    for name, size in expected.items():
-        st = os.lstat(d / name)
-        if not os.path.isfile(d / name) or os.path.islink(d / name) or st.st_size != size:
-            return f"{name}: {st.st_size} bytes, manifest says {size}"
-    if manifest["step"] != step:
-        return f"manifest is for step {manifest['step']}"
-    return None
 
 
 # ---------------------------------------------------------------- two threads, one step
@@ -86,7 +66,7 @@ def test_two_threads_racing_for_each_step_exactly_one_wins(tmp_path: Path) -> No
         while pending and pending[0][0] < before:
             step, h = pending.pop(0)
             info = h.result(timeout=WAIT_S)
-            problem = _dir_problem(root, step)
+            problem = dir_problem(root, step)
             if problem is None:
                 loaded = asyncckpt.load(root, step)
                 expected = _state(step, who)
@@ -202,7 +182,7 @@ def test_commit_of_a_directory_that_is_not_what_was_written_fails_and_is_taken_b
             ck.flush()
         # the step is free again: a retry commits what it wrote
         ck.save(2, _state(2, 1)).result(timeout=WAIT_S)
-        assert ck.steps() == [1, 2] and _dir_problem(tmp_path, 2) is None
+        assert ck.steps() == [1, 2] and dir_problem(tmp_path, 2) is None
         assert asyncckpt.load(tmp_path, 2)["who"] == 1
 
 
@@ -268,7 +248,7 @@ def test_cleanup_removes_only_provably_dead_attempts(tmp_path: Path, caplog: pyt
         (foreign / "rank00000.safetensors").write_bytes(b"live")
         (foreign / "sub" / "x").write_bytes(b"also live")
         ck.save(2, _state(2, 0)).result(timeout=WAIT_S)
-        assert ck.steps() == [1, 2] and _dir_problem(root, 2) is None
+        assert ck.steps() == [1, 2] and dir_problem(root, 2) is None
         assert (foreign / "rank00000.safetensors").read_bytes() == b"live"
         assert (foreign / "sub" / "x").read_bytes() == b"also live"
         warned = [r.getMessage() for r in caplog.records if r.name == "asyncckpt" and r.levelno == logging.WARNING]
