@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _manifest
-from ._coordination import CoordinationLost, Coordinator, Report, Start, Verdict
+from ._coordination import Coordinator, Report, Start, Verdict
 from ._discovery import open_step, read_manifest
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CoordinationLost,
     RankFailure,
     SaveError,
     SaveTimeoutError,

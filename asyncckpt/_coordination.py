@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ._errors import CheckpointError, RankFailure
+from ._errors import CoordinationLost, RankFailure
 
 log = logging.getLogger("asyncckpt")
 
@@ -135,11 +135,6 @@ CLIENT_S = 30.0
 #: Followers beat this often; rank 0's close() stops waiting for a rank whose beat is this stale.
 HEARTBEAT_S = 1.0
 STALE_S = 6.0
-
-
-class CoordinationLost(CheckpointError, RuntimeError):
-    """The coordinator is gone: the c10d store cannot be reached (its host, rank 0 or the
-    launcher, died or closed the connection). Every later store call fails at once."""
 
 
 def lost_message(e: BaseException) -> str:

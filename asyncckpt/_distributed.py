@@ -20,7 +20,8 @@ from datetime import timedelta
 from typing import Any
 
 from ._checksum import crc32c
-from ._coordination import CALL_S, CLIENT_S, CoordinationLost, is_store_timeout, lost_message
+from ._coordination import CALL_S, CLIENT_S, is_store_timeout, lost_message
+from ._errors import CoordinationLost
 
 _count_lock = threading.Lock()
 _instances: dict[str, int] = {}

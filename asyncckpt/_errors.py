@@ -149,6 +149,11 @@ class CheckpointCorruptError(CheckpointError):
         return (_rebuild_corrupt, (str(self), self.path))
 
 
+class CoordinationLost(CheckpointError, RuntimeError):
+    """The coordinator is gone: the c10d store cannot be reached (its host, rank 0 or the
+    launcher, died or closed the connection). Every later store call fails at once."""
+
+
 class RootInUseError(CheckpointError):
     """Another writer owns the root: one root has one writing job at a time.
 

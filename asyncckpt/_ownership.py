@@ -167,12 +167,24 @@ def acquire(root: str, ranks: Sequence[int]) -> Ownership:
         pass
     except OSError as e:
         raise _not_writable(root, e) from e
+    lock_path = os.path.join(meta, LOCK)
     try:
-        fd = os.open(os.path.join(meta, LOCK), os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        # read-only: flock needs no write access, and a descriptor open for writing would
+        # keep the file system from being remounted read-only while the job runs
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
     except OSError as e:
         raise _not_writable(root, e) from e
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                raise
+            # NFS emulates flock with POSIX write locks, which need a descriptor open for writing
+            rw = os.open(lock_path, os.O_RDWR | _NOFOLLOW | _CLOEXEC)
+            os.close(fd)
+            fd = rw
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):

@@ -168,7 +168,7 @@ def scenario_collectives(rank: int, world: int, root: str, result: dict[str, Any
                 wrong += int(not torch.all(t == expect))
         result["steps"] = [h.result(timeout=60).step for h in handles]
     result["wrong"] = wrong
-    result["latest_steps"] = sorted(os.listdir(root))
+    result["latest_steps"] = sorted(n for n in os.listdir(root) if n != ".asyncckpt")  # not the metadata dir
 
 
 def scenario_two_checkpointers(rank: int, world: int, root: str, result: dict[str, Any]) -> None:

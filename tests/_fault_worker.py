@@ -30,6 +30,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+META_DIR = ".asyncckpt"  # asyncckpt._layout.META_DIR: the root's metadata, never a checkpoint
 STEP_LEAF = os.path.join("step_00000297", "rng")
 
 
@@ -142,7 +143,7 @@ def _fail_then_recover(
         if rank == 0:
             if usage_of:
                 res["usage_after"] = _usage(usage_of)
-            res["listing_after_failure"] = sorted(os.listdir(root))
+            res["listing_after_failure"] = sorted(n for n in os.listdir(root) if n != META_DIR)
         try:
             ck.flush()
         except SaveError as e:
@@ -157,7 +158,7 @@ def _fail_then_recover(
         loaded = ck.load(3)
         res["loaded_extra"] = loaded["extra"]
         if rank == 0:
-            res["listing_end"] = sorted(os.listdir(root))
+            res["listing_end"] = sorted(n for n in os.listdir(root) if n != META_DIR)
 
 
 def scenario_enospc(rank: int, world: int, p: dict[str, Any], res: dict[str, Any]) -> None:

@@ -175,6 +175,7 @@ class RecordingOps(OsOps):
         self._barriers = 0
         self._opens = 0
         self._fds: dict[int, tuple[str, str]] = {}
+        self._dirs: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def start(self, root: str) -> None:
@@ -251,6 +252,26 @@ class RecordingOps(OsOps):
     def fsync_dir(self, path: str) -> None:
         super().fsync_dir(path)
         self._add(Op("fsync_dir", os.path.abspath(path)))
+
+    # tree removal works by directory descriptor: map each one back to its path for the log
+    def open_dir(self, name: str, dir_fd: int | None = None) -> int:
+        fd = super().open_dir(name, dir_fd)
+        with self._lock:
+            self._dirs[fd] = os.path.abspath(name) if dir_fd is None else os.path.join(self._dirs[dir_fd], name)
+        return fd
+
+    def close_dir(self, fd: int) -> None:
+        with self._lock:
+            self._dirs.pop(fd, None)
+        super().close_dir(fd)
+
+    def unlink_at(self, dir_fd: int, name: str) -> None:
+        super().unlink_at(dir_fd, name)
+        self._add(Op("unlink", os.path.join(self._dirs[dir_fd], name)))
+
+    def rmdir_at(self, dir_fd: int, name: str) -> None:
+        super().rmdir_at(dir_fd, name)
+        self._add(Op("rmdir", os.path.join(self._dirs[dir_fd], name)))
 
 
 def without_barrier(log: list[Op], j: int) -> list[Op]:

@@ -42,6 +42,7 @@ from _crash_worker import IDLE_S, KEEP_LAST, expected_state
 from conftest import assert_same
 
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
+from asyncckpt._layout import META_DIR
 
 WORKER = Path(__file__).with_name("_crash_worker.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -204,9 +205,14 @@ def expected(step: int) -> dict[str, Any]:
     return expected_state(step)
 
 
+def _entries(root: Path) -> list[str]:
+    """The root's entries but its metadata directory (the owner lock and record)."""
+    return sorted(n for n in os.listdir(root) if n != META_DIR)
+
+
 def check_disk(root: Path, acked: int, started: int) -> list[int]:
     """Assert the on-disk promises after a kill; return the complete steps."""
-    names = sorted(os.listdir(root)) if root.exists() else []
+    names = _entries(root) if root.exists() else []
     complete = []
     for name in names:
         m = COMMITTED_NAME.match(name)
@@ -283,9 +289,9 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
                 streak = 0
             streak += phase == "post-commit"
             assert len(complete) <= KEEP_LAST + max(streak, 1), f"retention kept {complete} (keep_last={KEEP_LAST})"
-            before = sorted(os.listdir(root))
+            before = _entries(root)
             with Checkpointer(root, keep_last=KEEP_LAST) as ck:
-                after = sorted(os.listdir(root))
+                after = _entries(root)
                 assert not [n for n in after if LEFTOVER_NAME.match(n)], f"leftovers survived a restart: {after}"
                 assert ck.steps() == complete, f"a restart changed the checkpoints: {before} -> {after}"
             cleaned += len(before) != len(after)

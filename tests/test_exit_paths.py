@@ -23,6 +23,7 @@ from _ranks import run_ranks as launch
 from conftest import FaultOps, make_state
 
 from asyncckpt import Checkpointer, SaveError, SaveTimeoutError, find_latest, load
+from asyncckpt._layout import META_DIR
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_exit_worker.py")
@@ -170,7 +171,7 @@ def test_forked_child_exits_promptly_and_never_writes(tmp_path: Path) -> None:
     print(f"forked child exit: {elapsed}s after fork (parent save pending, timeout=20)")
     assert code == "0" and float(elapsed) < 5, (out, err)  # not the parent's save timeout (20 s)
     assert lines[3] == "parent 1"
-    assert sorted(os.listdir(root)) == ["step_00000001"]
+    assert sorted(n for n in os.listdir(root) if n != META_DIR) == ["step_00000001"]
     assert sorted(os.listdir(root / "step_00000001")) == ["manifest.json", "rank00000.json", "rank00000.safetensors"]
 
 
@@ -430,8 +431,7 @@ def _assert_coordinator_gone(got: dict[str, Any], leader: bool = False) -> None:
 
 
 def test_coordination_lost_is_a_checkpoint_error() -> None:
-    from asyncckpt import CheckpointError
-    from asyncckpt._coordination import CoordinationLost
+    from asyncckpt import CheckpointError, CoordinationLost
 
     assert issubclass(CoordinationLost, CheckpointError) and issubclass(CoordinationLost, RuntimeError)
     assert issubclass(SaveTimeoutError, TimeoutError)
