@@ -177,42 +177,48 @@ def test_owner_in_another_process_refuses_writers_serves_readers_and_dies_withou
 
 
 # ---------------------------------------------------------------- who the refusal names, in a tight race
-def _race_two_constructions(root: Path) -> str:
-    """Two threads build a Checkpointer on ``root`` at once: the refusal's message (the winner is closed)."""
-    barrier = threading.Barrier(2, timeout=WAIT_S)
-    out: list[Checkpointer | str] = []
+SLOW_OWNER = """
+import fcntl, json, os, socket, sys, time
+from asyncckpt import _ownership
+root, delay = sys.argv[1], float(sys.argv[2])
+meta = os.path.join(root, ".asyncckpt")
+os.makedirs(meta, exist_ok=True)
+fd = os.open(os.path.join(meta, "owner.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+time.sleep(delay)  # the owner between its lock and its record, in slow motion
+_ownership._write_record(meta, {"host": socket.gethostname(), "pid": os.getpid(),
+    "start_time": _ownership._process_start_time(), "ranks": [0], "since": time.time()})
+print("recorded", flush=True)
+time.sleep(120)
+"""
 
-    def build() -> None:
-        barrier.wait()
-        try:
-            out.append(Checkpointer(root, timeout=WAIT_S))
-        except RootInUseError as e:
-            out.append(str(e))
 
-    threads = [threading.Thread(target=build) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert len(out) == 2 and not any(t.is_alive() for t in threads), out
-    for o in out:
-        if isinstance(o, Checkpointer):
-            o.close()
-    refusals = [o for o in out if isinstance(o, str)]
-    assert len(refusals) == 1, out  # exactly one constructs, always
-    return refusals[0]
+def _slow_owner(root: Path, delay: float) -> subprocess.Popen[str]:
+    """A process that takes the root's lock as the library does, and writes its owner record
+    (in the library's format, with the library's writer) only ``delay`` s later."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen(
+        [sys.executable, "-c", SLOW_OWNER, str(root), str(delay)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert _line(p, 30) == "locked"
+    return p
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(
     strict=True,
-    reason="library bug: a writer refused while the new owner has taken the lock but not yet written "
-    "owner.json reads the record left by the previous, SIGKILLed owner and names that dead process "
-    "(_ownership.acquire reads the record once, at once)",
+    reason="library bug: a writer refused between the new owner's flock and its owner record reads "
+    "the record the previous, SIGKILLed owner left and names that dead process as the owner "
+    "(_ownership.acquire reads owner.json once, at once, and never checks it is current)",
 )
-def test_refusal_right_after_the_owner_was_killed_never_names_the_dead_owner(tmp_path: Path) -> None:
-    dead_root = tmp_path / "dead"
-    holder = _popen("hold", str(dead_root))
+def test_refusal_right_after_the_owner_was_killed_names_the_new_owner_not_the_dead_one(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    holder = _popen("hold", str(root))
     try:
         word, pid_s = _line(holder).split()
         assert word == "ready"
@@ -220,43 +226,38 @@ def test_refusal_right_after_the_owner_was_killed_never_names_the_dead_owner(tmp
         holder.kill()
         holder.communicate(timeout=30)
     dead = int(pid_s)
-    stale = (dead_root / ".asyncckpt" / "owner.json").read_bytes()  # what SIGKILL leaves behind
-    assert json.loads(stale)["pid"] == dead
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
+    assert _owner_record(root)["pid"] == dead  # what SIGKILL leaves behind
+    new_owner = _slow_owner(root, 0.1)  # a restarted job takes the root
     try:
-        named_dead = 0
-        for i in range(20):  # restarted jobs racing for the root of a killed one
-            root = tmp_path / f"r{i}"
-            (root / ".asyncckpt").mkdir(parents=True)
-            (root / ".asyncckpt" / "owner.json").write_bytes(stale)
-            msg = _race_two_constructions(root)
-            named_dead += f"pid {dead} " in msg
+        with pytest.raises(RootInUseError) as ei:
+            Checkpointer(root, timeout=WAIT_S)  # another restarted job, a moment later
+        assert _line(new_owner, 30) == "recorded"
     finally:
-        sys.setswitchinterval(switch)
-    print(f"\nthe refusal named the SIGKILLed owner (pid {dead}) in {named_dead} of 20 races")
-    assert named_dead == 0
+        new_owner.kill()
+        new_owner.communicate(timeout=30)
+    msg = str(ei.value)
+    assert f"pid {dead} " not in msg, msg
+    assert f"pid {new_owner.pid} " in msg, msg
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(
     strict=True,
-    reason="library bug: a writer refused between the owner's flock and its owner.json says 'owner record "
-    "not written yet or unreadable' instead of naming the owner (_ownership.acquire reads the record at once)",
+    reason="library bug: a writer refused between the owner's flock and its owner record says 'owner "
+    "record not written yet or unreadable' instead of naming the owner (_ownership.acquire reads "
+    "owner.json at once; a short bounded wait for the record would name it)",
 )
-def test_refusal_in_a_tight_race_names_the_owner(tmp_path: Path) -> None:
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
+def test_refusal_just_after_the_owner_took_the_lock_names_the_owner(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    owner = _slow_owner(root, 0.1)
     try:
-        unnamed = []
-        for i in range(50):
-            msg = _race_two_constructions(tmp_path / f"r{i}")
-            if f"pid {os.getpid()}" not in msg:
-                unnamed.append(msg)
+        with pytest.raises(RootInUseError) as ei:
+            Checkpointer(root, timeout=WAIT_S)
+        assert _line(owner, 30) == "recorded"
     finally:
-        sys.setswitchinterval(switch)
-    print(f"\nthe refusal did not name the owner in {len(unnamed)} of 50 races")
-    assert not unnamed, unnamed[0]
+        owner.kill()
+        owner.communicate(timeout=30)
+    assert f"pid {owner.pid} " in str(ei.value) and f"host {HOST}" in str(ei.value), str(ei.value)
 
 
 # ---------------------------------------------------------------- a read-only root
