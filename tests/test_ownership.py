@@ -156,6 +156,11 @@ def test_owner_in_another_process_refuses_writers_serves_readers_and_dies_withou
         assert [r["step"] for r in rows if r.get("complete")] == [1], rows
         verify = run_cli("verify", root)
         assert verify.code == 0, verify.err
+        console = Path(sys.executable).parent / "asyncckpt"  # the installed console entry point
+        if console.exists():
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), *sys.path]))
+            r = subprocess.run([str(console), "ls", str(root)], capture_output=True, text=True, env=env, timeout=60)
+            assert r.returncode == 0 and "step_00000001" in r.stdout, (r.stdout, r.stderr)
         # the owner dies without closing anything
         holder.kill()
         holder.wait(timeout=30)
