@@ -126,8 +126,16 @@ def main() -> None:
             groups(int(rank), int(world), port, shared, root_a, root_b, result)
         except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
             result["crash"] = "".join(traceback.format_exception(e))
-        with open(f"{out}.{rank}.json", "w") as f:
+        with open(f"{out}.{rank}.json.tmp", "w") as f:
             json.dump(result, f)
+        os.rename(f"{out}.{rank}.json.tmp", f"{out}.{rank}.json")
+        if rank == "0":
+            # this process hosts the job's c10d store: stay until every rank is done with it
+            for r in range(int(world)):
+                try:
+                    _wait_for(f"{out}.{r}.json", 60)
+                except TimeoutError:
+                    break
         sys.stdout.flush()
         os._exit(0)  # skip process-group teardown
     else:
