@@ -18,6 +18,7 @@ Order of operations (``L`` = leader only):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -190,25 +191,28 @@ async def _commit(
     if time.monotonic() > job.deadline:
         # e.g. this process was stopped mid-commit: the other ranks have given up by now
         raise _PhaseTimeout("the save's deadline passed before the commit point")
-    await storage.rename(tmp, final)  # commit point
-    try:
-        await storage.fsync_dir(job.root)
-        # check what was committed: exactly the manifest's files with their sizes, our attempt
-        await storage.run(_check_committed, job.root, job.step, attempt)
-    except (OSError, CheckpointError):
-        # the rename may not survive a power loss, or the directory is not what was written,
-        # and every rank is about to hear "failed": take the commit back so disk and verdict
-        # agree (best effort; GC'd at start if not)
+    # retention of an overlapping save must not retire this step between its commit rename
+    # and the check of what was committed (it would look like a failed commit)
+    async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
+        await storage.rename(tmp, final)  # commit point
         try:
-            aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
-            await storage.rename(final, aside)
-            job.dead.add(os.path.basename(aside))
-            await storage.remove_tree(aside)
-            job.dead.discard(os.path.basename(aside))
-        except OSError as e:
-            job.failed_commits.add(attempt)
-            log.warning("could not take back the commit of step %d: %s", job.step, e)
-        raise
+            await storage.fsync_dir(job.root)
+            # check what was committed: exactly the manifest's files with their sizes, our attempt
+            await storage.run(_check_committed, job.root, job.step, attempt)
+        except (OSError, CheckpointError):
+            # the rename may not survive a power loss, or the directory is not what was written,
+            # and every rank is about to hear "failed": take the commit back so disk and verdict
+            # agree (best effort; GC'd at start if not)
+            try:
+                aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+                await storage.rename(final, aside)
+                job.dead.add(os.path.basename(aside))
+                await storage.remove_tree(aside)
+                job.dead.discard(os.path.basename(aside))
+            except OSError as e:
+                job.failed_commits.add(attempt)
+                log.warning("could not take back the commit of step %d: %s", job.step, e)
+            raise
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)
 

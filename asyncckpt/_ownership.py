@@ -83,8 +83,10 @@ def describe_owner(record: Any) -> str:
     if not isinstance(record, dict):
         return "owner record not written yet or unreadable"
     ranks = record.get("ranks")
+    role = record.get("role", "Checkpointer")
     return (
-        f"host {record.get('host', '?')!s}, pid {record.get('pid', '?')!s} "
+        f"{role if isinstance(role, str) else '?'!s} on host {record.get('host', '?')!s}, "
+        f"pid {record.get('pid', '?')!s} "
         f"(started {_iso(record.get('start_time'))}), global ranks {ranks if isinstance(ranks, list) else '?'}, "
         f"owner since {_iso(record.get('since'))}"
     )
@@ -149,8 +151,10 @@ class Ownership:
             pass
 
 
-def acquire(root: str, ranks: Sequence[int]) -> Ownership:
+def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Ownership:
     """Take ownership of ``root`` (an existing directory) for the group of ``ranks``.
+
+    ``role`` names the writer in the owner record (a Checkpointer, ``asyncckpt gc``).
 
     Raises ``RootInUseError`` naming the owner if another writer holds it, and
     ``RootNotWritableError`` if the root cannot be written. Where the file system refuses
@@ -189,7 +193,7 @@ def acquire(root: str, ranks: Sequence[int]) -> Ownership:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise RootInUseError(
-                f"asyncckpt: checkpoint root {root} is already owned by another writing Checkpointer "
+                f"asyncckpt: checkpoint root {root} is already owned by another writer "
                 f"({describe_owner(read_owner(root))}); one root has one writing job at a time: close "
                 "that Checkpointer, or give this job its own root (reading - asyncckpt.load(), "
                 "find_latest(), the CLI - needs no ownership)"
@@ -207,6 +211,7 @@ def acquire(root: str, ranks: Sequence[int]) -> Ownership:
         _held.add(fd)
     own = Ownership(root, fd)
     record = {
+        "role": role,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "start_time": _process_start_time(),

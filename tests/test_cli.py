@@ -389,6 +389,28 @@ def test_gc_spares_fresh_leftovers_and_checks_usage(root: Path, capsys: pytest.C
         assert code == 2 and "error:" in err, bad
 
 
+def test_gc_refuses_a_root_a_checkpointer_owns(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gc removes files, so it is a writer: while a Checkpointer owns the root it changes
+    nothing and exits 1 naming the owner; --dry-run still reads; afterwards gc runs."""
+    old = make_leftover(root, "step_00000004.tmp-00ff", age_s=7200)
+    with Checkpointer(root) as ck:
+        # the Checkpointer took the root and removed the leftover it found: make a new one
+        assert not old.exists()
+        foreign = make_leftover(root, "step_00000005.tmp-00ff", age_s=7200)
+        before = snapshot(root)
+        code, out, err = cli(capsys, "gc", root, "--keep-last", "1")
+        assert code == 1 and out == ""
+        assert "already owned by another writer" in err and f"pid {os.getpid()}" in err, err
+        assert snapshot(root) == before
+        code, out, _ = cli(capsys, "gc", root, "--keep-last", "1", "--dry-run")
+        assert code == 0 and "would remove step_00000005.tmp-00ff" in out
+        ck.save(7, make_state(7)).result(timeout=60)  # the owner still writes
+    code, out, _ = cli(capsys, "gc", root, "--keep-last", "1")
+    assert code == 0 and not foreign.exists() and "retired step 3 " in out
+    with Checkpointer(root) as ck:  # gc released the root
+        assert ck.steps() == [7]
+
+
 # ---------------------------------------------------------------------------- export
 
 

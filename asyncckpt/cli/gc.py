@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+from .. import _ownership
 from .._errors import CheckpointNotFoundError
 from .._retention import choose_victims, leftovers, retire
 from .._storage import DEFAULT_OPS, Storage, remove_tree
@@ -28,7 +29,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "removed, and a checkpoint is renamed out of the way (atomically, root fsynced) before\n"
         "its files are deleted. Leftovers modified within --min-age are kept, because a running\n"
         "job may still be writing them. Incomplete directories with a committed name are only\n"
-        "reported, never removed.",
+        "reported, never removed. Removing is writing: gc takes the root's ownership for its run\n"
+        "and refuses a root a Checkpointer owns (--dry-run needs no ownership).",
         "  asyncckpt gc ckpt/ --dry-run\n  asyncckpt gc ckpt/ --keep-last 3\n  asyncckpt gc ckpt/ --min-age 0",
     )
     p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the newest N complete checkpoints")
@@ -50,10 +52,24 @@ def _retire(root: str, keep_last: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Remove old leftovers and, with ``--keep-last``, complete checkpoints beyond the newest N."""
+    """Remove old leftovers and, with ``--keep-last``, complete checkpoints beyond the newest N.
+
+    Raises ``RootInUseError`` (exit status 1) if a Checkpointer owns the root: one root has
+    one writer at a time, and gc removes files. ``--dry-run`` reads only.
+    """
     root: str = args.root
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
+    if args.dry_run:
+        return _run(args, root)
+    own = _ownership.acquire(root, [], role="asyncckpt gc")
+    try:
+        return _run(args, root)
+    finally:
+        own.release()
+
+
+def _run(args: argparse.Namespace, root: str) -> int:
     dry: bool = args.dry_run
     text = not args.json
     now = time.time()
