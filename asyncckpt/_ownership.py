@@ -57,10 +57,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_in_child)
 
 
-def _process_start_time() -> float | None:
-    """This process's start time (epoch seconds), from /proc; ``None`` where unknown."""
+def _process_start_time(pid: int | str = "self") -> float | None:
+    """A process's start time (epoch seconds), from /proc; ``None`` where unknown."""
     try:
-        with open("/proc/self/stat", "rb") as f:
+        with open(f"/proc/{pid}/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
         with open("/proc/stat", "rb") as f:
             btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
@@ -108,6 +108,69 @@ def read_owner(root: str) -> Any:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+#: how long a refused writer waits for the lock holder's owner record (written just after
+#: its flock) before it describes what it found
+RECORD_WAIT_S = 1.0
+
+
+def _current(record: Any) -> bool:
+    """Whether ``record`` can be the lock holder's: from another host (cannot be checked), or
+    a live process here whose start time matches (a SIGKILLed owner leaves its record)."""
+    if not isinstance(record, dict):
+        return False
+    if record.get("host") != socket.gethostname():
+        return True
+    pid, started = record.get("pid"), record.get("start_time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    now = _process_start_time(pid)
+    if now is None:
+        return False  # no such process: the record is stale
+    return not isinstance(started, (int, float)) or abs(now - started) < 1.0
+
+
+def _lock_holder(path: str) -> int | None:
+    """The pid holding a flock on ``path``, from /proc/locks (local file systems); else None."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF" (a "->" marks a blocked waiter)
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->" and parts[5] == dev:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
+
+
+def _describe_holder(root: str, lock_path: str) -> str:
+    """Who holds the lock: the owner record once it is current (waiting up to
+    ``RECORD_WAIT_S`` for the new owner to write it), else what the kernel says."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    record = read_owner(root)
+    while not _current(record) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        record = read_owner(root)
+    if _current(record):
+        return describe_owner(record)
+    holder = _lock_holder(lock_path)
+    held = f"the lock is held by pid {holder} on this host" if holder is not None else "the lock holder is unknown"
+    return f"{held}; its owner record is not written yet or is stale"
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _not_writable(root: str, e: OSError) -> RootNotWritableError:
@@ -163,7 +226,8 @@ def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Owne
     import fcntl
 
     if not os.access(root, os.W_OK | os.X_OK):
-        raise _not_writable(root, OSError(errno.EACCES, os.strerror(errno.EACCES), root))
+        err = errno.EROFS if _read_only(root) else errno.EACCES
+        raise _not_writable(root, OSError(err, os.strerror(err), root))
     meta = os.path.join(root, META_DIR)
     try:
         os.mkdir(meta, 0o755)
@@ -194,7 +258,7 @@ def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Owne
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise RootInUseError(
                 f"asyncckpt: checkpoint root {root} is already owned by another writer "
-                f"({describe_owner(read_owner(root))}); one root has one writing job at a time: close "
+                f"({_describe_holder(root, lock_path)}); one root has one writing job at a time: close "
                 "that Checkpointer, or give this job its own root (reading - asyncckpt.load(), "
                 "find_latest(), the CLI - needs no ownership)"
             ) from None

@@ -387,6 +387,17 @@ _MAX_FLIPS = 100
 
 def _remove_at(dir_fd: int, name: str, shown: str, ops: OsOps, top: bool = False) -> bool:
     """Remove entry ``name`` of the directory open as ``dir_fd`` (``shown``: its path, for messages)."""
+    try:
+        return _remove_entry(dir_fd, name, shown, ops, top)
+    except OSError as e:
+        # the *at() calls name only the entry: the deepest frame gives it its full path
+        if not getattr(e, "_asyncckpt_named", False):
+            e.filename = shown
+            e._asyncckpt_named = True  # type: ignore[attr-defined]
+        raise
+
+
+def _remove_entry(dir_fd: int, name: str, shown: str, ops: OsOps, top: bool) -> bool:
     for _ in range(_MAX_FLIPS):
         try:
             st = ops.lstat_at(dir_fd, name)

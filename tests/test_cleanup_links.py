@@ -269,3 +269,23 @@ def test_directory_swapped_for_a_link_between_lstat_and_open_is_not_followed(tmp
     assert removed is True, removed
     assert not os.path.lexists(lo)  # the link was removed as a link, the leftover is gone
     assert sorted(p.name for p in (tmp_path / "moved-away").iterdir()) == ["part0.bin", "part1.bin", "part2.bin"]
+
+
+def test_a_removal_error_names_the_full_path_of_the_entry(tmp_path: Path) -> None:
+    """The *at() calls name only the entry; the error names its path under the tree."""
+    tree = tmp_path / "step_00000003.tmp-0abc"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "a").write_bytes(b"a")
+
+    class Refill(OsOps):  # stands in for another process writing into the directory
+        def listdir_fd(self, fd: int) -> list[str]:
+            names = super().listdir_fd(fd)
+            if "a" in names:
+                os.close(os.open(tree / "sub" / "late", os.O_CREAT | os.O_WRONLY, 0o644))
+            return names
+
+    with pytest.raises(OSError) as ei:
+        remove_tree(str(tree), Refill())
+    assert ei.value.errno == errno.ENOTEMPTY
+    assert ei.value.filename == str(tree / "sub"), ei.value.filename
+    assert (tree / "sub" / "late").exists()  # nothing else was touched

@@ -215,12 +215,6 @@ def _slow_owner(root: Path, delay: float) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a writer refused between the new owner's flock and its owner record reads "
-    "the record the previous, SIGKILLed owner left and names that dead process as the owner "
-    "(_ownership.acquire reads owner.json once, at once, and never checks it is current)",
-)
 def test_refusal_right_after_the_owner_was_killed_names_the_new_owner_not_the_dead_one(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     holder = _popen("hold", str(root))
@@ -246,12 +240,6 @@ def test_refusal_right_after_the_owner_was_killed_names_the_new_owner_not_the_de
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a writer refused between the owner's flock and its owner record says 'owner "
-    "record not written yet or unreadable' instead of naming the owner (_ownership.acquire reads "
-    "owner.json at once; a short bounded wait for the record would name it)",
-)
 def test_refusal_just_after_the_owner_took_the_lock_names_the_owner(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     owner = _slow_owner(root, 0.1)
@@ -311,11 +299,6 @@ def test_read_only_root_raises_root_not_writable_pointing_to_load(read_only_root
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: _ownership.acquire() reports an existing root on a read-only file system as "
-    "EACCES 'Permission denied' (it fabricates EACCES after os.access() fails) instead of EROFS",
-)
 def test_read_only_root_error_says_read_only_file_system(read_only_root: Path) -> None:
     for root in (read_only_root / "new", read_only_root):  # a new root is right; the existing one is not
         with pytest.raises(RootNotWritableError) as ei:
