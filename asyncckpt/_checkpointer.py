@@ -50,7 +50,7 @@ from ._retention import leftovers, remove_leftovers
 from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
 from ._structure import flatten
-from ._writer import WriterThread
+from ._writer import StartGate, WriterThread
 
 OnError = Literal["raise", "warn"]
 DirectIO = Literal["auto", "on", "off"]
@@ -65,16 +65,24 @@ class _Runtime:
     """The threads and resources of one Checkpointer; holds no reference back to it."""
 
     def __init__(self, io_threads: int, ops: OsOps, direct_io: str, max_pending: int, coord: Coordinator) -> None:
-        self.pool = IOPool(io_threads, "asyncckpt-io")
-        self.writer = WriterThread()
-        self.storage = Storage(self.pool, ops, direct_io)
-        self.staging = StagingPool(max_pending)
+        # plain attributes first, threads last, each thread stopped again if anything after
+        # it fails: no thread may outlive a construction that failed (even by Ctrl-C)
         self.coord = coord
         self.stopped = False
         self.pid = os.getpid()
         self.ownership: Ownership | None = None
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
+        self.staging = StagingPool(max_pending)
+        pool: IOPool | None = None
+        try:
+            pool = self.pool = IOPool(io_threads, "asyncckpt-io")
+            self.storage = Storage(self.pool, ops, direct_io)
+            self.writer = WriterThread()
+        except BaseException:
+            if pool is not None:
+                pool.shutdown(wait=True, timeout=10.0)
+            raise
 
     @property
     def forked(self) -> bool:
@@ -155,6 +163,8 @@ class Checkpointer:
 
     Args:
         root: directory holding one ``step_NNNNNNNN/`` directory per checkpoint (created).
+            Resolved once, at construction (``os.path.realpath``): repointing a symlinked
+            root later does not move a running Checkpointer.
         keep_last: keep only the newest N complete checkpoints (``None`` keeps all).
         timeout: seconds one save may take end to end before it fails with
             ``SaveTimeoutError`` (also bounds how long any rank waits for the others).
@@ -227,7 +237,10 @@ class Checkpointer:
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', not {direct_io!r}")
         if not _is_int(io_threads) or io_threads < 1:
             raise ValueError(f"io_threads must be a positive int, not {io_threads!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        given = os.path.abspath(os.fspath(root))
+        # pinned: a symlinked root (runs/current -> runs/exp7) repointed while the job runs
+        # must not make it write to, or retire in, a root it does not own
+        self.root = os.path.realpath(given)
         self.keep_last = keep_last
         self.timeout = float(timeout)
         self.max_pending = max_pending
@@ -261,55 +274,57 @@ class Checkpointer:
         self.world_size = self._dist.world_size if self._dist else 1
         self._ranks = _global_ranks(process_group, self.world_size) if self._dist else (0,)
         self._queries = 0
-        ownership: Ownership | None = None
-        committed: list[int] = []
-        failure: BaseException | None = None
-        if self.rank == 0:
-            try:
-                ownership, committed = self._take_root(_ops)
-            except (CheckpointError, OSError, ValueError) as e:
-                failure = e
-        namespace = ""
+        # made before anything is locked: whatever interrupts the rest of construction (an
+        # error, Ctrl-C, no thread to start), the except below releases what was taken
+        ownership = Ownership(self.root, None) if self.rank == 0 else None
+        rt: _Runtime | None = None
         try:
+            committed: list[int] = []
+            failure: BaseException | None = None
+            if ownership is not None:
+                try:
+                    committed = self._take_root(_ops, ownership)
+                except (CheckpointError, OSError, ValueError) as e:
+                    failure = e
+            namespace = ""
             if self._dist is not None:
-                namespace, committed = self._dist.agree_at_start(self.root, committed, self.timeout, failure)
+                namespace, committed = self._dist.agree_at_start(given, committed, self.timeout, failure)
             elif failure is not None:
                 raise failure
+            self._committed = set(committed)
+            rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
+            rt.ownership = ownership
+            if self._dist is not None:
+                rt.coord = StoreCoordinator(self._dist.connect, self.rank, self.world_size, namespace, rt.storage.run)
+            self._rt = rt
+            _live.add(self)
         except BaseException:
+            _live.discard(self)
+            if rt is not None:
+                rt.stop(5.0, collective=False)  # releases the ownership too
             if ownership is not None:
                 ownership.release()
             raise
-        self._committed = set(committed)
-        self._rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
-        self._rt.ownership = ownership
-        if self._dist is not None:
-            self._rt.coord = StoreCoordinator(
-                self._dist.connect, self.rank, self.world_size, namespace, self._rt.storage.run
-            )
-        _live.add(self)
 
-    def _take_root(self, ops: OsOps) -> tuple[Ownership, list[int]]:
-        """Rank 0 at construction: create the root, take ownership, then clean up leftovers."""
+    def _take_root(self, ops: OsOps, own: Ownership) -> list[int]:
+        """Rank 0 at construction: create the root, take ownership (into ``own``), then clean
+        up leftovers; return the committed steps. The caller releases ``own`` on failure."""
         try:
             ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=ops)
         except (PermissionError, OSError) as e:
             if not (isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
                 raise
             raise _ownership._not_writable(self.root, e) from e
-        own = _ownership.acquire(self.root, self._ranks)
+        _ownership.acquire(self.root, self._ranks, into=own)
+        # leftovers present now, with the root ours, are dead: a retry may remove them
+        self._dead.update(os.path.basename(p) for p in leftovers(self.root))
         try:
-            # leftovers present now, with the root ours, are dead: a retry may remove them
-            self._dead.update(os.path.basename(p) for p in leftovers(self.root))
-            try:
-                remove_leftovers(self.root, ops)
-            except OSError as e:
-                if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    raise _ownership._not_writable(self.root, e) from e
-                raise
-            return own, [i.step for i in _discovery.complete_checkpoints(self.root)]
-        except BaseException:
-            own.release()
+            remove_leftovers(self.root, ops)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise _ownership._not_writable(self.root, e) from e
             raise
+        return [i.step for i in _discovery.complete_checkpoints(self.root)]
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any) -> SaveHandle:
@@ -327,7 +342,10 @@ class Checkpointer:
         check_step(step)
         self._surface_earlier_failure()
         self._reserve(step)
-        handed = False  # once the save is handed to the writer, its settling frees the step
+        # set by _submit once the save's record owns the slot and the step (its settling
+        # frees both); until then an exception anywhere here gives them back
+        handed = [False]
+        arena: Arena | None = None
         try:
             try:
                 tree, refs = flatten(state, self.strip_prefixes)
@@ -336,25 +354,19 @@ class Checkpointer:
             except (TypeError, ValueError) as e:
                 if self._dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
-                    self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e)
-                    handed = True
+                    self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed)
                 raise
             arena, waited = self._acquire_slot(layout.file_size)
-            try:
-                events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
-            except BaseException:
-                self._rt.staging.give_back(arena)
-                raise
+            events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
-            handle = self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s)
-            handed = True
-            return handle
+            return self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s, handed=handed)
         finally:
-            if not handed:
-                with self._lock:
-                    if self._reserved.get(step, 0) is None:
-                        del self._reserved[step]
+            if not handed[0] and arena is not None:
+                self._rt.staging.give_back(arena)
+            with self._lock:  # still unregistered (no record took it): free the step
+                if self._reserved.get(step, 0) is None:
+                    del self._reserved[step]
 
     def _reserve(self, step: int) -> None:
         """Check ``step`` may be saved and reserve it, in one step under the lock, so two
@@ -398,8 +410,12 @@ class Checkpointer:
         waited: float,
         staging_s: float,
         prefailed: BaseException | None = None,
+        handed: list[bool] | None = None,
     ) -> SaveHandle:
-        """Hand a staged save to the writer; the arena goes back to the pool when it settles."""
+        """Hand a staged save to the writer; the arena goes back to the pool when it settles.
+
+        ``handed[0]`` turns True the moment the save's record owns the arena and the step.
+        """
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -432,22 +448,23 @@ class Checkpointer:
                 holder[0].state = state
 
         rt = self._rt
-        try:
-            coro = run_save(job, rt.storage, rt.coord, on_state)
-            fut = rt.writer.submit(_guarded(coro, job, rt.coord.rank, self._ranks))
-        except BaseException:
-            if arena is not None:
-                rt.staging.give_back(arena)
-            raise
+        # the record and its callback exist before the job can start, so an interrupt anywhere
+        # in here leaves the save either tracked to its end or never run; the slot goes back
+        # exactly once, by whoever gets to it first (this call's caller or the settling)
+        fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
         record = SaveRecord(step, fut)
         holder.append(record)
-        with self._lock:
-            self._records.append(record)
-            if step in self._reserved:
-                self._reserved[step] = record
         me = weakref.ref(self)
+        gate = StartGate()
+        ranks = self._ranks
+
+        once = [True]
 
         def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            try:
+                once.pop()  # atomic: runs once even if called from two places
+            except IndexError:
+                return
             if arena is not None:
                 rt.staging.give_back(arena)
             ok = not f.cancelled() and f.exception() is None
@@ -456,7 +473,31 @@ class Checkpointer:
             if owner is not None:
                 owner._settle(record, ok)
 
-        fut.add_done_callback(settled)
+        def make() -> Any:
+            return _guarded(run_save(job, rt.storage, rt.coord, on_state), job, rt.coord.rank, ranks)
+
+        try:
+            if handed is not None:
+                handed[0] = True  # from here on the settling gives the slot back
+            fut.add_done_callback(settled)
+            with self._lock:
+                self._records.append(record)
+                if step in self._reserved:
+                    self._reserved[step] = record
+            rt.writer.launch(make, fut, gate)
+        except BaseException:
+            if gate.abandon():
+                # never started and never will: the caller hears the exception; settle the
+                # record quietly (slot and step go back through ``settled``, attached or not)
+                record.reported = True
+                fut.cancel()
+                fut.set_running_or_notify_cancel()  # CANCELLED -> notified: wait() sees it done
+                if handed is None or handed[0]:
+                    settled(fut)
+                with self._lock:  # a save that never ran is nobody's failure to report later
+                    self._records = [r for r in self._records if r is not record]
+                    self._unraised = [r for r in self._unraised if r is not record]
+            raise
         return SaveHandle(record)
 
     def _plan(self, refs: Sequence[Any]) -> tuple[ShardLayout, list[int]]:
@@ -484,7 +525,7 @@ class Checkpointer:
         if info is not None and self._on_commit is not None:
             try:
                 self._on_commit(info)
-            except Exception:
+            except BaseException:  # on the writer thread: even SystemExit must not kill it
                 log.exception("asyncckpt on_commit callback raised")
 
     def statistics(self) -> CheckpointerStatistics:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -138,8 +139,16 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     found = await storage.run(_final_state, final, job.failed_commits)
     if found == "committed":
         raise FileExistsError(17, f"step {job.step} is already committed", final)
-    if found in ("uncommitted", "failed"):
-        # an uncommitted directory squatting on the final name: move it aside
+    if found == "uncommitted":
+        # not a checkpoint, and not provably ours: never remove it (it may hold anyone's files)
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{step_dir_name(job.step)} exists but is not a complete checkpoint this Checkpointer wrote; "
+            "move it away to save this step (asyncckpt ls shows what it holds)",
+            final,
+        )
+    if found == "failed":
+        # our own commit that failed and could not be taken back: move it aside
         aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
         await storage.rename(final, aside)
         job.dead.add(os.path.basename(aside))
@@ -199,10 +208,11 @@ async def _commit(
             await storage.fsync_dir(job.root)
             # check what was committed: exactly the manifest's files with their sizes, our attempt
             await storage.run(_check_committed, job.root, job.step, attempt)
-        except (OSError, CheckpointError):
-            # the rename may not survive a power loss, or the directory is not what was written,
-            # and every rank is about to hear "failed": take the commit back so disk and verdict
-            # agree (best effort; GC'd at start if not)
+        except (OSError, CheckpointError, asyncio.CancelledError):
+            # the rename may not survive a power loss, the directory is not what was written,
+            # or the save's deadline cancelled us after the rename, and every rank is about to
+            # hear "failed": take the commit back so disk and verdict agree (best effort; GC'd
+            # at start if not)
             try:
                 aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
                 await storage.rename(final, aside)
@@ -345,7 +355,12 @@ async def run_save(
     if leader and job.keep_last is not None:
         try:
             await retire(
-                storage, job.root, job.keep_last, by_commit_order=job.by_commit_order, lock=job.retention_lock
+                storage,
+                job.root,
+                job.keep_last,
+                by_commit_order=job.by_commit_order,
+                lock=job.retention_lock,
+                latest=job.step,
             )
         except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
             log.warning("retention after step %d failed: %s", job.step, e)

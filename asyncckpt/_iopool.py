@@ -26,8 +26,14 @@ class IOPool(Executor):
         self._lock = threading.Lock()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        try:
+            for t in self._threads:
+                t.start()
+        except BaseException:  # started threads must not outlive a pool that failed to start
+            for t in self._threads:
+                if t.is_alive():
+                    self._queue.put(_STOP)
+            raise
 
     def _work(self) -> None:
         while True:

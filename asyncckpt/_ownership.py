@@ -21,8 +21,10 @@ import errno
 import json
 import os
 import socket
+import stat
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -45,16 +47,24 @@ _held_lock = threading.Lock()
 def _close_in_child() -> None:
     # the child's copies of the descriptors keep the lock alive after the parent dies;
     # closing them there leaves the parent's lock intact (it is per open file description)
+    global _held_lock
     for fd in list(_held):
         try:
             os.close(fd)
         except OSError:
             pass
     _held.clear()
+    _held_lock = threading.Lock()  # the forking thread held it (see below): a fresh one
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
+    # a fork waits while a descriptor is between its open/flock and its registration in
+    # _held, so no child ever inherits a lock it does not know to drop
+    os.register_at_fork(
+        before=lambda: _held_lock.acquire(),
+        after_in_parent=lambda: _held_lock.release(),
+        after_in_child=_close_in_child,
+    )
 
 
 def _process_start_time(pid: int | str = "self") -> float | None:
@@ -106,7 +116,7 @@ def read_owner(root: str) -> Any:
         os.close(fd)
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # a hostile record must not hide the refusal
         return None
 
 
@@ -174,7 +184,7 @@ def _read_only(path: str) -> bool:
 
 
 def _not_writable(root: str, e: OSError) -> RootNotWritableError:
-    why = os.strerror(e.errno) if e.errno else str(e)
+    why = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
     return RootNotWritableError(
         e.errno or errno.EACCES,
         f"asyncckpt: cannot write to checkpoint root {root} ({why}); a Checkpointer needs a "
@@ -214,17 +224,19 @@ class Ownership:
             pass
 
 
-def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Ownership:
+def acquire(
+    root: str, ranks: Sequence[int], role: str = "Checkpointer", into: Ownership | None = None
+) -> Ownership:
     """Take ownership of ``root`` (an existing directory) for the group of ``ranks``.
 
     ``role`` names the writer in the owner record (a Checkpointer, ``asyncckpt gc``).
+    ``into``: an unlocked :class:`Ownership` the caller made beforehand, filled in here, so
+    that whatever interrupts this call, the caller holds what to release.
 
     Raises ``RootInUseError`` naming the owner if another writer holds it, and
     ``RootNotWritableError`` if the root cannot be written. Where the file system refuses
     locks, warns (``RuntimeWarning``) and returns an unlocked ownership.
     """
-    import fcntl
-
     if not os.access(root, os.W_OK | os.X_OK):
         err = errno.EROFS if _read_only(root) else errno.EACCES
         raise _not_writable(root, OSError(err, os.strerror(err), root))
@@ -235,45 +247,26 @@ def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Owne
         pass
     except OSError as e:
         raise _not_writable(root, e) from e
-    lock_path = os.path.join(meta, LOCK)
     try:
-        # read-only: flock needs no write access, and a descriptor open for writing would
-        # keep the file system from being remounted read-only while the job runs
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        st = os.lstat(meta)
     except OSError as e:
         raise _not_writable(root, e) from e
+    if not stat.S_ISDIR(st.st_mode):  # a link or file there would put the lock elsewhere
+        raise _not_writable(root, OSError(errno.ENOTDIR, f"{META_DIR} is not a directory (a link?)", meta))
+    lock_path = os.path.join(meta, LOCK)
+    own = into if into is not None else Ownership(root, None)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno != errno.EBADF:
-                raise
-            # NFS emulates flock with POSIX write locks, which need a descriptor open for writing
-            rw = os.open(lock_path, os.O_RDWR | _NOFOLLOW | _CLOEXEC)
-            os.close(fd)
-            fd = rw
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RootInUseError(
-                f"asyncckpt: checkpoint root {root} is already owned by another writer "
-                f"({_describe_holder(root, lock_path)}); one root has one writing job at a time: close "
-                "that Checkpointer, or give this job its own root (reading - asyncckpt.load(), "
-                "find_latest(), the CLI - needs no ownership)"
-            ) from None
-        if e.errno in _UNSUPPORTED:
-            warnings.warn(
-                f"asyncckpt: the file system of {root} refuses file locks ({os.strerror(e.errno)}); "
-                "a second writer on this root will not be detected - make sure only one job writes it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return Ownership(root, None)
-        raise
-    with _held_lock:
-        _held.add(fd)
-    own = Ownership(root, fd)
+        with _held_lock:  # also keeps a fork out until the descriptor is registered
+            if not _lock(root, lock_path, own):
+                return own  # the file system refuses locks (warned)
+    except _Busy:
+        # described outside the lock: the description may wait for the owner's record
+        raise RootInUseError(
+            f"asyncckpt: checkpoint root {root} is already owned by another writer "
+            f"({_describe_holder(root, lock_path)}); one root has one writing job at a time: close "
+            "that Checkpointer, or give this job its own root (reading - asyncckpt.load(), "
+            "find_latest(), the CLI - needs no ownership)"
+        ) from None
     record = {
         "role": role,
         "host": socket.gethostname(),
@@ -286,16 +279,97 @@ def acquire(root: str, ranks: Sequence[int], role: str = "Checkpointer") -> Owne
         _write_record(meta, record)
     except OSError as e:
         own.release()
-        if e.errno in _NOT_WRITABLE or e.errno == errno.ENOSPC:
-            raise _not_writable(root, e) from e
+        raise _not_writable(root, e) from e
+    except BaseException:
+        own.release()
         raise
     return own
 
 
+def _lock(root: str, lock_path: str, own: Ownership) -> bool:
+    """Open and flock the lock file into ``own``; False where the file system refuses locks.
+
+    The descriptor belongs to ``own`` from the statement that locks it in (an interrupt
+    before that closes it here, one after leaves it to ``own.release()``); the caller holds
+    ``_held_lock``.
+
+    The file is re-checked after the lock: one deleted or replaced between the open and the
+    flock would lock nothing another writer can see, so that case takes the lock again.
+    """
+    import fcntl
+
+    for _ in range(100):
+        try:
+            # read-only: flock needs no write access, and a descriptor open for writing would
+            # keep the file system from being remounted read-only while the job runs;
+            # O_NONBLOCK: a FIFO planted there must not hang the open
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                e = OSError(errno.ELOOP, "the owner lock is a symbolic link (refused)", lock_path)
+            raise _not_writable(root, e) from e
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise _not_writable(root, OSError(errno.EINVAL, "the owner lock is not a regular file", lock_path))
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno != errno.EBADF:
+                    raise
+                # NFS emulates flock with POSIX write locks, which need a descriptor open for writing
+                rw = os.open(lock_path, os.O_RDWR | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+                os.close(fd)
+                fd = rw
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mine, there = os.fstat(fd), _stat_or_none(lock_path)
+            if there is not None and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                own._fd = fd
+                _held.add(fd)
+                return True
+            os.close(fd)  # replaced or removed meanwhile: lock the file that is there now
+            continue
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise _Busy from None
+            if e.errno in _UNSUPPORTED:
+                warnings.warn(
+                    f"asyncckpt: the file system of {root} refuses file locks ({os.strerror(e.errno)}); "
+                    "a second writer on this root will not be detected - make sure only one job writes it",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return False
+            raise _not_writable(root, e) from e
+        except BaseException:
+            if own._fd != fd:
+                os.close(fd)
+            raise
+    raise _not_writable(root, OSError(errno.EAGAIN, "the owner lock keeps being replaced", lock_path))
+
+
+class _Busy(Exception):
+    """The lock is held by another writer (turned into ``RootInUseError`` by the caller)."""
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+
+
 def _write_record(meta: str, record: dict[str, Any]) -> None:
     """Write the owner record under a unique temp name, then rename it into place."""
-    tmp = os.path.join(meta, f"{RECORD}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
+    tmp = os.path.join(meta, f"{RECORD}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    # O_EXCL: never write through a file or link someone planted at that name
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
     try:
         os.write(fd, json.dumps(record).encode())
     finally:

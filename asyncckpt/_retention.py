@@ -52,12 +52,16 @@ def choose_victims(steps: list[int], keep_last: int) -> list[int]:
     return ordered[:-keep_last] if len(ordered) > keep_last else []
 
 
-def choose_by_commit_order(infos: list[CheckpointInfo], keep_last: int) -> list[int]:
+def choose_by_commit_order(infos: list[CheckpointInfo], keep_last: int, latest: int | None = None) -> list[int]:
     """Which steps to retire to keep the ``keep_last`` most recently committed (manifest
-    ``created`` time, then step): retention of a root that allows earlier steps."""
+    ``created`` time, then step): retention of a root that allows earlier steps.
+
+    ``latest``, the step this process just committed, counts as the most recent whatever
+    the clocks say (an earlier job's clock may have run ahead), so it is never retired.
+    """
     if keep_last < 1:
         raise ValueError("keep_last must be >= 1")
-    ordered = sorted(infos, key=lambda i: (i.created, i.step))
+    ordered = sorted(infos, key=lambda i: (i.step == latest, i.created, i.step))
     return sorted(i.step for i in ordered[:-keep_last]) if len(ordered) > keep_last else []
 
 
@@ -68,23 +72,26 @@ async def retire(
     *,
     by_commit_order: bool = False,
     lock: asyncio.Lock | None = None,
+    latest: int | None = None,
 ) -> list[int]:
     """Retire complete checkpoints beyond the newest ``keep_last``; return their steps.
 
     Newest means the highest step, or with ``by_commit_order`` the latest committed.
     ``lock`` (one per writer loop) serializes overlapping saves' retention, so two of them
-    never pick and rename the same victim.
+    never pick and rename the same victim. ``latest``: see :func:`choose_by_commit_order`.
     """
     if lock is None:
-        return await _retire(storage, root, keep_last, by_commit_order)
+        return await _retire(storage, root, keep_last, by_commit_order, latest)
     async with lock:
-        return await _retire(storage, root, keep_last, by_commit_order)
+        return await _retire(storage, root, keep_last, by_commit_order, latest)
 
 
-async def _retire(storage: Storage, root: str, keep_last: int, by_commit_order: bool) -> list[int]:
+async def _retire(
+    storage: Storage, root: str, keep_last: int, by_commit_order: bool, latest: int | None
+) -> list[int]:
     infos = await storage.run(complete_checkpoints, root)
     if by_commit_order:
-        victims = choose_by_commit_order(infos, keep_last)
+        victims = choose_by_commit_order(infos, keep_last, latest)
     else:
         victims = choose_victims([i.step for i in infos], keep_last)
     moved = []

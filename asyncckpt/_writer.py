@@ -12,7 +12,7 @@ import asyncio
 import os
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -31,6 +31,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class StartGate:
+    """Who owns a launched job: the loop once it started it, or the caller that abandoned it
+    first (see :meth:`WriterThread.launch`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "new"
+
+    def start(self) -> bool:
+        """On the loop: claim the job; False if the caller abandoned it."""
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "started"
+            return True
+
+    def abandon(self) -> bool:
+        """In the caller: give the job up; False if the loop already started it."""
+        with self._lock:
+            if self._state == "started":
+                return False
+            self._state = "abandoned"
+            return True
+
+
 class WriterThread:
     """A daemon thread running an asyncio loop until :meth:`stop`."""
 
@@ -39,10 +64,16 @@ class WriterThread:
         self._ready = threading.Event()
         self._forked = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30.0):  # the loop signals readiness on its first iteration
-            raise RuntimeError("asyncckpt writer thread did not start its event loop within 30 s")
-        _all_writers.add(self)
+        try:
+            self._thread.start()
+            if not self._ready.wait(30.0):  # the loop signals readiness on its first iteration
+                raise RuntimeError("asyncckpt writer thread did not start its event loop within 30 s")
+            _all_writers.add(self)
+        except BaseException:  # an interrupted start leaves no loop thread behind
+            if self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10.0)
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -85,6 +116,45 @@ class WriterThread:
             coro.close()
             raise RuntimeError("asyncckpt writer thread is stopped")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def launch(self, make: Callable[[], Coroutine[Any, Any, T]], fut: Future[T], gate: StartGate) -> None:
+        """Run ``make()`` on the loop and resolve ``fut`` (created by the caller, who has
+        already attached its callbacks) with its outcome.
+
+        ``gate`` settles a race with the caller: the job starts on the loop only if the caller
+        has not abandoned it meanwhile (say, a ``KeyboardInterrupt`` in the caller after this
+        call had scheduled the start), so a job is always either tracked by ``fut`` or never
+        run at all. Raises ``RuntimeError`` like :meth:`submit`, with nothing scheduled.
+        """
+        if self._forked:
+            raise RuntimeError("asyncckpt writer is not usable in a forked child process")
+        if self.in_writer():
+            raise RuntimeError("asyncckpt: cannot submit to the writer from its own thread")
+        if not self._thread.is_alive() or self._loop.is_closed():
+            raise RuntimeError("asyncckpt writer thread is stopped")
+
+        def copy_outcome(task: asyncio.Task[T]) -> None:
+            if fut.done():
+                return
+            if task.cancelled():
+                fut.cancel()
+                fut.set_running_or_notify_cancel()  # so concurrent.futures.wait() sees it done
+            elif task.exception() is not None:
+                fut.set_exception(task.exception())
+            else:
+                fut.set_result(task.result())
+
+        def start() -> None:
+            if not gate.start():
+                return  # abandoned by the caller: it settles fut
+            try:
+                task = self._loop.create_task(make())
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                fut.set_exception(e)
+                return
+            task.add_done_callback(copy_outcome)
+
+        self._loop.call_soon_threadsafe(start)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (cancelling whatever still runs) and join the thread."""

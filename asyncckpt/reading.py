@@ -643,6 +643,8 @@ class Problem:
 
     path: str
     reason: str
+    #: the checkpoint went away while it was verified (retired or replaced): not damage
+    vanished: bool = False
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.path}"
@@ -726,7 +728,7 @@ def verify_step(
             problems.append(Problem(os.path.join(step_dir, MANIFEST), reason))
     if problems and not _still_there(step_dir, manifest):
         # retired or replaced while we read it: that is not damage, and nothing to remember
-        return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified")]
+        return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified", vanished=True)]
     if problems and record:
         record_bad(root, manifest.step, manifest.attempt, problems[0].path, problems[0].reason)
     return problems

@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
             files = len(manifest.files) + 1  # the manifest is a file of the checkpoint too
             nbytes = step_bytes(step_dir, manifest)
+            # retired by a running job while we read it: gone, not damaged
+            status = "ok" if not problems else "not found" if all(p.vanished for p in problems) else "corrupt"
             results.append(
                 {
                     "step": manifest.step,
-                    "status": "corrupt" if problems else "ok",
+                    "status": status,
                     "ok": not problems,
                     "path": os.path.abspath(step_dir),
                     "files": files,
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 continue
             for p in problems:
-                say(f"{PROG}: step {manifest.step}: corrupt: {p}", sys.stderr)
+                say(f"{PROG}: step {manifest.step}: {status}: {p}", sys.stderr)
             if not problems:
                 say(f"step {manifest.step}: ok ({files} files, {human_bytes(nbytes)} verified)")
     finally:
