@@ -13,14 +13,16 @@ straight into them; the other saved tensors go to fresh tensors, restored by
 :func:`restore_into` as before. Peak extra memory: the I/O threads' bounce buffers, plus
 the fresh tensors.
 
-The contract on damage: a checkpoint that fails verification writes no target. A read
-into fresh tensors checksums each piece as it lands, on the thread that read it (one pass).
-A read that writes into targets first checksums the whole shard through the bounce buffers
-(``verify_file``: from disk when cold, leaving the pages in the page cache) and only then
-reads into the targets, from the page cache. The price is the second, in-memory pass; the
+The contract on damage: a checkpoint that fails verification writes no target. Every piece
+is checksummed as it lands, on the thread that read it. The first pass reads the whole
+shard: the fresh tensors' bytes into them, the targets' bytes through the bounce buffers,
+only checksummed (from disk when cold, leaving the pages in the page cache). Only when the
+whole file verified does the second pass read the targets' bytes into the targets, from the
+page cache. The price is that in-memory second pass over the targets' bytes; the
 alternative, one pass straight into the targets, leaves a model half-overwritten by a
 checkpoint that then fails, which ``load(step=None)``'s fallback and any ``except`` around
-``load`` would silently train from. ``verify=False`` is the one-pass read.
+``load`` would carry on from. ``verify=False`` is the one-pass read. (A shard larger than
+the page cache can hold is read from disk twice.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Test-only switch: False reads into the targets in the first pass (the guard off).
+_VERIFY_BEFORE_WRITE = True
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -123,9 +127,9 @@ def read_shard_fd(
     """:func:`read_shard` on an open file (the caller closes it).
 
     ``targets`` (from :func:`plan_targets`) names tensors to read straight into instead of
-    fresh ones; they come back in the result. With a checksum to verify, a read that writes
-    into a target first verifies the whole file (``verify_file``), so a corrupt file leaves
-    every target untouched; a read into fresh tensors only checksums as the bytes land.
+    fresh ones; they come back in the result. With a checksum to verify, no target is
+    written before the whole file verified: the first pass reads the fresh tensors and only
+    checksums the targets' bytes, the second reads those bytes into the targets.
     ``parsed``: :func:`read_header`'s result for this file, if the caller has it.
     """
     targets = targets or {}
@@ -134,25 +138,26 @@ def read_shard_fd(
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
         fresh = [s for s in ordered if s.name not in targets]
         tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
-        dests: list[_readinto.Dest] = []
+        first: list[_readinto.Dest] = []  # everything; the targets' bytes only checksummed
+        into: list[_readinto.Dest] = []  # the targets' bytes, once the whole file verified
         for s in ordered:
-            offset = data_start + s.begin
+            offset, nbytes = data_start + s.begin, s.end - s.begin
             t = targets.get(s.name)
             if t is None:
-                dests.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
-            elif t.device.type == "cpu" and t.is_contiguous():
-                dests.append(_readinto.Direct(offset, byte_view(t)))
+                first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
+                continue
+            if t.device.type == "cpu" and t.is_contiguous():
+                into.append(_readinto.Direct(offset, byte_view(t)))
             else:
-                dests.append(_readinto.Staged(offset, s.end - s.begin, t))
-        if expected_crc is not None and targets:
-            _readinto.verify_file(fd, path, size, expected_crc)  # before any target is written
-            _readinto.read_into(fd, path, dests, checksum=False)
-        elif expected_crc is not None:
-            crc = _readinto.read_into(fd, path, dests, checksum=True)
+                into.append(_readinto.Staged(offset, nbytes, t))
+            guard = expected_crc is not None and _VERIFY_BEFORE_WRITE
+            first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
+        crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
+        if expected_crc is not None:
             if _readinto.crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
                 raise CheckpointCorruptError("checksum mismatch", path)
-        else:
-            _readinto.read_into(fd, path, dests, checksum=False)
+            if into:  # verified: now the targets, from the page cache the first pass filled
+                _readinto.read_into(fd, path, into, checksum=False)
         tensors.update(targets)
         meta = header.get("__metadata__", {})
         return tensors, meta

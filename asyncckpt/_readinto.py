@@ -56,7 +56,15 @@ class Staged:
     target: torch.Tensor
 
 
-Dest = Direct | Staged
+@dataclass(frozen=True)
+class Skip:
+    """File bytes ``[offset, offset + nbytes)`` are only checksummed (through the bounce buffer)."""
+
+    offset: int
+    nbytes: int
+
+
+Dest = Direct | Staged | Skip
 
 
 # ---------------------------------------------------------------------- CRC-32C combine
@@ -146,7 +154,19 @@ class _Bounce:
         return self.cpu
 
 
+def _read_skipped(fd: int, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+    for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
+        n = min(BOUNCE, d.offset + d.nbytes - pos)
+        view = _bytes_of(bounce.get(n, False)[:n])
+        _pread_exact(fd, [view], pos, path)
+        if crc is not None:
+            crc = crc32c(view, crc)
+    return crc
+
+
 def _read_staged(fd: int, d: Staged, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+    if d.nbytes == 0:
+        return crc
     t = d.target
     rows = t.shape[0] if t.dim() else 1
     row_bytes = d.nbytes // rows if rows else 0
@@ -171,7 +191,8 @@ def _read_staged(fd: int, d: Staged, bounce: _Bounce, path: str, crc: int | None
 
 
 def _read_range(fd: int, dests: list[Dest], path: str, checksum: bool) -> int:
-    """Read one thread's destinations (consecutive in the file); their CRC-32C (0 if not asked)."""
+    """Read one thread's destinations (sorted by offset); the CRC-32C of the bytes read, in
+    order (0 if not asked: with ``checksum`` the destinations must be consecutive)."""
     crc: int | None = 0 if checksum else None
     bounce = _Bounce()
     run: list[memoryview] = []
@@ -191,7 +212,13 @@ def _read_range(fd: int, dests: list[Dest], path: str, checksum: bool) -> int:
             flush()
             crc = _read_staged(fd, d, bounce, path, crc)
             continue
+        if isinstance(d, Skip):
+            flush()
+            crc = _read_skipped(fd, d, bounce, path, crc)
+            continue
         for i in range(0, d.nbytes, BOUNCE):
+            if run and run_start + run_bytes != d.offset + i:
+                flush()  # not adjacent to the run: a new preadv
             if not run:
                 run_start = d.offset + i
             v = d.view[i : i + BOUNCE]
@@ -252,13 +279,14 @@ def _advise_sequential(fd: int) -> None:
             pass
 
 
-def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads: int = THREADS) -> int:
-    """Read ``dests`` (sorted by offset, tiling one contiguous file range) in parallel.
+def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads: int | None = None) -> int:
+    """Read ``dests`` (sorted by offset) in parallel, ``threads`` (default :data:`THREADS`) at once.
 
-    Returns the CRC-32C of that range when ``checksum`` is set (else 0).
+    With ``checksum`` the destinations must tile one contiguous file range; returns its
+    CRC-32C then (else 0).
     """
     _advise_sequential(fd)
-    groups = _split(dests, threads)
+    groups = _split(dests, threads or THREADS)
     crcs = _parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
     if not checksum:
         return 0
@@ -268,11 +296,11 @@ def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads:
     return crc
 
 
-def verify_file(fd: int, path: str, size: int, expected_crc: int, *, threads: int = THREADS) -> None:
+def verify_file(fd: int, path: str, size: int, expected_crc: int, *, threads: int | None = None) -> None:
     """Checksum the whole file through the threads' bounce buffers; ``CheckpointCorruptError``
     unless it is ``expected_crc``. Nothing read is kept (the page cache may keep it)."""
     _advise_sequential(fd)
-    parts = max(1, min(threads, -(-size // BOUNCE)))
+    parts = max(1, min(threads or THREADS, -(-size // BOUNCE)))
     cut = -(-size // parts)
     bounds = [(i * cut, min(size, (i + 1) * cut)) for i in range(parts)]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, Checkpointer, _readinto, load
+from asyncckpt import CheckpointCorruptError, Checkpointer, _load, _readinto, load
 
 SHARD = "rank00000.safetensors"
 
@@ -140,12 +140,12 @@ def test_corrupt_shard_leaves_targets_untouched(tmp_path: Path, monkeypatch: pyt
     _flip_data_byte(step2 / SHARD)
     pristine = {k: v.clone() for k, v in m3.state_dict().items()}
     pristine_o = {k: v.clone() for k, v in _opt_tensors(o3).items()}
-    if not guard:  # teeth: without the verification first the corruption lands in the targets
-        monkeypatch.setattr(_readinto, "verify_file", lambda *a, **k: None)
+    if not guard:  # teeth: with the guard off the corruption lands in the targets
+        monkeypatch.setattr(_load, "_VERIFY_BEFORE_WRITE", False)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(tmp_path, 2, into=target)
+    assert ei.value.path is not None and ei.value.path.endswith(SHARD)
     if guard:
-        with pytest.raises(CheckpointCorruptError) as ei:
-            load(tmp_path, 2, into=target)
-        assert ei.value.path is not None and ei.value.path.endswith(SHARD)
         # the documented contract: a checkpoint that fails verification writes no target
         assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
         assert all(torch.equal(_opt_tensors(o3)[k], v) for k, v in pristine_o.items())
@@ -155,7 +155,6 @@ def test_corrupt_shard_leaves_targets_untouched(tmp_path: Path, monkeypatch: pyt
         assert all(torch.equal(m3.state_dict()[k], v) for k, v in m1.state_dict().items())
         assert torch.equal(big, torch.arange(1 << 16, dtype=torch.float32))
     else:
-        load(tmp_path, 2, into=target, verify=False)
         assert not torch.equal(big, torch.zeros(1 << 16))
 
 
@@ -246,3 +245,21 @@ def test_load_into_peak_memory_is_bounded_by_the_buffers(tmp_path: Path) -> None
     extra = int(out.stdout.split()[-1])
     print(f"load(into=) of a {size >> 20} MiB state: {extra / 2**20:.1f} MiB extra peak RSS")
     assert extra < size // 2, f"load(into=) of a {size >> 20} MiB state took {extra >> 20} MiB extra"
+
+
+def test_targets_and_fresh_tensors_in_one_shard(tmp_path: Path) -> None:
+    m1, o1 = _trained(1)
+    step = _save(tmp_path, 1, {"model": m1, "optim": o1})
+    m2 = _model(2)
+    ptrs = _ptrs(m2.state_dict())
+    state = load(tmp_path, 1, into={"model": m2})  # the optimizer state: fresh tensors, returned
+    assert all(torch.equal(m2.state_dict()[k], v) for k, v in m1.state_dict().items())
+    assert _ptrs(m2.state_dict()) == ptrs
+    for i, s in o1.state_dict()["state"].items():
+        assert all(torch.equal(state["optim"]["state"][i][k], v) for k, v in s.items())
+    _flip_data_byte(step / SHARD)
+    m3 = _model(3)
+    pristine = {k: v.clone() for k, v in m3.state_dict().items()}
+    with pytest.raises(CheckpointCorruptError):
+        load(tmp_path, 1, into={"model": m3})
+    assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
