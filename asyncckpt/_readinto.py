@@ -235,12 +235,14 @@ def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
     total = sum(d.nbytes for d in dests)
     if parts <= 1 or total == 0:
         return [dests] if dests else []
-    # cut large direct views so a single big tensor is still read by every thread
+    # cut large direct views and skips so a single big tensor is still read by every thread
     pieces: list[Dest] = []
     step = max(BOUNCE, -(-total // (parts * 4)))
     for d in dests:
         if isinstance(d, Direct) and d.nbytes > step:
             pieces.extend(Direct(d.offset + i, d.view[i : i + step]) for i in range(0, d.nbytes, step))
+        elif isinstance(d, Skip) and d.nbytes > step:
+            pieces.extend(Skip(d.offset + i, min(step, d.nbytes - i)) for i in range(0, d.nbytes, step))
         else:
             pieces.append(d)
     groups: list[list[Dest]] = [[]]

@@ -263,3 +263,21 @@ def test_targets_and_fresh_tensors_in_one_shard(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError):
         load(tmp_path, 1, into={"model": m3})
     assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
+
+
+def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    saved = {"big": torch.arange(1 << 18, dtype=torch.float32), "small": torch.arange(3.0)}
+    _save(tmp_path, 1, saved)
+    seen: list[list[Any]] = []
+    real = _readinto._read_range
+
+    def spy(fd: int, dests: list[Any], path: str, checksum: bool) -> int:
+        seen.append(dests)
+        return real(fd, dests, path, checksum)
+
+    monkeypatch.setattr(_readinto, "_read_range", spy)
+    target = {"big": torch.zeros(1 << 18), "small": torch.zeros(3)}
+    load(tmp_path, 1, into=target)
+    assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
+    assert len(seen) == 2 * _readinto.THREADS  # both passes split across every thread
