@@ -342,6 +342,7 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         and not t.is_conj()
         and not t.is_neg()
         and not t.is_inference()
+        and all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride(), strict=True))  # no expand()ed dims
     )
 
 

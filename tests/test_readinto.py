@@ -281,3 +281,10 @@ def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: p
     load(tmp_path, 1, into=target)
     assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
     assert len(seen) == 2 * _readinto.THREADS  # both passes split across every thread
+
+
+def test_expanded_target_keeps_the_old_error(tmp_path: Path) -> None:
+    _save(tmp_path, 1, {"e": torch.arange(12.0).reshape(3, 4)})
+    target = {"e": torch.zeros(1, 4).expand(3, 4)}  # one memory location per column
+    with pytest.raises(RuntimeError, match="single memory location"):
+        load(tmp_path, 1, into=target)  # raised by restore_into's copy_, as before
