@@ -766,8 +766,8 @@ class Checkpointer:
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
-        With ``into=``, restores in place, and nothing is written before the whole state
-        verified: a checkpoint that fails verification leaves every target untouched. Tensors
+        With ``into=``, restores in place, and (verifying) nothing is written before the whole
+        state verified: a checkpoint that fails verification leaves every target untouched. Tensors
         of the saved dtype and shape (module parameters and buffers, optimizer state, tensors
         in dicts and lists) are read straight into their memory, so the extra memory is the
         I/O buffers', not the state's; the returned state holds those tensors. The rest:
@@ -922,8 +922,8 @@ def load(
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
     ``CheckpointNotFoundError`` if it is missing or was retired while being read and
     ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
-    (tensors read straight into, see :meth:`Checkpointer.load`), and nothing is written
-    before the whole state verified. Needs no ownership of the root:
+    (tensors read straight into, see :meth:`Checkpointer.load`), and (verifying) nothing is
+    written before the whole state verified. Needs no ownership of the root:
     any number of readers may run while a job writes.
 
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
