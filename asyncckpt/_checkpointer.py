@@ -807,7 +807,11 @@ class Checkpointer:
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
-        With ``into=``, restores in place once the whole state has been read and verified:
+        With ``into=``, restores in place, and (verifying) nothing is written before the whole
+        state verified: a checkpoint that fails verification leaves every target untouched. Tensors
+        of the saved dtype and shape (module parameters and buffers, optimizer state, tensors
+        in dicts and lists) are read straight into their memory, so the extra memory is the
+        I/O buffers', not the state's; the returned state holds those tensors. The rest:
         objects get ``load_state_dict``, tensors get ``copy_``. For an explicit ``step``,
         raises ``CheckpointNotFoundError`` if it is missing, uncommitted or retired while
         being read, and ``CheckpointCorruptError`` (naming the file) when anything fails
@@ -829,10 +833,12 @@ class Checkpointer:
         expect = self.world_size if rank is None else None
         shard = self.rank if rank is None else rank
         if self._dist is None:
+            # into=: tensors read into in place once their shard verified (_load.plan_targets)
+            kw = {"into": into, "strip_prefixes": self.strip_prefixes}
             if step is None:
-                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect)
+                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, **kw)
             else:
-                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect)
+                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect, **kw)
         else:
             state = self._load_agreed(step, shard, verify, expect)
         if into is not None:
@@ -957,7 +963,8 @@ def load(
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
     ``CheckpointNotFoundError`` if it is missing or was retired while being read and
     ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
-    only after the whole state has been read and verified. Needs no ownership of the root:
+    (tensors read straight into, see :meth:`Checkpointer.load`), and (verifying) nothing is
+    written before the whole state verified. Needs no ownership of the root:
     any number of readers may run while a job writes.
 
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
@@ -969,9 +976,9 @@ def load(
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
     root_s = os.fspath(root)
     if step is None:
-        _, state = _resume.load_newest(root_s, rank=rank, verify=verify)
+        _, state = _resume.load_newest(root_s, rank=rank, verify=verify, into=into, strip_prefixes=prefixes)
     else:
-        state = _resume.load_step(root_s, step, rank=rank, verify=verify)
+        state = _resume.load_step(root_s, step, rank=rank, verify=verify, into=into, strip_prefixes=prefixes)
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)
     return state

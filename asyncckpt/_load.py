@@ -3,10 +3,26 @@
 Nothing here unpickles. Every byte read is bounded by the sizes the manifest recorded and
 the file actually has, and by the limits of ``_bounds`` checked before anything is parsed or
 allocated; every defect becomes ``CheckpointCorruptError`` naming the file, and a state too
-large for this machine's memory a ``CheckpointError`` saying how much it needs. Tensors are
-read straight into freshly allocated tensors with vectored reads, checksummed as they
-arrive. :func:`load_pinned` reads through a pinned step directory (``_discovery``), so a
-checkpoint retired meanwhile is reported as gone, not as corrupt.
+large for this machine's memory a ``CheckpointError`` saying how much it needs. Reads are
+parallel (``_readinto``). :func:`load_pinned` reads through a pinned step directory
+(``_discovery``), so a checkpoint retired meanwhile is reported as gone, not as corrupt.
+
+Where the bytes land. With ``load(into=)``, :func:`plan_targets` finds the target tensors
+that take a saved tensor as it is (same dtype and shape, CPU or CUDA) and the shard is read
+straight into them; the other saved tensors go to fresh tensors, restored by
+:func:`restore_into` as before. Peak extra memory: the I/O threads' bounce buffers, plus
+the fresh tensors.
+
+The contract on damage: a checkpoint that fails verification writes no target. Every piece
+is checksummed as it lands, on the thread that read it. The first pass reads the whole
+shard: the fresh tensors' bytes into them, the targets' bytes through the bounce buffers,
+only checksummed (from disk when cold, leaving the pages in the page cache). Only when the
+whole file verified does the second pass read the targets' bytes into the targets, from the
+page cache. The price is that in-memory second pass over the targets' bytes; the
+alternative, one pass straight into the targets, leaves a model half-overwritten by a
+checkpoint that then fails, which ``load(step=None)``'s fallback and any ``except`` around
+``load`` would carry on from. ``verify=False`` is the one-pass read. (A shard larger than
+the page cache can hold is read from disk twice.)
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _readinto
 from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
 from ._checksum import crc32c
 from ._discovery import PinnedStep, read_regular_file
@@ -30,53 +47,15 @@ from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-_PIECE = 16 * 1024 * 1024
-_BATCH = 64 * 1024 * 1024
+#: Test-only switch: False reads into the targets in the first pass (the guard off).
+_VERIFY_BEFORE_WRITE = True
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
     if t.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def _readv_exact(fd: int, pieces: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``pieces`` from ``fd`` starting at ``offset``; short reads are continued."""
-    i = 0
-    while i < len(pieces):
-        batch: list[memoryview] = []
-        nbytes = 0
-        while i + len(batch) < len(pieces) and len(batch) < _IOV_MAX and nbytes < _BATCH:
-            p = pieces[i + len(batch)]
-            batch.append(p)
-            nbytes += len(p)
-        got = os.preadv(fd, batch, offset)
-        if got == nbytes:
-            offset += got
-            i += len(batch)
-            continue
-        # short read: finish the batch piece by piece
-        for p in batch:
-            if got >= len(p):
-                got -= len(p)
-                offset += len(p)
-                continue
-            pos = got
-            offset += got
-            got = 0
-            while pos < len(p):
-                n = os.preadv(fd, [p[pos:]], offset)
-                if n <= 0:
-                    raise CheckpointCorruptError("file ended early", path)
-                pos += n
-                offset += n
-        i += len(batch)
-
-
-def _split(mv: memoryview) -> list[memoryview]:
-    return [mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE)] or []
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def open_regular(path: str, size: int) -> int:
@@ -134,24 +113,52 @@ def _allocate(slots: list[TensorSlot], need: int, path: str) -> dict[str, torch.
         raise CheckpointError(f"loading the shard needs {human(need)} of memory ({type(e).__name__}): {path}") from None
 
 
+Header = tuple[bytes, int, list[TensorSlot], dict[str, Any]]
+
+
 def read_shard_fd(
-    fd: int, path: str, size: int, expected_crc: int | None
+    fd: int,
+    path: str,
+    size: int,
+    expected_crc: int | None,
+    targets: Mapping[str, torch.Tensor] | None = None,
+    parsed: Header | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """:func:`read_shard` on an open file (the caller closes it)."""
+    """:func:`read_shard` on an open file (the caller closes it).
+
+    ``targets`` (from :func:`plan_targets`) names tensors to read straight into instead of
+    fresh ones; they come back in the result. With a checksum to verify, no target is
+    written before the whole file verified: the first pass reads the fresh tensors and only
+    checksums the targets' bytes, the second reads those bytes into the targets.
+    ``parsed``: :func:`read_header`'s result for this file, if the caller has it.
+    """
+    targets = targets or {}
     try:
-        head, data_start, slots, header = read_header(fd, path, size)
-        crc = crc32c(head) if expected_crc is not None else 0
+        head, data_start, slots, header = parsed or read_header(fd, path, size)
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
-        tensors = _allocate(ordered, size - data_start, path)
-        pieces: list[memoryview] = []
+        fresh = [s for s in ordered if s.name not in targets]
+        tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
+        first: list[_readinto.Dest] = []  # everything; the targets' bytes only checksummed
+        into: list[_readinto.Dest] = []  # the targets' bytes, once the whole file verified
         for s in ordered:
-            pieces.extend(_split(byte_view(tensors[s.name])))
-        _readv_exact(fd, pieces, data_start, path)
+            offset, nbytes = data_start + s.begin, s.end - s.begin
+            t = targets.get(s.name)
+            if t is None:
+                first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
+                continue
+            if t.device.type == "cpu" and t.is_contiguous():
+                into.append(_readinto.Direct(offset, byte_view(t)))
+            else:
+                into.append(_readinto.Staged(offset, nbytes, t))
+            guard = expected_crc is not None and _VERIFY_BEFORE_WRITE
+            first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
+        crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
         if expected_crc is not None:
-            for p in pieces:
-                crc = crc32c(p, crc)
-            if crc != expected_crc:
+            if _readinto.crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
                 raise CheckpointCorruptError("checksum mismatch", path)
+            if into:  # verified: now the targets, from the page cache the first pass filled
+                _readinto.read_into(fd, path, into, checksum=False)
+        tensors.update(targets)
         meta = header.get("__metadata__", {})
         return tensors, meta
     except OSError as e:
@@ -205,11 +212,15 @@ def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any
     return _rebuild(tree, tensors, tree_path, shard_path)
 
 
-def load_pinned(pinned: PinnedStep, rank: int, verify: bool) -> Any:
+def load_pinned(
+    pinned: PinnedStep, rank: int, verify: bool, into: Any = None, strip_prefixes: Sequence[str] = ()
+) -> Any:
     """Rebuild rank ``rank``'s state from a pinned, complete step directory.
 
     Both files are opened before either is read, so a retirement that starts afterwards
-    cannot touch the read; one that removed a file first raises ``Vanished``.
+    cannot touch the read; one that removed a file first raises ``Vanished``. With ``into``,
+    the tensors of ``into`` that match a saved tensor (:func:`plan_targets`) are read into in
+    place, after the whole shard verified; the returned state holds them.
     """
     manifest = pinned.manifest
     assert manifest is not None
@@ -228,12 +239,136 @@ def load_pinned(pinned: PinnedStep, rank: int, verify: bool) -> Any:
                 raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", tree_path) from None
             tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
             del raw
-            tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, shard_crc if verify else None)
+            targets: dict[str, torch.Tensor] = {}
+            parsed: Header | None = None
+            if into is not None:
+                try:
+                    parsed = read_header(shard_fd, shard_path, shard_size)
+                except OSError as e:
+                    raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", shard_path) from None
+                targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
+            expected = shard_crc if verify else None
+            tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed)
         finally:
             os.close(shard_fd)
     finally:
         os.close(tree_fd)
     return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+# ---------------------------------------------------------------------- reading into targets
+def plan_targets(
+    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``into`` that saved tensors can be read straight into, by saved name.
+
+    The state is first rebuilt with zero-memory placeholders and walked against ``into`` as
+    :func:`restore_into` will walk it (modules through their state dict, after the wrapper
+    prefixes are matched; optimizers through the tensors of their state), so a tensor is
+    read into exactly when ``restore_into`` would have copied the saved one into it. Only
+    plain tensors and parameters of the saved dtype and shape qualify, on the CPU or CUDA;
+    a target whose memory overlaps another's (tied weights) and a saved tensor the structure
+    names twice keep the fresh-tensor path, as does everything else (``restore_into`` then
+    copies or raises exactly as before). Nothing is written here.
+    """
+    placeholders = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for s in slots}
+    names = tensor_names(tree)
+    if sorted(names) != sorted(placeholders):
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    try:
+        skeleton = unflatten(tree, placeholders)
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:
+        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    by_id = {id(t): n for n, t in placeholders.items()}
+    found: dict[str, torch.Tensor] = {}
+    _pair(into, skeleton, prefixes, by_id, found)
+    counts = collections.Counter(names)
+    slot_of = {s.name: s for s in slots}
+    usable: dict[str, torch.Tensor] = {}
+    for name, t in found.items():
+        s = slot_of[name]
+        if counts[name] == 1 and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
+            usable[name] = t
+    return _without_overlaps(usable, slot_of)
+
+
+def _pair(
+    target: Any, loaded: Any, prefixes: tuple[str, ...], by_id: dict[int, str], out: dict[str, torch.Tensor]
+) -> None:
+    """Collect (saved name -> target tensor) the way :func:`restore_into` pairs them."""
+    if isinstance(target, torch.Tensor):
+        name = by_id.get(id(loaded)) if isinstance(loaded, torch.Tensor) else None
+        if name is not None:
+            out.setdefault(name, target)
+        return
+    if isinstance(target, (np.ndarray, torch.Generator)):
+        return
+    if isinstance(target, torch.nn.Module):
+        if isinstance(loaded, Mapping):
+            module, state = _match_module(target, loaded, prefixes)
+            own = module.state_dict()
+            for key, value in state.items():
+                if key in own:
+                    _pair(own[key], value, prefixes, by_id, out)
+        return
+    if isinstance(target, torch.optim.Optimizer):
+        # load_state_dict keeps the given state tensors when they already have the
+        # parameter's dtype and device: reading into the current ones restores them in place
+        if isinstance(loaded, Mapping) and isinstance(loaded.get("state"), Mapping):
+            _pair(target.state_dict().get("state"), loaded["state"], prefixes, by_id, out)
+        return
+    if callable(getattr(target, "load_state_dict", None)):
+        return  # whatever it does with the loaded tensors is its own business: fresh ones
+    if isinstance(target, Mapping):
+        if isinstance(loaded, Mapping):
+            for key in target:
+                if key in loaded:
+                    _pair(target[key], loaded[key], prefixes, by_id, out)
+        return
+    if isinstance(target, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(target) == len(loaded):
+        for t, v in zip(target, loaded, strict=True):
+            _pair(t, v, prefixes, by_id, out)
+
+
+def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether ``t`` can take the saved bytes as they are: a plain strided tensor on the CPU
+    (or CUDA, through a bounce buffer) of the saved dtype and shape."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        and (t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.is_available()))
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_inference()
+        and all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride(), strict=True))  # no expand()ed dims
+    )
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    """The device and byte range of the memory ``t`` can touch."""
+    if t.numel() == 0:
+        return str(t.device), 0, 0
+    size = t.element_size()
+    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(), strict=True))
+    begin = t.untyped_storage().data_ptr() + int(t.storage_offset()) * size
+    return str(t.device), begin, begin + extent * size
+
+
+def _without_overlaps(targets: dict[str, torch.Tensor], slot_of: Mapping[str, TensorSlot]) -> dict[str, torch.Tensor]:
+    """Drop every target whose memory overlaps another kept one (tied weights, views)."""
+    spans = sorted((*_span(t), slot_of[n].begin, n) for n, t in targets.items())
+    dropped: set[str] = set()
+    end_of: dict[str, int] = {}  # per device: the end of the memory taken so far
+    for dev, begin, end, _, name in spans:
+        if begin == end:
+            continue
+        if begin < end_of.get(dev, -1):
+            dropped.add(name)
+            continue
+        end_of[dev] = end
+    return {n: t for n, t in targets.items() if n not in dropped}
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -258,7 +393,9 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
     ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
     of a compiled or wrapped model loads into a plain one and the other way round. Raises
     ``KeyError`` when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or
-    shape mismatch (targets may be partly overwritten then).
+    shape mismatch (targets may be partly overwritten then: tensors read in place by
+    :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
+    loaded tensor (read in place) is left as it is.
     """
     where = path or "<root>"
     if isinstance(target, torch.Tensor):

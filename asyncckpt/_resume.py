@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ._badmarks import record_bad
@@ -40,8 +41,13 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
         raise NoSuchShard(f"step {step} was saved by {manifest.world_size} rank(s); no rank {rank}")
 
 
-def attempt(root: str, step: int, rank: int, verify: bool, world_size: int | None = None) -> Any:
+def attempt(
+    root: str, step: int, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
+
+    ``into``: tensors to read into in place once the shard verified (``_load.load_pinned``).
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
     (best effort) before ``CheckpointCorruptError`` is raised.
@@ -51,7 +57,7 @@ def attempt(root: str, step: int, rank: int, verify: bool, world_size: int | Non
         assert manifest is not None
         _check_shape(manifest, step, rank, world_size)
         try:
-            return load_pinned(pinned, rank, verify)
+            return load_pinned(pinned, rank, verify, into, strip_prefixes)
         except CheckpointCorruptError as e:
             if pinned.still_there():
                 mark(root, step, manifest.attempt, e)
@@ -66,10 +72,13 @@ def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> 
         log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root, exc_info=True)
 
 
-def load_step(root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None) -> Any:
+def load_step(
+    root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+) -> Any:
     """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired."""
     try:
-        return attempt(root, step, rank, verify, world_size)
+        return attempt(root, step, rank, verify, world_size, into, strip_prefixes)
     except Vanished as e:
         raise CheckpointNotFoundError(str(e)) from None
     except NoSuchShard as e:
@@ -96,7 +105,10 @@ def no_checkpoint(root: str, rejected: dict[int, CheckpointCorruptError]) -> Che
     return CheckpointNotFoundError(f"no complete checkpoint under {root}")
 
 
-def load_newest(root: str, *, rank: int, verify: bool, world_size: int | None = None) -> tuple[int, Any]:
+def load_newest(
+    root: str, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+) -> tuple[int, Any]:
     """Load the newest complete checkpoint that verifies; return its step and the state."""
     rejected: dict[int, CheckpointCorruptError] = {}
     warned: set[int] = set()
@@ -113,7 +125,7 @@ def load_newest(root: str, *, rank: int, verify: bool, world_size: int | None = 
         if info is None:
             raise no_checkpoint(root, {**skipped, **rejected})
         try:
-            return info.step, attempt(root, info.step, rank, verify, world_size)
+            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes)
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again

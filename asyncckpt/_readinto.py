@@ -1,0 +1,324 @@
+"""Parallel, bounded reads of one shard file into the memory the caller names.
+
+A read is a list of destinations sorted by file offset: byte views of contiguous CPU
+tensors (read straight into, with ``preadv``) and ``Staged`` targets (non-contiguous or
+CUDA tensors of the saved dtype and shape), which go through one reused bounce buffer per
+thread, a leading-dimension slice at a time, and a ``copy_``. The destinations are split
+into contiguous file ranges, one per I/O thread; every thread checksums what it read while
+the bytes are still in cache, and the ranges' CRC-32Cs are combined in file order, so a
+whole-file checksum costs one cache-hot pass on the threads that read. ``verify_file``
+checksums a file through the same bounce buffers without keeping anything (the verification
+before a read into the caller's tensors). Short reads are continued; a read past the end is
+``CheckpointCorruptError``. Extra memory: ``threads x BOUNCE`` bytes, whatever the state size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ._checksum import crc32c
+from ._errors import CheckpointCorruptError
+from ._iopool import IOPool
+
+#: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
+THREADS = 4
+#: One thread's bounce buffer (verification, staged targets) and its largest ``preadv``.
+BOUNCE = 4 * 1024 * 1024
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_POLY = 0x82F63B78  # CRC-32C, reflected
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Direct:
+    """File bytes ``[offset, offset + len(view))`` land in ``view``."""
+
+    offset: int
+    view: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.view)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """File bytes ``[offset, offset + nbytes)`` are ``target``'s elements in row-major order."""
+
+    offset: int
+    nbytes: int
+    target: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Skip:
+    """File bytes ``[offset, offset + nbytes)`` are only checksummed (through the bounce buffer)."""
+
+    offset: int
+    nbytes: int
+
+
+Dest = Direct | Staged | Skip
+
+
+# ---------------------------------------------------------------------- CRC-32C combine
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: Sequence[int]) -> list[int]:
+    return [_gf2_times(mat, m) for m in mat]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of ``A + B`` from ``crc1 = crc(A)``, ``crc2 = crc(B)`` and ``len(B)`` (zlib's method)."""
+    if len2 <= 0:
+        return crc1
+    odd = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+    even = _gf2_square(odd)  # two
+    odd = _gf2_square(even)  # four
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+# ---------------------------------------------------------------------- reads
+def _pread_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (consecutive in the file) from ``offset``; short reads are continued."""
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, offset)
+        if got == want:
+            offset += got
+            i += len(batch)
+            continue
+        for v in batch:  # a short read: finish the batch view by view
+            if got >= len(v):
+                got -= len(v)
+                offset += len(v)
+                continue
+            pos, offset, got = got, offset + got, 0
+            while pos < len(v):
+                n = os.preadv(fd, [v[pos:]], offset)
+                if n <= 0:
+                    raise CheckpointCorruptError("file ended early", path)
+                pos += n
+                offset += n
+        i += len(batch)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+class _Bounce:
+    """One thread's reused buffer (pinned when a CUDA target needs it and CUDA is there)."""
+
+    def __init__(self) -> None:
+        self.cpu: torch.Tensor | None = None
+        self.pinned: torch.Tensor | None = None
+
+    def get(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        size = max(nbytes, BOUNCE)
+        if pinned:
+            if self.pinned is None or self.pinned.numel() < nbytes:
+                self.pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            return self.pinned
+        if self.cpu is None or self.cpu.numel() < nbytes:
+            self.cpu = torch.empty(size, dtype=torch.uint8)
+        return self.cpu
+
+
+def _read_skipped(fd: int, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+    for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
+        n = min(BOUNCE, d.offset + d.nbytes - pos)
+        view = _bytes_of(bounce.get(n, False)[:n])
+        _pread_exact(fd, [view], pos, path)
+        if crc is not None:
+            crc = crc32c(view, crc)
+    return crc
+
+
+def _read_staged(fd: int, d: Staged, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+    if d.nbytes == 0:
+        return crc
+    t = d.target
+    rows = t.shape[0] if t.dim() else 1
+    row_bytes = d.nbytes // rows if rows else 0
+    per = max(1, BOUNCE // row_bytes) if row_bytes else rows
+    pinned = t.is_cuda and torch.cuda.is_available()
+    pos = d.offset
+    with torch.no_grad():
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            n = (r1 - r0) * row_bytes
+            buf = bounce.get(n, pinned)
+            _pread_exact(fd, [_bytes_of(buf[:n])], pos, path)
+            if crc is not None:
+                crc = crc32c(_bytes_of(buf[:n]), crc)
+            src = buf[:n].view(t.dtype)
+            if t.dim():
+                t[r0:r1].copy_(src.view((r1 - r0, *t.shape[1:])))
+            else:
+                t.copy_(src.view(()))
+            pos += n
+    return crc
+
+
+def _read_range(fd: int, dests: list[Dest], path: str, checksum: bool) -> int:
+    """Read one thread's destinations (sorted by offset); the CRC-32C of the bytes read, in
+    order (0 if not asked: with ``checksum`` the destinations must be consecutive)."""
+    crc: int | None = 0 if checksum else None
+    bounce = _Bounce()
+    run: list[memoryview] = []
+    run_start = run_bytes = 0
+
+    def flush() -> None:
+        nonlocal crc, run, run_bytes
+        if run:
+            _pread_exact(fd, run, run_start, path)
+            if crc is not None:
+                for v in run:  # just landed: still in cache
+                    crc = crc32c(v, crc)
+        run, run_bytes = [], 0
+
+    for d in dests:
+        if isinstance(d, Staged):
+            flush()
+            crc = _read_staged(fd, d, bounce, path, crc)
+            continue
+        if isinstance(d, Skip):
+            flush()
+            crc = _read_skipped(fd, d, bounce, path, crc)
+            continue
+        for i in range(0, d.nbytes, BOUNCE):
+            if run and run_start + run_bytes != d.offset + i:
+                flush()  # not adjacent to the run: a new preadv
+            if not run:
+                run_start = d.offset + i
+            v = d.view[i : i + BOUNCE]
+            run.append(v)
+            run_bytes += len(v)
+            if run_bytes >= BOUNCE:
+                flush()
+    flush()
+    return crc or 0
+
+
+def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
+    """``dests`` (sorted, contiguous) cut into ``parts`` runs of about equal bytes."""
+    total = sum(d.nbytes for d in dests)
+    if parts <= 1 or total == 0:
+        return [dests] if dests else []
+    # cut large direct views and skips so a single big tensor is still read by every thread
+    pieces: list[Dest] = []
+    step = max(BOUNCE, -(-total // (parts * 4)))
+    for d in dests:
+        if isinstance(d, Direct) and d.nbytes > step:
+            pieces.extend(Direct(d.offset + i, d.view[i : i + step]) for i in range(0, d.nbytes, step))
+        elif isinstance(d, Skip) and d.nbytes > step:
+            pieces.extend(Skip(d.offset + i, min(step, d.nbytes - i)) for i in range(0, d.nbytes, step))
+        else:
+            pieces.append(d)
+    groups: list[list[Dest]] = [[]]
+    acc, share = 0, total / parts
+    for d in pieces:
+        if acc >= share * len(groups) and len(groups) < parts and groups[-1]:
+            groups.append([])
+        groups[-1].append(d)
+        acc += d.nbytes
+    return groups
+
+
+def _parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> list[T]:
+    """``fn(*args)`` for every ``args`` of ``calls``, one thread each; waits for all of them
+    (no thread is left writing into the caller's memory) and raises the first failure."""
+    if len(calls) <= 1:
+        return [fn(*args) for args in calls]
+    pool = IOPool(len(calls), name)
+    try:
+        futures = [pool.submit(fn, *args) for args in calls]
+        concurrent.futures.wait(futures)
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _advise_sequential(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass
+
+
+def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads: int | None = None) -> int:
+    """Read ``dests`` (sorted by offset) in parallel, ``threads`` (default :data:`THREADS`) at once.
+
+    With ``checksum`` the destinations must tile one contiguous file range; returns its
+    CRC-32C then (else 0).
+    """
+    _advise_sequential(fd)
+    groups = _split(dests, threads or THREADS)
+    crcs = _parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
+    if not checksum:
+        return 0
+    crc = 0
+    for g, c in zip(groups, crcs, strict=True):
+        crc = crc32c_combine(crc, c, sum(d.nbytes for d in g))
+    return crc
+
+
+def verify_file(fd: int, path: str, size: int, expected_crc: int, *, threads: int | None = None) -> None:
+    """Checksum the whole file through the threads' bounce buffers; ``CheckpointCorruptError``
+    unless it is ``expected_crc``. Nothing read is kept (the page cache may keep it)."""
+    _advise_sequential(fd)
+    parts = max(1, min(threads or THREADS, -(-size // BOUNCE)))
+    cut = -(-size // parts)
+    bounds = [(i * cut, min(size, (i + 1) * cut)) for i in range(parts)]
+
+    def one(begin: int, end: int) -> int:
+        buf = torch.empty(min(BOUNCE, end - begin), dtype=torch.uint8)
+        view = _bytes_of(buf) if buf.numel() else memoryview(bytearray())
+        crc = 0
+        for pos in range(begin, end, BOUNCE):
+            n = min(BOUNCE, end - pos)
+            _pread_exact(fd, [view[:n]], pos, path)
+            crc = crc32c(view[:n], crc)
+        return crc
+
+    crcs = _parallel("asyncckpt-verify", one, bounds)
+    crc = 0
+    for (b, e), c in zip(bounds, crcs, strict=True):
+        crc = crc32c_combine(crc, c, e - b)
+    if crc != expected_crc:
+        raise CheckpointCorruptError("checksum mismatch", path)
