@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from . import _agree, _discovery, _distributed, _load, _ownership, _resume
+from . import _agree, _discovery, _distributed, _load, _load_global, _ownership, _resume
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from ._errors import (
@@ -330,9 +330,11 @@ class Checkpointer:
         handed = False  # once the save is handed to the writer, its settling frees the step
         try:
             try:
-                tree, refs = flatten(state, self.strip_prefixes)
+                found: list[tuple[str, Any, Any]] = []
+                tree, refs = flatten(state, self.strip_prefixes, dtensors=found)
                 tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
                 layout, perm = self._plan(refs)
+                dtensors = _load_global.describe_for_index(found) if found else None
             except (TypeError, ValueError) as e:
                 if self._dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -347,7 +349,7 @@ class Checkpointer:
                 raise
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
-            handle = self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s)
+            handle = self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s, dtensors=dtensors)
             handed = True
             return handle
         finally:
@@ -398,6 +400,7 @@ class Checkpointer:
         waited: float,
         staging_s: float,
         prefailed: BaseException | None = None,
+        dtensors: list[dict[str, Any]] | None = None,
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles."""
         with self._lock:
@@ -424,6 +427,7 @@ class Checkpointer:
             retention_lock=self._rt.retention_lock,
             by_commit_order=self.allow_earlier_steps,
             ranks=self._ranks,
+            dtensors=dtensors,
         )
         holder: list[SaveRecord] = []
 
@@ -762,7 +766,13 @@ class Checkpointer:
         return steps
 
     def load(
-        self, step: int | None = None, *, into: Any = None, verify: bool | None = None, rank: int | None = None
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        verify: bool | None = None,
+        rank: int | None = None,
+        per_rank: _load_global.PerRank = "error",
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
@@ -779,26 +789,38 @@ class Checkpointer:
         every rank raises). Every wait is bounded by ``timeout``. A checkpoint saved by a
         different number of ranks raises ``CheckpointError`` unless ``rank=`` names the
         shard to read.
+
+        A checkpoint holding DTensors loads at any world size: each DTensor of ``into``
+        (any mesh and placements) gets exactly its local shard, read from the chunks that
+        overlap it; without a DTensor target a DTensor comes back as the full tensor. The
+        rest of the state is per rank: across a change of world size it loads only where
+        every saved rank holds the same values, else ``CheckpointError`` names the keys,
+        unless ``per_rank="rank0"`` (take rank 0's) or ``rank=`` picks the saved rank.
         """
         if step is not None:
             check_step(step)
         if rank is not None and (not _is_int(rank) or rank < 0):
             raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
+        if per_rank not in _load_global.PER_RANK:
+            raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
         verify = self.verify if verify is None else verify
         expect = self.world_size if rank is None else None
         shard = self.rank if rank is None else rank
+        reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes)
         if self._dist is None:
             if step is None:
-                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect)
+                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, reader=reader)
             else:
-                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect)
+                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect, reader=reader)
         else:
-            state = self._load_agreed(step, shard, verify, expect)
+            state = self._load_agreed(step, shard, verify, expect, reader)
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
-    def _load_agreed(self, step: int | None, shard: int, verify: bool, expect: int | None) -> Any:
+    def _load_agreed(
+        self, step: int | None, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
+    ) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
         assert self._dist is not None
         rejected: dict[int, CheckpointCorruptError] = {}
@@ -821,7 +843,7 @@ class Checkpointer:
             state: Any = None
             error: BaseException | None = None
             try:
-                state = _resume.attempt(self.root, chosen, shard, verify, expect)
+                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -907,10 +929,16 @@ def load(
     *,
     into: Any = None,
     verify: bool = True,
-    rank: int = 0,
+    rank: int | None = None,
     strip_prefixes: Sequence[str] = (),
+    per_rank: _load_global.PerRank = "error",
 ) -> Any:
-    """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed).
+    """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
+
+    A checkpoint holding DTensors comes back with full global tensors (or, into DTensors
+    of ``into=``, their local shards). Its other values are per rank: ``rank=`` picks the
+    saved rank; without it they load only where every saved rank holds the same values,
+    else ``CheckpointError`` names the keys, unless ``per_rank="rank0"``.
 
     ``step=None`` loads the newest checkpoint that verifies: a corrupt newest one is logged
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
@@ -924,13 +952,17 @@ def load(
     prefixes = _prefixes(strip_prefixes)
     if step is not None:
         check_step(step)
-    if not _is_int(rank) or rank < 0:
+    if rank is not None and (not _is_int(rank) or rank < 0):
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
+    if per_rank not in _load_global.PER_RANK:
+        raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
     root_s = os.fspath(root)
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes)
+    shard = 0 if rank is None else rank
     if step is None:
-        _, state = _resume.load_newest(root_s, rank=rank, verify=verify)
+        _, state = _resume.load_newest(root_s, rank=shard, verify=verify, reader=reader)
     else:
-        state = _resume.load_step(root_s, step, rank=rank, verify=verify)
+        state = _resume.load_step(root_s, step, rank=shard, verify=verify, reader=reader)
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)
     return state

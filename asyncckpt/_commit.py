@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _manifest
+from . import _index, _manifest
 from ._coordination import Coordinator, Report, Start, Verdict
 from ._discovery import open_step, read_manifest
 from ._errors import (
@@ -89,6 +89,8 @@ class SaveJob:
     by_commit_order: bool = False
     # global ranks of the writing group, in group-rank order (recorded in the manifest)
     ranks: tuple[int, ...] | None = None
+    # the DTensors this rank holds (``_index.rank_part``'s descriptions); None: none
+    dtensors: list[dict[str, Any]] | None = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -170,7 +172,13 @@ async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, lead
         {"name": _manifest.shard_name(rank), "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
-    return Report(rank=rank, files=files, nbytes=job.nbytes)
+    part = None
+    if job.dtensors is not None:
+        # per-slot CRCs from the staging buffer, for the global index (on the I/O pool)
+        part = await storage.run(
+            _index.rank_part, job.arena.buffer, job.layout.data_start, job.layout.slots, job.dtensors
+        )
+    return Report(rank=rank, files=files, nbytes=job.nbytes, index=part)
 
 
 async def _commit(
@@ -181,7 +189,14 @@ async def _commit(
     nbytes = sum(r.nbytes for r in reports.values())
     files = [_manifest.FileEntry(**f) for r in reports.values() for f in r.files]
     ranks = list(job.ranks) if job.ranks is not None else list(range(world))
-    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks)
+    fmt = _manifest.FORMAT
+    if any(r.index is not None for r in reports.values()):
+        # DTensors: the global index, durable before the manifest that lists it
+        index = _index.merge(world, {r: rep.index for r, rep in reports.items()})
+        written = await storage.write_bytes(os.path.join(tmp, _index.INDEX), index)
+        files.append(_manifest.FileEntry(_index.INDEX, written.size, written.crc32c, 0))
+        fmt = _manifest.FORMAT_INDEXED
+    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt)
     tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")
     await storage.write_bytes(tmp_marker, body)
     await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))

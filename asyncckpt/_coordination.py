@@ -36,6 +36,9 @@ class Report:
     files: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
     failure: RankFailure | None = None
+    #: this rank's part of the global tensor index (``_load_global.rank_index``), or None
+    #: when it holds no DTensor
+    index: dict[str, Any] | None = None
 
 
 @dataclass
@@ -255,7 +258,7 @@ class StoreCoordinator:
     async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
         await self._set(
             self._key(seq, "report", self.rank),
-            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure)},
+            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure), "index": mine.index},
         )
         if self.rank != 0:
             return {}
@@ -268,7 +271,7 @@ class StoreCoordinator:
                 continue
             self.missing.discard(r)
             d = json.loads(await self._call("get", key))
-            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
+            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"))
         return out
 
     async def decide(self, step: int, seq: int, attempt: str, verdict: Verdict | None, deadline: float) -> Verdict:

@@ -17,6 +17,7 @@ from ._badmarks import record_bad
 from ._discovery import Vanished, newest_complete, pin_step
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._load import load_pinned
+from ._load_global import Reader, indexed, load_indexed
 from ._manifest import Manifest
 
 log = logging.getLogger("asyncckpt")
@@ -40,8 +41,13 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
         raise NoSuchShard(f"step {step} was saved by {manifest.world_size} rank(s); no rank {rank}")
 
 
-def attempt(root: str, step: int, rank: int, verify: bool, world_size: int | None = None) -> Any:
+def attempt(
+    root: str, step: int, rank: int, verify: bool, world_size: int | None = None, reader: Reader | None = None
+) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
+
+    A step with a global tensor index (DTensors) loads at any world size as ``reader`` says
+    (``_load_global``; default: one process taking rank ``rank``'s per-rank values).
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
     (best effort) before ``CheckpointCorruptError`` is raised.
@@ -49,8 +55,11 @@ def attempt(root: str, step: int, rank: int, verify: bool, world_size: int | Non
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
-        _check_shape(manifest, step, rank, world_size)
+        if not indexed(manifest):
+            _check_shape(manifest, step, rank, world_size)
         try:
+            if indexed(manifest):
+                return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)
             return load_pinned(pinned, rank, verify)
         except CheckpointCorruptError as e:
             if pinned.still_there():
@@ -66,10 +75,12 @@ def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> 
         log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root, exc_info=True)
 
 
-def load_step(root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None) -> Any:
+def load_step(
+    root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None, reader: Reader | None = None
+) -> Any:
     """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired."""
     try:
-        return attempt(root, step, rank, verify, world_size)
+        return attempt(root, step, rank, verify, world_size, reader)
     except Vanished as e:
         raise CheckpointNotFoundError(str(e)) from None
     except NoSuchShard as e:
@@ -96,7 +107,9 @@ def no_checkpoint(root: str, rejected: dict[int, CheckpointCorruptError]) -> Che
     return CheckpointNotFoundError(f"no complete checkpoint under {root}")
 
 
-def load_newest(root: str, *, rank: int, verify: bool, world_size: int | None = None) -> tuple[int, Any]:
+def load_newest(
+    root: str, *, rank: int, verify: bool, world_size: int | None = None, reader: Reader | None = None
+) -> tuple[int, Any]:
     """Load the newest complete checkpoint that verifies; return its step and the state."""
     rejected: dict[int, CheckpointCorruptError] = {}
     warned: set[int] = set()
@@ -113,7 +126,7 @@ def load_newest(root: str, *, rank: int, verify: bool, world_size: int | None = 
         if info is None:
             raise no_checkpoint(root, {**skipped, **rejected})
         try:
-            return info.step, attempt(root, info.step, rank, verify, world_size)
+            return info.step, attempt(root, info.step, rank, verify, world_size, reader)
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again

@@ -6,6 +6,7 @@ unambiguous and needs no pickle (and never imports or calls anything named by th
     {"$dict": [[key, node], ...]}          key is a str or an int (optimizer state uses ints)
     {"$tuple": [node, ...]}                lists stay JSON arrays
     {"$tensor": "model.layer1.weight"}
+    {"$dtensor": "model.layer1.weight"}    a DTensor: its chunks are in the step's global index
     {"$float": "nan" | "inf" | "-inf"}
     {"$bytes": "<base64>"}
     {"$odict": [[[key, node], ...], meta]} OrderedDict; meta: null or the node of ``_metadata``
@@ -218,8 +219,15 @@ def _strip_meta(meta: Any, prefix: str) -> Any:
     return out
 
 
-def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[TensorRef]]:
+def flatten(
+    state: Any, strip_prefixes: Iterable[str] = (), dtensors: list[tuple[str, Any, Any]] | None = None
+) -> tuple[Any, list[TensorRef]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
+
+    DTensors are refused unless ``dtensors`` is a list: then each one becomes a
+    ``{"$dtensor": name}`` node, ``(name, ShardInfo, dtensor)`` is appended to ``dtensors``
+    (``_sharding.describe``: unsupported placements raise ``TypeError`` naming the key), and
+    its local shard is among the returned tensors only on the rank that writes its box.
 
     Every value comes back from :func:`unflatten` as the type it was saved as, or is refused:
     raises ``TypeError`` naming the key path of the first unsupported object and how to
@@ -242,6 +250,18 @@ def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[T
         return name
 
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        if dtensors is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            from . import _sharding  # imported only when a state may hold DTensors
+
+            if _sharding.is_dtensor(t):
+                info = _sharding.describe(_describe(path), t)
+                if info.dtype not in DTYPE_TO_ST:
+                    raise TypeError(f"unsupported dtype {info.dtype} at {_describe(path)!r}")
+                name = unique(path)
+                dtensors.append((name, info, t))
+                if info.writer:
+                    tensors.append(TensorRef(name, info.local.detach()))
+                return {"$dtensor": name}
         _check_tensor(t, path)
         name = unique(path)
         tensors.append(TensorRef(name, t.detach()))
@@ -624,6 +644,7 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         "$dict": d_dict,
         "$tuple": d_tuple,
         "$tensor": d_tensor,
+        "$dtensor": d_tensor,
         "$float": d_float,
         "$bytes": d_bytes,
         "$bytearray": d_bytearray,
@@ -664,5 +685,22 @@ def tensor_names(tree: Any) -> list[str]:
                 out.append(val[0])
             elif tag != "$ndarray":
                 # every other node's value may hold nodes ($dict items, $param, $generator, ...)
+                stack.append(val)
+    return out
+
+
+def dtensor_names(tree: Any) -> list[str]:
+    """All ``{"$dtensor": name}`` names referenced by ``tree``."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$dtensor" and isinstance(val, str):
+                out.append(val)
+            elif tag not in ("$tensor", "$ndarray"):
                 stack.append(val)
     return out

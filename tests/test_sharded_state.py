@@ -1,0 +1,140 @@
+"""DTensor state (FSDP2 uneven and empty shards, TP Shard(0)/Shard(1)/Replicate, FSDP x TP on a
+2 x 2 mesh) saved on real gloo ranks and loaded on another world size, into DTensors of another
+layout and into plain tensors on one process: bit-equal to the full tensors that were saved."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ranks import free_port, log_tail, run_ranks
+
+import asyncckpt
+from asyncckpt import CheckpointCorruptError, CheckpointError
+
+WORKER = str(Path(__file__).with_name("_global_worker.py"))
+sys.path.insert(0, str(Path(__file__).parent))
+from _global_worker import Net, same  # noqa: E402
+
+STEP = "step_00000001"
+
+
+def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int) -> dict[int, dict[str, Any]]:
+    logs = tmp / f"logs-{scenario}-{world}"
+    logs.mkdir()
+    port = free_port()
+    argv = [scenario, "", str(world), str(port), str(root), str(out), str(saved)]
+
+    def args(r: int) -> list[str]:
+        return [WORKER, argv[0], str(r), *argv[2:]]
+
+    hung = run_ranks(args, world, logs, 120.0)
+    assert not hung, f"ranks {hung} still running at the deadline"
+    res = {}
+    for r in range(world):
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        res[r] = json.loads(f.read_text())
+        f.unlink()
+        assert "crash" not in res[r], res[r]["crash"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("s4")
+    root, out = tmp / "ck", tmp / "out"
+    return root, out, spawn(tmp, "save", 4, root, out, 4)
+
+
+@pytest.mark.timeout(200)
+def test_save_on_4_load_on_2_reshards_bit_equal(saved_on_4: Any, tmp_path: Path) -> None:
+    root, out, saved = saved_on_4
+    step_dir = root / STEP
+    names = sorted(p.name for p in step_dir.iterdir())
+    ranks = [f"rank{r:05d}.{e}" for r in range(4) for e in ("json", "safetensors")]
+    assert names == ["index.json", "manifest.json", *ranks]
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["format"] == "asyncckpt/2" and "index.json" in {f["name"] for f in manifest["files"]}
+    index = json.loads((step_dir / "index.json").read_text())
+    # replicas write nothing: the Replicate()d vector is one chunk, written by rank 0
+    assert [c[2] for c in index["tensors"]["tp.rep"]["chunks"]] == ["rank00000.safetensors"]
+    # FSDP2 with 3 rows on 4 ranks: rank 3's shard is empty and written by nobody
+    assert len(index["tensors"]["model.b.up.weight"]["chunks"]) == 3
+    assert index["tensors"]["tp2d.up.weight"]["placements"] == ["SS(0,2)", "S(0)"]
+    res = spawn(tmp_path, "load", 2, root, out, 4)
+    for r in res.values():
+        # per-rank values across a change of world size are refused by name, then rank 0's taken
+        assert r["refused"] is not None and "'rng'" in r["refused"] and "per_rank='rank0'" in r["refused"]
+        assert r["step"] == 7
+    assert res[0]["diff"] == []
+    assert res[0]["local_shapes"] == {"s1": [5, 4], "s0": [4, 5], "rep": [7]}
+    assert res[1]["local_shapes"] == {"s1": [5, 3], "s0": [3, 5], "rep": [7]}
+    print(f"\nbytes on disk: asyncckpt {saved[0]['bytes']}, dcp.save {saved[0]['dcp_bytes']}")
+
+
+def test_saved_on_4_loads_on_one_process_as_full_tensors(saved_on_4: Any) -> None:
+    root, out, _ = saved_on_4
+    ref = torch.load(f"{out}.ref.pt")
+    with pytest.raises(CheckpointError, match="'rng'"):
+        asyncckpt.load(root)
+    state = asyncckpt.load(root, per_rank="rank0")
+    assert same({k: state[k] for k in ref}, ref) == []
+    assert state["rng"].tolist() == [0, 0, 0]
+    assert asyncckpt.load(root, rank=3)["rng"].tolist() == [3, 3, 3]
+    # into plain tensors: a plain module gets the full weights
+    torch.manual_seed(0)
+    plain = Net(8)
+    asyncckpt.load(root, into={"tp2d": plain}, per_rank="rank0")
+    assert same(dict(plain.state_dict()), ref["tp2d"]) == []
+    # a Checkpointer on one process reads it the same way
+    with asyncckpt.Checkpointer(root) as ck:
+        assert same(ck.load(per_rank="rank0")["tp"], ref["tp"]) == []
+
+
+def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
+    root, _, _ = saved_on_4
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    index = json.loads((copy / STEP / "index.json").read_text())
+    _, _, file, begin, n, _ = index["tensors"]["model.a.up.weight"]["chunks"][1]
+    with open(copy / STEP / file, "r+b") as f:
+        f.seek(begin + n // 2)
+        b = f.read(1)
+        f.seek(begin + n // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(CheckpointCorruptError) as e:
+        asyncckpt.load(copy, 1, per_rank="rank0")
+    assert e.value.path is not None and e.value.path.endswith(file)
+    # a tampered index is named too
+    raw = (copy / STEP / "index.json").read_bytes()
+    (copy / STEP / "index.json").write_bytes(raw.replace(b'"chunks"', b'"chunkz"', 1))
+    with pytest.raises(CheckpointCorruptError, match=r"index\.json"):
+        asyncckpt.load(copy, 1, per_rank="rank0", verify=False)
+
+
+@pytest.mark.timeout(200)
+def test_save_on_2_load_on_4(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    spawn(tmp_path, "save", 2, root, out, 2)
+    res = spawn(tmp_path, "load", 4, root, out, 2)
+    assert res[0]["diff"] == []
+    assert [res[r]["local_shapes"]["s1"] for r in range(4)] == [[5, 2], [5, 2], [5, 2], [5, 1]]
+    for r in res.values():
+        assert "'rng'" in r["refused"]
+
+
+def test_state_without_dtensors_keeps_the_old_format(tmp_path: Path) -> None:
+    with asyncckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.arange(4.0), "n": 3}).result(timeout=60)
+    manifest = json.loads((tmp_path / STEP / "manifest.json").read_text())
+    assert manifest["format"] == "asyncckpt/1"
+    assert not (tmp_path / STEP / "index.json").exists()
+    assert asyncckpt.load(tmp_path)["n"] == 3
+    with pytest.raises(ValueError, match="per_rank"):
+        asyncckpt.load(tmp_path, per_rank="rank1")  # type: ignore[arg-type]
