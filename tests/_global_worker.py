@@ -178,6 +178,20 @@ def load(rank: int, world: int, saved: int, root: str, out: str, res: dict[str, 
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     msd2, osd2 = get_state_dict(model, optim)
     got = full({"model": msd2, "optim": osd2, "tp": target["tp"], **({"tp2d": target["tp2d"]} if saved == 4 else {})})
+    # DCP's own reshard of the same state (saved next to ours) gives the same values
+    import torch.distributed.checkpoint as dcp
+
+    model3, optim3 = build(world, seed=98)
+    msd3, osd3 = get_state_dict(model3, optim3)
+    dcp_target: dict[str, Any] = {"model": msd3, "optim": osd3, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
+    if saved == 4:
+        dcp_target["tp2d"] = fsdp_model(world, seed=4).state_dict()
+    dcp.load(dcp_target, checkpoint_id=root + ".dcp")
+    set_state_dict(model3, optim3, model_state_dict=msd3, optim_state_dict=osd3)
+    msd4, osd4 = get_state_dict(model3, optim3)
+    extra = {"tp2d": dcp_target["tp2d"]} if saved == 4 else {}
+    theirs = full({"model": msd4, "optim": osd4, "tp": dcp_target["tp"], **extra})
+    res["diff_dcp"] = same(got, theirs) if rank == 0 else []
     # local shards of the targets really are DTensors of this job's mesh
     res["local_shapes"] = {k: list(v.to_local().shape) for k, v in target["tp"].items()}
     if rank == 0:
