@@ -179,6 +179,12 @@ class Checkpointer:
         strip_prefixes: key prefixes of module wrappers to drop from module state dicts at
             save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
             ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
+        dedupe: with many ranks, write each plain tensor that is byte-identical on every rank
+            (DDP's model and optimizer) once, by one rank, the writers spread so each writes
+            about ``1/world`` of it: decided on the writer thread by an xxh3-128 hash of the
+            staged bytes exchanged through the c10d store, never by key name (values that
+            differ per rank, such as RNG states, stay per rank). Such checkpoints carry the
+            global index (format ``asyncckpt/2``).
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -210,6 +216,7 @@ class Checkpointer:
         on_commit: Callable[[CheckpointInfo], object] | None = None,
         strip_prefixes: Sequence[str] = (),
         allow_earlier_steps: bool = False,
+        dedupe: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
@@ -240,6 +247,9 @@ class Checkpointer:
         if not isinstance(allow_earlier_steps, bool):
             raise TypeError(f"allow_earlier_steps must be a bool, not {allow_earlier_steps!r}")
         self.allow_earlier_steps = allow_earlier_steps
+        if not isinstance(dedupe, bool):
+            raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
+        self.dedupe = dedupe
         self._failed_commits: set[str] = set()
         self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
         # steps reserved by save() (registered atomically with the checks): the record once
@@ -428,6 +438,7 @@ class Checkpointer:
             by_commit_order=self.allow_earlier_steps,
             ranks=self._ranks,
             dtensors=dtensors,
+            dedupe=self.dedupe,
         )
         holder: list[SaveRecord] = []
 

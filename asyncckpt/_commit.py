@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _index, _manifest
+from . import _dedupe, _index, _manifest
 from ._coordination import Coordinator, Report, Start, Verdict
 from ._discovery import open_step, read_manifest
 from ._errors import (
@@ -91,6 +91,8 @@ class SaveJob:
     ranks: tuple[int, ...] | None = None
     # the DTensors this rank holds (``_index.rank_part``'s descriptions); None: none
     dtensors: list[dict[str, Any]] | None = None
+    # write plain tensors identical on every rank once (``_dedupe``; many ranks only)
+    dedupe: bool = False
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -152,15 +154,50 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     return tmp
 
 
-async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool) -> Report:
-    if not leader:
-        await storage.ensure_dir(tmp, _dir_deadline(job))
+async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> dict[str, int] | None:
+    """Hash this rank's plain tensors and agree with every rank on who writes which
+    (``_dedupe``); ``None`` when a peer failed before the round (its failure fails the save)."""
     assert job.arena is not None and job.layout is not None
+    skip = {d["name"] for d in job.dtensors or () if d["writer"]}
+    try:
+        records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)
+    except BaseException:
+        await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+        raise
+    base = sum(s.end - s.begin for s in job.layout.slots if s.name in skip)
+    got = await coord.exchange(job.seq, "dedupe", {"records": records, "base": base}, job.deadline)
+    if any(v is None for v in got.values()):
+        return None
+    return _dedupe.plan(
+        {r: v["records"] for r, v in got.items()}, {r: v["base"] for r, v in got.items()}, coord.world_size
+    )
+
+
+async def _write_files(
+    storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool, coord: Coordinator | None = None
+) -> Report:
+    assert job.arena is not None and job.layout is not None
+    dedupe = job.dedupe and coord is not None and coord.world_size > 1
+    if not leader and not dedupe:
+        await storage.ensure_dir(tmp, _dir_deadline(job))
     if job.cuda_events:
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
+    buffer, layout = job.arena.buffer, job.layout
+    writers: dict[str, int] | None = None
+    if dedupe:
+        assert coord is not None
+        writers = await _dedupe_round(storage, job, coord)
+        if writers is None:
+            return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
+        keep = _dedupe.kept(layout.slots, writers, rank)
+        if len(keep) < len(layout.slots):
+            image, layout = await storage.run(_dedupe.image, buffer, layout, keep)
+            buffer = memoryview(image)
+        if not leader:  # after the round: a failure here cannot leave the others waiting in it
+            await storage.ensure_dir(tmp, _dir_deadline(job))
     shard = await storage.write_file(
-        os.path.join(tmp, _manifest.shard_name(rank)), job.arena.buffer, job.layout.file_size, direct=True
+        os.path.join(tmp, _manifest.shard_name(rank)), buffer, layout.file_size, direct=True
     )
     tree = await storage.write_bytes(os.path.join(tmp, _manifest.tree_name(rank)), job.tree)
     t0 = time.perf_counter()
@@ -173,12 +210,18 @@ async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, lead
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
     part = None
-    if job.dtensors is not None:
-        # per-slot CRCs from the staging buffer, for the global index (on the I/O pool)
+    if job.dtensors is not None or writers:
+        # per-slot CRCs of the image written, for the global index (on the I/O pool)
         part = await storage.run(
-            _index.rank_part, job.arena.buffer, job.layout.data_start, job.layout.slots, job.dtensors
+            _index.rank_part,
+            buffer,
+            layout.data_start,
+            layout.slots,
+            job.dtensors or [],
+            _manifest.shard_name(rank),
+            writers,
         )
-    return Report(rank=rank, files=files, nbytes=job.nbytes, index=part)
+    return Report(rank=rank, files=files, nbytes=layout.data_len, index=part)
 
 
 async def _commit(
@@ -288,10 +331,17 @@ async def run_save(
     if start.failure is None and job.prefailed is not None:
         local_exc = job.prefailed
         mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
+        if job.dedupe and world > 1:
+            try:  # the others wait for every rank in the dedupe round: tell them at once
+                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+            except (TimeoutError, CoordinationLost):
+                pass
     elif start.failure is None:
         try:
             step_to(SaveEvent.START_WRITE)
-            mine = await _within(_write_files(storage, job, rank, tmp, leader), job.deadline, "writing the shard")
+            mine = await _within(
+                _write_files(storage, job, rank, tmp, leader, coord), job.deadline, "writing the shard"
+            )
             step_to(SaveEvent.FILES_DURABLE)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e

@@ -82,6 +82,12 @@ class Coordinator(Protocol):
         """Leader only: claim the right to commit (False if a follower already gave up)."""
         ...
 
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        """Every rank publishes ``value`` (JSON; ``None`` says "I failed") under ``tag`` and,
+        with ``wait``, gets every rank's; ``TimeoutError`` if one is missing at ``deadline``.
+        Called between ``begin`` and ``report`` by every rank (dedupe, on the writer thread)."""
+        ...
+
     async def close(self, deadline: float) -> None:
         """Collective: return only once every rank has read the last verdict."""
         ...
@@ -106,6 +112,9 @@ class LocalCoordinator:
 
     async def may_commit(self, seq: int) -> bool:
         return True
+
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        return {0: value}
 
     async def close(self, deadline: float) -> None:
         return None
@@ -289,6 +298,15 @@ class StoreCoordinator:
             if got is None:
                 raise _LeaderSilent("the leader (rank 0) did not publish the outcome in time")
         return _dec_verdict(got)
+
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        await self._set(self._key(seq, tag, self.rank), value)
+        if not wait:
+            return {}
+        keys = [self._key(seq, tag, r) for r in range(self.world_size)]
+        if not await self._wait_keys(keys, deadline):
+            raise TimeoutError(f"not every rank took part in the {tag!r} round before the save's deadline")
+        return {r: json.loads(await self._call("get", k)) for r, k in enumerate(keys)}
 
     async def may_commit(self, seq: int) -> bool:
         """Leader only: claim the commit unless a follower already gave up on this save."""

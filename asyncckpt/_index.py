@@ -31,7 +31,6 @@ from typing import Any
 
 from ._checksum import crc32c
 from ._header import ITEMSIZE
-from ._manifest import shard_name
 from ._reshard import Box, SavedChunk, check_chunk_index
 
 INDEX = "index.json"
@@ -40,11 +39,19 @@ FORMAT = "asyncckpt-index/1"
 MAX_INDEX_BYTES = 1 << 30
 
 
-def rank_part(buffer: memoryview, data_start: int, slots: Any, dtensors: list[dict[str, Any]]) -> dict[str, Any]:
-    """This rank's part of the index, from its staged file image ``buffer``.
+def rank_part(
+    buffer: memoryview,
+    data_start: int,
+    slots: Any,
+    dtensors: list[dict[str, Any]],
+    file: str,
+    writers: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """This rank's part of the index, from the file image ``buffer`` it writes as ``file``.
 
-    ``slots``: the layout's ``TensorSlot`` list; ``dtensors``: one description per DTensor the
-    rank holds (name, dtype, shape, placements, mesh, box or None, writer), from ``save()``.
+    ``slots``: that image's ``TensorSlot`` list; ``dtensors``: one description per DTensor the
+    rank holds (name, dtype, shape, placements, mesh, box or None, writer), from ``save()``;
+    ``writers``: the deduplicated plain tensors and the rank writing each (``_dedupe.plan``).
     """
     by_name = {s.name: s for s in slots}
     tensors: dict[str, Any] = {}
@@ -59,12 +66,12 @@ def rank_part(buffer: memoryview, data_start: int, slots: Any, dtensors: list[di
             written.add(d["name"])
         tensors[d["name"]] = entry
     plain = [
-        [s.name, s.dtype, list(s.shape), data_start + s.begin, s.end - s.begin,
+        [s.name, s.dtype, list(s.shape), file, data_start + s.begin, s.end - s.begin,
          crc32c(buffer[data_start + s.begin : data_start + s.end])]
         for s in slots
         if s.name not in written
     ]  # fmt: skip
-    return {"tensors": tensors, "plain": plain}
+    return {"file": file, "tensors": tensors, "plain": plain, "writers": dict(writers or {})}
 
 
 def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
@@ -91,11 +98,23 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
                 )
             if e["chunk"] is not None:
                 offs, sizes, begin, n, crc = e["chunk"]
-                have["chunks"].append([offs, sizes, shard_name(r), begin, n, crc])
+                have["chunks"].append([offs, sizes, part["file"], begin, n, crc])
         plain[str(r)] = {p[0]: p[1:] for p in part["plain"]}
+    deduped = 0
+    for r in range(world):
+        part = parts.get(r)
+        for name, w in (part or {}).get("writers", {}).items():
+            if w != r:  # written once, by rank w: rank r's value is that copy
+                have = (parts.get(w) or {}).get("writers", {}).get(name) == w and plain[str(w)].get(name)
+                if not have:
+                    raise ValueError(f"rank {w} was to write {name!r} for rank {r} but did not report it")
+                plain[str(r)][name] = have
+                deduped += 1
     for e in tensors.values():
         e["chunks"].sort(key=lambda c: c[0])
-    doc = {"format": FORMAT, "world_size": world, "tensors": tensors, "plain": plain}
+    doc: dict[str, Any] = {"format": FORMAT, "world_size": world, "tensors": tensors, "plain": plain}
+    if any((p or {}).get("writers") for p in parts.values()):
+        doc["dedupe"] = {"hash": "xxh3-128", "copies_not_written": deduped}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -147,7 +166,7 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int]) -> dict[str, An
             crcs.append(crc)
         check_chunk_index(e["shape"], chunks, item, file_sizes, name)
         out[name] = {"dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs}
-    ranks: dict[int, dict[str, tuple[str, tuple[int, ...], int, int, int]] | None] = {}
+    ranks: dict[int, dict[str, tuple[str, tuple[int, ...], str, int, int, int]] | None] = {}
     for r in range(world):
         entries = plain.get(str(r))
         if entries is None:
@@ -155,16 +174,16 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int]) -> dict[str, An
             continue
         if not isinstance(entries, dict):
             raise ValueError(f"plain entries of rank {r} are malformed")
-        size = file_sizes.get(shard_name(r))
-        got: dict[str, tuple[str, tuple[int, ...], int, int, int]] = {}
+        got: dict[str, tuple[str, tuple[int, ...], str, int, int, int]] = {}
         for name, p in entries.items():
-            if not (isinstance(p, list) and len(p) == 5 and p[0] in ITEMSIZE and _ints(p[1])):
+            if not (isinstance(p, list) and len(p) == 6 and p[0] in ITEMSIZE and _ints(p[1])):
                 raise ValueError(f"plain entry {name!r} of rank {r} is malformed")
-            dtype, shape, begin, n, crc = p
+            dtype, shape, file, begin, n, crc = p
             if not (_uint(begin) and _uint(n) and _uint(crc)) or n != math.prod(shape) * ITEMSIZE[dtype]:
                 raise ValueError(f"plain entry {name!r} of rank {r} is malformed")
+            size = file_sizes.get(file) if isinstance(file, str) else None
             if size is None or begin + n > size:
-                raise ValueError(f"plain entry {name!r} of rank {r} lies outside its file")
-            got[name] = (dtype, tuple(shape), begin, n, crc)
+                raise ValueError(f"plain entry {name!r} of rank {r} lies outside the files listed")
+            got[name] = (dtype, tuple(shape), file, begin, n, crc)
         ranks[r] = got
     return {"tensors": out, "plain": ranks}

@@ -217,17 +217,17 @@ def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: b
         out = {k: v for k, v in got.items() if k in wanted}
     else:
         out = {}
-        need = sum(e[3] for k, e in entries.items() if k in wanted)
+        need = sum(e[4] for k, e in entries.items() if k in wanted)
         check_memory(need, f"loading the values of rank {rank}", files.path(name))
         for k in wanted:
             if k not in entries:
                 break
-            dtype, shape, begin, _, crc = entries[k]
+            dtype, shape, file, begin, _, crc = entries[k]  # file: another rank's when deduplicated
             t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
             mv = byte_view(t)
-            _readv_exact(files.fd(name), _split(mv), begin, files.path(name))
+            _readv_exact(files.fd(file), _split(mv), begin, files.path(file))
             if verify and crc32c(mv) != crc:
-                raise CheckpointCorruptError(f"checksum mismatch in {k!r}", files.path(name))
+                raise CheckpointCorruptError(f"checksum mismatch in {k!r}", files.path(file))
             out[k] = t
     if set(out) != wanted:
         raise CheckpointCorruptError("structure and shard disagree on tensor names", files.path(name))

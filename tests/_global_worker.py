@@ -206,6 +206,58 @@ def load(rank: int, world: int, saved: int, root: str, out: str, res: dict[str, 
         train_step(model, optim)
 
 
+def ddp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """DDP on ``world`` ranks: the model and optimizer are identical on every rank, the RNG
+    state is not; saved with and without dedupe, then loaded back on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(1000 + rank)  # per-rank data and RNG
+    model(torch.randn(8, 64)).pow(2).sum().backward()
+    optim.step()
+    rng = torch.random.get_rng_state()
+    replicated = sum(t.numel() * t.element_size() for t in model.module.state_dict().values())
+    replicated += sum(
+        v.numel() * v.element_size() for st in optim.state_dict()["state"].values() for v in st.values()
+    )
+    res["replicated_bytes"] = replicated
+    res["rng_bytes"] = rng.numel()
+    for name, dedupe in (("plain", False), ("dedup", True)):
+        with Checkpointer(f"{root}-{name}", strip_prefixes=("module.",), dedupe=dedupe) as ck:
+            ck.save(1, {"model": model, "optim": optim, "rng": rng}).result(timeout=60)
+            t0 = time.perf_counter()  # the second save: the first of a job's second Checkpointer waits ~5 s
+            info = ck.save(2, {"model": model, "optim": optim, "rng": rng}).result(timeout=60)
+            res[f"{name}_durable_s"] = time.perf_counter() - t0
+            res[f"{name}_nbytes"] = info.nbytes  # data bytes of every rank's file
+        dist.barrier()
+    with Checkpointer(f"{root}-dedup", strip_prefixes=("module.",), dedupe=True) as ck:
+        loaded = ck.load()
+    res["model_equal"] = all(torch.equal(loaded["model"][k], v) for k, v in model.module.state_dict().items())
+    res["optim_equal"] = same(loaded["optim"]["state"], optim.state_dict()["state"]) == []
+    res["rng_equal"] = bool(torch.equal(loaded["rng"], rng))
+    # a state refused on rank 1 fails the save on every rank at once, naming rank 1 only
+    from asyncckpt import SaveError
+
+    with Checkpointer(f"{root}-bad", dedupe=True, timeout=30) as ck:
+        t0 = time.perf_counter()
+        try:
+            ck.save(1, {"w": torch.zeros(4), "bad": object() if rank == 1 else 0}).result(timeout=60)
+            res["bad"] = "saved"
+        except TypeError:
+            res["bad"] = "TypeError"
+        except SaveError as e:
+            res["bad"] = sorted(e.failures)
+        res["bad_s"] = time.perf_counter() - t0
+        try:
+            ck.flush()
+        except SaveError:
+            pass
+        ck.save(2, {"w": torch.zeros(4)}).result(timeout=60)
+        res["after_bad"] = ck.steps()
+
+
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
     saved = int(sys.argv[7]) if len(sys.argv) > 7 else world
@@ -216,6 +268,8 @@ def main() -> None:
     try:
         if scenario == "save":
             save(rank, world, root, out, res)
+        elif scenario == "ddp":
+            ddp(rank, world, root, out, res)
         else:
             load(rank, world, saved, root, out, res)
     except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file

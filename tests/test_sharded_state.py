@@ -138,3 +138,32 @@ def test_state_without_dtensors_keeps_the_old_format(tmp_path: Path) -> None:
     assert asyncckpt.load(tmp_path)["n"] == 3
     with pytest.raises(ValueError, match="per_rank"):
         asyncckpt.load(tmp_path, per_rank="rank1")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(200)
+def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    res = spawn(tmp_path, "ddp", 4, root, out, 4)
+    for r in res.values():
+        assert r["model_equal"] and r["optim_equal"] and r["rng_equal"], r
+        # a rank refusing its state fails the dedupe round at once for everyone, naming it
+        assert r["bad"] == ("TypeError" if r["rank"] == 1 else [1]), r
+        assert r["bad_s"] < 10 and r["after_bad"] == [2], r
+    r0 = res[0]
+    # model and optimizer once in total, the per-rank RNG states once per rank
+    assert r0["dedup_nbytes"] == r0["replicated_bytes"] + 4 * r0["rng_bytes"]
+    assert r0["plain_nbytes"] == 4 * (r0["replicated_bytes"] + r0["rng_bytes"])
+    dd, plain = Path(f"{root}-dedup"), Path(f"{root}-plain")
+    assert json.loads((plain / "step_00000002" / "manifest.json").read_text())["format"] == "asyncckpt/1"
+    index = json.loads((dd / "step_00000002" / "index.json").read_text())
+    writers = {e[2] for e in index["plain"]["0"].values()}
+    assert len(writers) == 4, writers  # spread over every rank's file
+    # per-rank values stay per rank: every saved rank's RNG state, and they differ
+    rngs = [asyncckpt.load(dd, 2, rank=r)["rng"] for r in range(4)]
+    assert len({bytes(t.numpy()) for t in rngs}) == 4
+    with pytest.raises(CheckpointError, match="'rng'") as e:
+        asyncckpt.load(dd, 2)
+    assert "model" not in str(e.value).split("per-rank state")[1]
+    got, want = asyncckpt.load(dd, 2, per_rank="rank0"), asyncckpt.load(plain, 2)
+    assert same(got["model"], want["model"]) == [] and same(got["optim"], want["optim"]) == []
+    print(f"\nDDP on 4 ranks: {r0['dedup_nbytes']} B written with dedupe, {r0['plain_nbytes']} B without")
