@@ -31,7 +31,6 @@ from typing import Any
 
 from ._checksum import crc32c
 from ._header import ITEMSIZE
-from ._reshard import Box, SavedChunk, check_chunk_index
 
 INDEX = "index.json"
 FORMAT = "asyncckpt-index/1"
@@ -126,12 +125,13 @@ def _ints(v: object) -> bool:
     return isinstance(v, list) and all(_uint(x) for x in v)
 
 
-def parse(raw: bytes, world: int, file_sizes: Mapping[str, int]) -> dict[str, Any]:
+def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: bool = False) -> dict[str, Any]:
     """Parse and validate an index read back (``ValueError`` on any defect).
 
     Every DTensor's chunks must tile its shape and lie inside files the manifest lists
     (``_reshard.check_chunk_index``, cost bounded by the chunk count); every plain entry
-    must lie inside its rank's file.
+    must lie inside the file it names. ``plain_only`` skips the DTensors (the torch- and
+    numpy-free CLI shows and checks only the plain entries).
     """
     if len(raw) > MAX_INDEX_BYTES:
         raise ValueError(f"index larger than {MAX_INDEX_BYTES} bytes")
@@ -145,27 +145,8 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int]) -> dict[str, An
     if not isinstance(tensors, dict) or not isinstance(plain, dict):
         raise ValueError("index is malformed")
     out: dict[str, Any] = {}
-    for name, ent in tensors.items():
-        e = ent
-        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not _ints(e.get("shape")):
-            raise ValueError(f"index entry of {name!r} is malformed")
-        item = ITEMSIZE[e["dtype"]]
-        chunks, crcs = [], []
-        raw_chunks = e.get("chunks")
-        if not isinstance(raw_chunks, list):
-            raise ValueError(f"index entry of {name!r} is malformed")
-        for c in raw_chunks:
-            if not (isinstance(c, list) and len(c) == 6 and _ints(c[0]) and _ints(c[1])):
-                raise ValueError(f"chunk of {name!r} is malformed")
-            offs, sizes, file, begin, n, crc = c
-            if not (isinstance(file, str) and _uint(begin) and _uint(n) and _uint(crc) and crc < 2**32):
-                raise ValueError(f"chunk of {name!r} is malformed")
-            if len(offs) != len(sizes) or n != math.prod(sizes) * item:
-                raise ValueError(f"chunk of {name!r} has {n} bytes for {sizes}")
-            chunks.append(SavedChunk(Box(tuple(offs), tuple(sizes)), file, begin))
-            crcs.append(crc)
-        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
-        out[name] = {"dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs}
+    if not plain_only:
+        out = _parse_tensors(tensors, file_sizes)
     ranks: dict[int, dict[str, tuple[str, tuple[int, ...], str, int, int, int]] | None] = {}
     for r in range(world):
         entries = plain.get(str(r))
@@ -187,3 +168,30 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int]) -> dict[str, An
             got[name] = (dtype, tuple(shape), file, begin, n, crc)
         ranks[r] = got
     return {"tensors": out, "plain": ranks}
+
+
+def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int]) -> dict[str, Any]:
+    from ._reshard import Box, SavedChunk, check_chunk_index  # numpy: not for the CLI's plain-only reads
+
+    out: dict[str, Any] = {}
+    for name, e in tensors.items():
+        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not _ints(e.get("shape")):
+            raise ValueError(f"index entry of {name!r} is malformed")
+        item = ITEMSIZE[e["dtype"]]
+        chunks, crcs = [], []
+        raw_chunks = e.get("chunks")
+        if not isinstance(raw_chunks, list):
+            raise ValueError(f"index entry of {name!r} is malformed")
+        for c in raw_chunks:
+            if not (isinstance(c, list) and len(c) == 6 and _ints(c[0]) and _ints(c[1])):
+                raise ValueError(f"chunk of {name!r} is malformed")
+            offs, sizes, file, begin, n, crc = c
+            if not (isinstance(file, str) and _uint(begin) and _uint(n) and _uint(crc) and crc < 2**32):
+                raise ValueError(f"chunk of {name!r} is malformed")
+            if len(offs) != len(sizes) or n != math.prod(sizes) * item:
+                raise ValueError(f"chunk of {name!r} has {n} bytes for {sizes}")
+            chunks.append(SavedChunk(Box(tuple(offs), tuple(sizes)), file, begin))
+            crcs.append(crc)
+        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
+        out[name] = {"dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs}
+    return out

@@ -15,13 +15,20 @@ import torch
 from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, CheckpointError
+from asyncckpt import CheckpointCorruptError, CheckpointError, reading
+from asyncckpt._discovery import open_step
 
 WORKER = str(Path(__file__).with_name("_global_worker.py"))
 sys.path.insert(0, str(Path(__file__).parent))
 from _global_worker import Net, same  # noqa: E402
 
 STEP = "step_00000001"
+
+
+def verify(root: Path, step: int) -> list[Any]:
+    """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
+    step_dir, manifest = open_step(str(root), step)
+    return reading.verify_step(str(root), step_dir, manifest, record=False)
 
 
 def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int) -> dict[int, dict[str, Any]]:
@@ -67,6 +74,7 @@ def test_save_on_4_load_on_2_reshards_bit_equal(saved_on_4: Any, tmp_path: Path)
     # FSDP2 with 3 rows on 4 ranks: rank 3's shard is empty and written by nobody
     assert len(index["tensors"]["model.b.up.weight"]["chunks"]) == 3
     assert index["tensors"]["tp2d.up.weight"]["placements"] == ["SS(0,2)", "S(0)"]
+    assert verify(root, 1) == []
     res = spawn(tmp_path, "load", 2, root, out, 4)
     for r in res.values():
         # per-rank values across a change of world size are refused by name, then rank 0's taken
@@ -121,7 +129,12 @@ def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_save_on_2_load_on_4(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
-    spawn(tmp_path, "save", 2, root, out, 2)
+    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe=True
+    index = json.loads((root / STEP / "index.json").read_text())
+    assert index["dedupe"]["copies_not_written"] > 0
+    assert index["plain"]["0"]["model.a.buf"][2:4] == index["plain"]["1"]["model.a.buf"][2:4]  # one copy
+    assert index["plain"]["0"]["rng"][2] != index["plain"]["1"]["rng"][2]  # one per rank
+    assert verify(root, 1) == []
     res = spawn(tmp_path, "load", 4, root, out, 2)
     assert res[0]["diff"] == [] and res[0]["diff_dcp"] == []
     assert [res[r]["local_shapes"]["s1"] for r in range(4)] == [[5, 2], [5, 2], [5, 2], [5, 1]]
@@ -156,6 +169,7 @@ def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
     dd, plain = Path(f"{root}-dedup"), Path(f"{root}-plain")
     assert json.loads((plain / "step_00000002" / "manifest.json").read_text())["format"] == "asyncckpt/1"
     index = json.loads((dd / "step_00000002" / "index.json").read_text())
+    assert verify(dd, 2) == [] and verify(plain, 2) == []
     writers = {e[2] for e in index["plain"]["0"].values()}
     assert len(writers) == 4, writers  # spread over every rank's file
     # per-rank values stay per rank: every saved rank's RNG state, and they differ
