@@ -49,7 +49,7 @@ from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers
 from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
-from ._structure import flatten
+from ._structure import flatten, tensor_names
 from ._writer import WriterThread
 
 OnError = Literal["raise", "warn"]
@@ -345,6 +345,8 @@ class Checkpointer:
                 tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
                 layout, perm = self._plan(refs)
                 dtensors = _load_global.describe_for_index(found) if found else None
+                names = tensor_names(tree)
+                tied = len(names) > len(set(names))
             except (TypeError, ValueError) as e:
                 if self._dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -359,7 +361,9 @@ class Checkpointer:
                 raise
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
-            handle = self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s, dtensors=dtensors)
+            handle = self._submit(
+                step, t_call, arena, layout, tree_bytes, events, waited, staging_s, dtensors=dtensors, tied=tied
+            )
             handed = True
             return handle
         finally:
@@ -411,6 +415,7 @@ class Checkpointer:
         staging_s: float,
         prefailed: BaseException | None = None,
         dtensors: list[dict[str, Any]] | None = None,
+        tied: bool = False,
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles."""
         with self._lock:
@@ -439,6 +444,7 @@ class Checkpointer:
             ranks=self._ranks,
             dtensors=dtensors,
             dedupe=self.dedupe,
+            tied=tied,
         )
         holder: list[SaveRecord] = []
 

@@ -93,6 +93,8 @@ class SaveJob:
     dtensors: list[dict[str, Any]] | None = None
     # write plain tensors identical on every rank once (``_dedupe``; many ranks only)
     dedupe: bool = False
+    # the state names a tensor twice (tied weights): readers of asyncckpt/1 cannot read it
+    tied: bool = False
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -221,7 +223,7 @@ async def _write_files(
             _manifest.shard_name(rank),
             writers,
         )
-    return Report(rank=rank, files=files, nbytes=layout.data_len, index=part)
+    return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
 
 
 async def _commit(
@@ -238,6 +240,8 @@ async def _commit(
         index = _index.merge(world, {r: rep.index for r, rep in reports.items()})
         written = await storage.write_bytes(os.path.join(tmp, _index.INDEX), index)
         files.append(_manifest.FileEntry(_index.INDEX, written.size, written.crc32c, 0))
+        fmt = _manifest.FORMAT_INDEXED
+    if any(r.needs_v2 for r in reports.values()):
         fmt = _manifest.FORMAT_INDEXED
     body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt)
     tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")

@@ -39,6 +39,8 @@ class Report:
     #: this rank's part of the global tensor index (``_load_global.rank_index``), or None
     #: when it holds no DTensor
     index: dict[str, Any] | None = None
+    #: the rank's files need a reader of manifest format ``asyncckpt/2`` (tied tensors)
+    needs_v2: bool = False
 
 
 @dataclass
@@ -267,7 +269,8 @@ class StoreCoordinator:
     async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
         await self._set(
             self._key(seq, "report", self.rank),
-            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure), "index": mine.index},
+            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure), "index": mine.index,
+             "v2": mine.needs_v2},
         )
         if self.rank != 0:
             return {}
@@ -280,7 +283,7 @@ class StoreCoordinator:
                 continue
             self.missing.discard(r)
             d = json.loads(await self._call("get", key))
-            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"))
+            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"), d.get("v2", False))
         return out
 
     async def decide(self, step: int, seq: int, attempt: str, verdict: Verdict | None, deadline: float) -> Verdict:

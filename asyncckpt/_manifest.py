@@ -19,8 +19,9 @@ from ._errors import CheckpointCorruptError
 
 MANIFEST = "manifest.json"
 FORMAT = "asyncckpt/1"
-#: A step with a global tensor index (``index.json``, DTensors): readers that know only
-#: ``asyncckpt/1`` refuse it instead of misreading it. States without DTensors keep FORMAT.
+#: A step with a global tensor index (``index.json``: DTensors, dedupe) or tied tensors (one
+#: name in several tree nodes): readers that know only ``asyncckpt/1`` refuse it instead of
+#: misreading it. Other states keep FORMAT.
 FORMAT_INDEXED = "asyncckpt/2"
 FORMATS = (FORMAT, FORMAT_INDEXED)
 #: Names a manifest may list: plain file names inside the step directory, nothing else.

@@ -29,7 +29,10 @@ subclass) is refused with a hint rather than silently saved as its base type. Te
 the dotted key paths, keys taken verbatim so module weights keep their usual names
 (``model.layer1.weight``, not an escaped ``model.layer1\\.weight``). Where two paths spell the
 same name (``{"a.b": x, "a": {"b": y}}`` or ``{0: x, "0": y}``) the later one gets a ``~N``
-suffix; the tree, which holds the real keys, maps every name back exactly.
+suffix; the tree, which holds the real keys, maps every name back exactly. Tensors that are
+views of the same storage with the same offset, shape and strides (tied weights) are stored
+once, under the first path's name, which every later ``$tensor`` node repeats; they come back
+as one tensor, shared again.
 Objects with ``state_dict()`` are replaced by their state dict at save time; a module state
 dict (an OrderedDict carrying ``_metadata``) is stored without the ``_orig_mod.`` prefix of a
 ``torch.compile`` wrapper, and without any prefix the caller names in ``strip_prefixes``.
@@ -120,6 +123,16 @@ def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
         raise TypeError(f"quantized or nested tensor at {where!r} is not supported")
     if t.dtype not in DTYPE_TO_ST:
         raise TypeError(f"unsupported dtype {t.dtype} at {where!r}")
+
+
+def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same values: storage, offset, shape, strides, dtype, device
+    (FSDP2-style padded storages hold distinct tensors at other offsets). None for tensors
+    without data, whose storages may all sit at address 0."""
+    if t.numel() == 0:
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    return (ptr, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _enc_float(x: float) -> Any:
@@ -239,6 +252,8 @@ def flatten(
     tensors: list[TensorRef] = []
     used: set[str] = set()
     active: set[int] = set()
+    # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view
+    ties: dict[tuple[Any, ...], str] = {}
 
     def unique(path: tuple[str, ...]) -> str:
         base = ".".join(path) if path else "_"
@@ -263,8 +278,13 @@ def flatten(
                     tensors.append(TensorRef(name, info.local.detach()))
                 return {"$dtensor": name}
         _check_tensor(t, path)
+        tied = _tie_key(t)
+        if tied is not None and tied in ties:
+            return {"$tensor": ties[tied]}  # the same storage, shape and strides: stored once
         name = unique(path)
         tensors.append(TensorRef(name, t.detach()))
+        if tied is not None:
+            ties[tied] = name
         return {"$tensor": name}
 
     def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:

@@ -181,3 +181,34 @@ def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
     got, want = asyncckpt.load(dd, 2, per_rank="rank0"), asyncckpt.load(plain, 2)
     assert same(got["model"], want["model"]) == [] and same(got["optim"], want["optim"]) == []
     print(f"\nDDP on 4 ranks: {r0['dedup_nbytes']} B written with dedupe, {r0['plain_nbytes']} B without")
+
+
+def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(50, 8)
+            self.lm_head = torch.nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.wte.weight  # GPT-2's tying
+
+    torch.manual_seed(0)
+    model = Tied()
+    base = torch.arange(12.0)
+    state = {"model": model, "views": [base, base[2:], base.view(3, 4)], "again": base}
+    with asyncckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    with safe_open(str(tmp_path / STEP / "rank00000.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    # one copy of the tied weight and of `base` (the slice and the reshaped view are other tensors)
+    assert names == ["model.wte.weight", "views.0", "views.1", "views.2"]
+    assert json.loads((tmp_path / STEP / "manifest.json").read_text())["format"] == "asyncckpt/2"
+    loaded = asyncckpt.load(tmp_path)
+    assert loaded["model"]["lm_head.weight"] is loaded["model"]["wte.weight"]
+    assert loaded["again"] is loaded["views"][0] and torch.equal(loaded["views"][1], base[2:])
+    torch.manual_seed(1)
+    fresh = Tied()
+    asyncckpt.load(tmp_path, into={"model": fresh})
+    assert torch.equal(fresh.lm_head.weight, model.wte.weight) and fresh.lm_head.weight is fresh.wte.weight
+    assert verify(tmp_path, 1) == []
