@@ -128,7 +128,7 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def save(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+def save(rank: int, world: int, root: str, out: str, res: dict[str, Any], kill: bool = False) -> None:
     model, optim = build(world, seed=1)
     train_step(model, optim)
     msd, osd = get_state_dict(model, optim)
@@ -137,12 +137,31 @@ def save(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> Non
     if world == 4:
         state["tp2d"] = tp2d_model(seed=2).state_dict()
     # on 2 ranks with dedupe: the FSDP buffers and optimizer steps, equal on both, are written once
-    with Checkpointer(root, dedupe=world == 2) as ck:
+    with Checkpointer(root, dedupe=world == 2, timeout=10 if kill else 600) as ck:
         t0 = time.perf_counter()
         ck.save(1, state)
         res["blocking_s"] = time.perf_counter() - t0
         ck.flush()
         res["durable_s"] = time.perf_counter() - t0
+        if kill:
+            ref = full(state)  # while every rank is alive (collective)
+            if rank == 0:
+                torch.save(ref, out + ".ref.pt")
+            dist.barrier()
+            # step 2: the last rank dies in the middle of the save; the others fail it
+            if rank == world - 1:
+                os._exit(9)
+            try:
+                ck.save(2, state).result(timeout=60)
+                res["second"] = "committed"
+            except Exception as e:  # noqa: BLE001 - the test checks the type
+                res["second"] = type(e).__name__
+            try:
+                ck.flush()
+            except Exception:  # noqa: BLE001 - the same failure, already recorded
+                pass
+    if kill:
+        return
     ref = full(state)
     dist.barrier()
     if rank == 0:
@@ -180,19 +199,20 @@ def load(rank: int, world: int, saved: int, root: str, out: str, res: dict[str, 
     msd2, osd2 = get_state_dict(model, optim)
     got = full({"model": msd2, "optim": osd2, "tp": target["tp"], **({"tp2d": target["tp2d"]} if saved == 4 else {})})
     # DCP's own reshard of the same state (saved next to ours) gives the same values
-    import torch.distributed.checkpoint as dcp
+    if os.path.isdir(root + ".dcp"):
+        import torch.distributed.checkpoint as dcp
 
-    model3, optim3 = build(world, seed=98)
-    msd3, osd3 = get_state_dict(model3, optim3)
-    dcp_target: dict[str, Any] = {"model": msd3, "optim": osd3, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
-    if saved == 4:
-        dcp_target["tp2d"] = fsdp_model(world, seed=4).state_dict()
-    dcp.load(dcp_target, checkpoint_id=root + ".dcp")
-    set_state_dict(model3, optim3, model_state_dict=msd3, optim_state_dict=osd3)
-    msd4, osd4 = get_state_dict(model3, optim3)
-    extra = {"tp2d": dcp_target["tp2d"]} if saved == 4 else {}
-    theirs = full({"model": msd4, "optim": osd4, "tp": dcp_target["tp"], **extra})
-    res["diff_dcp"] = same(got, theirs) if rank == 0 else []
+        model3, optim3 = build(world, seed=98)
+        msd3, osd3 = get_state_dict(model3, optim3)
+        dcp_target: dict[str, Any] = {"model": msd3, "optim": osd3, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
+        if saved == 4:
+            dcp_target["tp2d"] = fsdp_model(world, seed=4).state_dict()
+        dcp.load(dcp_target, checkpoint_id=root + ".dcp")
+        set_state_dict(model3, optim3, model_state_dict=msd3, optim_state_dict=osd3)
+        msd4, osd4 = get_state_dict(model3, optim3)
+        extra = {"tp2d": dcp_target["tp2d"]} if saved == 4 else {}
+        theirs = full({"model": msd4, "optim": osd4, "tp": dcp_target["tp"], **extra})
+        res["diff_dcp"] = same(got, theirs) if rank == 0 else []
     # local shards of the targets really are DTensors of this job's mesh
     res["local_shapes"] = {k: list(v.to_local().shape) for k, v in target["tp"].items()}
     if rank == 0:
@@ -269,6 +289,8 @@ def main() -> None:
     try:
         if scenario == "save":
             save(rank, world, root, out, res)
+        elif scenario == "savekill":
+            save(rank, world, root, out, res, kill=True)
         elif scenario == "ddp":
             ddp(rank, world, root, out, res)
         else:

@@ -31,7 +31,9 @@ def verify(root: Path, step: int) -> list[Any]:
     return reading.verify_step(str(root), step_dir, manifest, record=False)
 
 
-def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int) -> dict[int, dict[str, Any]]:
+def spawn(
+    tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int, dead: tuple[int, ...] = ()
+) -> dict[int, dict[str, Any]]:
     logs = tmp / f"logs-{scenario}-{world}"
     logs.mkdir()
     port = free_port()
@@ -44,6 +46,8 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: in
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):
+        if r in dead:
+            continue
         f = Path(f"{out}.{r}.json")
         assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
         res[r] = json.loads(f.read_text())
@@ -212,3 +216,15 @@ def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None
     asyncckpt.load(tmp_path, into={"model": fresh})
     assert torch.equal(fresh.lm_head.weight, model.wte.weight) and fresh.lm_head.weight is fresh.wte.weight
     assert verify(tmp_path, 1) == []
+
+
+@pytest.mark.timeout(200)
+def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    res = spawn(tmp_path, "savekill", 4, root, out, 4, dead=(3,))
+    for r in range(3):
+        assert res[r]["second"] == "SaveTimeoutError", res[r]
+    assert asyncckpt.find_latest(root).step == 1  # type: ignore[union-attr]
+    # the survivors' attempt is not a checkpoint; a 2-rank job resumes from step 1, resharded
+    res = spawn(tmp_path, "load", 2, root, out, 4)
+    assert res[0]["diff"] == [] and res[0]["step"] == 7
