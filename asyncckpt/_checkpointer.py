@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from . import _agree, _discovery, _distributed, _load, _ownership, _resume
+from . import _agree, _discovery, _distributed, _load, _load_global, _ownership, _resume
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from ._errors import (
@@ -49,7 +49,7 @@ from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers
 from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
-from ._structure import flatten
+from ._structure import flatten, tensor_names
 from ._writer import StartGate, WriterThread
 
 OnError = Literal["raise", "warn"]
@@ -189,6 +189,12 @@ class Checkpointer:
         strip_prefixes: key prefixes of module wrappers to drop from module state dicts at
             save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
             ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
+        dedupe: with many ranks, write each plain tensor that is byte-identical on every rank
+            (DDP's model and optimizer) once, by one rank, the writers spread so each writes
+            about ``1/world`` of it: decided on the writer thread by an xxh3-128 hash of the
+            staged bytes exchanged through the c10d store, never by key name (values that
+            differ per rank, such as RNG states, stay per rank). Such checkpoints carry the
+            global index (format ``asyncckpt/2``).
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -220,6 +226,7 @@ class Checkpointer:
         on_commit: Callable[[CheckpointInfo], object] | None = None,
         strip_prefixes: Sequence[str] = (),
         allow_earlier_steps: bool = False,
+        dedupe: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
@@ -253,6 +260,9 @@ class Checkpointer:
         if not isinstance(allow_earlier_steps, bool):
             raise TypeError(f"allow_earlier_steps must be a bool, not {allow_earlier_steps!r}")
         self.allow_earlier_steps = allow_earlier_steps
+        if not isinstance(dedupe, bool):
+            raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
+        self.dedupe = dedupe
         self._failed_commits: set[str] = set()
         self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
         # steps reserved by save() (registered atomically with the checks): the record once
@@ -348,9 +358,13 @@ class Checkpointer:
         arena: Arena | None = None
         try:
             try:
-                tree, refs = flatten(state, self.strip_prefixes)
+                found: list[tuple[str, Any, Any]] = []
+                tree, refs = flatten(state, self.strip_prefixes, dtensors=found)
                 tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
                 layout, perm = self._plan(refs)
+                dtensors = _load_global.describe_for_index(found) if found else None
+                names = tensor_names(tree)
+                tied = len(names) > len(set(names))
             except (TypeError, ValueError) as e:
                 if self._dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -360,7 +374,10 @@ class Checkpointer:
             events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
-            return self._submit(step, t_call, arena, layout, tree_bytes, events, waited, staging_s, handed=handed)
+            return self._submit(
+                step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
+                dtensors=dtensors, tied=tied, handed=handed,
+            )  # fmt: skip
         finally:
             if not handed[0] and arena is not None:
                 self._rt.staging.give_back(arena)
@@ -411,6 +428,8 @@ class Checkpointer:
         staging_s: float,
         prefailed: BaseException | None = None,
         handed: list[bool] | None = None,
+        dtensors: list[dict[str, Any]] | None = None,
+        tied: bool = False,
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles.
 
@@ -440,6 +459,9 @@ class Checkpointer:
             retention_lock=self._rt.retention_lock,
             by_commit_order=self.allow_earlier_steps,
             ranks=self._ranks,
+            dtensors=dtensors,
+            dedupe=self.dedupe,
+            tied=tied,
         )
         holder: list[SaveRecord] = []
 
@@ -803,7 +825,13 @@ class Checkpointer:
         return steps
 
     def load(
-        self, step: int | None = None, *, into: Any = None, verify: bool | None = None, rank: int | None = None
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        verify: bool | None = None,
+        rank: int | None = None,
+        per_rank: _load_global.PerRank = "error",
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
@@ -824,28 +852,44 @@ class Checkpointer:
         every rank raises). Every wait is bounded by ``timeout``. A checkpoint saved by a
         different number of ranks raises ``CheckpointError`` unless ``rank=`` names the
         shard to read.
+
+        A checkpoint holding DTensors loads at any world size: each DTensor of ``into``
+        (any mesh and placements) gets exactly its local shard, read from the chunks that
+        overlap it; without a DTensor target a DTensor comes back as the full tensor. The
+        rest of the state is per rank: across a change of world size it loads only where
+        every saved rank holds the same values, else ``CheckpointError`` names the keys,
+        unless ``per_rank="rank0"`` (take rank 0's) or ``rank=`` picks the saved rank.
         """
         if step is not None:
             check_step(step)
         if rank is not None and (not _is_int(rank) or rank < 0):
             raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
+        if per_rank not in _load_global.PER_RANK:
+            raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
         verify = self.verify if verify is None else verify
         expect = self.world_size if rank is None else None
         shard = self.rank if rank is None else rank
+        reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes)
         if self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes}
             if step is None:
-                _, state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, **kw)
+                _, state = _resume.load_newest(
+                    self.root, rank=shard, verify=verify, world_size=expect, reader=reader, **kw
+                )
             else:
-                state = _resume.load_step(self.root, step, rank=shard, verify=verify, world_size=expect, **kw)
+                state = _resume.load_step(
+                    self.root, step, rank=shard, verify=verify, world_size=expect, reader=reader, **kw
+                )
         else:
-            state = self._load_agreed(step, shard, verify, expect)
+            state = self._load_agreed(step, shard, verify, expect, reader)
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
-    def _load_agreed(self, step: int | None, shard: int, verify: bool, expect: int | None) -> Any:
+    def _load_agreed(
+        self, step: int | None, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
+    ) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
         assert self._dist is not None
         rejected: dict[int, CheckpointCorruptError] = {}
@@ -868,7 +912,7 @@ class Checkpointer:
             state: Any = None
             error: BaseException | None = None
             try:
-                state = _resume.attempt(self.root, chosen, shard, verify, expect)
+                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -954,10 +998,16 @@ def load(
     *,
     into: Any = None,
     verify: bool = True,
-    rank: int = 0,
+    rank: int | None = None,
     strip_prefixes: Sequence[str] = (),
+    per_rank: _load_global.PerRank = "error",
 ) -> Any:
-    """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed).
+    """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
+
+    A checkpoint holding DTensors comes back with full global tensors (or, into DTensors
+    of ``into=``, their local shards). Its other values are per rank: ``rank=`` picks the
+    saved rank; without it they load only where every saved rank holds the same values,
+    else ``CheckpointError`` names the keys, unless ``per_rank="rank0"``.
 
     ``step=None`` loads the newest checkpoint that verifies: a corrupt newest one is logged
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
@@ -972,13 +1022,19 @@ def load(
     prefixes = _prefixes(strip_prefixes)
     if step is not None:
         check_step(step)
-    if not _is_int(rank) or rank < 0:
+    if rank is not None and (not _is_int(rank) or rank < 0):
         raise (TypeError if not _is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
+    if per_rank not in _load_global.PER_RANK:
+        raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
     root_s = os.fspath(root)
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes)
+    shard = 0 if rank is None else rank
     if step is None:
-        _, state = _resume.load_newest(root_s, rank=rank, verify=verify, into=into, strip_prefixes=prefixes)
+        kw = {"into": into, "strip_prefixes": prefixes, "reader": reader}
+        _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
     else:
-        state = _resume.load_step(root_s, step, rank=rank, verify=verify, into=into, strip_prefixes=prefixes)
+        kw = {"into": into, "strip_prefixes": prefixes, "reader": reader}
+        state = _resume.load_step(root_s, step, rank=shard, verify=verify, **kw)
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)
     return state

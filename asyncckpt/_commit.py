@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _manifest
+from . import _dedupe, _index, _manifest
 from ._coordination import Coordinator, Report, Start, Verdict
 from ._discovery import open_step, read_manifest
 from ._errors import (
@@ -91,6 +91,12 @@ class SaveJob:
     by_commit_order: bool = False
     # global ranks of the writing group, in group-rank order (recorded in the manifest)
     ranks: tuple[int, ...] | None = None
+    # the DTensors this rank holds (``_index.rank_part``'s descriptions); None: none
+    dtensors: list[dict[str, Any]] | None = None
+    # write plain tensors identical on every rank once (``_dedupe``; many ranks only)
+    dedupe: bool = False
+    # the state names a tensor twice (tied weights): readers of asyncckpt/1 cannot read it
+    tied: bool = False
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -160,15 +166,50 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
     return tmp
 
 
-async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool) -> Report:
-    if not leader:
-        await storage.ensure_dir(tmp, _dir_deadline(job))
+async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> dict[str, int] | None:
+    """Hash this rank's plain tensors and agree with every rank on who writes which
+    (``_dedupe``); ``None`` when a peer failed before the round (its failure fails the save)."""
     assert job.arena is not None and job.layout is not None
+    skip = {d["name"] for d in job.dtensors or () if d["writer"]}
+    try:
+        records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)
+    except BaseException:
+        await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+        raise
+    base = sum(s.end - s.begin for s in job.layout.slots if s.name in skip)
+    got = await coord.exchange(job.seq, "dedupe", {"records": records, "base": base}, job.deadline)
+    if any(v is None for v in got.values()):
+        return None
+    return _dedupe.plan(
+        {r: v["records"] for r, v in got.items()}, {r: v["base"] for r, v in got.items()}, coord.world_size
+    )
+
+
+async def _write_files(
+    storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool, coord: Coordinator | None = None
+) -> Report:
+    assert job.arena is not None and job.layout is not None
+    dedupe = job.dedupe and coord is not None and coord.world_size > 1
+    if not leader and not dedupe:
+        await storage.ensure_dir(tmp, _dir_deadline(job))
     if job.cuda_events:
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
+    buffer, layout = job.arena.buffer, job.layout
+    writers: dict[str, int] | None = None
+    if dedupe:
+        assert coord is not None
+        writers = await _dedupe_round(storage, job, coord)
+        if writers is None:
+            return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
+        keep = _dedupe.kept(layout.slots, writers, rank)
+        if len(keep) < len(layout.slots):
+            image, layout = await storage.run(_dedupe.image, buffer, layout, keep)
+            buffer = memoryview(image)
+        if not leader:  # after the round: a failure here cannot leave the others waiting in it
+            await storage.ensure_dir(tmp, _dir_deadline(job))
     shard = await storage.write_file(
-        os.path.join(tmp, _manifest.shard_name(rank)), job.arena.buffer, job.layout.file_size, direct=True
+        os.path.join(tmp, _manifest.shard_name(rank)), buffer, layout.file_size, direct=True
     )
     tree = await storage.write_bytes(os.path.join(tmp, _manifest.tree_name(rank)), job.tree)
     t0 = time.perf_counter()
@@ -180,7 +221,19 @@ async def _write_files(storage: Storage, job: SaveJob, rank: int, tmp: str, lead
         {"name": _manifest.shard_name(rank), "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
-    return Report(rank=rank, files=files, nbytes=job.nbytes)
+    part = None
+    if job.dtensors is not None or writers:
+        # per-slot CRCs of the image written, for the global index (on the I/O pool)
+        part = await storage.run(
+            _index.rank_part,
+            buffer,
+            layout.data_start,
+            layout.slots,
+            job.dtensors or [],
+            _manifest.shard_name(rank),
+            writers,
+        )
+    return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
 
 
 async def _commit(
@@ -191,7 +244,16 @@ async def _commit(
     nbytes = sum(r.nbytes for r in reports.values())
     files = [_manifest.FileEntry(**f) for r in reports.values() for f in r.files]
     ranks = list(job.ranks) if job.ranks is not None else list(range(world))
-    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks)
+    fmt = _manifest.FORMAT
+    if any(r.index is not None for r in reports.values()):
+        # DTensors: the global index, durable before the manifest that lists it
+        index = _index.merge(world, {r: rep.index for r, rep in reports.items()})
+        written = await storage.write_bytes(os.path.join(tmp, _index.INDEX), index)
+        files.append(_manifest.FileEntry(_index.INDEX, written.size, written.crc32c, 0))
+        fmt = _manifest.FORMAT_INDEXED
+    if any(r.needs_v2 for r in reports.values()):
+        fmt = _manifest.FORMAT_INDEXED
+    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt)
     tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")
     await storage.write_bytes(tmp_marker, body)
     await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
@@ -287,10 +349,17 @@ async def run_save(
     if start.failure is None and job.prefailed is not None:
         local_exc = job.prefailed
         mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
+        if job.dedupe and world > 1:
+            try:  # the others wait for every rank in the dedupe round: tell them at once
+                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+            except (TimeoutError, CoordinationLost):
+                pass
     elif start.failure is None:
         try:
             step_to(SaveEvent.START_WRITE)
-            mine = await _within(_write_files(storage, job, rank, tmp, leader), job.deadline, "writing the shard")
+            mine = await _within(
+                _write_files(storage, job, rank, tmp, leader, coord), job.deadline, "writing the shard"
+            )
             step_to(SaveEvent.FILES_DURABLE)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e

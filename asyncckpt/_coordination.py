@@ -36,6 +36,11 @@ class Report:
     files: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
     failure: RankFailure | None = None
+    #: this rank's part of the global tensor index (``_load_global.rank_index``), or None
+    #: when it holds no DTensor
+    index: dict[str, Any] | None = None
+    #: the rank's files need a reader of manifest format ``asyncckpt/2`` (tied tensors)
+    needs_v2: bool = False
 
 
 @dataclass
@@ -79,6 +84,12 @@ class Coordinator(Protocol):
         """Leader only: claim the right to commit (False if a follower already gave up)."""
         ...
 
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        """Every rank publishes ``value`` (JSON; ``None`` says "I failed") under ``tag`` and,
+        with ``wait``, gets every rank's; ``TimeoutError`` if one is missing at ``deadline``.
+        Called between ``begin`` and ``report`` by every rank (dedupe, on the writer thread)."""
+        ...
+
     async def close(self, deadline: float) -> None:
         """Collective: return only once every rank has read the last verdict."""
         ...
@@ -103,6 +114,9 @@ class LocalCoordinator:
 
     async def may_commit(self, seq: int) -> bool:
         return True
+
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        return {0: value}
 
     async def close(self, deadline: float) -> None:
         return None
@@ -255,7 +269,8 @@ class StoreCoordinator:
     async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
         await self._set(
             self._key(seq, "report", self.rank),
-            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure)},
+            {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure), "index": mine.index,
+             "v2": mine.needs_v2},
         )
         if self.rank != 0:
             return {}
@@ -268,7 +283,7 @@ class StoreCoordinator:
                 continue
             self.missing.discard(r)
             d = json.loads(await self._call("get", key))
-            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]))
+            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"), d.get("v2", False))
         return out
 
     async def decide(self, step: int, seq: int, attempt: str, verdict: Verdict | None, deadline: float) -> Verdict:
@@ -286,6 +301,15 @@ class StoreCoordinator:
             if got is None:
                 raise _LeaderSilent("the leader (rank 0) did not publish the outcome in time")
         return _dec_verdict(got)
+
+    async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
+        await self._set(self._key(seq, tag, self.rank), value)
+        if not wait:
+            return {}
+        keys = [self._key(seq, tag, r) for r in range(self.world_size)]
+        if not await self._wait_keys(keys, deadline):
+            raise TimeoutError(f"not every rank took part in the {tag!r} round before the save's deadline")
+        return {r: json.loads(await self._call("get", k)) for r, k in enumerate(keys)}
 
     async def may_commit(self, seq: int) -> bool:
         """Leader only: claim the commit unless a follower already gave up on this save."""

@@ -184,7 +184,7 @@ def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
 
 def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str) -> Any:
     try:
-        if sorted(tensor_names(tree)) != sorted(tensors):
+        if sorted(set(tensor_names(tree))) != sorted(tensors):  # tied tensors are named twice
             raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
         return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
@@ -273,7 +273,7 @@ def plan_targets(
     """
     placeholders = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for s in slots}
     names = tensor_names(tree)
-    if sorted(names) != sorted(placeholders):
+    if set(names) != set(placeholders):  # a name may repeat: tied tensors are stored once
         raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
     try:
         skeleton = unflatten(tree, placeholders)

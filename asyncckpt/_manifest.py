@@ -19,6 +19,11 @@ from ._errors import CheckpointCorruptError
 
 MANIFEST = "manifest.json"
 FORMAT = "asyncckpt/1"
+#: A step with a global tensor index (``index.json``: DTensors, dedupe) or tied tensors (one
+#: name in several tree nodes): readers that know only ``asyncckpt/1`` refuse it instead of
+#: misreading it. Other states keep FORMAT.
+FORMAT_INDEXED = "asyncckpt/2"
+FORMATS = (FORMAT, FORMAT_INDEXED)
 #: Names a manifest may list: plain file names inside the step directory, nothing else.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -54,6 +59,7 @@ class Manifest:
     extra: dict[str, Any]
     #: global ranks of the writing group, in group-rank order (``None``: an older manifest)
     ranks: tuple[int, ...] | None = None
+    format: str = FORMAT
     _by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,13 +86,14 @@ def encode(
     files: list[FileEntry],
     extra: dict[str, Any],
     ranks: list[int] | None = None,
+    format: str = FORMAT,
 ) -> bytes:
     """Serialize a manifest, sealed with a CRC-32C of its canonical body.
 
     ``ranks``: the global ranks of the group that wrote it, in group-rank order.
     """
     body: dict[str, Any] = {
-        "format": FORMAT,
+        "format": format,
         "step": step,
         "attempt": attempt,
         "world_size": world_size,
@@ -133,7 +140,7 @@ def decode(raw: bytes, path: str) -> Manifest:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
     if not _uint(seal) or crc32c(canonical) != seal:
         raise CheckpointCorruptError("manifest checksum mismatch", path)
-    if doc.get("format") != FORMAT:
+    if doc.get("format") not in FORMATS:
         raise CheckpointCorruptError(f"unknown manifest format {doc.get('format')!r}", path)
     try:
         entries = doc["files"]
@@ -175,4 +182,6 @@ def decode(raw: bytes, path: str) -> Manifest:
     # last, as the dearest check: the bytes must be exactly what encode() writes
     if raw != json.dumps(dict(doc, checksum=seal), sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n":
         raise CheckpointCorruptError("manifest is not in canonical form", path)
-    return Manifest(step, attempt, ws, nbytes, created, tuple(files), extra, None if group is None else tuple(group))
+    return Manifest(
+        step, attempt, ws, nbytes, created, tuple(files), extra, None if group is None else tuple(group), doc["format"]
+    )

@@ -18,6 +18,7 @@ from ._badmarks import record_bad
 from ._discovery import Vanished, newest_complete, pin_step
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._load import load_pinned
+from ._load_global import Reader, indexed, load_indexed
 from ._manifest import Manifest
 
 log = logging.getLogger("asyncckpt")
@@ -43,11 +44,14 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
 
 def attempt(
     root: str, step: int, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (),
+    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
 
     ``into``: tensors to read into in place once the shard verified (``_load.load_pinned``).
+    A step with a global tensor index (DTensors) loads at any world size as ``reader`` says
+    (``_load_global``; default: one process taking rank ``rank``'s per-rank values); its
+    state is restored into ``into`` by the caller.
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
     (best effort) before ``CheckpointCorruptError`` is raised.
@@ -55,8 +59,11 @@ def attempt(
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
-        _check_shape(manifest, step, rank, world_size)
+        if not indexed(manifest):
+            _check_shape(manifest, step, rank, world_size)
         try:
+            if indexed(manifest):
+                return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)
             return load_pinned(pinned, rank, verify, into, strip_prefixes)
         except CheckpointCorruptError as e:
             if pinned.still_there():
@@ -74,11 +81,11 @@ def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> 
 
 def load_step(
     root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (),
+    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
 ) -> Any:
     """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired."""
     try:
-        return attempt(root, step, rank, verify, world_size, into, strip_prefixes)
+        return attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader)
     except Vanished as e:
         raise CheckpointNotFoundError(str(e)) from None
     except NoSuchShard as e:
@@ -107,7 +114,7 @@ def no_checkpoint(root: str, rejected: dict[int, CheckpointCorruptError]) -> Che
 
 def load_newest(
     root: str, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (),
+    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
 ) -> tuple[int, Any]:
     """Load the newest complete checkpoint that verifies; return its step and the state."""
     rejected: dict[int, CheckpointCorruptError] = {}
@@ -125,7 +132,7 @@ def load_newest(
         if info is None:
             raise no_checkpoint(root, {**skipped, **rejected})
         try:
-            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes)
+            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes, reader)
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again

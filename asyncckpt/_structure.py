@@ -6,6 +6,7 @@ unambiguous and needs no pickle (and never imports or calls anything named by th
     {"$dict": [[key, node], ...]}          key is a str or an int (optimizer state uses ints)
     {"$tuple": [node, ...]}                lists stay JSON arrays
     {"$tensor": "model.layer1.weight"}
+    {"$dtensor": "model.layer1.weight"}    a DTensor: its chunks are in the step's global index
     {"$float": "nan" | "inf" | "-inf"}
     {"$bytes": "<base64>"}
     {"$odict": [[[key, node], ...], meta]} OrderedDict; meta: null or the node of ``_metadata``
@@ -28,7 +29,10 @@ subclass) is refused with a hint rather than silently saved as its base type. Te
 the dotted key paths, keys taken verbatim so module weights keep their usual names
 (``model.layer1.weight``, not an escaped ``model.layer1\\.weight``). Where two paths spell the
 same name (``{"a.b": x, "a": {"b": y}}`` or ``{0: x, "0": y}``) the later one gets a ``~N``
-suffix; the tree, which holds the real keys, maps every name back exactly.
+suffix; the tree, which holds the real keys, maps every name back exactly. Tensors that are
+views of the same storage with the same offset, shape and strides (tied weights) are stored
+once, under the first path's name, which every later ``$tensor`` node repeats; they come back
+as one tensor, shared again.
 Objects with ``state_dict()`` are replaced by their state dict at save time; a module state
 dict (an OrderedDict carrying ``_metadata``) is stored without the ``_orig_mod.`` prefix of a
 ``torch.compile`` wrapper, and without any prefix the caller names in ``strip_prefixes``.
@@ -119,6 +123,16 @@ def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
         raise TypeError(f"quantized or nested tensor at {where!r} is not supported")
     if t.dtype not in DTYPE_TO_ST:
         raise TypeError(f"unsupported dtype {t.dtype} at {where!r}")
+
+
+def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same values: storage, offset, shape, strides, dtype, device
+    (FSDP2-style padded storages hold distinct tensors at other offsets). None for tensors
+    without data, whose storages may all sit at address 0."""
+    if t.numel() == 0:
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    return (ptr, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _enc_float(x: float) -> Any:
@@ -218,8 +232,15 @@ def _strip_meta(meta: Any, prefix: str) -> Any:
     return out
 
 
-def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[TensorRef]]:
+def flatten(
+    state: Any, strip_prefixes: Iterable[str] = (), dtensors: list[tuple[str, Any, Any]] | None = None
+) -> tuple[Any, list[TensorRef]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
+
+    DTensors are refused unless ``dtensors`` is a list: then each one becomes a
+    ``{"$dtensor": name}`` node, ``(name, ShardInfo, dtensor)`` is appended to ``dtensors``
+    (``_sharding.describe``: unsupported placements raise ``TypeError`` naming the key), and
+    its local shard is among the returned tensors only on the rank that writes its box.
 
     Every value comes back from :func:`unflatten` as the type it was saved as, or is refused:
     raises ``TypeError`` naming the key path of the first unsupported object and how to
@@ -231,6 +252,8 @@ def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[T
     tensors: list[TensorRef] = []
     used: set[str] = set()
     active: set[int] = set()
+    # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view
+    ties: dict[tuple[Any, ...], str] = {}
 
     def unique(path: tuple[str, ...]) -> str:
         base = ".".join(path) if path else "_"
@@ -242,9 +265,26 @@ def flatten(state: Any, strip_prefixes: Iterable[str] = ()) -> tuple[Any, list[T
         return name
 
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        if dtensors is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            from . import _sharding  # imported only when a state may hold DTensors
+
+            if _sharding.is_dtensor(t):
+                info = _sharding.describe(_describe(path), t)
+                if info.dtype not in DTYPE_TO_ST:
+                    raise TypeError(f"unsupported dtype {info.dtype} at {_describe(path)!r}")
+                name = unique(path)
+                dtensors.append((name, info, t))
+                if info.writer:
+                    tensors.append(TensorRef(name, info.local.detach()))
+                return {"$dtensor": name}
         _check_tensor(t, path)
+        tied = _tie_key(t)
+        if tied is not None and tied in ties:
+            return {"$tensor": ties[tied]}  # the same storage, shape and strides: stored once
         name = unique(path)
         tensors.append(TensorRef(name, t.detach()))
+        if tied is not None:
+            ties[tied] = name
         return {"$tensor": name}
 
     def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:
@@ -624,6 +664,7 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         "$dict": d_dict,
         "$tuple": d_tuple,
         "$tensor": d_tensor,
+        "$dtensor": d_tensor,
         "$float": d_float,
         "$bytes": d_bytes,
         "$bytearray": d_bytearray,
@@ -664,5 +705,22 @@ def tensor_names(tree: Any) -> list[str]:
                 out.append(val[0])
             elif tag != "$ndarray":
                 # every other node's value may hold nodes ($dict items, $param, $generator, ...)
+                stack.append(val)
+    return out
+
+
+def dtensor_names(tree: Any) -> list[str]:
+    """All ``{"$dtensor": name}`` names referenced by ``tree``."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$dtensor" and isinstance(val, str):
+                out.append(val)
+            elif tag not in ("$tensor", "$ndarray"):
                 stack.append(val)
     return out

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import _index
 from ._badmarks import bad_mark, record_bad
 from ._bounds import parse_structure
 from ._checksum import crc32c
@@ -421,6 +422,27 @@ def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int
     return os.path.join(step_dir, f.name), f.size, f.crc32c
 
 
+def _indexed_slots(step_dir: str, manifest: Manifest, rank: int) -> dict[str, TensorSlot]:
+    """The tensors of rank ``rank`` that a step's global index places in other files (written
+    once by another rank: ``dedupe``) or splits into chunks (DTensors), as slots to show."""
+    path, size, crc = _listed(step_dir, manifest, _index.INDEX)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(size + 1)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read the index ({e.strerror})", path) from None
+    if len(raw) != size or crc32c(raw) != crc:
+        raise CheckpointCorruptError("checksum mismatch", path)
+    try:
+        index = _index.parse(raw, manifest.world_size, {f.name: f.size for f in manifest.files}, plain_only=True)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"bad global index ({e})", path) from None
+    return {
+        name: TensorSlot(name, dtype, shape, 0, n)
+        for name, (dtype, shape, _, _, n, _) in (index["plain"].get(rank) or {}).items()
+    }
+
+
 def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
     """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots.
 
@@ -436,14 +458,16 @@ def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[lis
     tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
     shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
     tree = read_structure(tree_path, tree_size, tree_crc)
-    slots = read_shard_slots(shard_path, shard_size)
+    shard_slots = slots = read_shard_slots(shard_path, shard_size)
+    if any(f.name == _index.INDEX for f in manifest.files):
+        slots = {**_indexed_slots(step_dir, manifest, rank), **shard_slots}
     entries, missing, referenced = _outline(tree, slots, tree_path)
     if missing:
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}", shard_path)
     if referenced is not None and referenced != set(slots):
         extra = sorted(set(slots) - referenced)
         raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_path)
-    return entries, slots
+    return entries, shard_slots
 
 
 # ---------------------------------------------------------------------------- the key tree

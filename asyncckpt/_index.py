@@ -1,0 +1,197 @@
+"""The global tensor index of a step that holds DTensors: ``index.json``.
+
+A DTensor is saved as chunks: every rank that writes a box of it (one replica per box, see
+``_sharding.ShardInfo.writer``) stores its local shard in its own ``rankRRRRR.safetensors``
+under the usual dotted name. Each rank reports its part (:func:`rank_part`, on the writer
+thread, CRC-32C of every slot computed from the staging buffer); the leader merges the parts
+(:func:`merge`) into one index, written before the manifest and listed in it with its size
+and CRC, so a checkpoint is a global description readable without the mesh that wrote it::
+
+    {"format": "asyncckpt-index/1", "world_size": 4,
+     "tensors": {"model.up.weight": {"dtype": "F32", "shape": [8, 6],
+                                     "placements": ["SS(0,2)", "S(0)"], "mesh": [2, 2],
+                                     "chunks": [[[0, 0], [2, 6], "rank00000.safetensors",
+                                                 4096, 48, 3735928559], ...]}},
+     "plain": {"0": {"model.buf": ["F32", [4], 4144, 16, 123]}, "1": ..., "3": null}}
+
+A chunk is ``[offsets, sizes, file, begin (absolute file byte), nbytes, crc32c]``.
+``plain`` lists, per rank, where each of its other tensors lies in its file, with a CRC, so
+a reader can take one rank's values without reading its DTensor chunks (``null``: a rank that
+held no DTensor reported nothing; its file is then read whole, checked by the manifest's
+CRC). ``placements`` and ``mesh`` are informational; the loader uses shape and chunks only.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ._checksum import crc32c
+from ._header import ITEMSIZE
+
+INDEX = "index.json"
+FORMAT = "asyncckpt-index/1"
+#: Refuse index files larger than this before parsing them.
+MAX_INDEX_BYTES = 1 << 30
+
+
+def rank_part(
+    buffer: memoryview,
+    data_start: int,
+    slots: Any,
+    dtensors: list[dict[str, Any]],
+    file: str,
+    writers: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """This rank's part of the index, from the file image ``buffer`` it writes as ``file``.
+
+    ``slots``: that image's ``TensorSlot`` list; ``dtensors``: one description per DTensor the
+    rank holds (name, dtype, shape, placements, mesh, box or None, writer), from ``save()``;
+    ``writers``: the deduplicated plain tensors and the rank writing each (``_dedupe.plan``).
+    """
+    by_name = {s.name: s for s in slots}
+    tensors: dict[str, Any] = {}
+    written: set[str] = set()
+    for d in dtensors:
+        entry = {k: d[k] for k in ("dtype", "shape", "placements", "mesh")}
+        entry["chunk"] = None
+        if d["writer"]:
+            s = by_name[d["name"]]
+            begin, n = data_start + s.begin, s.end - s.begin
+            entry["chunk"] = [d["box"][0], d["box"][1], begin, n, crc32c(buffer[begin : begin + n])]
+            written.add(d["name"])
+        tensors[d["name"]] = entry
+    plain = [
+        [s.name, s.dtype, list(s.shape), file, data_start + s.begin, s.end - s.begin,
+         crc32c(buffer[data_start + s.begin : data_start + s.end])]
+        for s in slots
+        if s.name not in written
+    ]  # fmt: skip
+    return {"file": file, "tensors": tensors, "plain": plain, "writers": dict(writers or {})}
+
+
+def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
+    """The index file from every rank's part (``None``: a rank without DTensors).
+
+    Raises ``ValueError`` when ranks disagree on a DTensor's dtype or global shape.
+    """
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for r in range(world):
+        part = parts.get(r)
+        if part is None:
+            plain[str(r)] = None
+            continue
+        for name, e in part["tensors"].items():
+            have = tensors.get(name)
+            if have is None:
+                have = tensors[name] = {k: e[k] for k in ("dtype", "shape", "placements", "mesh")}
+                have["chunks"] = []
+            elif (have["dtype"], have["shape"]) != (e["dtype"], e["shape"]):
+                raise ValueError(
+                    f"ranks disagree on DTensor {name!r}: {have['dtype']}{have['shape']} vs "
+                    f"{e['dtype']}{e['shape']} on rank {r}"
+                )
+            if e["chunk"] is not None:
+                offs, sizes, begin, n, crc = e["chunk"]
+                have["chunks"].append([offs, sizes, part["file"], begin, n, crc])
+        plain[str(r)] = {p[0]: p[1:] for p in part["plain"]}
+    deduped = 0
+    for r in range(world):
+        part = parts.get(r)
+        for name, w in (part or {}).get("writers", {}).items():
+            if w != r:  # written once, by rank w: rank r's value is that copy
+                have = (parts.get(w) or {}).get("writers", {}).get(name) == w and plain[str(w)].get(name)
+                if not have:
+                    raise ValueError(f"rank {w} was to write {name!r} for rank {r} but did not report it")
+                plain[str(r)][name] = have
+                deduped += 1
+    for e in tensors.values():
+        e["chunks"].sort(key=lambda c: c[0])
+    doc: dict[str, Any] = {"format": FORMAT, "world_size": world, "tensors": tensors, "plain": plain}
+    if any((p or {}).get("writers") for p in parts.values()):
+        doc["dedupe"] = {"hash": "xxh3-128", "copies_not_written": deduped}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _ints(v: object) -> bool:
+    return isinstance(v, list) and all(_uint(x) for x in v)
+
+
+def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: bool = False) -> dict[str, Any]:
+    """Parse and validate an index read back (``ValueError`` on any defect).
+
+    Every DTensor's chunks must tile its shape and lie inside files the manifest lists
+    (``_reshard.check_chunk_index``, cost bounded by the chunk count); every plain entry
+    must lie inside the file it names. ``plain_only`` skips the DTensors (the torch- and
+    numpy-free CLI shows and checks only the plain entries).
+    """
+    if len(raw) > MAX_INDEX_BYTES:
+        raise ValueError(f"index larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"index is not valid JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("world_size") != world:
+        raise ValueError("index has an unknown format or another world size than the manifest")
+    tensors, plain = doc.get("tensors"), doc.get("plain")
+    if not isinstance(tensors, dict) or not isinstance(plain, dict):
+        raise ValueError("index is malformed")
+    out: dict[str, Any] = {}
+    if not plain_only:
+        out = _parse_tensors(tensors, file_sizes)
+    ranks: dict[int, dict[str, tuple[str, tuple[int, ...], str, int, int, int]] | None] = {}
+    for r in range(world):
+        entries = plain.get(str(r))
+        if entries is None:
+            ranks[r] = None
+            continue
+        if not isinstance(entries, dict):
+            raise ValueError(f"plain entries of rank {r} are malformed")
+        got: dict[str, tuple[str, tuple[int, ...], str, int, int, int]] = {}
+        for name, p in entries.items():
+            if not (isinstance(p, list) and len(p) == 6 and p[0] in ITEMSIZE and _ints(p[1])):
+                raise ValueError(f"plain entry {name!r} of rank {r} is malformed")
+            dtype, shape, file, begin, n, crc = p
+            if not (_uint(begin) and _uint(n) and _uint(crc)) or n != math.prod(shape) * ITEMSIZE[dtype]:
+                raise ValueError(f"plain entry {name!r} of rank {r} is malformed")
+            size = file_sizes.get(file) if isinstance(file, str) else None
+            if size is None or begin + n > size:
+                raise ValueError(f"plain entry {name!r} of rank {r} lies outside the files listed")
+            got[name] = (dtype, tuple(shape), file, begin, n, crc)
+        ranks[r] = got
+    return {"tensors": out, "plain": ranks}
+
+
+def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int]) -> dict[str, Any]:
+    from ._reshard import Box, SavedChunk, check_chunk_index  # numpy: not for the CLI's plain-only reads
+
+    out: dict[str, Any] = {}
+    for name, e in tensors.items():
+        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not _ints(e.get("shape")):
+            raise ValueError(f"index entry of {name!r} is malformed")
+        item = ITEMSIZE[e["dtype"]]
+        chunks, crcs = [], []
+        raw_chunks = e.get("chunks")
+        if not isinstance(raw_chunks, list):
+            raise ValueError(f"index entry of {name!r} is malformed")
+        for c in raw_chunks:
+            if not (isinstance(c, list) and len(c) == 6 and _ints(c[0]) and _ints(c[1])):
+                raise ValueError(f"chunk of {name!r} is malformed")
+            offs, sizes, file, begin, n, crc = c
+            if not (isinstance(file, str) and _uint(begin) and _uint(n) and _uint(crc) and crc < 2**32):
+                raise ValueError(f"chunk of {name!r} is malformed")
+            if len(offs) != len(sizes) or n != math.prod(sizes) * item:
+                raise ValueError(f"chunk of {name!r} has {n} bytes for {sizes}")
+            chunks.append(SavedChunk(Box(tuple(offs), tuple(sizes)), file, begin))
+            crcs.append(crc)
+        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
+        out[name] = {"dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs}
+    return out

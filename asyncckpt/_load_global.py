@@ -1,0 +1,369 @@
+"""Loading a step that has a global tensor index (it holds DTensors), at any world size.
+
+Each DTensor is rebuilt from the chunks the index lists (``_index``), for a *target box*:
+the local shard of the DTensor the caller passed in ``into=`` (any mesh, any placements
+``_sharding`` supports), or the whole tensor otherwise (one process, no process group, plain
+targets). Only chunks overlapping the box are read (``_reshard.plan_reads``):
+
+- a chunk needed whole whose bytes are one contiguous run of the target (every ``Shard(0)``
+  reshard) is read straight into the result tensor and its CRC-32C checked;
+- a chunk needed in part is, with ``verify``, read whole into a bounce buffer and checked
+  against its CRC before its overlap is copied out (the index holds one CRC per chunk); without
+  ``verify`` only the one byte span covering the overlap is read.
+
+Everything else in a rank's state (plain tensors, values) is *per rank*: it loads from the
+reader's own rank when the world size matches, from the rank named by ``rank=``, or, across a
+change of world size, only when every saved rank holds the same values (compared by content:
+tensors byte for byte) - otherwise ``CheckpointError`` names the keys that differ, unless the
+caller chose ``per_rank="rank0"`` (take rank 0's).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from . import _index
+from ._bounds import check_memory, parse_structure
+from ._checksum import crc32c
+from ._discovery import PinnedStep
+from ._errors import CheckpointCorruptError, CheckpointError
+from ._format import DTYPE_TO_ST, ST_TO_DTYPE
+from ._load import _check_tree_size, _read_all, byte_view, read_shard_fd
+from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._readinto import _pread_exact
+from ._reshard import Box, plan_reads
+from ._structure import dtensor_names, flatten, tensor_names, unflatten
+
+PerRank = Literal["error", "rank0"]
+PER_RANK = ("error", "rank0")
+
+
+@dataclass
+class Reader:
+    """Who reads an indexed step, and how per-rank values are chosen."""
+
+    world: int = 1  # the reading job's world size (1: one process)
+    own: int = 0  # the reader's rank in it
+    rank: int | None = None  # explicit: take this saved rank's per-rank values
+    per_rank: PerRank = "error"
+    into: Any = None  # the caller's ``into=``: its DTensors get their local boxes
+    strip_prefixes: tuple[str, ...] = ()
+    _targets: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def targets(self) -> dict[str, Any]:
+        """Tree name -> (ShardInfo, DTensor) of ``into`` (looked up once, only for indexed steps)."""
+        if self._targets is None:
+            self._targets = targets_of(self.into, self.strip_prefixes)
+        return self._targets
+
+
+def indexed(manifest: Manifest) -> bool:
+    """True for a step with a global tensor index."""
+    return any(f.name == _index.INDEX for f in manifest.files)
+
+
+def describe_for_index(found: list[tuple[str, Any, Any]]) -> list[dict[str, Any]]:
+    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part``."""
+    out = []
+    for name, info, _ in found:
+        box = info.box
+        out.append(
+            {
+                "name": name,
+                "dtype": DTYPE_TO_ST[info.dtype],
+                "shape": list(info.global_shape),
+                "placements": list(info.layout.placements),
+                "mesh": list(info.layout.mesh_shape),
+                "box": None if box is None else [list(box.offsets), list(box.sizes)],
+                "writer": info.writer,
+            }
+        )
+    return out
+
+
+def targets_of(into: Any, strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """Tree name -> DTensor for every DTensor in ``into`` (named as ``save()`` names them)."""
+    if into is None:
+        return {}
+    found: list[tuple[str, Any, Any]] = []
+    try:
+        flatten(into, strip_prefixes, dtensors=found)
+    except (TypeError, ValueError):
+        return {}  # not a state save() could take: restore_into reports the mismatch
+    return {name: (info, dt) for name, info, dt in found}
+
+
+class _Files:
+    """The step's files opened at most once each (through the pin), closed together."""
+
+    def __init__(self, pinned: PinnedStep, manifest: Manifest) -> None:
+        self.pinned, self.manifest = pinned, manifest
+        self.fds: dict[str, int] = {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.pinned.path, name)
+
+    def size(self, name: str) -> int:
+        try:
+            return self.manifest.file(name).size
+        except CheckpointCorruptError:
+            raise CheckpointCorruptError(f"manifest does not list {name}", self.path(MANIFEST)) from None
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = self.pinned.open_file(name, self.size(name))
+        return self.fds[name]
+
+    def read(self, name: str, expected_crc: int | None) -> bytes:
+        raw = _read_all(self.fd(name), self.size(name))
+        if len(raw) != self.size(name) or (expected_crc is not None and crc32c(raw) != expected_crc):
+            raise CheckpointCorruptError("checksum mismatch", self.path(name))
+        return raw
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
+    """The state of an indexed step as ``reader`` gets it (see the module docstring)."""
+    manifest = pinned.manifest
+    assert manifest is not None
+    files = _Files(pinned, manifest)
+    try:
+        return _load(files, manifest, reader, verify)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read ({e.strerror})", getattr(e, "filename", None)) from None
+    finally:
+        files.close()
+
+
+def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool) -> Any:
+    saved = manifest.world_size
+    entry = manifest.file(_index.INDEX)
+    raw = files.read(_index.INDEX, entry.crc32c if verify else None)
+    try:
+        index = _index.parse(raw, saved, {f.name: f.size for f in manifest.files})
+    except ValueError as e:
+        raise CheckpointCorruptError(f"bad global index ({e})", files.path(_index.INDEX)) from None
+    del raw
+    if reader.rank is not None:
+        if reader.rank >= saved:
+            from ._resume import NoSuchShard
+
+            raise NoSuchShard(f"step {manifest.step} was saved by {saved} rank(s); no rank {reader.rank}")
+        ranks = [reader.rank]
+    elif reader.world == saved:
+        ranks = [reader.own]
+    elif reader.per_rank == "rank0":
+        ranks = [0]
+    else:
+        ranks = list(range(saved))  # compared below: they must agree
+    trees = {r: _tree(files, r, verify) for r in ranks}
+    plains = {r: _plain(files, index, r, trees[r], verify) for r in ranks}
+    first = ranks[0]
+    if len(ranks) > 1:
+        differ: list[str] = []
+        for r in ranks[1:]:
+            for key in _diff(trees[first], plains[first], trees[r], plains[r], ()):
+                if key not in differ:
+                    differ.append(key)
+        if differ:
+            shown = ", ".join(repr(k) for k in differ[:10]) + (
+                f" and {len(differ) - 10} more" if len(differ) > 10 else ""
+            )
+            raise CheckpointError(
+                f"step {manifest.step} was saved by {saved} rank(s) and this job has {reader.world}: "
+                f"the DTensors reshard, but these values differ between the saved ranks (per-rank state): "
+                f"{shown}; pass per_rank='rank0' to take rank 0's values, or rank= to pick one rank's"
+            )
+    tree = trees[first]
+    tensors: dict[str, Any] = dict(plains[first])
+    for name in dtensor_names(tree):
+        meta = index["tensors"].get(name)
+        if meta is None:
+            raise CheckpointCorruptError(f"the index lacks DTensor {name!r}", files.path(_index.INDEX))
+        tensors[name] = _dtensor(files, name, meta, reader.targets.get(name), verify)
+    try:
+        return unflatten(tree, tensors)
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:
+        raise CheckpointCorruptError(f"malformed structure ({e})", files.path(tree_name(first))) from None
+
+
+def _tree(files: _Files, rank: int, verify: bool) -> Any:
+    name = tree_name(rank)
+    size = files.size(name)
+    _check_tree_size(files.path(name), size)
+    raw = _read_all(files.fd(name), size)
+    return parse_structure(raw, files.path(name), size, files.manifest.file(name).crc32c if verify else None)
+
+
+def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: bool) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s plain tensors (everything but its DTensor chunks)."""
+    name = shard_name(rank)
+    wanted = set(tensor_names(tree))
+    entries = index["plain"][rank]
+    if entries is None:  # a rank that held no DTensor: its whole file, checked by the manifest
+        fd = files.fd(name)
+        got, _ = read_shard_fd(
+            fd, files.path(name), files.size(name), files.manifest.file(name).crc32c if verify else None
+        )
+        out = {k: v for k, v in got.items() if k in wanted}
+    else:
+        out = {}
+        need = sum(e[4] for k, e in entries.items() if k in wanted)
+        check_memory(need, f"loading the values of rank {rank}", files.path(name))
+        for k in wanted:
+            if k not in entries:
+                break
+            dtype, shape, file, begin, _, crc = entries[k]  # file: another rank's when deduplicated
+            t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
+            mv = byte_view(t)
+            _pread_exact(files.fd(file), _pieces(mv), begin, files.path(file))
+            if verify and crc32c(mv) != crc:
+                raise CheckpointCorruptError(f"checksum mismatch in {k!r}", files.path(file))
+            out[k] = t
+    if set(out) != wanted:
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", files.path(name))
+    return out
+
+
+def _dtensor(files: _Files, name: str, meta: dict[str, Any], target: Any, verify: bool) -> Any:
+    """The saved DTensor ``name``: the target's local shard as a DTensor, or the whole tensor."""
+    dtype = ST_TO_DTYPE[meta["dtype"]]
+    shape = meta["shape"]
+    box = Box.whole(shape)
+    if target is not None:
+        info, dt = target
+        if tuple(info.global_shape) != tuple(shape) or info.dtype != dtype:
+            raise ValueError(
+                f"{name}: {dtype}{list(shape)} in checkpoint, {info.dtype}{list(info.global_shape)} in target"
+            )
+        box = info.box if info.box is not None else Box((0,) * len(shape), (0,) * len(shape))
+    check_memory(box.numel * dtype.itemsize, f"loading {name!r}", files.path(_index.INDEX))
+    out = torch.empty(box.sizes, dtype=dtype)
+    if not box.empty:
+        _fill(files, name, meta, out, box, verify)
+    if target is None:
+        return out
+    from torch.distributed.tensor import DTensor
+
+    info, dt = target
+    local = out.to(info.local.device)
+    return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+
+
+def _fill(files: _Files, name: str, meta: dict[str, Any], out: torch.Tensor, box: Box, verify: bool) -> None:
+    item = out.element_size()
+    dst = byte_view(out)
+    for cr in plan_reads(meta["chunks"], box, item):
+        crc = meta["crcs"][cr.index]
+        chunk = cr.chunk
+        path = files.path(chunk.file)
+        fd = files.fd(chunk.file)
+        n = chunk.nbytes(item)
+        if cr.overlap == chunk.box and cr.ncopies() <= 1:
+            # the whole chunk is one contiguous run of the target: read it in place
+            (rng,) = list(cr.copies())
+            piece = dst[rng.dst : rng.dst + rng.length]
+            _pread_exact(fd, _pieces(piece), chunk.begin, path)
+            if verify and crc32c(piece) != crc:
+                raise CheckpointCorruptError(f"checksum mismatch in a chunk of {name!r}", path)
+            continue
+        if verify:
+            start, length = chunk.begin, n
+        else:
+            start, length = cr.span()
+        bounce = torch.empty(length, dtype=torch.uint8)
+        bmv = byte_view(bounce)
+        _pread_exact(fd, _pieces(bmv), start, path)
+        if verify and crc32c(bmv) != crc:
+            raise CheckpointCorruptError(f"checksum mismatch in a chunk of {name!r}", path)
+        # the overlap, run by run (each contiguous in the file and in the target)
+        for rng in cr.copies():
+            s = rng.src - start
+            dst[rng.dst : rng.dst + rng.length] = bmv[s : s + rng.length]
+
+
+# ---------------------------------------------------------------------------- per-rank values
+_MAPPINGS = ("$dict", "$defaultdict", "$odict")
+
+
+def _diff(
+    a: Any, ta: dict[str, torch.Tensor], b: Any, tb: dict[str, torch.Tensor], path: tuple[str, ...]
+) -> Iterator[str]:
+    """Dotted key paths where two ranks' trees (with their tensors) hold different values."""
+    where = ".".join(path) or "<root>"
+    if isinstance(a, dict) and isinstance(b, dict) and len(a) == len(b) == 1 and a.keys() == b.keys():
+        ((tag, va),) = a.items()
+        vb = b[tag]
+        if tag == "$tensor":
+            x, y = ta.get(va), tb.get(vb)
+            if x is None or y is None or x.dtype != y.dtype or x.shape != y.shape or not _same_bytes(x, y):
+                yield where
+            return
+        if tag == "$dtensor":
+            if va != vb:
+                yield where
+            return
+        if tag == "$ndarray" and isinstance(va, list) and isinstance(vb, list) and va and vb:
+            yield from _diff({"$tensor": va[0]}, ta, {"$tensor": vb[0]}, tb, path)
+            if va[1:] != vb[1:]:
+                yield where
+            return
+        if tag in _MAPPINGS and isinstance(va, list) and isinstance(vb, list):
+            # $dict: items; $defaultdict: [factory, items]; $odict: [items, metadata]
+            if tag == "$dict":
+                yield from _diff_items(va, ta, vb, tb, path)
+                return
+            if len(va) != 2 or len(vb) != 2:
+                yield where
+                return
+            items = 1 if tag == "$defaultdict" else 0
+            if va[1 - items] != vb[1 - items]:
+                yield where
+            yield from _diff_items(va[items], ta, vb[items], tb, path)
+            return
+        yield from _diff(va, ta, vb, tb, path)
+        return
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for x, y in zip(a, b, strict=True):
+            yield from _diff(x, ta, y, tb, path)
+        return
+    if a != b:
+        yield where
+
+
+def _diff_items(
+    ia: Any, ta: dict[str, torch.Tensor], ib: Any, tb: dict[str, torch.Tensor], path: tuple[str, ...]
+) -> Iterator[str]:
+    if not (isinstance(ia, list) and isinstance(ib, list)):
+        yield ".".join(path) or "<root>"
+        return
+    da = {str(i[0]): i[1] for i in ia if isinstance(i, list) and len(i) == 2}
+    db = {str(i[0]): i[1] for i in ib if isinstance(i, list) and len(i) == 2}
+    for k in da.keys() | db.keys():
+        sub = (*path, k)
+        if k not in da or k not in db:
+            yield ".".join(sub)
+        else:
+            yield from _diff(da[k], ta, db[k], tb, sub)
+
+
+def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return bool(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))) if x.numel() else True
+
+
+_PIECE = 16 * 1024 * 1024
+
+
+def _pieces(mv: memoryview) -> list[memoryview]:
+    """``mv`` in 16 MiB pieces: one preadv stays bounded however large the chunk."""
+    return [mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE)]

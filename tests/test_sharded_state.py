@@ -1,0 +1,230 @@
+"""DTensor state (FSDP2 uneven and empty shards, TP Shard(0)/Shard(1)/Replicate, FSDP x TP on a
+2 x 2 mesh) saved on real gloo ranks and loaded on another world size, into DTensors of another
+layout and into plain tensors on one process: bit-equal to the full tensors that were saved."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ranks import free_port, log_tail, run_ranks
+
+import asyncckpt
+from asyncckpt import CheckpointCorruptError, CheckpointError, reading
+from asyncckpt._discovery import open_step
+
+WORKER = str(Path(__file__).with_name("_global_worker.py"))
+sys.path.insert(0, str(Path(__file__).parent))
+from _global_worker import Net, same  # noqa: E402
+
+STEP = "step_00000001"
+
+
+def verify(root: Path, step: int) -> list[Any]:
+    """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
+    step_dir, manifest = open_step(str(root), step)
+    return reading.verify_step(str(root), step_dir, manifest, record=False)
+
+
+def spawn(
+    tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int, dead: tuple[int, ...] = ()
+) -> dict[int, dict[str, Any]]:
+    logs = tmp / f"logs-{scenario}-{world}"
+    logs.mkdir()
+    port = free_port()
+    argv = [scenario, "", str(world), str(port), str(root), str(out), str(saved)]
+
+    def args(r: int) -> list[str]:
+        return [WORKER, argv[0], str(r), *argv[2:]]
+
+    hung = run_ranks(args, world, logs, 120.0)
+    assert not hung, f"ranks {hung} still running at the deadline"
+    res = {}
+    for r in range(world):
+        if r in dead:
+            continue
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        res[r] = json.loads(f.read_text())
+        f.unlink()
+        assert "crash" not in res[r], res[r]["crash"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("s4")
+    root, out = tmp / "ck", tmp / "out"
+    return root, out, spawn(tmp, "save", 4, root, out, 4)
+
+
+@pytest.mark.timeout(200)
+def test_save_on_4_load_on_2_reshards_bit_equal(saved_on_4: Any, tmp_path: Path) -> None:
+    root, out, saved = saved_on_4
+    step_dir = root / STEP
+    names = sorted(p.name for p in step_dir.iterdir())
+    ranks = [f"rank{r:05d}.{e}" for r in range(4) for e in ("json", "safetensors")]
+    assert names == ["index.json", "manifest.json", *ranks]
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["format"] == "asyncckpt/2" and "index.json" in {f["name"] for f in manifest["files"]}
+    index = json.loads((step_dir / "index.json").read_text())
+    # replicas write nothing: the Replicate()d vector is one chunk, written by rank 0
+    assert [c[2] for c in index["tensors"]["tp.rep"]["chunks"]] == ["rank00000.safetensors"]
+    # FSDP2 with 3 rows on 4 ranks: rank 3's shard is empty and written by nobody
+    assert len(index["tensors"]["model.b.up.weight"]["chunks"]) == 3
+    assert index["tensors"]["tp2d.up.weight"]["placements"] == ["SS(0,2)", "S(0)"]
+    assert verify(root, 1) == []
+    res = spawn(tmp_path, "load", 2, root, out, 4)
+    for r in res.values():
+        # per-rank values across a change of world size are refused by name, then rank 0's taken
+        assert r["refused"] is not None and "'rng'" in r["refused"] and "per_rank='rank0'" in r["refused"]
+        assert r["step"] == 7
+    assert res[0]["diff"] == [] and res[0]["diff_dcp"] == []  # bit-equal to what was saved and to DCP's reshard
+    assert res[0]["local_shapes"] == {"s1": [5, 4], "s0": [4, 5], "rep": [7]}
+    assert res[1]["local_shapes"] == {"s1": [5, 3], "s0": [3, 5], "rep": [7]}
+    print(f"\nbytes on disk: asyncckpt {saved[0]['bytes']}, dcp.save {saved[0]['dcp_bytes']}")
+
+
+def test_saved_on_4_loads_on_one_process_as_full_tensors(saved_on_4: Any) -> None:
+    root, out, _ = saved_on_4
+    ref = torch.load(f"{out}.ref.pt")
+    with pytest.raises(CheckpointError, match="'rng'"):
+        asyncckpt.load(root)
+    state = asyncckpt.load(root, per_rank="rank0")
+    assert same({k: state[k] for k in ref}, ref) == []
+    assert state["rng"].tolist() == [0, 0, 0]
+    assert asyncckpt.load(root, rank=3)["rng"].tolist() == [3, 3, 3]
+    # into plain tensors: a plain module gets the full weights
+    torch.manual_seed(0)
+    plain = Net(8)
+    asyncckpt.load(root, into={"tp2d": plain}, per_rank="rank0")
+    assert same(dict(plain.state_dict()), ref["tp2d"]) == []
+    # a Checkpointer on one process reads it the same way
+    with asyncckpt.Checkpointer(root) as ck:
+        assert same(ck.load(per_rank="rank0")["tp"], ref["tp"]) == []
+
+
+def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
+    root, _, _ = saved_on_4
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    index = json.loads((copy / STEP / "index.json").read_text())
+    _, _, file, begin, n, _ = index["tensors"]["model.a.up.weight"]["chunks"][1]
+    with open(copy / STEP / file, "r+b") as f:
+        f.seek(begin + n // 2)
+        b = f.read(1)
+        f.seek(begin + n // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(CheckpointCorruptError) as e:
+        asyncckpt.load(copy, 1, per_rank="rank0")
+    assert e.value.path is not None and e.value.path.endswith(file)
+    # a tampered index is named too
+    raw = (copy / STEP / "index.json").read_bytes()
+    (copy / STEP / "index.json").write_bytes(raw.replace(b'"chunks"', b'"chunkz"', 1))
+    with pytest.raises(CheckpointCorruptError, match=r"index\.json"):
+        asyncckpt.load(copy, 1, per_rank="rank0", verify=False)
+
+
+@pytest.mark.timeout(200)
+def test_save_on_2_load_on_4(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe=True
+    index = json.loads((root / STEP / "index.json").read_text())
+    assert index["dedupe"]["copies_not_written"] > 0
+    assert index["plain"]["0"]["model.a.buf"][2:4] == index["plain"]["1"]["model.a.buf"][2:4]  # one copy
+    assert index["plain"]["0"]["rng"][2] != index["plain"]["1"]["rng"][2]  # one per rank
+    assert verify(root, 1) == []
+    res = spawn(tmp_path, "load", 4, root, out, 2)
+    assert res[0]["diff"] == [] and res[0]["diff_dcp"] == []
+    assert [res[r]["local_shapes"]["s1"] for r in range(4)] == [[5, 2], [5, 2], [5, 2], [5, 1]]
+    for r in res.values():
+        assert "'rng'" in r["refused"]
+
+
+def test_state_without_dtensors_keeps_the_old_format(tmp_path: Path) -> None:
+    with asyncckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.arange(4.0), "n": 3}).result(timeout=60)
+    manifest = json.loads((tmp_path / STEP / "manifest.json").read_text())
+    assert manifest["format"] == "asyncckpt/1"
+    assert not (tmp_path / STEP / "index.json").exists()
+    assert asyncckpt.load(tmp_path)["n"] == 3
+    with pytest.raises(ValueError, match="per_rank"):
+        asyncckpt.load(tmp_path, per_rank="rank1")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(200)
+def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    res = spawn(tmp_path, "ddp", 4, root, out, 4)
+    for r in res.values():
+        assert r["model_equal"] and r["optim_equal"] and r["rng_equal"], r
+        # a rank refusing its state fails the dedupe round at once for everyone, naming it
+        assert r["bad"] == ("TypeError" if r["rank"] == 1 else [1]), r
+        assert r["bad_s"] < 10 and r["after_bad"] == [2], r
+    r0 = res[0]
+    # model and optimizer once in total, the per-rank RNG states once per rank
+    assert r0["dedup_nbytes"] == r0["replicated_bytes"] + 4 * r0["rng_bytes"]
+    assert r0["plain_nbytes"] == 4 * (r0["replicated_bytes"] + r0["rng_bytes"])
+    dd, plain = Path(f"{root}-dedup"), Path(f"{root}-plain")
+    assert json.loads((plain / "step_00000002" / "manifest.json").read_text())["format"] == "asyncckpt/1"
+    index = json.loads((dd / "step_00000002" / "index.json").read_text())
+    assert verify(dd, 2) == [] and verify(plain, 2) == []
+    writers = {e[2] for e in index["plain"]["0"].values()}
+    assert len(writers) == 4, writers  # spread over every rank's file
+    # per-rank values stay per rank: every saved rank's RNG state, and they differ
+    rngs = [asyncckpt.load(dd, 2, rank=r)["rng"] for r in range(4)]
+    assert len({bytes(t.numpy()) for t in rngs}) == 4
+    with pytest.raises(CheckpointError, match="'rng'") as e:
+        asyncckpt.load(dd, 2)
+    assert "model" not in str(e.value).split("per-rank state")[1]
+    got, want = asyncckpt.load(dd, 2, per_rank="rank0"), asyncckpt.load(plain, 2)
+    assert same(got["model"], want["model"]) == [] and same(got["optim"], want["optim"]) == []
+    print(f"\nDDP on 4 ranks: {r0['dedup_nbytes']} B written with dedupe, {r0['plain_nbytes']} B without")
+
+
+def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(50, 8)
+            self.lm_head = torch.nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.wte.weight  # GPT-2's tying
+
+    torch.manual_seed(0)
+    model = Tied()
+    base = torch.arange(12.0)
+    state = {"model": model, "views": [base, base[2:], base.view(3, 4)], "again": base}
+    with asyncckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    with safe_open(str(tmp_path / STEP / "rank00000.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    # one copy of the tied weight and of `base` (the slice and the reshaped view are other tensors)
+    assert names == ["model.wte.weight", "views.0", "views.1", "views.2"]
+    assert json.loads((tmp_path / STEP / "manifest.json").read_text())["format"] == "asyncckpt/2"
+    loaded = asyncckpt.load(tmp_path)
+    assert loaded["model"]["lm_head.weight"] is loaded["model"]["wte.weight"]
+    assert loaded["again"] is loaded["views"][0] and torch.equal(loaded["views"][1], base[2:])
+    torch.manual_seed(1)
+    fresh = Tied()
+    asyncckpt.load(tmp_path, into={"model": fresh})
+    assert torch.equal(fresh.lm_head.weight, model.wte.weight) and fresh.lm_head.weight is fresh.wte.weight
+    assert verify(tmp_path, 1) == []
+
+
+@pytest.mark.timeout(200)
+def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    res = spawn(tmp_path, "savekill", 4, root, out, 4, dead=(3,))
+    for r in range(3):
+        assert res[r]["second"] == "SaveTimeoutError", res[r]
+    assert asyncckpt.find_latest(root).step == 1  # type: ignore[union-attr]
+    # the survivors' attempt is not a checkpoint; a 2-rank job resumes from step 1, resharded
+    res = spawn(tmp_path, "load", 2, root, out, 4)
+    assert res[0]["diff"] == [] and res[0]["step"] == 7
