@@ -909,6 +909,7 @@ def load(
     verify: bool = True,
     rank: int = 0,
     strip_prefixes: Sequence[str] = (),
+    storage_options: dict[str, str] | None = None,
 ) -> Any:
     """Load rank ``rank``'s state of a complete checkpoint under ``root`` (no Checkpointer needed).
 
@@ -920,7 +921,14 @@ def load(
     any number of readers may run while a job writes.
 
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
+    ``root`` may be an ``s3://bucket/prefix`` URL (see :mod:`asyncckpt.remote`), with
+    ``storage_options`` for its store.
     """
+    if isinstance(root, str) and root.startswith("s3://"):
+        from .remote import load as load_remote
+
+        return load_remote(root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes,
+                           storage_options=storage_options)
     prefixes = _prefixes(strip_prefixes)
     if step is not None:
         check_step(step)

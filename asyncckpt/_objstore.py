@@ -667,6 +667,26 @@ class ObjectStore:
         result: list[ObjectInfo] = await self._retrying(deadline, prefix, "list", run)
         return result
 
+    async def list_dirs(self, prefix: str, deadline: float) -> builtins.list[str]:
+        """The names of the "directories" right below ``prefix`` (a LIST with delimiter ``/``):
+        ``step_00000300`` for ``P/step_00000300/...``; unsorted."""
+        self._check_key(prefix, prefix=True)
+
+        async def run(_b: float) -> builtins.list[str]:
+            res = await obstore.list_with_delimiter_async(self._store, prefix or None)
+            out = []
+            for p in res["common_prefixes"]:
+                rel = str(p)
+                if self.prefix and rel.startswith(self.prefix + "/"):
+                    rel = rel[len(self.prefix) + 1 :]
+                if prefix and rel.startswith(prefix):
+                    rel = rel[len(prefix) :]
+                out.append(rel.strip("/"))
+            return out
+
+        result: builtins.list[str] = await self._retrying(deadline, prefix, "list", run)
+        return result
+
     # -- multipart housekeeping --------------------------------------------------------------
 
     @property
