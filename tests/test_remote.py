@@ -305,3 +305,34 @@ def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: s
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step 1" in r.stdout and "complete" in r.stdout
+
+
+def test_push_refuses_a_step_another_attempt_committed(tmp_path: Path, s3: S3Server, url: str) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_local(a, [1])
+    write_local(b, [1])  # the same step, another attempt
+    o = opts(s3.endpoint)
+    remote.push(a, url, storage_options=o, deadline_s=60)
+    with pytest.raises(asyncckpt.CheckpointError, match="another attempt") as ei:
+        remote.push(b, url, storage_options=o, deadline_s=60)
+    assert "asyncckpt-test-secret" not in str(ei.value)
+    remote_manifest = objects_bytes(s3.endpoint, url, "step_00000001/manifest.json")
+    assert remote_manifest == (a / "step_00000001" / "manifest.json").read_bytes()
+    assert remote_manifest != (b / "step_00000001" / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [pytest.param(Rule("reset_response", method="GET", times=2), id="get-reset-mid-body"),
+     pytest.param(Rule("status", method="GET", status=503, times=3), id="get-503")],
+)
+def test_load_through_read_faults_is_bit_equal(
+    tmp_path: Path, s3: S3Server, proxy: FaultProxy, url: str, rule: Rule
+) -> None:
+    root = tmp_path / "ck"
+    write_local(root, [2])
+    o = opts(proxy.endpoint)
+    remote.push(root, url, storage_options=o, deadline_s=60)
+    proxy.add(rule)
+    assert_same(remote.load(url, storage_options=o, deadline_s=30), state_for(2))
+    assert rule.hits == rule.times
