@@ -41,7 +41,7 @@ from ._discovery import complete_checkpoints, pin_step, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._layout import check_step, parse_step_dir, step_dir_name, tmp_dir_name
 from ._manifest import MANIFEST, Manifest, decode
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._storage import remove_tree
 
 log = logging.getLogger("asyncckpt")
@@ -334,6 +334,22 @@ async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float)
         log.info("removed %d object(s) of dead attempts under %s", len(dead), store.object_url(sd))
 
 
+async def _abort_stale_uploads(store: ObjectStore, m: Manifest, deadline: float) -> None:
+    """Abort incomplete multipart uploads under the committed step (an earlier push killed
+    mid-upload, whose own abort could not reach the store): every object of the step is
+    complete now, so no upload there can be one a commit still needs. Best effort."""
+    if not store.can_list_uploads:
+        return
+    sd = step_dir_name(m.step) + "/"
+    try:
+        n = await store.abort_uploads(sd, deadline=min(deadline, time.monotonic() + 30.0))
+    except ObjectStoreError as e:
+        log.warning("could not abort stale uploads under %s: %s", store.object_url(sd), e)
+        return
+    if n:
+        log.info("aborted %d stale multipart upload(s) under %s", n, store.object_url(sd))
+
+
 async def push_step(store: ObjectStore, root: str, step: int, deadline: float) -> PushResult:
     """Upload committed local ``step`` and commit it on the store (see the module docstring)."""
     t0 = time.monotonic()
@@ -387,6 +403,7 @@ async def push_step(store: ObjectStore, root: str, step: int, deadline: float) -
                     "while this push ran: not overwritten"
                 )
         await _sweep_dead_attempts(store, m, deadline)
+        await _abort_stale_uploads(store, m, deadline)
     return PushResult(step, status, store.object_url(step_dir_name(step)), sum(f.size for f in m.files),
                       time.monotonic() - t0)
 
