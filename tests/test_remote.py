@@ -216,6 +216,12 @@ def test_corrupt_remote_object_is_detected_at_load(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert_same(asyncckpt.load(url, storage_options=o), state_for(1))  # the newest that verifies
     assert any("does not verify" in r.getMessage() for r in caplog.records)
+    # pull checks every object's CRC-32C too: nothing is committed locally, nothing left over
+    dest = tmp_path / "dest"
+    with pytest.raises(CheckpointCorruptError) as ep:
+        remote.pull(url, dest, step=2, storage_options=o)
+    assert f"{url}/{key}" in str(ep.value)
+    assert sorted(os.listdir(dest)) == [".asyncckpt"]
     # a truncated object: the completeness rule (LIST sizes) no longer calls the step complete
     put_object(s3.endpoint, url, key, bytes(data[:-8]))
     latest = asyncckpt.find_latest(url, storage_options=o)
