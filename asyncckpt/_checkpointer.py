@@ -1001,6 +1001,7 @@ def load(
     rank: int | None = None,
     strip_prefixes: Sequence[str] = (),
     per_rank: _load_global.PerRank = "error",
+    storage_options: dict[str, str] | None = None,
 ) -> Any:
     """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
 
@@ -1018,7 +1019,16 @@ def load(
     any number of readers may run while a job writes.
 
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
+    ``root`` may be an ``s3://bucket/prefix`` URL (see :mod:`asyncckpt.remote`), with
+    ``storage_options`` for its store.
     """
+    if isinstance(root, str) and root.startswith("s3://"):
+        from .remote import load as load_remote
+
+        return load_remote(
+            root, step, into=into, verify=verify, rank=0 if rank is None else rank,
+            strip_prefixes=strip_prefixes, storage_options=storage_options,
+        )  # fmt: skip
     prefixes = _prefixes(strip_prefixes)
     if step is not None:
         check_step(step)

@@ -28,12 +28,16 @@ import pathlib
 import stat
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ._bounds import MAX_MANIFEST_BYTES
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._info import CheckpointInfo
 from ._layout import parse_leftover, parse_step_dir, step_dir_name
 from ._manifest import MANIFEST, Manifest, decode
+
+if TYPE_CHECKING:
+    from ._remote import RemoteCheckpointInfo
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -341,11 +345,19 @@ def newest_complete(
     return found[0] if found else None
 
 
-def find_latest(root: str | os.PathLike[str]) -> CheckpointInfo | None:
+def find_latest(
+    root: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None
+) -> CheckpointInfo | RemoteCheckpointInfo | None:
     """The newest complete checkpoint under ``root``, or ``None`` if there is none.
 
     Incomplete, corrupt-looking and leftover directories are skipped. Safe against a
     writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
     across a stable listing. Raises ``CheckpointError`` only for a root it cannot list.
+    ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;
+    see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
     """
+    if isinstance(root, str) and root.startswith("s3://"):
+        from .remote import find_latest as find_latest_remote
+
+        return find_latest_remote(root, storage_options=storage_options)
     return newest_complete(root)

@@ -35,6 +35,7 @@ that silently overwrites raises :class:`ConditionalWriteUnsupportedError` - no s
 from __future__ import annotations
 
 import asyncio
+import atexit
 import builtins
 import datetime as _dt
 import errno
@@ -87,11 +88,26 @@ def _check_not_forked() -> None:
     pid = os.getpid()
     if _RUNTIME_PID is None:
         _RUNTIME_PID = pid
+        atexit.register(_let_runtime_settle)
     elif _RUNTIME_PID != pid:
         raise RuntimeError(
             "object-store I/O in a forked child of a process that already used it: obstore's runtime "
             "does not survive fork(); start such processes with the 'spawn' or 'forkserver' method"
         )
+
+
+#: How long the process waits at exit (interpreter still intact) for obstore's runtime threads.
+EXIT_SETTLE_S = 0.2
+
+
+def _let_runtime_settle() -> None:
+    """At exit, before the interpreter is torn down: a short wait that lets obstore's tokio
+    worker threads finish what they still do with Python objects. Without it a short-lived
+    process that used the store sometimes dies of SIGABRT during finalization after all its
+    work succeeded (measured: 2 of 40 ``asyncckpt push`` + ``ls`` processes exited -6; with it 0 of 120; the
+    same class of bug as lancedb/lancedb#4175)."""
+    if _RUNTIME_PID == os.getpid():
+        time.sleep(EXIT_SETTLE_S)
 
 
 class ObjectStoreError(CheckpointError, OSError):
@@ -665,6 +681,26 @@ class ObjectStore:
             return sorted(out, key=lambda i: i.key)
 
         result: list[ObjectInfo] = await self._retrying(deadline, prefix, "list", run)
+        return result
+
+    async def list_dirs(self, prefix: str, deadline: float) -> builtins.list[str]:
+        """The names of the "directories" right below ``prefix`` (a LIST with delimiter ``/``):
+        ``step_00000300`` for ``P/step_00000300/...``; unsorted."""
+        self._check_key(prefix, prefix=True)
+
+        async def run(_b: float) -> builtins.list[str]:
+            res = await obstore.list_with_delimiter_async(self._store, prefix or None)
+            out = []
+            for p in res["common_prefixes"]:
+                rel = str(p)
+                if self.prefix and rel.startswith(self.prefix + "/"):
+                    rel = rel[len(self.prefix) + 1 :]
+                if prefix and rel.startswith(prefix):
+                    rel = rel[len(prefix) :]
+                out.append(rel.strip("/"))
+            return out
+
+        result: builtins.list[str] = await self._retrying(deadline, prefix, "list", run)
         return result
 
     # -- multipart housekeeping --------------------------------------------------------------

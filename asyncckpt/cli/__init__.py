@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .._errors import CheckpointError
-from . import export, gc, info, ls, verify
+from . import export, gc, info, ls, pull, push, verify
 from ._args import DataError, Formatter, UsageError
 from ._print import PROG, safe
 
@@ -34,7 +34,7 @@ EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141
 
-_COMMANDS: tuple[ModuleType, ...] = (ls, info, verify, gc, export)
+_COMMANDS: tuple[ModuleType, ...] = (ls, info, verify, gc, export, push, pull)
 
 
 def build_parser() -> argparse.ArgumentParser:

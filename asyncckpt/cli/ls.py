@@ -10,10 +10,11 @@ from typing import Any
 from ..reading import scan
 from ._args import command
 from ._print import PROG, dump_json, human_age, human_bytes, say, table
+from ._remote_args import add_storage_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    return command(
+    p = command(
         sub,
         "ls",
         "list every step directory, complete or not",
@@ -22,13 +23,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "manifest, size mismatch, ...) and leftovers of crashed save attempts or interrupted\n"
         "retirements, with their size, number of files (manifest included), ranks and age.\n"
         "'complete' means exactly what load() would accept.",
-        "  asyncckpt ls ckpt/\n  asyncckpt ls ckpt/ --json | jq '.[] | select(.complete) | .step'",
+        "  asyncckpt ls ckpt/\n  asyncckpt ls ckpt/ --json | jq '.[] | select(.complete) | .step'\n"
+        "  asyncckpt ls s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
     )
+    add_storage_options(p)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per step directory (newest last); ``--json`` prints a JSON list."""
     root: str = args.root
+    if root.startswith("s3://"):
+        from ._ls_remote import run_remote  # imports obstore: only for URLs
+
+        return run_remote(args)
     dirs = scan(root)
     now = time.time()
     if args.json:

@@ -1,0 +1,45 @@
+"""``asyncckpt pull``: download a checkpoint from an object store into a local root."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._args import Formatter, UsageError, non_negative_int
+from ._print import dump_json, say
+from ._remote_args import add_storage_options, storage_options
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "pull",
+        help="download a checkpoint from s3://bucket/prefix into ROOT",
+        description=(
+            "Download the newest complete checkpoint under URL (or --step N) into ROOT as a\n"
+            "committed checkpoint (written as step_N.tmp-<attempt>/, every file CRC-32C checked\n"
+            "and fsynced, the manifest last, then renamed to step_N): a Checkpointer on ROOT resumes\n"
+            "from it. Takes ROOT's ownership for the run (refuses a root a Checkpointer owns)."
+        ),
+        epilog="examples:\n  asyncckpt pull s3://bucket/run1 /nvme/run1\n",
+        formatter_class=Formatter,
+    )
+    p.add_argument("url", metavar="URL", help="s3://bucket/prefix")
+    p.add_argument("root", metavar="ROOT", help="the local checkpoint root (created if missing)")
+    p.add_argument("--step", type=non_negative_int, metavar="N", help="the step to pull (default: newest complete)")
+    p.add_argument("--deadline", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
+    add_storage_options(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..remote import pull  # imports obstore: only when run
+
+    if not args.url.startswith("s3://"):
+        raise UsageError(f"URL must be s3://bucket/prefix, not {args.url!r}")
+    step, status = pull(args.url, args.root, step=args.step, storage_options=storage_options(args),
+                        deadline_s=args.deadline)
+    if args.json:
+        dump_json({"step": step, "status": status, "root": args.root})
+    else:
+        say(f"step {step}: {'pulled into' if status == 'pulled' else 'already in'} {args.root}")
+    return 0

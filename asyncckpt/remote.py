@@ -1,0 +1,42 @@
+"""Checkpoints on S3-compatible object stores: push, pull, find and load them.
+
+``push(root, "s3://bucket/prefix")`` uploads committed local checkpoints with the
+object-store commit protocol (data objects under attempt-unique keys, then a conditional
+create of the manifest as the commit point); ``pull(url, root)`` downloads one into a local
+root as a committed checkpoint a ``Checkpointer`` resumes from; ``find_latest(url)`` and
+``load(url)`` read straight from the store, verified. :func:`asyncckpt.find_latest` and
+:func:`asyncckpt.load` accept ``s3://`` URLs and come here.
+
+``storage_options`` are obstore S3 keys (``endpoint``, ``region``, ``access_key_id``,
+``secret_access_key``, ``session_token``); missing ones come from the ``AWS_*`` environment.
+Credentials never appear in errors or logs. Everything here is torch-free except :func:`load`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._remote import PushResult, RemoteCheckpointInfo, RemoteStep, find_latest, is_url, pull, push, scan
+
+__all__ = ["PushResult", "RemoteCheckpointInfo", "RemoteStep", "find_latest", "is_url", "load", "pull", "push",
+           "scan"]
+
+
+def load(
+    url: str,
+    step: int | None = None,
+    *,
+    into: Any = None,
+    verify: bool = True,
+    rank: int = 0,
+    strip_prefixes: Sequence[str] = (),
+    storage_options: Mapping[str, str] | None = None,
+    deadline_s: float = 3600.0,
+) -> Any:
+    """Load rank ``rank``'s state of the newest (or ``step``) complete checkpoint under ``url``
+    (same rules as :func:`asyncckpt.load`; ranged GETs into fresh tensors, CRC-32C verified)."""
+    from ._remote_load import load as _load
+
+    return _load(url, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes,
+                 storage_options=storage_options, deadline_s=deadline_s)
