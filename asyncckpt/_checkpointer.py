@@ -912,7 +912,7 @@ class Checkpointer:
             state: Any = None
             error: BaseException | None = None
             try:
-                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader)
+                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
