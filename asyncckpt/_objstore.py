@@ -647,13 +647,7 @@ class ObjectStore:
                 )
             dst[start : start + n] = src
 
-        tasks = [asyncio.ensure_future(one(s)) for s in range(0, dst.nbytes, step)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await gather_or_cancel([one(s) for s in range(0, dst.nbytes, step)])
 
     async def crc32c_of(self, key: str, size: int, deadline: float) -> int:
         """CRC-32C of the first ``size`` bytes of ``key``, read in windows of bounded memory."""
@@ -753,6 +747,18 @@ class ObjectStore:
             if failure is not None:
                 raise failure
         return len(ups)
+
+
+async def gather_or_cancel(coros: list[Any]) -> None:
+    """Run ``coros`` concurrently; the first failure cancels the rest, and none is left
+    running when this returns or raises (no orphaned request outlives its operation)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _discard(aw: Any) -> None:

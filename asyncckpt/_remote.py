@@ -41,7 +41,7 @@ from ._discovery import complete_checkpoints, pin_step, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._layout import check_step, parse_step_dir, step_dir_name, tmp_dir_name
 from ._manifest import MANIFEST, Manifest, decode
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError, gather_or_cancel
 from ._storage import remove_tree
 
 log = logging.getLogger("asyncckpt")
@@ -313,13 +313,7 @@ async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, 
                 os.path.join(pinned_path, name),
             )
 
-    tasks = [asyncio.ensure_future(one(n)) for n in names]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await gather_or_cancel([one(n) for n in names])
 
 
 async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float) -> None:
@@ -513,13 +507,7 @@ async def _download_step(store: ObjectStore, m: Manifest, tmp: str, deadline: fl
         async with sem:
             await _download(store, prefix + name, os.path.join(tmp, name), size, crc, deadline)
 
-    tasks = [asyncio.ensure_future(one(f.name, f.size, f.crc32c)) for f in m.files]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await gather_or_cancel([one(f.name, f.size, f.crc32c) for f in m.files])
 
 
 def pull_step(store: ObjectStore, root: str, step: int | None, deadline: float) -> tuple[int, str]:

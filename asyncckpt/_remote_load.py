@@ -25,7 +25,7 @@ from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._layout import check_step
 from ._manifest import Manifest, shard_name, tree_name
-from ._objstore import ObjectStore
+from ._objstore import ObjectStore, gather_or_cancel
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, open_step, open_store, run_sync
 
 log = logging.getLogger("asyncckpt")
@@ -100,13 +100,7 @@ async def _fill(store: ObjectStore, key: str, data_start: int, ordered: list[Ten
                 s = ordered[i]
                 views[i][:] = memoryview(scratch)[s.begin - first.begin : s.end - first.begin]
 
-    tasks = [asyncio.ensure_future(one(g)) for g in groups]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await gather_or_cancel([one(g) for g in groups])
 
 
 def _crc(head: bytes, views: list[memoryview]) -> int:

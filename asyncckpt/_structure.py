@@ -689,8 +689,9 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return dec(tree, 0)
 
 
-def tensor_names(tree: Any) -> list[str]:
-    """All tensor names referenced by ``tree`` (used to cross-check a shard header)."""
+def _references(tree: Any, wanted: str) -> list[str]:
+    """The names ``tree`` references under tag ``wanted`` (``$tensor`` also counts ndarrays,
+    whose data is a tensor of the shard), in one walk that never parses a leaf twice."""
     out: list[str] = []
     stack = [tree]
     while stack:
@@ -699,28 +700,23 @@ def tensor_names(tree: Any) -> list[str]:
             stack.extend(node)
         elif isinstance(node, dict) and len(node) == 1:
             ((tag, val),) = node.items()
-            if tag == "$tensor" and isinstance(val, str):
-                out.append(val)
-            elif tag == "$ndarray" and isinstance(val, list) and val and isinstance(val[0], str):
-                out.append(val[0])
-            elif tag != "$ndarray":
+            if tag in ("$tensor", "$dtensor"):
+                if tag == wanted and isinstance(val, str):
+                    out.append(val)
+            elif tag == "$ndarray":
+                if wanted == "$tensor" and isinstance(val, list) and val and isinstance(val[0], str):
+                    out.append(val[0])
+            else:
                 # every other node's value may hold nodes ($dict items, $param, $generator, ...)
                 stack.append(val)
     return out
 
 
+def tensor_names(tree: Any) -> list[str]:
+    """All tensor names referenced by ``tree`` (used to cross-check a shard header)."""
+    return _references(tree, "$tensor")
+
+
 def dtensor_names(tree: Any) -> list[str]:
     """All ``{"$dtensor": name}`` names referenced by ``tree``."""
-    out: list[str] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict) and len(node) == 1:
-            ((tag, val),) = node.items()
-            if tag == "$dtensor" and isinstance(val, str):
-                out.append(val)
-            elif tag not in ("$tensor", "$ndarray"):
-                stack.append(val)
-    return out
+    return _references(tree, "$dtensor")

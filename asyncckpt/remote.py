@@ -17,7 +17,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._remote import PushResult, RemoteCheckpointInfo, RemoteStep, find_latest, is_url, pull, push, scan
+from ._remote import (
+    DEFAULT_DEADLINE_S,
+    PushResult,
+    RemoteCheckpointInfo,
+    RemoteStep,
+    find_latest,
+    is_url,
+    pull,
+    push,
+    scan,
+)
 
 __all__ = ["PushResult", "RemoteCheckpointInfo", "RemoteStep", "find_latest", "is_url", "load", "pull", "push",
            "scan"]
@@ -32,7 +42,7 @@ def load(
     rank: int = 0,
     strip_prefixes: Sequence[str] = (),
     storage_options: Mapping[str, str] | None = None,
-    deadline_s: float = 3600.0,
+    deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> Any:
     """Load rank ``rank``'s state of the newest (or ``step``) complete checkpoint under ``url``
     (same rules as :func:`asyncckpt.load`; ranged GETs into fresh tensors, CRC-32C verified)."""

@@ -1,10 +1,24 @@
-"""``--storage-option KEY=VALUE`` for the commands that take ``s3://`` URLs (values never printed)."""
+"""The arguments of the commands that take ``s3://`` URLs: ``--storage-option KEY=VALUE``
+(values never printed), ``--deadline``, and the URL check."""
 
 from __future__ import annotations
 
 import argparse
 
 from ._args import UsageError
+
+
+def add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    """``--deadline`` and ``--storage-option`` (push, pull)."""
+    p.add_argument("--deadline", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
+    add_storage_options(p)
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is an ``s3://`` URL, else a usage error."""
+    if not url.startswith("s3://"):
+        raise UsageError(f"URL must be s3://bucket/prefix, not {url!r}")
+    return url
 
 
 def add_storage_options(p: argparse.ArgumentParser) -> None:

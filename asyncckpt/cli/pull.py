@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._args import Formatter, UsageError, non_negative_int
+from ._args import Formatter, non_negative_int
 from ._print import dump_json, say
-from ._remote_args import add_storage_options, storage_options
+from ._remote_args import add_remote_arguments, check_url, storage_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -26,16 +26,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("url", metavar="URL", help="s3://bucket/prefix")
     p.add_argument("root", metavar="ROOT", help="the local checkpoint root (created if missing)")
     p.add_argument("--step", type=non_negative_int, metavar="N", help="the step to pull (default: newest complete)")
-    p.add_argument("--deadline", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
-    add_storage_options(p)
+    add_remote_arguments(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from ..remote import pull  # imports obstore: only when run
 
-    if not args.url.startswith("s3://"):
-        raise UsageError(f"URL must be s3://bucket/prefix, not {args.url!r}")
+    check_url(args.url)
     step, status = pull(args.url, args.root, step=args.step, storage_options=storage_options(args),
                         deadline_s=args.deadline)
     if args.json:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._args import UsageError, command, non_negative_int, positive_int
+from ._args import command, non_negative_int, positive_int
 from ._print import dump_json, human_bytes, say
-from ._remote_args import add_storage_options, storage_options
+from ._remote_args import add_remote_arguments, check_url, storage_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -31,16 +31,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        help="push step N (repeatable; default: every complete step)")
     which.add_argument("--latest", action="store_true", help="push only the newest complete step")
     p.add_argument("--keep-last", type=positive_int, metavar="N", help="afterwards keep only the newest N remote steps")
-    p.add_argument("--deadline", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
-    add_storage_options(p)
+    add_remote_arguments(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from ..remote import push  # imports obstore: only when run
 
-    if not args.url.startswith("s3://"):
-        raise UsageError(f"URL must be s3://bucket/prefix, not {args.url!r}")
+    check_url(args.url)
     steps: Any = "latest" if args.latest else args.step
     results = push(args.root, args.url, steps=steps, storage_options=storage_options(args), keep_last=args.keep_last,
                    deadline_s=args.deadline)
