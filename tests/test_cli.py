@@ -375,6 +375,28 @@ def test_gc_keep_last_1_keeps_newest_complete_and_removes_leftovers(
     assert code == 0 and "retired" not in out and (step_dir(root, 3) / "manifest.json").exists()
 
 
+def test_gc_by_commit_order_keeps_the_most_recently_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a root saved with allow_earlier_steps: step 5 committed first, then step 2 (a rewind)
+    root = tmp_path / "rewound"
+    with Checkpointer(root, allow_earlier_steps=True) as ck:
+        ck.save(5, {"epoch": 5}).result(60)
+        time.sleep(0.02)  # distinct manifest ``created`` times
+        ck.save(2, {"epoch": 2}).result(60)
+    code, out, _ = cli(capsys, "gc", root, "--keep-last", "1", "--by-commit-order", "--dry-run")
+    assert code == 0 and "would retire step 5 " in out and "keeping 1 complete checkpoint(s): step 2" in out
+    code, out, _ = cli(capsys, "gc", root, "--keep-last", "1", "--by-commit-order")
+    assert code == 0 and "retired step 5 " in out
+    assert sorted(p.name for p in root.iterdir()) == [".asyncckpt", "step_00000002"]
+    assert load(root)["epoch"] == 2
+    # without the flag, newest means the highest step
+    with Checkpointer(root, allow_earlier_steps=True) as ck:
+        ck.save(1, {"epoch": 1}).result(60)
+    code, out, _ = cli(capsys, "gc", root, "--keep-last", "1")
+    assert code == 0 and "retired step 1 " in out
+
+
 def test_gc_spares_fresh_leftovers_and_checks_usage(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fresh = make_leftover(root, "step_00000004.tmp-00ff")
     code, out, _ = cli(capsys, "gc", root)

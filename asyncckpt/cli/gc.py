@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import _ownership
 from .._errors import CheckpointNotFoundError
-from .._retention import choose_victims, leftovers, retire
+from .._retention import choose_by_commit_order, choose_victims, leftovers, retire
 from .._storage import DEFAULT_OPS, Storage, remove_tree
 from ..reading import complete_checkpoints, scan, usage
 from ._args import command, positive_int, seconds
@@ -35,6 +35,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the newest N complete checkpoints")
     p.add_argument(
+        "--by-commit-order",
+        action="store_true",
+        help="with --keep-last: newest means most recently committed, not highest step (for roots "
+        "saved with allow_earlier_steps=True, where an earlier step may be committed later)",
+    )
+    p.add_argument(
         "--min-age",
         type=seconds,
         default=3600.0,
@@ -45,10 +51,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _retire(root: str, keep_last: int) -> list[int]:
+def _retire(root: str, keep_last: int, by_commit_order: bool) -> list[int]:
     """Run the library's own retention (rename to ``.deleting-``, fsync the root, remove)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-gc") as pool:
-        return asyncio.run(retire(Storage(pool), root, keep_last))
+        return asyncio.run(retire(Storage(pool), root, keep_last, by_commit_order=by_commit_order))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +115,12 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 sizes[i.step] = usage(str(i.path)).size
             except FileNotFoundError:
                 sizes[i.step] = 0
-        victims = choose_victims([i.step for i in infos], args.keep_last) if dry else _retire(root, args.keep_last)
+        if not dry:
+            victims = _retire(root, args.keep_last, args.by_commit_order)
+        elif args.by_commit_order:
+            victims = choose_by_commit_order(infos, args.keep_last)
+        else:
+            victims = choose_victims([i.step for i in infos], args.keep_last)
         for step in victims:
             doc["retired"].append({"step": step, "size": sizes.get(step, 0)})
             if text:
