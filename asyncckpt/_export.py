@@ -57,6 +57,7 @@ _BAND = 8 * 1024 * 1024
 class Slot:
     """A tensor inside a shard verified as a whole: ``nbytes`` at absolute ``offset`` of ``file``."""
 
+    name: str  # as saved
     file: str
     offset: int
     nbytes: int
@@ -68,6 +69,7 @@ class Slot:
 class Plain:
     """A plain tensor of an indexed step with its own CRC."""
 
+    name: str
     file: str
     offset: int
     nbytes: int
@@ -80,6 +82,7 @@ class Plain:
 class Global:
     """A DTensor: its chunks and their CRCs, from the global index."""
 
+    name: str
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
@@ -175,9 +178,9 @@ class Export:
                 self._through_whole(self._wholes[file], wanted, out, io)
             for name, src in sorted(tensors, key=lambda t: where[t[0]]):
                 if isinstance(src, Plain):
-                    self._plain(name, src, where[name], out, io)
+                    self._plain(src, where[name], out, io)
                 elif isinstance(src, Global):
-                    self._global(name, src, where[name], out, io)
+                    self._global(src, where[name], out, io)
             os.ftruncate(out, layout.file_size)  # a no-op unless the last tensors were empty
             os.fsync(out)
         finally:
@@ -204,13 +207,13 @@ class Export:
         if crc != whole.crc:
             raise CheckpointCorruptError("checksum mismatch", path)
 
-    def _plain(self, name: str, src: Plain, at: int, out: int, io: _Buffers) -> None:
+    def _plain(self, src: Plain, at: int, out: int, io: _Buffers) -> None:
         path = self._path(src.file)
         crc = _copy(self._fd(src.file), path, src.offset, src.nbytes, 0, io, out, at)
         if crc != src.crc:
-            raise CheckpointCorruptError(f"checksum mismatch in {name!r}", path)
+            raise CheckpointCorruptError(f"checksum mismatch in {src.name!r}", path)
 
-    def _global(self, name: str, src: Global, at: int, out: int, io: _Buffers) -> None:
+    def _global(self, src: Global, at: int, out: int, io: _Buffers) -> None:
         item = ST_TO_DTYPE[src.dtype].itemsize
         state = [[0, 0] for _ in src.chunks]  # per chunk: bytes consumed, CRC so far
         for band in bands(src.shape, item, _BAND):
@@ -223,7 +226,7 @@ class Export:
                 path = self._path(chunk.file)
                 start, n = linear(part.offsets, chunk.box) * item, part.numel * item
                 if state[i][0] != start:  # cannot happen for an index that tiles (checked at parse)
-                    raise CheckpointCorruptError(f"chunks of {name!r} are not read in order", path)
+                    raise CheckpointCorruptError(f"chunks of {src.name!r} are not read in order", path)
                 if contiguous_in(part, band):
                     rel = linear(part.offsets, band) * item
                     piece = byte_view(buf)[rel : rel + n]
@@ -242,7 +245,7 @@ class Export:
             _pwrite_all(out, byte_view(buf), at + linear(band.offsets, Box.whole(src.shape)) * item)
         for i, chunk in enumerate(src.chunks):
             if state[i] != [chunk.nbytes(item), src.crcs[i]]:
-                raise CheckpointCorruptError(f"checksum mismatch in a chunk of {name!r}", self._path(chunk.file))
+                raise CheckpointCorruptError(f"checksum mismatch in a chunk of {src.name!r}", self._path(chunk.file))
 
 
 class _Buffers:
@@ -357,9 +360,9 @@ def open_export(root: str, step: int, rank: int) -> Export:
                 sources.update(_whole(ex, manifest, shard_name(rank), wholes))
             else:
                 for name, (dtype, shape, file, begin, n, crc) in entries.items():
-                    sources[name] = Plain(file, begin, n, crc, dtype, shape)
+                    sources[name] = Plain(name, file, begin, n, crc, dtype, shape)
             for name, meta in index["tensors"].items():
-                sources[name] = Global(meta["dtype"], meta["shape"], tuple(meta["chunks"]), tuple(meta["crcs"]))
+                sources[name] = Global(name, meta["dtype"], meta["shape"], tuple(meta["chunks"]), tuple(meta["crcs"]))
         else:
             sources.update(_whole(ex, manifest, shard_name(rank), wholes))
         tree_path = os.path.join(pinned.path, tree_name(rank))
@@ -420,7 +423,7 @@ def _whole(ex: Export, manifest: Manifest, file: str, wholes: dict[str, _Whole])
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
     wholes[file] = _Whole(file, entry.size, entry.crc32c, head, data_start, slots)
-    return {s.name: Slot(file, data_start + s.begin, s.end - s.begin, s.dtype, tuple(s.shape)) for s in slots}
+    return {s.name: Slot(s.name, file, data_start + s.begin, s.end - s.begin, s.dtype, tuple(s.shape)) for s in slots}
 
 
 _CONTAINERS = ("$dict", "$odict", "$defaultdict")
