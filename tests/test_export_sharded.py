@@ -246,3 +246,28 @@ def test_export_streams_a_state_larger_than_its_memory_bound(on2: tuple[Path, di
     for name, (shape, _) in BIG.items():
         assert equal(got[name], big_value(name, slice(None), slice(None), shape)), name
     assert equal(got["plain"], torch.zeros(1 << 20))
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_plain_value_of_an_indexed_step_and_a_truncated_shard(
+    on4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plain tensors of an indexed step carry their own CRC (in the index): a flipped byte in
+    rank 0's value is named, while rank 1's values (intact) still export."""
+    root = tmp_path / "root"
+    shutil.copytree(on4[0], root)
+    shard = root / STEP / "rank00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    raw[8 + n + json.loads(raw[8 : 8 + n])["rng"]["data_offsets"][0]] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    code, err = export(capsys, root, tmp_path / "r0.safetensors")
+    assert code == 1 and "checksum mismatch in 'rng'" in err and "rank00000.safetensors" in err
+    assert not (tmp_path / "r0.safetensors").exists()
+    code, err = export(capsys, root, tmp_path / "r1.safetensors", "--rank", "1")
+    assert code == 0 and equal(load_file(str(tmp_path / "r1.safetensors"))["rng"], torch.ones(3)), err
+    # a shard shorter than the manifest says: the step is not complete, nothing is written
+    other = root / STEP / "rank00003.safetensors"
+    other.write_bytes(other.read_bytes()[:-1])
+    code, err = export(capsys, root, tmp_path / "t.safetensors", "--step", "1", "--rank", "1")
+    assert code == 1 and "rank00003.safetensors" in err and not (tmp_path / "t.safetensors").exists(), err
