@@ -8,9 +8,10 @@ Run as ``python _export_worker.py SCENARIO RANK WORLD PORT ROOT OUT``:
 - ``two`` (2 ranks), into ``ROOT/gpt2``, ``ROOT/ddp``, ``ROOT/ddp_dedupe`` and ``ROOT/big``:
   a tiny GPT-2 (tied lm_head / wte) under FSDP2, its state dict saved with ``get_state_dict``
   (rank 0 writes ``OUT.ref.pt``: config, input ids, logits); a DDP-like state (the same model
-  on both ranks, a per-rank value) without and with dedupe; 200 MiB of DTensors (Shard(1)
-  128 MiB, Shard(0) 64 MiB) plus 4 MiB of plain tensors per rank, values from
-  :func:`big_value` so the test can recompute them.
+  on both ranks, a per-rank value) without and with dedupe, each loaded back collectively
+  with ``mmap=True`` (mapped per rank; refused with ``ValueError`` for the deduplicated
+  one); 200 MiB of DTensors (Shard(1) 128 MiB, Shard(0) 64 MiB) plus 4 MiB of plain tensors
+  per rank, values from :func:`big_value` so the test can recompute them.
 
 Each rank writes ``OUT.RANK.json`` (``{"ok": true}`` or ``{"crash": traceback}``).
 """
@@ -189,6 +190,20 @@ def two(rank: int, world: int, root: str, out: str) -> None:
     for name, dedupe in (("ddp", False), ("ddp_dedupe", True)):
         with Checkpointer(os.path.join(root, name), dedupe=dedupe) as ck:
             ck.save(1, ddp_state(rank))
+            ck.flush()
+            # the collective load with mmap=True: each rank maps its own shard
+            if dedupe:
+                try:
+                    ck.load(mmap=True)
+                    raise AssertionError("an indexed step was mapped")
+                except ValueError as e:
+                    assert "global index" in str(e), e
+            else:
+                got, want = ck.load(mmap=True), ddp_state(rank)
+                assert torch.equal(got["rng"], want["rng"]) and got["epoch"] == 2
+                assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+                with open("/proc/self/maps") as f:
+                    assert f"rank{rank:05d}.safetensors" in f.read()
     big(rank, world, os.path.join(root, "big"), out)
 
 
