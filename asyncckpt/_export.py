@@ -341,8 +341,9 @@ def open_export(root: str, step: int, rank: int) -> Export:
     """Pin ``step`` under ``root`` and find where every tensor of rank ``rank``'s state lies.
 
     DTensors come back whole (global), everything else as rank ``rank`` saved it. Reads only
-    the structure file, the shard header and the index (each verified); the tensors' bytes
-    are read by :meth:`Export.write`. Raises ``CheckpointNotFoundError`` for a missing step
+    the structure file, the shard header and the index (each verified) and opens every file
+    the tensors lie in, so a retirement that starts later cannot remove them under the
+    export; the tensors' bytes are read by :meth:`Export.write`. Raises ``CheckpointNotFoundError`` for a missing step
     and ``CheckpointCorruptError`` for any defect found so far.
     """
     pinned = pin_step(root, step)
@@ -376,6 +377,11 @@ def open_export(root: str, step: int, rank: int) -> Export:
                 ex.named.append((path, sources[value]))
             else:
                 ex.skipped.append(path)
+        # every file this rank's tensors lie in, opened now: a retirement that starts later
+        # (a job writing with keep_last) cannot take them away in the middle of the export
+        for _, src in ex.named:
+            for file in {c.file for c in src.chunks} if isinstance(src, Global) else {src.file}:
+                ex._fd(file)
         return ex
     except BaseException:
         pinned.close()

@@ -271,3 +271,38 @@ def test_corrupt_plain_value_of_an_indexed_step_and_a_truncated_shard(
     other.write_bytes(other.read_bytes()[:-1])
     code, err = export(capsys, root, tmp_path / "t.safetensors", "--step", "1", "--rank", "1")
     assert code == 1 and "rank00003.safetensors" in err and not (tmp_path / "t.safetensors").exists(), err
+
+
+def test_export_survives_the_retirement_of_its_step(tmp_path: Path) -> None:
+    """Every file is opened before anything is written: retention removing the step while
+    the export runs (a job saving with keep_last) does not break it."""
+    from asyncckpt._export import open_export
+
+    root, dest = tmp_path / "root", tmp_path / "o.safetensors"
+    with asyncckpt.Checkpointer(root, keep_last=1) as ck:
+        ck.save(1, {"w": torch.arange(1000.0), "m": Net(4).state_dict()})
+        ck.flush()
+        with open_export(str(root), 1, 0) as ex:
+            ck.save(2, {"w": torch.zeros(1000), "m": Net(4).state_dict()})
+            ck.flush()
+            assert not (root / STEP).exists()
+            ex.write(str(dest), ex.named)
+    assert equal(load_file(str(dest))["w"], torch.arange(1000.0))
+
+
+@pytest.mark.timeout(300)
+def test_sharded_export_survives_the_removal_of_its_step(
+    on4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """The chunks lie in every rank's file: all of them are open before the removal (as
+    retention does it: rename, then remove the tree)."""
+    from asyncckpt._export import open_export
+
+    root, dest = tmp_path / "root", tmp_path / "o.safetensors"
+    shutil.copytree(on4[0], root)
+    with open_export(str(root), 1, 0) as ex:
+        (root / STEP).rename(root / "step_00000001.deleting-x")
+        shutil.rmtree(root / "step_00000001.deleting-x")
+        ex.write(str(dest), [(n, s) for n, s in ex.named if n.startswith("tp.")])
+    got = load_file(str(dest))
+    assert all(equal(got[k], v) for k, v in on4[1].items() if k.startswith("tp.")) and len(got) == 5
