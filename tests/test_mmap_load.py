@@ -192,3 +192,17 @@ os._exit(0)
     with pytest.raises(ValueError, match="global index"):
         asyncckpt.load(root, 1, mmap=True)
     assert torch.equal(asyncckpt.load(root, 1)["w"], torch.arange(6.0))
+
+
+def test_newest_corrupt_falls_back_to_an_older_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(10)})
+        ck.save(2, {"w": torch.full((10,), 2.0)})
+    shard = root / "step_00000002" / "rank00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    got = asyncckpt.load(root, mmap=True)
+    assert torch.equal(got["w"], torch.ones(10))
+    assert any("step 2" in r.getMessage() and "corrupt" in r.getMessage() for r in caplog.records)
