@@ -306,3 +306,15 @@ def test_sharded_export_survives_the_removal_of_its_step(
         ex.write(str(dest), [(n, s) for n, s in ex.named if n.startswith("tp.")])
     got = load_file(str(dest))
     assert all(equal(got[k], v) for k, v in on4[1].items() if k.startswith("tp.")) and len(got) == 5
+
+
+@pytest.mark.timeout(300)
+def test_sharded_export_to_pt_gives_full_tensors(
+    on4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, ref = on4
+    code, err = export(capsys, root, tmp_path / "tp.pt", "--key", "tp")
+    assert code == 0, err
+    got = torch.load(tmp_path / "tp.pt", weights_only=True)
+    assert set(got) == {"s1", "s0", "rep", "bf16", "scalar"}
+    assert all(equal(v, ref[f"tp.{k}"]) for k, v in got.items())
