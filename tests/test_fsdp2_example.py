@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO / "examples" / "fsdp2_train.py")
 
 
-def torchrun(nproc: int, tmp: Path, name: str, *args: str, deadline: float = 120.0) -> tuple[int, str]:
+def torchrun(nproc: int, tmp: Path, name: str, *args: str, deadline: float = 180.0) -> tuple[int, str]:
     """Run the example on ``nproc`` ranks; kill the whole process group at the deadline."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", EXAMPLE]
@@ -50,7 +50,7 @@ def resumed(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in recs if "resumed" in r]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_killed_then_resumed_on_4_then_on_2(tmp_path: Path) -> None:
     root, refs = tmp_path / "root", tmp_path / "refs"
     common = ["--root", str(root), "--ref-dir", str(refs), "--save-every", "4"]
@@ -86,7 +86,7 @@ def test_killed_then_resumed_on_4_then_on_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_resume_on_the_same_world_repeats_the_losses_bit_for_bit(tmp_path: Path) -> None:
     ref = ["--root", str(tmp_path / "ref"), "--steps", "12", "--loss-log", str(tmp_path / "ref.jsonl")]
     code, out = torchrun(2, tmp_path, "ref", *ref)
