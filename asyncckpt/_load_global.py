@@ -3,13 +3,23 @@
 Each DTensor is rebuilt from the chunks the index lists (``_index``), for a *target box*:
 the local shard of the DTensor the caller passed in ``into=`` (any mesh, any placements
 ``_sharding`` supports), or the whole tensor otherwise (one process, no process group, plain
-targets). Only chunks overlapping the box are read (``_reshard.plan_reads``):
+targets). Only chunks overlapping the box are read (``_reshard.plan_reads``), and of those only
+the *blocks* covering the overlap (the index's block CRCs, ``_index.BLOCK`` bytes each; an
+index written before them has one block per chunk). All reads of a load go through
+``_readinto.read_blocks``: parallel across files and ranges, each block CRC-32C'd as it lands.
 
-- a chunk needed whole whose bytes are one contiguous run of the target (every ``Shard(0)``
-  reshard) is read straight into the result tensor and its CRC-32C checked;
-- a chunk needed in part is, with ``verify``, read whole into a bounce buffer and checked
-  against its CRC before its overlap is copied out (the index holds one CRC per chunk); without
-  ``verify`` only the one byte span covering the overlap is read.
+Where the bytes land. A DTensor target whose local shard is a contiguous CPU tensor of the
+saved dtype (FSDP2 and ``distribute_tensor`` shards) is read into in place and returned
+itself; anything else gets a fresh tensor (``restore_into`` copies it into the target). The
+contract on damage, as for ``load(into=)`` of one shard (``_load``): a step that fails
+verification writes no target. The first pass reads every needed block: into the fresh
+tensors, or, for in-place targets, through the bounce buffers, only checksummed. Only when
+all of it verified does the second pass read the targets' bytes, run by run (each contiguous
+in the file and in the target), from the page cache the first pass filled. A collective load
+(``Reader.defer``) runs that second pass only once every rank has verified its part
+(``Reader.finish`` after the ranks agreed), so no rank writes a target for a step another
+rank rejects. ``verify=False`` reads only the bytes needed, in one pass. Extra memory: the
+I/O threads' bounce buffers, plus the fresh tensors.
 
 Everything else in a rank's state (plain tensors, values) is *per rank*: it loads from the
 reader's own rank when the world size matches, from the rank named by ``rank=``, or, across a
@@ -40,6 +50,10 @@ from ._structure import dtensor_names, flatten, tensor_names, unflatten
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
+#: Test-only switches (the guards off): False reads the targets' bytes straight into them in
+#: the checked pass; False writes a collective load's targets before the ranks agreed.
+_VERIFY_BEFORE_WRITE = True
+_AGREE_BEFORE_WRITE = True
 
 
 @dataclass
@@ -182,7 +196,7 @@ def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
         finally:
             files.close()
 
-    if reader.defer:
+    if reader.defer and _AGREE_BEFORE_WRITE:
         reader._pending = complete
     else:
         complete(True)
@@ -384,9 +398,9 @@ class _Plan:
                 begin = chunk.begin + k * size
                 length = min(size, n - k * size)
                 label = f"block {k} of {what}" if meta["block"] else what
-                parts = () if target else tuple(runs[k])
+                parts = () if target and _VERIFY_BEFORE_WRITE else tuple(runs[k])
                 self.first.append(_readinto.Block(fd, path, begin, length, crcs[k], parts, label))
-            if target:
+            if target and _VERIFY_BEFORE_WRITE:
                 self.second.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
 
     def run_first(self) -> None:
