@@ -3,6 +3,7 @@ combine, short reads, and the contract on a corrupt file (targets untouched)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def _random_blocks(
             runs: list[tuple[int, memoryview]] = []
             if kind == 0:  # tiles the block: read straight into the destination
                 cuts = sorted({0, n, *rng.integers(0, n + 1, 3).tolist()})
-                spans = list(zip(cuts, cuts[1:], strict=False))
+                spans = list(itertools.pairwise(cuts))
             elif kind == 1:  # parts of it: through the bounce buffer
                 cuts = sorted(set(rng.integers(0, n + 1, 4).tolist()))
                 spans = list(zip(cuts[::2], cuts[1::2], strict=False))
