@@ -314,27 +314,39 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-def load_corrupt(rank: int, world: int, root: str, res: dict[str, Any]) -> None:
-    """Load a step with one flipped byte that only rank 1 reads: every rank must raise
+def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """Load step 2, which has one flipped byte that only rank 1 reads: every rank must raise
     ``CheckpointCorruptError`` naming the file with its targets bit-identical; then the same
-    with each guard off (the test-only switches), to show the test has teeth."""
+    with each guard off (the test-only switches), to show the test has teeth; then
+    ``load(step=None)`` into fresh targets, which must fall back to the intact step 1."""
     from asyncckpt import CheckpointCorruptError, _load_global
 
-    model, optim = build(world, seed=99)
-    msd, osd = get_state_dict(model, optim)
-    target: dict[str, Any] = {"model": msd, "optim": osd, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
+    def targets(seed: int) -> dict[str, Any]:
+        model, optim = build(world, seed=seed)
+        msd, osd = get_state_dict(model, optim)
+        return {"model": msd, "optim": osd, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
+
+    target = targets(99)
     for guard in ("on", "agree_off", "verify_off"):
         _load_global._AGREE_BEFORE_WRITE = guard != "agree_off"
         _load_global._VERIFY_BEFORE_WRITE = guard != "verify_off"
         before = snapshot(target)
         with Checkpointer(root) as ck:
             try:
-                ck.load(1, into=target, per_rank="rank0")
+                ck.load(2, into=target, per_rank="rank0")
                 res[guard] = {"error": None}
             except CheckpointCorruptError as e:
                 res[guard] = {"error": type(e).__name__, "path": e.path, "msg": str(e)}
         res[guard]["unchanged"] = same(snapshot(target), before) == []
         dist.barrier()
+    _load_global._AGREE_BEFORE_WRITE = _load_global._VERIFY_BEFORE_WRITE = True
+    fresh = targets(98)
+    with Checkpointer(root) as ck:
+        ck.load(into=fresh, per_rank="rank0")  # step 2 is corrupt on rank 1: every rank takes step 1
+    got = full({"tp": fresh["tp"], "model": fresh["model"]})
+    if rank == 0:
+        ref = torch.load(out + ".ref.pt")
+        res["fallback_diff"] = same(got, {"tp": ref["tp"], "model": ref["model"]})
 
 
 def main() -> None:
@@ -354,7 +366,7 @@ def main() -> None:
         elif scenario == "savewide":
             save_wide(rank, world, root, out, res)
         elif scenario == "loadcorrupt":
-            load_corrupt(rank, world, root, res)
+            load_corrupt(rank, world, root, out, res)
         else:
             load(rank, world, saved, root, out, res)
     except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file

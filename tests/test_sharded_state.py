@@ -236,11 +236,13 @@ def test_corrupt_chunk_read_by_one_rank_leaves_every_target_untouched(saved_on_4
     root, out, _ = saved_on_4
     copy = tmp_path / "ck"
     shutil.copytree(root, copy)
-    index = json.loads((copy / STEP / "index.json").read_text())
+    _copy_step(copy, 1, 2)
+    step2 = copy / "step_00000002"
+    index = json.loads((step2 / "index.json").read_text())
     # tp.s0 (7 x 5, Shard(0)) on 2 ranks: rank 0 takes rows 0-3, rank 1 rows 4-6; only rank 1 reads this
     (chunk,) = [c for c in index["tensors"]["tp.s0"]["chunks"] if c[0] == [4, 0]]
     _, _, file, begin, _, _ = chunk
-    with open(copy / STEP / file, "r+b") as f:
+    with open(step2 / file, "r+b") as f:
         f.seek(begin + 3)
         b = f.read(1)
         f.seek(begin + 3)
@@ -254,6 +256,23 @@ def test_corrupt_chunk_read_by_one_rank_leaves_every_target_untouched(saved_on_4
     # teeth: without the agreement rank 0 (whose bytes verified) writes; without the guard rank 1 does
     assert not res[0]["agree_off"]["unchanged"] and res[1]["agree_off"]["unchanged"]
     assert res[1]["verify_off"]["error"] == "CheckpointCorruptError" and not res[1]["verify_off"]["unchanged"]
+    # load(step=None): both ranks drop the pending read of step 2 and load step 1, bit-equal
+    assert res[0]["fallback_diff"] == []
+
+
+def _copy_step(root: Path, src: int, dst: int) -> None:
+    """Step ``dst`` as a copy of step ``src`` (its manifest resealed with the new step)."""
+    from asyncckpt import _manifest
+
+    d = root / f"step_{dst:08d}"
+    shutil.copytree(root / f"step_{src:08d}", d)
+    m = json.loads((d / "manifest.json").read_text())
+    files = [_manifest.FileEntry(f["name"], f["size"], f["crc32c"], f["rank"]) for f in m["files"]]
+    body = _manifest.encode(
+        dst, m["attempt"], m["world_size"], m["nbytes"], m["created"], files, m["extra"], m.get("ranks"),
+        format=m["format"],
+    )  # fmt: skip
+    (d / "manifest.json").write_bytes(body)
 
 
 @pytest.fixture(scope="module")
