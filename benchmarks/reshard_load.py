@@ -256,6 +256,18 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
                 profiling["on"] = False
                 if rank == 0:
                     print(f"{mode} {name}: {times[name][mode][-1]:.3f} s", file=sys.stderr, flush=True)
+    # peak extra memory of one cold verified load and of one cold dcp.load (rank 0's process)
+    from measure import PeakMemory
+
+    rss = {}
+    for name in ("asyncckpt load(into=)", "dcp.load"):
+        dist.barrier()
+        if rank == 0:
+            _drop_cache([root, dcp_dir])
+        dist.barrier()
+        with PeakMemory() as pm:
+            fns[name]()
+        rss[name] = pm.extra_bytes
     # correctness: after the last load the targets hold the saved values (vs DCP's load)
     ck.load(1, into={"model": msd})
     mine = {k: v.to_local().clone() for k, v in msd.items()}
@@ -269,6 +281,7 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
         "times": times,
         "phases": phases,
         "drop": how,
+        "peak_extra_rss": rss,
         "bit_equal_to_dcp_load": equal,
     }
 
@@ -374,6 +387,7 @@ def run(mib: int, repeats: int, scratch: str) -> dict[str, Any]:
         "times": times,
         "profile_rank0": phases,
         "bit_equal_to_dcp_load": all(r["bit_equal_to_dcp_load"] for r in ranks),
+        "peak_extra_rss_rank0": ranks[0]["peak_extra_rss"],
     }
 
 
@@ -414,6 +428,9 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| resharded load ({mode}, verified) >= {TARGET}x raw read | {ratio:.2f}x | {verdict} |")
     for mode in ("cold", "warm"):
         lines.append(f"| vs dcp.load ({mode}) | {med('dcp.load', mode) / med(a, mode):.2f}x faster | |")
+    lines += ["", "| peak extra RSS, one cold load (rank 0) | MiB |", "|---|---|"]
+    for name, b in r["peak_extra_rss_rank0"].items():
+        lines.append(f"| {name} | {b / 2**20:.1f} |")
     lines += ["", "Profile of the verified load (rank 0, median s):", "", "| phase | cold | warm |", "|---|---|---|"]
     for key, d in r["profile_rank0"].items():
         lines.append(f"| {key} | {d['cold']:.3f} | {d['warm']:.3f} |")
