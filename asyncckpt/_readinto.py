@@ -10,6 +10,11 @@ whole-file checksum costs one cache-hot pass on the threads that read. ``verify_
 checksums a file through the same bounce buffers without keeping anything (the verification
 before a read into the caller's tensors). Short reads are continued; a read past the end is
 ``CheckpointCorruptError``. Extra memory: ``threads x BOUNCE`` bytes, whatever the state size.
+
+``read_blocks`` is the same reader for many files and checked blocks (the resharded load of
+``_load_global``): each ``Block`` is a file range with its own CRC-32C and the parts of it
+that land in memory; the blocks are spread over the threads in file order, adjacent ones
+share a ``preadv``, and each block is checked as its bytes land.
 """
 
 from __future__ import annotations
