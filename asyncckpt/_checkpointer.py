@@ -874,7 +874,9 @@ class Checkpointer:
         verify = self.verify if verify is None else verify
         expect = self.world_size if rank is None else None
         shard = self.rank if rank is None else rank
-        reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes)
+        # collective: an indexed step is read into the targets only after every rank agreed
+        defer = self._dist is not None
+        reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer)
         if self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap}
@@ -927,16 +929,22 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
-            verdict = _agree.agree(
-                self._dist,
-                f"q/{self._queries}/load",
-                _resume.outcome_of(error),
-                lambda outcomes: _resume.decide(step is not None, outcomes),
-                self.timeout,
-            )
+            try:
+                verdict = _agree.agree(
+                    self._dist,
+                    f"q/{self._queries}/load",
+                    _resume.outcome_of(error),
+                    lambda outcomes: _resume.decide(step is not None, outcomes),
+                    self.timeout,
+                )
+            except BaseException:
+                reader.discard()
+                raise
             kind = verdict["kind"]
             if kind == "ok":
+                reader.finish()
                 return state
+            reader.discard()
             if kind == "error":
                 if error is not None:
                     if isinstance(error, _discovery.Vanished | _resume.NoSuchShard):

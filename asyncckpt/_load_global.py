@@ -3,13 +3,23 @@
 Each DTensor is rebuilt from the chunks the index lists (``_index``), for a *target box*:
 the local shard of the DTensor the caller passed in ``into=`` (any mesh, any placements
 ``_sharding`` supports), or the whole tensor otherwise (one process, no process group, plain
-targets). Only chunks overlapping the box are read (``_reshard.plan_reads``):
+targets). Only chunks overlapping the box are read (``_reshard.plan_reads``), and of those only
+the *blocks* covering the overlap (the index's block CRCs, ``_index.BLOCK`` bytes each; an
+index written before them has one block per chunk). All reads of a load go through
+``_readinto.read_blocks``: parallel across files and ranges, each block CRC-32C'd as it lands.
 
-- a chunk needed whole whose bytes are one contiguous run of the target (every ``Shard(0)``
-  reshard) is read straight into the result tensor and its CRC-32C checked;
-- a chunk needed in part is, with ``verify``, read whole into a bounce buffer and checked
-  against its CRC before its overlap is copied out (the index holds one CRC per chunk); without
-  ``verify`` only the one byte span covering the overlap is read.
+Where the bytes land. A DTensor target whose local shard is a contiguous CPU tensor of the
+saved dtype (FSDP2 and ``distribute_tensor`` shards) is read into in place and returned
+itself; anything else gets a fresh tensor (``restore_into`` copies it into the target). The
+contract on damage, as for ``load(into=)`` of one shard (``_load``): a step that fails
+verification writes no target. The first pass reads every needed block: into the fresh
+tensors, or, for in-place targets, through the bounce buffers, only checksummed. Only when
+all of it verified does the second pass read the targets' bytes, run by run (each contiguous
+in the file and in the target), from the page cache the first pass filled. A collective load
+(``Reader.defer``) runs that second pass only once every rank has verified its part
+(``Reader.finish`` after the ranks agreed), so no rank writes a target for a step another
+rank rejects. ``verify=False`` reads only the bytes needed, in one pass. Extra memory: the
+I/O threads' bounce buffers, plus the fresh tensors.
 
 Everything else in a rank's state (plain tensors, values) is *per rank*: it loads from the
 reader's own rank when the world size matches, from the rank named by ``rank=``, or, across a
@@ -21,13 +31,13 @@ caller chose ``per_rank="rank0"`` (take rank 0's).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from . import _index
+from . import _index, _readinto
 from ._bounds import check_memory, parse_structure
 from ._checksum import crc32c
 from ._discovery import PinnedStep
@@ -35,12 +45,15 @@ from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import DTYPE_TO_ST, ST_TO_DTYPE
 from ._load import _check_tree_size, _read_all, byte_view, read_shard_fd
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
-from ._readinto import _pread_exact
 from ._reshard import Box, plan_reads
 from ._structure import dtensor_names, flatten, tensor_names, unflatten
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
+#: Test-only switches (the guards off): False reads the targets' bytes straight into them in
+#: the checked pass; False writes a collective load's targets before the ranks agreed.
+_VERIFY_BEFORE_WRITE = True
+_AGREE_BEFORE_WRITE = True
 
 
 @dataclass
@@ -53,7 +66,10 @@ class Reader:
     per_rank: PerRank = "error"
     into: Any = None  # the caller's ``into=``: its DTensors get their local boxes
     strip_prefixes: tuple[str, ...] = ()
+    #: collective loads: read into the targets only at :meth:`finish`, after every rank agreed
+    defer: bool = False
     _targets: dict[str, Any] | None = field(default=None, repr=False)
+    _pending: Callable[[bool], None] | None = field(default=None, repr=False)
 
     @property
     def targets(self) -> dict[str, Any]:
@@ -61,6 +77,22 @@ class Reader:
         if self._targets is None:
             self._targets = targets_of(self.into, self.strip_prefixes)
         return self._targets
+
+    def finish(self) -> None:
+        """Read the verified step's bytes into the targets (``defer``: once every rank agreed).
+
+        A no-op when nothing is pending. An I/O error here, after verification, is
+        ``CheckpointCorruptError`` naming the file (the targets may be partly written then).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending(True)
+
+    def discard(self) -> None:
+        """Drop a pending read (the ranks agreed on something else): no target is written."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending(False)
 
 
 def indexed(manifest: Manifest) -> bool:
@@ -133,19 +165,49 @@ class _Files:
 
 
 def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
-    """The state of an indexed step as ``reader`` gets it (see the module docstring)."""
+    """The state of an indexed step as ``reader`` gets it (see the module docstring).
+
+    Verifying, no target is written unless every byte this rank needs verified. With
+    ``reader.defer`` the targets are not written here at all: the returned state holds them
+    still unchanged, the step's files stay open, and ``reader.finish()`` (or ``discard()``)
+    completes the load.
+    """
     manifest = pinned.manifest
     assert manifest is not None
+    reader.discard()  # a previous attempt's leftover, if any
     files = _Files(pinned, manifest)
+    plan = _Plan()
     try:
-        return _load(files, manifest, reader, verify)
+        state = _load(files, manifest, reader, verify, plan)
+        plan.run_first()
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read ({e.strerror})", getattr(e, "filename", None)) from None
-    finally:
         files.close()
+        raise _io_error(e) from None
+    except BaseException:
+        files.close()
+        raise
+
+    def complete(write: bool) -> None:
+        try:
+            if write:
+                plan.run_second()
+        except OSError as e:
+            raise _io_error(e) from None
+        finally:
+            files.close()
+
+    if reader.defer and _AGREE_BEFORE_WRITE:
+        reader._pending = complete
+    else:
+        complete(True)
+    return state
 
 
-def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool) -> Any:
+def _io_error(e: OSError) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"cannot read ({e.strerror})", getattr(e, "filename", None))
+
+
+def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool, plan: _Plan) -> Any:
     saved = manifest.world_size
     entry = manifest.file(_index.INDEX)
     raw = files.read(_index.INDEX, entry.crc32c if verify else None)
@@ -190,7 +252,7 @@ def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool) -> An
         meta = index["tensors"].get(name)
         if meta is None:
             raise CheckpointCorruptError(f"the index lacks DTensor {name!r}", files.path(_index.INDEX))
-        tensors[name] = _dtensor(files, name, meta, reader.targets.get(name), verify)
+        tensors[name] = _dtensor(files, name, meta, reader.targets.get(name), verify, plan)
     try:
         return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
@@ -219,24 +281,33 @@ def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: b
     else:
         out = {}
         need = sum(e[4] for k, e in entries.items() if k in wanted)
-        check_memory(need, f"loading the values of rank {rank}", files.path(name))
-        for k in wanted:
+        if need:  # (the check reads /proc and the cgroup files: not for nothing)
+            check_memory(need, f"loading the values of rank {rank}", files.path(name))
+        blocks = []
+        for k in sorted(wanted):
             if k not in entries:
                 break
-            dtype, shape, file, begin, _, crc = entries[k]  # file: another rank's when deduplicated
+            dtype, shape, file, begin, n, crc = entries[k]  # file: another rank's when deduplicated
             t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
-            mv = byte_view(t)
-            _pread_exact(files.fd(file), _pieces(mv), begin, files.path(file))
-            if verify and crc32c(mv) != crc:
-                raise CheckpointCorruptError(f"checksum mismatch in {k!r}", files.path(file))
+            blocks.append(
+                _readinto.Block(
+                    files.fd(file), files.path(file), begin, n, crc if verify else None, ((0, byte_view(t)),), repr(k)
+                )
+            )
             out[k] = t
+        _readinto.read_blocks(blocks)
     if set(out) != wanted:
         raise CheckpointCorruptError("structure and shard disagree on tensor names", files.path(name))
     return out
 
 
-def _dtensor(files: _Files, name: str, meta: dict[str, Any], target: Any, verify: bool) -> Any:
-    """The saved DTensor ``name``: the target's local shard as a DTensor, or the whole tensor."""
+def _dtensor(files: _Files, name: str, meta: dict[str, Any], target: Any, verify: bool, plan: _Plan) -> Any:
+    """The saved DTensor ``name``: the target's local shard as a DTensor, or the whole tensor.
+
+    Only planned here (``plan``): a target whose local shard can take the bytes as they are
+    (a contiguous CPU tensor of the saved dtype and the box's shape) is read into in place
+    and returned itself; otherwise a fresh tensor is read (restored by ``restore_into``).
+    """
     dtype = ST_TO_DTYPE[meta["dtype"]]
     shape = meta["shape"]
     box = Box.whole(shape)
@@ -247,49 +318,103 @@ def _dtensor(files: _Files, name: str, meta: dict[str, Any], target: Any, verify
                 f"{name}: {dtype}{list(shape)} in checkpoint, {info.dtype}{list(info.global_shape)} in target"
             )
         box = info.box if info.box is not None else Box((0,) * len(shape), (0,) * len(shape))
+        local = info.local
+        if _in_place(local, dtype, box):
+            if not box.empty:
+                plan.add(files, name, meta, local, box, verify, target=True)
+            return dt
     check_memory(box.numel * dtype.itemsize, f"loading {name!r}", files.path(_index.INDEX))
     out = torch.empty(box.sizes, dtype=dtype)
     if not box.empty:
-        _fill(files, name, meta, out, box, verify)
+        plan.add(files, name, meta, out, box, verify, target=False)
     if target is None:
         return out
     from torch.distributed.tensor import DTensor
 
     info, dt = target
-    local = out.to(info.local.device)
+    local = out
+    if info.local.device != out.device:  # e.g. CUDA: copied once the fill is done
+        local = torch.empty(box.sizes, dtype=dtype, device=info.local.device)
+        plan.after.append(lambda: local.copy_(out))
     return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
 
 
-def _fill(files: _Files, name: str, meta: dict[str, Any], out: torch.Tensor, box: Box, verify: bool) -> None:
-    item = out.element_size()
-    dst = byte_view(out)
-    for cr in plan_reads(meta["chunks"], box, item):
-        crc = meta["crcs"][cr.index]
-        chunk = cr.chunk
-        path = files.path(chunk.file)
-        fd = files.fd(chunk.file)
-        n = chunk.nbytes(item)
-        if cr.overlap == chunk.box and cr.ncopies() <= 1:
-            # the whole chunk is one contiguous run of the target: read it in place
-            (rng,) = list(cr.copies())
-            piece = dst[rng.dst : rng.dst + rng.length]
-            _pread_exact(fd, _pieces(piece), chunk.begin, path)
-            if verify and crc32c(piece) != crc:
-                raise CheckpointCorruptError(f"checksum mismatch in a chunk of {name!r}", path)
-            continue
-        if verify:
-            start, length = chunk.begin, n
-        else:
-            start, length = cr.span()
-        bounce = torch.empty(length, dtype=torch.uint8)
-        bmv = byte_view(bounce)
-        _pread_exact(fd, _pieces(bmv), start, path)
-        if verify and crc32c(bmv) != crc:
-            raise CheckpointCorruptError(f"checksum mismatch in a chunk of {name!r}", path)
-        # the overlap, run by run (each contiguous in the file and in the target)
-        for rng in cr.copies():
-            s = rng.src - start
-            dst[rng.dst : rng.dst + rng.length] = bmv[s : s + rng.length]
+def _in_place(t: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
+    """Whether the local shard ``t`` takes the saved bytes as they are (read straight into)."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(box.sizes)
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_inference()
+    )
+
+
+class _Plan:
+    """Every read of one load, in two passes (see the module docstring).
+
+    ``first``: the checked reads: the blocks of fresh tensors read into them, and, verifying,
+    the blocks covering the targets' bytes, only checksummed. ``second``: the targets' bytes,
+    read straight into them once everything verified (from the page cache the first pass
+    filled), each copy contiguous in the file and in the target, unchecked.
+    """
+
+    def __init__(self) -> None:
+        self.first: list[_readinto.Block] = []
+        self.second: list[_readinto.Block] = []
+        self.after: list[Callable[[], object]] = []
+        self.bytes_needed = 0
+
+    def add(
+        self, files: _Files, name: str, meta: dict[str, Any], out: torch.Tensor, box: Box, verify: bool, target: bool
+    ) -> None:
+        item = out.element_size()
+        dst = byte_view(out)
+        for cr in plan_reads(meta["chunks"], box, item):
+            chunk, fd, path = cr.chunk, files.fd(cr.chunk.file), files.path(cr.chunk.file)
+            copies = [(r.src, dst[r.dst : r.dst + r.length]) for r in cr.copies()]
+            self.bytes_needed += cr.nbytes
+            what = f"a chunk of {name!r}"
+            if not verify:
+                bucket = self.second if target else self.first
+                bucket.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
+                continue
+            # the chunk's checked blocks: its block CRCs, or (an index without them) the chunk whole
+            n = chunk.nbytes(item)
+            size = meta["block"] or max(n, 1)
+            crcs = meta["blocks"][cr.index] if meta["block"] else [meta["crcs"][cr.index]]
+            runs: dict[int, list[tuple[int, memoryview]]] = {}
+            for src, v in copies:
+                rel, at = src - chunk.begin, 0
+                while at < len(v):  # split the copy at block boundaries
+                    k = (rel + at) // size
+                    take = min(len(v) - at, (k + 1) * size - rel - at)
+                    runs.setdefault(k, []).append((rel + at - k * size, v[at : at + take]))
+                    at += take
+            for k in sorted(runs):
+                begin = chunk.begin + k * size
+                length = min(size, n - k * size)
+                label = f"block {k} of {what}" if meta["block"] else what
+                parts = () if target and _VERIFY_BEFORE_WRITE else tuple(runs[k])
+                self.first.append(_readinto.Block(fd, path, begin, length, crcs[k], parts, label))
+            if target and _VERIFY_BEFORE_WRITE:
+                self.second.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
+
+    def run_first(self) -> None:
+        _readinto.read_blocks(self.first)
+        self.first.clear()
+
+    def run_second(self) -> None:
+        _readinto.read_blocks(self.second)
+        self.second.clear()
+        with torch.no_grad():
+            for fn in self.after:
+                fn()
+        self.after.clear()
 
 
 # ---------------------------------------------------------------------------- per-rank values
@@ -359,11 +484,3 @@ def _diff_items(
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     return bool(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))) if x.numel() else True
-
-
-_PIECE = 16 * 1024 * 1024
-
-
-def _pieces(mv: memoryview) -> list[memoryview]:
-    """``mv`` in 16 MiB pieces: one preadv stays bounded however large the chunk."""
-    return [mv[i : i + _PIECE] for i in range(0, len(mv), _PIECE)]

@@ -240,9 +240,7 @@ def ddp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None
     optim.step()
     rng = torch.random.get_rng_state()
     replicated = sum(t.numel() * t.element_size() for t in model.module.state_dict().values())
-    replicated += sum(
-        v.numel() * v.element_size() for st in optim.state_dict()["state"].values() for v in st.values()
-    )
+    replicated += sum(v.numel() * v.element_size() for st in optim.state_dict()["state"].values() for v in st.values())
     res["replicated_bytes"] = replicated
     res["rng_bytes"] = rng.numel()
     for name, dedupe in (("plain", False), ("dedup", True)):
@@ -279,6 +277,78 @@ def ddp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None
         res["after_bad"] = ck.steps()
 
 
+def wide_state(world: int) -> dict[str, Any]:
+    """Two 2 MiB tensors: ``w1`` column-sharded (16 KiB rows per chunk), ``w0`` row-sharded."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(11)
+    return {
+        "w1": distribute_tensor(torch.randn(32, 16384), mesh, [Shard(1)]),
+        "w0": distribute_tensor(torch.randn(64, 8192), mesh, [Shard(0)]),
+        "step": 3,
+    }
+
+
+def save_wide(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """The wide state saved with 4 KiB block CRCs (the reader takes the size from the index)."""
+    from asyncckpt import _index
+
+    _index.BLOCK = 4096
+    state = wide_state(world)
+    with Checkpointer(root) as ck:
+        ck.save(1, state).result(timeout=60)
+    ref = full(state)
+    if rank == 0:
+        torch.save(ref, out + ".ref.pt")
+
+
+def snapshot(obj: Any) -> Any:
+    """Every tensor's local bytes (DTensors: the local shard), copied."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [snapshot(v) for v in obj]
+    return obj
+
+
+def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """Load step 2, which has one flipped byte that only rank 1 reads: every rank must raise
+    ``CheckpointCorruptError`` naming the file with its targets bit-identical; then the same
+    with each guard off (the test-only switches), to show the test has teeth; then
+    ``load(step=None)`` into fresh targets, which must fall back to the intact step 1."""
+    from asyncckpt import CheckpointCorruptError, _load_global
+
+    def targets(seed: int) -> dict[str, Any]:
+        model, optim = build(world, seed=seed)
+        msd, osd = get_state_dict(model, optim)
+        return {"model": msd, "optim": osd, "tp": tp_state(world, 0.0), "rng": torch.zeros(3)}
+
+    target = targets(99)
+    for guard in ("on", "agree_off", "verify_off"):
+        _load_global._AGREE_BEFORE_WRITE = guard != "agree_off"
+        _load_global._VERIFY_BEFORE_WRITE = guard != "verify_off"
+        before = snapshot(target)
+        with Checkpointer(root) as ck:
+            try:
+                ck.load(2, into=target, per_rank="rank0")
+                res[guard] = {"error": None}
+            except CheckpointCorruptError as e:
+                res[guard] = {"error": type(e).__name__, "path": e.path, "msg": str(e)}
+        res[guard]["unchanged"] = same(snapshot(target), before) == []
+        dist.barrier()
+    _load_global._AGREE_BEFORE_WRITE = _load_global._VERIFY_BEFORE_WRITE = True
+    fresh = targets(98)
+    with Checkpointer(root) as ck:
+        ck.load(into=fresh, per_rank="rank0")  # step 2 is corrupt on rank 1: every rank takes step 1
+    got = full({"tp": fresh["tp"], "model": fresh["model"]})
+    if rank == 0:
+        ref = torch.load(out + ".ref.pt")
+        res["fallback_diff"] = same(got, {"tp": ref["tp"], "model": ref["model"]})
+
+
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
     saved = int(sys.argv[7]) if len(sys.argv) > 7 else world
@@ -293,6 +363,10 @@ def main() -> None:
             save(rank, world, root, out, res, kill=True)
         elif scenario == "ddp":
             ddp(rank, world, root, out, res)
+        elif scenario == "savewide":
+            save_wide(rank, world, root, out, res)
+        elif scenario == "loadcorrupt":
+            load_corrupt(rank, world, root, out, res)
         else:
             load(rank, world, saved, root, out, res)
     except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file

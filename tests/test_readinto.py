@@ -3,6 +3,7 @@ combine, short reads, and the contract on a corrupt file (targets untouched)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -288,3 +289,92 @@ def test_expanded_target_keeps_the_old_error(tmp_path: Path) -> None:
     target = {"e": torch.zeros(1, 4).expand(3, 4)}  # one memory location per column
     with pytest.raises(RuntimeError, match="single memory location"):
         load(tmp_path, 1, into=target)  # raised by restore_into's copy_, as before
+
+
+# ---------------------------------------------------------------------- read_blocks (resharded loads)
+@pytest.mark.parametrize("length", [0, 1, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 7])
+def test_block_crcs_match_the_whole_and_each_block(length: int) -> None:
+    from asyncckpt._index import block_crcs
+
+    data = os.urandom(length)
+    whole, blocks = block_crcs(memoryview(data), 4096)
+    assert whole == _crc.crc32c(data)
+    assert blocks == [_crc.crc32c(data[i : i + 4096]) for i in range(0, length, 4096)]
+
+
+def _random_blocks(
+    rng: Any, fds: list[tuple[int, str, bytes]], block: int, dest: memoryview
+) -> tuple[list[_readinto.Block], list[tuple[bytes, int]]]:
+    """Blocks over the files with random runs into ``dest``: tiling, partial and none."""
+    blocks, want, at = [], [], 0
+    for fd, path, data in fds:
+        for off in range(0, len(data), block):
+            n = min(block, len(data) - off)
+            kind = rng.integers(3)
+            runs: list[tuple[int, memoryview]] = []
+            if kind == 0:  # tiles the block: read straight into the destination
+                cuts = sorted({0, n, *rng.integers(0, n + 1, 3).tolist()})
+                spans = list(itertools.pairwise(cuts))
+            elif kind == 1:  # parts of it: through the bounce buffer
+                cuts = sorted(set(rng.integers(0, n + 1, 4).tolist()))
+                spans = list(zip(cuts[::2], cuts[1::2], strict=False))
+            else:
+                spans = []  # only checked
+            for a, b in spans:
+                if b > a:
+                    runs.append((a, dest[at : at + b - a]))
+                    want.append((data[off + a : off + b], at))
+                    at += b - a
+            crc = _crc.crc32c(data[off : off + n])
+            blocks.append(_readinto.Block(fd, path, off, n, crc, tuple(runs), f"block at {off}"))
+    return blocks, want
+
+
+@pytest.mark.parametrize("bounce", [64, 4096, 1 << 20])
+def test_read_blocks_lands_every_run_and_checks_every_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounce: int
+) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(_readinto, "BOUNCE", bounce)  # blocks larger than a segment stream through it
+    rng = np.random.default_rng(bounce)
+    files = []
+    for i, size in enumerate((0, 5000, 3 * 4096 + 11, 40000)):
+        p = tmp_path / f"f{i}"
+        data = os.urandom(size)
+        p.write_bytes(data)
+        files.append((os.open(p, os.O_RDONLY), str(p), data))
+    try:
+        dest = memoryview(bytearray(sum(len(d) for _, _, d in files)))
+        blocks, want = _random_blocks(rng, files, 4096, dest)
+        order = rng.permutation(len(blocks))  # any order: read_blocks sorts
+        _readinto.read_blocks([blocks[i] for i in order])
+        for data, at in want:
+            assert bytes(dest[at : at + len(data)]) == data
+        # one checksum off: named, with the file
+        bad = next(b for b in blocks if b.nbytes)
+        broken = _readinto.Block(bad.fd, bad.path, bad.offset, bad.nbytes, (bad.crc or 0) ^ 1, bad.runs, "block X")
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch in block X") as e:
+            _readinto.read_blocks([*blocks, broken])
+        assert e.value.path == bad.path
+        # unchecked blocks larger than a bounce buffer are cut and spread over the threads
+        fd, path, data = files[-1]
+        out = memoryview(bytearray(len(data)))
+        _readinto.read_blocks([_readinto.Block(fd, path, 0, len(data), None, ((0, out),), "all")])
+        assert bytes(out) == data
+    finally:
+        for fd, _, _ in files:
+            os.close(fd)
+
+
+def test_read_blocks_reports_a_file_that_ends_early(tmp_path: Path) -> None:
+    p = tmp_path / "short"
+    p.write_bytes(b"x" * 100)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        out = memoryview(bytearray(200))
+        with pytest.raises(CheckpointCorruptError, match="ended early") as e:
+            _readinto.read_blocks([_readinto.Block(fd, str(p), 0, 200, None, ((0, out),), "all")])
+        assert e.value.path == str(p)
+    finally:
+        os.close(fd)

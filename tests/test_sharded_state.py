@@ -228,3 +228,231 @@ def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> N
     # the survivors' attempt is not a checkpoint; a 2-rank job resumes from step 1, resharded
     res = spawn(tmp_path, "load", 2, root, out, 4)
     assert res[0]["diff"] == [] and res[0]["step"] == 7
+
+
+# ---------------------------------------------------------------------- block CRCs, partial reads
+@pytest.mark.timeout(200)
+def test_corrupt_chunk_read_by_one_rank_leaves_every_target_untouched(saved_on_4: Any, tmp_path: Path) -> None:
+    root, out, _ = saved_on_4
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    _copy_step(copy, 1, 2)
+    step2 = copy / "step_00000002"
+    index = json.loads((step2 / "index.json").read_text())
+    # tp.s0 (7 x 5, Shard(0)) on 2 ranks: rank 0 takes rows 0-3, rank 1 rows 4-6; only rank 1 reads this
+    (chunk,) = [c for c in index["tensors"]["tp.s0"]["chunks"] if c[0] == [4, 0]]
+    _, _, file, begin, _, _ = chunk
+    with open(step2 / file, "r+b") as f:
+        f.seek(begin + 3)
+        b = f.read(1)
+        f.seek(begin + 3)
+        f.write(bytes([b[0] ^ 0x10]))
+    res = spawn(tmp_path, "loadcorrupt", 2, copy, out, 4)
+    for r in (0, 1):
+        on = res[r]["on"]
+        assert on["error"] == "CheckpointCorruptError" and on["path"].endswith(file), on
+        assert on["unchanged"], f"rank {r} wrote its targets for a step that failed verification"
+    assert "'tp.s0'" in res[1]["on"]["msg"]
+    # teeth: without the agreement rank 0 (whose bytes verified) writes; without the guard rank 1 does
+    assert not res[0]["agree_off"]["unchanged"] and res[1]["agree_off"]["unchanged"]
+    assert res[1]["verify_off"]["error"] == "CheckpointCorruptError" and not res[1]["verify_off"]["unchanged"]
+    # load(step=None): both ranks drop the pending read of step 2 and load step 1, bit-equal
+    assert res[0]["fallback_diff"] == []
+
+
+def _copy_step(root: Path, src: int, dst: int) -> None:
+    """Step ``dst`` as a copy of step ``src`` (its manifest resealed with the new step)."""
+    from asyncckpt import _manifest
+
+    d = root / f"step_{dst:08d}"
+    shutil.copytree(root / f"step_{src:08d}", d)
+    m = json.loads((d / "manifest.json").read_text())
+    files = [_manifest.FileEntry(f["name"], f["size"], f["crc32c"], f["rank"]) for f in m["files"]]
+    body = _manifest.encode(
+        dst, m["attempt"], m["world_size"], m["nbytes"], m["created"], files, m["extra"], m.get("ranks"),
+        format=m["format"],
+    )  # fmt: skip
+    (d / "manifest.json").write_bytes(body)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Saved on 4 ranks with 4 KiB blocks: w1 (32 x 16384 F32, Shard(1): 16 KiB rows per
+    chunk) and w0 (64 x 8192 F32, Shard(0): 512 KiB chunks)."""
+    tmp = tmp_path_factory.mktemp("wide")
+    root, out = tmp / "ck", tmp / "out"
+    spawn(tmp, "savewide", 4, root, out, 4)
+    return root, torch.load(f"{out}.ref.pt")
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[torch.Tensor, int, int]:
+    """The box of ``name`` read as a resharded load reads it (the checked pass, into a fresh
+    tensor); with the bytes the reads asked the kernel for and the bytes of the chunks it touches."""
+    from asyncckpt import _index, _load_global
+    from asyncckpt._discovery import pin_step
+    from asyncckpt._format import ST_TO_DTYPE
+    from asyncckpt._reshard import plan_reads
+
+    with pin_step(str(root), 1) as pinned:
+        manifest = pinned.manifest
+        assert manifest is not None
+        files = _load_global._Files(pinned, manifest)
+        try:
+            raw = (root / STEP / "index.json").read_bytes()
+            meta = _index.parse(raw, 4, {f.name: f.size for f in manifest.files})["tensors"][name]
+            out = torch.empty(box.sizes, dtype=ST_TO_DTYPE[meta["dtype"]])
+            plan = _load_global._Plan()
+            plan.add(files, name, meta, out, box, verify, target=False)
+            chunks = sum(cr.chunk.nbytes(4) for cr in plan_reads(meta["chunks"], box, 4))
+            before = _rchar()
+            plan.run_first()
+            return out, _rchar() - before, chunks
+        finally:
+            files.close()
+
+
+def _rewrite_index(root: Path, edit: Any) -> None:
+    """Apply ``edit`` to the step's index document and reseal the manifest over the result
+    (so only the index's content is wrong, not its listed size or CRC)."""
+    from asyncckpt import _manifest
+    from asyncckpt._checksum import crc32c
+
+    step_dir = root / STEP
+    doc = json.loads((step_dir / "index.json").read_text())
+    edit(doc)
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    (step_dir / "index.json").write_bytes(raw)
+    m = json.loads((step_dir / "manifest.json").read_text())
+    files = [
+        _manifest.FileEntry(f["name"], len(raw) if f["name"] == "index.json" else f["size"],
+                            crc32c(raw) if f["name"] == "index.json" else f["crc32c"], f["rank"])
+        for f in m["files"]
+    ]  # fmt: skip
+    body = _manifest.encode(
+        m["step"], m["attempt"], m["world_size"], m["nbytes"], m["created"], files, m["extra"], m.get("ranks"),
+        format=m["format"],
+    )  # fmt: skip
+    (step_dir / "manifest.json").write_bytes(body)
+
+
+def _without_blocks(doc: dict[str, Any]) -> None:
+    """An index as written before block CRCs: no ``block``, no ``blocks``."""
+    del doc["block"]
+    for e in doc["tensors"].values():
+        del e["blocks"]
+
+
+def _old_format(root: Path) -> None:
+    _rewrite_index(root, _without_blocks)
+
+
+@pytest.mark.parametrize(
+    ("name", "offsets", "sizes", "at_most"),
+    [
+        ("w1", (0, 2048), (32, 4096), 1.0),  # Shard(1): half of two chunks, block-aligned rows
+        ("w1", (0, 2000), (32, 4100), 1.3),  # not aligned: one extra block at each end of each row
+        ("w1", (0, 0), (32, 8192), 1.0),  # a 4 -> 2 shard: whole chunks
+        ("w1", (5, 7000), (20, 9000), 1.3),  # an uneven 2-D box across three chunks
+        ("w0", (8, 0), (16, 8192), 1.0),  # Shard(0) 2 -> 4: half of two chunks, contiguous
+    ],
+)
+def test_partial_reads_read_only_the_covering_blocks(
+    wide: Any, name: str, offsets: tuple[int, int], sizes: tuple[int, int], at_most: float
+) -> None:
+    from asyncckpt._reshard import Box
+
+    root, ref = wide
+    box = Box(offsets, sizes)
+    got, read, chunks = _read_box(root, name, box)
+    want = ref[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+    assert torch.equal(got, want)
+    needed = want.numel() * 4
+    slack = 4096  # rchar counts every read of the process (the I/O threads' start reads ~128 B)
+    assert needed <= read <= at_most * needed + slack, (read, needed)
+    if at_most == 1.0 and sizes != (32, 8192):
+        assert chunks == 2 * needed  # the whole-chunk reads this replaces read twice the bytes
+    got, unverified, _ = _read_box(root, name, box, verify=False)
+    assert torch.equal(got, want)
+    assert needed <= unverified <= needed + slack  # without verification: only the bytes needed
+
+
+def test_corrupt_block_is_named_and_blocks_not_needed_are_not_read(wide: Any, tmp_path: Path) -> None:
+    from asyncckpt._reshard import Box
+
+    root, ref = wide
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    index = json.loads((copy / STEP / "index.json").read_text())
+    assert index["block"] == 4096
+    _, _, file, begin, _, _ = index["tensors"]["w1"]["chunks"][0]
+    with open(copy / STEP / file, "r+b") as f:  # row 0, column 100 of chunk 0: in its block 0
+        f.seek(begin + 400)
+        b = f.read(1)
+        f.seek(begin + 400)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CheckpointCorruptError, match=r"block 0 of a chunk of 'w1'") as e:
+        _read_box(copy, "w1", Box((0, 0), (32, 8192)))
+    assert e.value.path is not None and e.value.path.endswith(file)
+    # a box that does not need that block reads the rest of the chunk, verified, and loads
+    got, _, _ = _read_box(copy, "w1", Box((0, 2048), (32, 4096)))
+    assert torch.equal(got, ref["w1"][:, 2048:6144])
+    with pytest.raises(CheckpointCorruptError) as e:
+        asyncckpt.load(copy, 1)  # whole tensors: every block
+    assert e.value.path is not None and e.value.path.endswith(file)
+    # an index without block CRCs checks the whole chunk, so the same box now fails
+    _old_format(copy)
+    assert verify(copy, 1) != []  # the data file's own CRC (manifest) still catches it
+    with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch in a chunk of 'w1'"):
+        _read_box(copy, "w1", Box((0, 2048), (32, 4096)))
+
+
+def test_index_without_block_crcs_still_loads(wide: Any, tmp_path: Path) -> None:
+    from asyncckpt._reshard import Box
+
+    root, ref = wide
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    _old_format(copy)
+    assert verify(copy, 1) == []
+    state = asyncckpt.load(copy, 1)
+    assert torch.equal(state["w1"], ref["w1"]) and torch.equal(state["w0"], ref["w0"]) and state["step"] == 3
+    # a partial read falls back to whole chunks, verified
+    got, read, chunks = _read_box(copy, "w1", Box((0, 2048), (32, 4096)))
+    assert torch.equal(got, ref["w1"][:, 2048:6144]) and chunks <= read <= chunks + 4096
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda d: d.update(block=0), "bad block size"),
+        (lambda d: d.update(block=-4096), "bad block size"),
+        (lambda d: d.update(block=True), "bad block size"),
+        (lambda d: d.update(block="4096"), "bad block size"),
+        (lambda d: d.update(block=1 << 40), "bad block size"),
+        (lambda d: d["tensors"]["w1"].update(blocks=None), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"].pop(), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"][0].pop(), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"][0].append(1), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"][1].__setitem__(0, 2**32), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"][1].__setitem__(0, -1), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"][1].__setitem__(0, 1.5), "block CRCs of 'w1' are malformed"),
+        (lambda d: d["tensors"]["w1"]["blocks"].__setitem__(0, {"0": 1}), "block CRCs of 'w1' are malformed"),
+        (lambda d: d.update(block=8192), "block CRCs of 'w0' are malformed"),  # lengths no longer match
+        (lambda d: d.pop("block"), "block CRCs of 'w.' without a block size"),
+    ],
+)
+def test_hostile_block_crcs_are_named(wide: Any, tmp_path: Path, edit: Any, why: str) -> None:
+    root, _ = wide
+    copy = tmp_path / "ck"
+    shutil.copytree(root, copy)
+    _rewrite_index(copy, edit)
+    with pytest.raises(CheckpointCorruptError, match=why) as e:
+        asyncckpt.load(copy, 1)
+    assert e.value.path is not None and e.value.path.endswith("index.json")
