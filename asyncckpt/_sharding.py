@@ -286,8 +286,8 @@ def describe(key: str, dt: Any) -> ShardInfo:
 
 #: (layout key, mesh ranks, itemsize) -> every distinct box's (offsets, holders, nbytes)
 _GROUPS: dict[tuple[Any, ...], list[tuple[tuple[int, ...], tuple[int, ...], int]]] = {}
-#: the spread of the last states seen: their key -> name -> writer rank of this rank's box
-_SPREADS: dict[tuple[Any, ...], dict[str, int]] = {}
+#: the spread of the last states seen: their key -> (name, box offsets) -> writer rank
+_SPREADS: dict[tuple[Any, ...], dict[tuple[str, tuple[int, ...]], int]] = {}
 
 
 def _groups_of(info: ShardInfo) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -342,16 +342,18 @@ def spread_writers(infos: Sequence[ShardInfo]) -> list[ShardInfo]:
                     else:
                         items.append((-n, i.key, offsets, holders))
             items.sort()
-            mine = {(i.key, i.box.offsets) for i in members if i.replicas and i.box is not None}
             for neg, name, offsets, holders in items:
                 w = min(holders, key=lambda r: (loads.get(r, 0), r))
                 loads[w] = loads.get(w, 0) - neg
-                if (name, offsets) in mine:
-                    chosen[name] = w
+                chosen[(name, offsets)] = w
         if len(_SPREADS) > 64:
             _SPREADS.clear()
         _SPREADS[key] = chosen
-    return [dataclasses.replace(i, writer_rank=chosen[i.key]) if i.key in chosen else i for i in infos]
+    out = []
+    for i in infos:
+        spread = chosen.get((i.key, i.box.offsets)) if i.box is not None and i.replicas else None
+        out.append(i if spread is None else dataclasses.replace(i, writer_rank=spread))
+    return out
 
 
 def _flat_index(mesh_shape: Sequence[int]) -> Any:
