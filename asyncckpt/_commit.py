@@ -346,6 +346,16 @@ async def run_save(
         if on_state is not None:
             on_state(job.state)
 
+    dedupe_round: asyncio.Task[dict[str, int] | None] | None = None
+    if job.dedupe and world > 1:
+        if job.prefailed is None:
+            # hashing and the exchange need no attempt: overlap them with the leader's preparation
+            dedupe_round = asyncio.ensure_future(_dedupe_round(storage, job, coord))
+        else:
+            try:  # the others wait for every rank in the dedupe round: tell them at once
+                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+            except (TimeoutError, CoordinationLost):
+                pass
     # 1. the leader opens the attempt
     start: Start | None = None
     if leader:
@@ -358,16 +368,6 @@ async def run_save(
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e
             start = Start(attempt, _failure(rank, e))
-    dedupe_round: asyncio.Task[dict[str, int] | None] | None = None
-    if job.dedupe and world > 1:
-        if job.prefailed is None:
-            # hashing and the exchange need no attempt: overlap them with the leader's preparation
-            dedupe_round = asyncio.ensure_future(_dedupe_round(storage, job, coord))
-        else:
-            try:  # the others wait for every rank in the dedupe round: tell them at once
-                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
-            except (TimeoutError, CoordinationLost):
-                pass
     try:
         start = await coord.begin(job.step, job.seq, start, job.deadline)
     except (TimeoutError, CoordinationLost) as e:
