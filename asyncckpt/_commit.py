@@ -217,7 +217,10 @@ async def _write_files(
             return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
-            buffer, layout = await storage.run(_dedupe.image, buffer, layout, keep, job.arena)
+            if _dedupe.worth_an_image(layout.slots, keep):
+                buffer, layout = await storage.run(_dedupe.image, buffer, layout, keep, job.arena)
+            else:  # a few small copies: writing them beats copying the whole shard to drop them
+                writers = _dedupe.own_copies(writers, layout.slots, rank)
         if not leader:  # after the round: a failure here cannot leave the others waiting in it
             await storage.ensure_dir(tmp, _dir_deadline(job))
     shard = await storage.write_file(

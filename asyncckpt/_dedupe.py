@@ -8,8 +8,13 @@ it with the same dtype, shape and digest - decided by content, never by key name
 per-rank values (RNG states) under one key stay per rank - and each replicated tensor gets
 one writer, spread over the ranks by longest-processing-time first (loads start at each
 rank's bytes that are written anyway). A rank then writes only its own slots and the
-replicated ones assigned to it (:func:`keep_layout`); the global index records where every
-rank's tensors lie, so each rank's values load exactly as saved.
+replicated ones assigned to it (:func:`kept`, :func:`image`) - unless the copies it would
+drop are too few to pay for copying the rest (:func:`worth_an_image`); the global index
+records where every rank's tensors lie, so each rank's values load exactly as saved.
+
+The same exchange carries each rank's :func:`mesh_digests`: replicated DTensor boxes are
+spread over their replicas by a rule every rank evaluates alone (``_sharding.spread_writers``),
+which is only sound when the ranks of a mesh hold the same DTensors (:func:`check_meshes`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,27 @@ def plan(records: Mapping[int, dict[str, Any]], base: Mapping[int, int], world: 
 def kept(slots: Sequence[Any], writers: Mapping[str, int], rank: int) -> list[Any]:
     """The slots this rank writes: all but the replicated ones another rank writes."""
     return [s for s in slots if writers.get(s.name, rank) == rank]
+
+
+#: drop replicated copies only when they are at least this share of the bytes kept: the
+#: image that drops them copies every kept byte once, while leaving a few small copies in
+#: (FSDP's optimizer step counters next to a large shard) costs a little disk and no copy
+MIN_DROP_SHARE = 1 / 8
+
+
+def worth_an_image(slots: Sequence[Any], keep: Sequence[Any]) -> bool:
+    """Whether this rank should build an image without the copies others write (``keep``
+    of its ``slots``), rather than write its staged file whole (its copies then go unused:
+    the index points its tensors at its own copies, correct either way)."""
+    kept = nbytes(keep)
+    return nbytes(slots) - kept >= MIN_DROP_SHARE * kept
+
+
+def own_copies(writers: Mapping[str, int], slots: Sequence[Any], rank: int) -> dict[str, int]:
+    """``writers`` as this rank reports them when it writes its staged file whole: its own
+    copy of every tensor it holds (``_index.merge`` then points its entries at its file)."""
+    mine = {s.name for s in slots}
+    return {name: rank if name in mine else w for name, w in writers.items()}
 
 
 def nbytes(slots: Sequence[Any]) -> int:

@@ -66,12 +66,19 @@ def local_tensor(dt: Any) -> torch.Tensor:
     """This rank's shard of ``dt``: the DTensor's own local tensor, not a copy.
 
     Under ``no_grad`` ``to_local()`` returns the stored local tensor itself (with grad enabled
-    it would be an autograd view). FSDP2's is a narrow view of padded storage: write its
-    ``numel * element_size`` bytes, never its storage.
+    it would be an autograd view); that stored tensor is read directly when torch keeps it
+    where this torch version does (``_local_tensor``), else through ``to_local()``. FSDP2's
+    is a narrow view of padded storage: write its ``numel * element_size`` bytes, never its
+    storage.
     """
+    # the attribute to_local() returns under no_grad; entering no_grad per DTensor cost ~40 %
+    # of describe() on the training thread (FSDP2, 90 DTensors)
+    out = getattr(dt, "_local_tensor", None)
+    if isinstance(out, torch.Tensor):
+        return out
     with torch.no_grad():
-        out: torch.Tensor = dt.to_local()
-    return out
+        stored: torch.Tensor = dt.to_local()
+    return stored
 
 
 def placement_name(p: Any) -> str:

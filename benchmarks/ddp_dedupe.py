@@ -9,7 +9,8 @@ DDP) and 5 kB that differ (an RNG state). The two Checkpointers are open at once
 alternately (one warm-up save each), so both see the same machine; after every save rank 0
 removes the previous step outside the timed region (no retention inside the time). Time to
 durable is ``save()`` until rank 0's handle resolves (the commit is on disk), medians of
-``--saves``. The phases (rank 0's ``SaveStatistics``) show where the time goes.
+``--saves``. The phases (rank 0's ``SaveStatistics``) show where the time goes; ``--phases``
+also times the writer's steps on every rank (start after ``save()`` was called, duration).
 """
 
 from __future__ import annotations
@@ -28,11 +29,66 @@ from typing import Any
 TARGET = 0.4  # issue 10: deduplicated time to durable at 4 ranks <= 0.4 x the replicated write
 
 
+#: the writer-side steps ``--phases`` times (private functions: a profile, not an API)
+PHASES = (
+    ("_dedupe", "digests", False),
+    ("_dedupe", "image", False),
+    ("_index", "rank_part", False),
+    ("_coordination", "StoreCoordinator.begin", True),
+    ("_coordination", "StoreCoordinator.exchange", True),
+    ("_coordination", "StoreCoordinator.report", True),
+    ("_coordination", "StoreCoordinator.decide", True),
+    ("_storage", "Storage.write_file", True),
+    ("_storage", "Storage.write_bytes", True),
+    ("_commit", "_prepare_attempt", True),
+    ("_commit", "_commit", True),
+)
+
+
+def _instrument(log: dict[str, list[tuple[float, float]]]) -> None:
+    """Wrap each of :data:`PHASES` so its (start, end) times land in ``log``."""
+    import importlib
+
+    for mod_name, path, is_async in PHASES:
+        owner: Any = importlib.import_module(f"asyncckpt.{mod_name}")
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name)
+
+        def wrap(fn: Any = fn, name: str = name, is_async: bool = is_async) -> Any:
+            if is_async:
+
+                async def timed_async(*a: Any, **k: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return await fn(*a, **k)
+                    finally:
+                        log.setdefault(name, []).append((t0, time.perf_counter()))
+
+                return timed_async
+
+            def timed(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    log.setdefault(name, []).append((t0, time.perf_counter()))
+
+            return timed
+
+        setattr(owner, name, wrap())
+
+
 def rank_main(args: argparse.Namespace, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
     from asyncckpt import Checkpointer
+
+    log: dict[str, list[tuple[float, float]]] = {}
+    if args.phases:
+        _instrument(log)
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world,
@@ -47,13 +103,24 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
     variants = {"replicated (dedupe=False)": False, "dedupe (default)": True}
     cks = {name: Checkpointer(os.path.join(args.root, str(d)), dedupe=d) for name, d in variants.items()}
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    phases: dict[str, list[dict[str, list[float]]]] = {name: [] for name in variants}
     nbytes: dict[str, int] = {}
     for step in range(args.saves + 1):
         for name, ck in cks.items():
             dist.barrier()
+            log.clear()
             t0 = time.perf_counter()
-            info = ck.save(step, state).result(timeout=300)
+            h = ck.save(step, state)
+            blocking = time.perf_counter() - t0
+            info = h.result(timeout=300)
             durable = time.perf_counter() - t0
+            if step > 0 and args.phases:  # [start, duration] after save() was called
+                p = {k: [v[0][0] - t0, sum(b - a for a, b in v)] for k, v in log.items()}
+                p["save() returned"] = [blocking, 0.0]
+                p["handle resolved"] = [durable, 0.0]
+                got: list[Any] = [None] * args.world
+                dist.all_gather_object(got, p)
+                phases[name].append(got)  # type: ignore[arg-type]
             dist.barrier()
             if rank == 0 and step > 0:
                 shutil.rmtree(os.path.join(ck.root, f"step_{step - 1:08d}"))
@@ -76,6 +143,16 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
             }
             for name, xs in samples.items()
         }
+        if args.phases:
+            for name in variants:
+                runs = phases[name]  # per save: per rank: phase -> [start, duration]
+                out[name]["phases"] = {
+                    str(r): {
+                        k: [round(statistics.median(run[r][k][i] for run in runs if k in run[r]), 4) for i in (0, 1)]
+                        for k in sorted(set().union(*(run[r] for run in runs)), key=lambda k: runs[0][r].get(k, [9])[0])
+                    }
+                    for r in range(args.world)
+                }
         print("RESULT " + json.dumps(out))
     dist.destroy_process_group()
 
@@ -88,6 +165,7 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/asyncckpt-bench-dedupe")
     p.add_argument("--port", type=int, default=29511)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--phases", action="store_true", help="also time the writer's steps on every rank (a profile)")
     p.add_argument("--rank", type=int, default=None)
     args = p.parse_args()
     if args.rank is not None:
@@ -105,6 +183,9 @@ def main() -> None:
             f"{k:28}{v['nbytes'] / 1e6:8.1f}MB{v['durable_s']:9.3f}s{v['staging_s']:9.3f}s"
             f"{v['write_s']:8.3f}s{v['fsync_s']:8.3f}s{v['commit_s']:8.3f}s"
         )
+    for k, v in res.items():
+        for r, ph in v.get("phases", {}).items():
+            print(f"{k}, rank {r}: " + ", ".join(f"{n} @{a:.3f}s +{d:.3f}s" for n, (a, d) in ph.items()))
     base, dd = res["replicated (dedupe=False)"], res["dedupe (default)"]
     ratio = dd["durable_s"] / base["durable_s"]
     verdict = "met" if ratio <= TARGET else "NOT met"

@@ -165,3 +165,12 @@ def test_image_holds_only_the_kept_slots_and_reuses_its_buffer() -> None:
     assert again.obj is img.obj  # the same buffer, reused by the arena's next save
     bigger, _ = _dedupe.image(memoryview(buf), layout, list(layout.slots), owner)
     assert bigger.obj is not img.obj and len(bigger) >= layout.file_size
+
+
+def test_a_few_small_copies_are_kept_rather_than_copying_the_shard_to_drop_them() -> None:
+    slots = list(plan_layout([("shard", torch.float32, (8000,)), ("step", torch.float32, ())], {}).slots)
+    keep = [s for s in slots if s.name == "shard"]  # another rank writes "step"
+    assert not _dedupe.worth_an_image(slots, keep)  # 4 B dropped for 32 kB copied: keep them
+    assert _dedupe.own_copies({"step": 1, "other": 1}, slots, 0) == {"step": 0, "other": 1}
+    ddp = list(plan_layout([(f"w{i}", torch.float32, (1000,)) for i in range(4)], {}).slots)
+    assert _dedupe.worth_an_image(ddp, ddp[:1])  # DDP on 4 ranks: 3/4 dropped, 1/4 copied

@@ -133,10 +133,13 @@ def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_save_on_2_load_on_4(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
-    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe=True
+    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe (the default)
     index = json.loads((root / STEP / "index.json").read_text())
-    assert index["dedupe"]["copies_not_written"] > 0
-    assert index["plain"]["0"]["model.a.buf"][2:4] == index["plain"]["1"]["model.a.buf"][2:4]  # one copy
+    # the FSDP buffers and optimizer steps are equal on both ranks, but a few bytes next to each
+    # rank's shard: dropping them would copy the whole shard, so each rank keeps its own copy
+    assert index["dedupe"]["copies_not_written"] == 0
+    assert index["plain"]["0"]["model.a.buf"][2] == "rank00000.safetensors"
+    assert index["plain"]["1"]["model.a.buf"][2] == "rank00001.safetensors"
     assert index["plain"]["0"]["rng"][2] != index["plain"]["1"]["rng"][2]  # one per rank
     assert verify(root, 1) == []
     res = spawn(tmp_path, "load", 4, root, out, 2)
