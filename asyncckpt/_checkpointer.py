@@ -49,7 +49,7 @@ from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers
 from ._staging import Arena, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
-from ._structure import flatten, tensor_names
+from ._structure import TensorRef, flatten, tensor_names
 from ._writer import StartGate, WriterThread
 
 OnError = Literal["raise", "warn"]
@@ -189,12 +189,16 @@ class Checkpointer:
         strip_prefixes: key prefixes of module wrappers to drop from module state dicts at
             save and to match again at ``load(into=)``, e.g. ``("module.",)`` for DDP. The
             ``torch.compile`` prefix ``_orig_mod.`` is always handled this way.
-        dedupe: with many ranks, write each plain tensor that is byte-identical on every rank
-            (DDP's model and optimizer) once, by one rank, the writers spread so each writes
-            about ``1/world`` of it: decided on the writer thread by an xxh3-128 hash of the
-            staged bytes exchanged through the c10d store, never by key name (values that
-            differ per rank, such as RNG states, stay per rank). Such checkpoints carry the
-            global index (format ``asyncckpt/2``).
+        dedupe: on by default; with many ranks, write each plain tensor that is
+            byte-identical on every rank (DDP's model and optimizer) once, by one rank, the
+            writers spread so each writes about ``1/world`` of it: decided on the writer
+            thread by an xxh3-128 hash of the staged bytes exchanged through the c10d store,
+            never by key name (values that differ per rank, such as RNG states, stay per
+            rank); replicated DTensor boxes (``Replicate``, HSDP's replica dim) are likewise
+            spread over their replicas. Such checkpoints carry the global index (format
+            ``asyncckpt/2``). A no-op for one process. ``False`` writes every rank's plain
+            tensors in full and each replicated DTensor box from its lowest rank (the layout
+            of earlier versions).
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -226,7 +230,7 @@ class Checkpointer:
         on_commit: Callable[[CheckpointInfo], object] | None = None,
         strip_prefixes: Sequence[str] = (),
         allow_earlier_steps: bool = False,
-        dedupe: bool = False,
+        dedupe: bool = True,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
@@ -360,9 +364,13 @@ class Checkpointer:
             try:
                 found: list[tuple[str, Any, Any]] = []
                 tree, refs = flatten(state, self.strip_prefixes, dtensors=found)
+                if found and self.dedupe and self.world_size > 1:
+                    found, refs = _spread_replica_writes(found, refs)
                 tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
                 layout, perm = self._plan(refs)
                 dtensors = _load_global.describe_for_index(found) if found else None
+                for d, (_, info, _) in zip(dtensors or (), found, strict=True):
+                    d["mesh_key"] = _mesh_key(info)  # dedupe checks the ranks of a mesh agree
                 names = tensor_names(tree)
                 tied = len(names) > len(set(names))
             except (TypeError, ValueError) as e:
@@ -1078,6 +1086,31 @@ def load(
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)
     return state
+
+
+def _spread_replica_writes(
+    found: list[tuple[str, Any, Any]], refs: list[TensorRef]
+) -> tuple[list[tuple[str, Any, Any]], list[TensorRef]]:
+    """``flatten``'s DTensors and tensors with each replicated box written by the replica
+    ``_sharding.spread_writers`` picks instead of the lowest one (HSDP: spread over the
+    replica dim); the tensors to stage follow: this rank's local shards it now writes."""
+    from . import _sharding
+
+    infos = _sharding.spread_writers([info for _, info, _ in found])
+    before = {name for name, info, _ in found if info.writer}
+    spread = [(name, info, dt) for (name, _, dt), info in zip(found, infos, strict=True)]
+    after = {name: info for name, info, _ in spread if info.writer}
+    if before == after.keys():
+        return spread, refs
+    kept = [r for r in refs if r.name not in before or r.name in after]
+    added = [TensorRef(name, info.local.detach()) for name, info in after.items() if name not in before]
+    return spread, kept + added
+
+
+def _mesh_key(info: Any) -> str:
+    from . import _sharding
+
+    return _sharding.mesh_key(info)
 
 
 def _prefixes(value: Sequence[str]) -> tuple[str, ...]:

@@ -168,44 +168,59 @@ async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
 
 async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> dict[str, int] | None:
     """Hash this rank's plain tensors and agree with every rank on who writes which
-    (``_dedupe``); ``None`` when a peer failed before the round (its failure fails the save)."""
+    (``_dedupe``); ``None`` when a peer failed before the round (its failure fails the save).
+    Independent of the attempt: ``run_save`` starts it before ``begin`` so it overlaps the
+    leader's preparation of the attempt directory."""
     assert job.arena is not None and job.layout is not None
     skip = {d["name"] for d in job.dtensors or () if d["writer"]}
     try:
+        for ev in job.cuda_events or ():
+            await storage.run(ev.synchronize)
         records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)
+        meshes = _dedupe.mesh_digests(job.dtensors or [])
     except BaseException:
         await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
         raise
     base = sum(s.end - s.begin for s in job.layout.slots if s.name in skip)
-    got = await coord.exchange(job.seq, "dedupe", {"records": records, "base": base}, job.deadline)
+    value = {"records": records, "base": base, "meshes": meshes}
+    got = await coord.exchange(job.seq, "dedupe", value, job.deadline)
     if any(v is None for v in got.values()):
         return None
+    _dedupe.check_meshes({r: v["meshes"] for r, v in got.items()})
     return _dedupe.plan(
         {r: v["records"] for r, v in got.items()}, {r: v["base"] for r, v in got.items()}, coord.world_size
     )
 
 
 async def _write_files(
-    storage: Storage, job: SaveJob, rank: int, tmp: str, leader: bool, coord: Coordinator | None = None
+    storage: Storage,
+    job: SaveJob,
+    rank: int,
+    tmp: str,
+    leader: bool,
+    coord: Coordinator | None = None,
+    dedupe_round: Awaitable[dict[str, int] | None] | None = None,
 ) -> Report:
     assert job.arena is not None and job.layout is not None
     dedupe = job.dedupe and coord is not None and coord.world_size > 1
     if not leader and not dedupe:
         await storage.ensure_dir(tmp, _dir_deadline(job))
-    if job.cuda_events:
+    if job.cuda_events and not dedupe:  # the dedupe round waits for them itself
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
     buffer, layout = job.arena.buffer, job.layout
     writers: dict[str, int] | None = None
     if dedupe:
         assert coord is not None
-        writers = await _dedupe_round(storage, job, coord)
+        writers = await (dedupe_round if dedupe_round is not None else _dedupe_round(storage, job, coord))
         if writers is None:
             return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
-            image, layout = await storage.run(_dedupe.image, buffer, layout, keep)
-            buffer = memoryview(image)
+            if _dedupe.worth_an_image(layout.slots, keep):
+                buffer, layout = await storage.run(_dedupe.image, buffer, layout, keep, job.arena)
+            else:  # a few small copies: writing them beats copying the whole shard to drop them
+                writers = _dedupe.own_copies(writers, layout.slots, rank)
         if not leader:  # after the round: a failure here cannot leave the others waiting in it
             await storage.ensure_dir(tmp, _dir_deadline(job))
     shard = await storage.write_file(
@@ -289,6 +304,15 @@ async def _commit(
     return Verdict(committed=True, nbytes=nbytes, created=created)
 
 
+async def _drop(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a dedupe round nobody will use and collect its outcome (it is not this save's
+    failure: the reason it is dropped is)."""
+    if task is None:
+        return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # a cancellation of ours still propagates
+
+
 def _check_committed(root: str, step: int, attempt: str) -> None:
     """Raise ``CheckpointCorruptError`` unless ``step_N`` is complete and holds ``attempt``."""
     step_dir, manifest = open_step(root, step)
@@ -325,6 +349,16 @@ async def run_save(
         if on_state is not None:
             on_state(job.state)
 
+    dedupe_round: asyncio.Task[dict[str, int] | None] | None = None
+    if job.dedupe and world > 1:
+        if job.prefailed is None:
+            # hashing and the exchange need no attempt: overlap them with the leader's preparation
+            dedupe_round = asyncio.ensure_future(_dedupe_round(storage, job, coord))
+        else:
+            try:  # the others wait for every rank in the dedupe round: tell them at once
+                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
+            except (TimeoutError, CoordinationLost):
+                pass
     # 1. the leader opens the attempt
     start: Start | None = None
     if leader:
@@ -340,7 +374,10 @@ async def run_save(
     try:
         start = await coord.begin(job.step, job.seq, start, job.deadline)
     except (TimeoutError, CoordinationLost) as e:
+        await _drop(dedupe_round)
         raise _leader_lost(job.step, e) from e
+    if start.failure is not None:
+        await _drop(dedupe_round)
     attempt = start.attempt
     tmp = os.path.join(job.root, tmp_dir_name(job.step, attempt))
 
@@ -349,16 +386,11 @@ async def run_save(
     if start.failure is None and job.prefailed is not None:
         local_exc = job.prefailed
         mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
-        if job.dedupe and world > 1:
-            try:  # the others wait for every rank in the dedupe round: tell them at once
-                await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
-            except (TimeoutError, CoordinationLost):
-                pass
     elif start.failure is None:
         try:
             step_to(SaveEvent.START_WRITE)
             mine = await _within(
-                _write_files(storage, job, rank, tmp, leader, coord), job.deadline, "writing the shard"
+                _write_files(storage, job, rank, tmp, leader, coord, dedupe_round), job.deadline, "writing the shard"
             )
             step_to(SaveEvent.FILES_DURABLE)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees

@@ -309,7 +309,9 @@ class StoreCoordinator:
         keys = [self._key(seq, tag, r) for r in range(self.world_size)]
         if not await self._wait_keys(keys, deadline):
             raise TimeoutError(f"not every rank took part in the {tag!r} round before the save's deadline")
-        return {r: json.loads(await self._call("get", k)) for r, k in enumerate(keys)}
+        # one round trip for every rank's value (a get per rank cost world round trips)
+        values = await self._call("multi_get", keys)
+        return {r: json.loads(v) for r, v in enumerate(values)}
 
     async def may_commit(self, seq: int) -> bool:
         """Leader only: claim the commit unless a follower already gave up on this save."""

@@ -2,9 +2,11 @@
 
     .venv/bin/torchrun --nproc_per_node=4 examples/distributed_train.py --root runs/ddp --steps 60
 
-Every rank saves its own shard (model replica + its optimizer state + its data position);
-rank 0 commits once all ranks reported success. Kill it at any point (Ctrl-C, kill -9 one
-rank) and run the same command again: every rank resumes from the same newest complete step.
+Every rank saves its state (model replica, optimizer state, its data position); the model and
+optimizer, identical on every rank, are written once in total, spread over the ranks, and each
+rank's data position stays its own; rank 0 commits once all ranks reported success. Kill it at
+any point (Ctrl-C, kill -9 one rank) and run the same command again: every rank resumes from
+the same newest complete step.
 """
 
 from __future__ import annotations

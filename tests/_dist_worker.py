@@ -119,6 +119,44 @@ def scenario_bad_state(rank: int, world: int, root: str, result: dict[str, Any])
         result["next"] = ck.save(2, state_for(rank, 2)).result(timeout=60).step
 
 
+def scenario_leader_fails_deduped(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    """A state identical on every rank (deduplicated), whose save fails on the leader: first in
+    preparing the attempt (a foreign step directory is in the way), then at the call (a state
+    refused on rank 0). The followers' dedupe rounds, started before the attempt, are dropped
+    at once: every rank hears the leader's failure well inside the timeout."""
+    same = state_for(0, 1)  # equal on every rank
+    with Checkpointer(root, timeout=30) as ck:
+        if rank == 0:
+            os.makedirs(os.path.join(root, "step_00000001"))  # not a checkpoint: the leader refuses it
+        t0 = time.monotonic()
+        result["prepare"] = describe(ck.save(1, same).exception(timeout=60))
+        result["prepare_s"] = time.monotonic() - t0
+        try:
+            ck.flush()
+        except SaveError:
+            pass
+        if rank == 0:
+            os.rmdir(os.path.join(root, "step_00000001"))
+        state: Any = state_for(0, 2)
+        if rank == 0:
+            state["extra"]["bad"] = object()
+        t0 = time.monotonic()
+        try:
+            result["refused"] = describe(ck.save(2, state).exception(timeout=60))
+        except TypeError as e:
+            result["refused"] = describe(e)
+        result["refused_s"] = time.monotonic() - t0
+        try:
+            ck.flush()
+        except SaveError:
+            pass
+        info = ck.save(3, state_for(0, 3)).result(timeout=60)
+        result["after"] = ck.steps()
+        result["nbytes"] = info.nbytes
+        loaded = ck.load()
+        result["equal"] = bool(torch.equal(loaded["model"]["w"], state_for(0, 3)["model"]["w"]))
+
+
 def scenario_exit(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
     ck = Checkpointer(root, timeout=4)
     ck.save(1, state_for(rank, 1)).result(timeout=60)

@@ -136,8 +136,9 @@ def save(rank: int, world: int, root: str, out: str, res: dict[str, Any], kill: 
     state["step"] = 7
     if world == 4:
         state["tp2d"] = tp2d_model(seed=2).state_dict()
-    # on 2 ranks with dedupe: the FSDP buffers and optimizer steps, equal on both, are written once
-    with Checkpointer(root, dedupe=world == 2, timeout=10 if kill else 600) as ck:
+    # dedupe (the default): the FSDP buffers and optimizer steps, equal on every rank, are written
+    # once, and the Replicate()d vector by one rank
+    with Checkpointer(root, timeout=10 if kill else 600) as ck:
         t0 = time.perf_counter()
         ck.save(1, state)
         res["blocking_s"] = time.perf_counter() - t0
@@ -239,6 +240,8 @@ def ddp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None
     model(torch.randn(8, 64)).pow(2).sum().backward()
     optim.step()
     rng = torch.random.get_rng_state()
+    if rank == 0:
+        torch.save(rng, out + ".ddp_rng0.pt")
     replicated = sum(t.numel() * t.element_size() for t in model.module.state_dict().values())
     replicated += sum(v.numel() * v.element_size() for st in optim.state_dict()["state"].values() for v in st.values())
     res["replicated_bytes"] = replicated
@@ -253,6 +256,8 @@ def ddp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None
         dist.barrier()
     with Checkpointer(f"{root}-dedup", strip_prefixes=("module.",), dedupe=True) as ck:
         loaded = ck.load()
+    if rank == 0:  # what every rank saved as its model and optimizer (equal on all of them)
+        torch.save({"model": model.module.state_dict(), "optim": optim.state_dict()["state"]}, out + ".ddp_ref.pt")
     res["model_equal"] = all(torch.equal(loaded["model"][k], v) for k, v in model.module.state_dict().items())
     res["optim_equal"] = same(loaded["optim"]["state"], optim.state_dict()["state"]) == []
     res["rng_equal"] = bool(torch.equal(loaded["rng"], rng))
@@ -347,6 +352,82 @@ def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]
     if rank == 0:
         ref = torch.load(out + ".ref.pt")
         res["fallback_diff"] = same(got, {"tp": ref["tp"], "model": ref["model"]})
+def ddp_load(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """Resume the 4-rank DDP checkpoint of :func:`ddp` (deduplicated) on ``world`` ranks: the
+    model and optimizer, identical on every saved rank, load; the per-rank RNG states do not
+    without a policy, and ``per_rank="rank0"`` takes rank 0's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(5)  # other values than saved
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(8, 64)).pow(2).sum().backward()
+    optim.step()  # the optimizer state exists, so load(into=) restores it in place
+    target = {"model": model, "optim": optim, "rng": torch.zeros(5056, dtype=torch.uint8)}
+    with Checkpointer(f"{root}-dedup", strip_prefixes=("module.",)) as ck:
+        try:
+            ck.load(into=target)
+            res["refused"] = None
+        except CheckpointError as e:
+            res["refused"] = str(e)
+        res["rng_untouched"] = bool((target["rng"] == 0).all())
+        ck.load(into=target, per_rank="rank0")
+    ref = torch.load(out + ".ddp_ref.pt")
+    res["model_equal"] = same(dict(model.module.state_dict()), ref["model"]) == []
+    res["optim_equal"] = same(optim.state_dict()["state"], ref["optim"]) == []
+    res["rng0"] = bool(torch.equal(target["rng"], torch.load(out + ".ddp_rng0.pt")))
+
+
+def hsdp_model(seed: int) -> nn.Module:
+    """HSDP on a 2 x 2 mesh (replicate x shard): every parameter (Replicate(), Shard(0))."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8), nn.Linear(8, 96))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def hsdp(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """HSDP on 4 ranks saved with the default (replica writes spread) and with dedupe=False
+    (the lowest replica writes every box); the first loaded back into a fresh HSDP model."""
+    model = hsdp_model(seed=1)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_step_hsdp(model, optim)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    boxes = [v.to_local().numel() * v.element_size() for v in [*msd.values(), *_leaves(osd)] if isinstance(v, DTensor)]
+    res["largest_box"] = max(boxes)
+    for name, dedupe in (("spread", True), ("lowest", False)):
+        with Checkpointer(f"{root}-{name}", dedupe=dedupe) as ck:
+            ck.save(1, state).result(timeout=120)
+    ref = full(state)
+    dist.barrier()
+    if rank == 0:
+        torch.save(ref, out + ".hsdp_ref.pt")
+    fresh = hsdp_model(seed=2)
+    optim2 = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    msd2, osd2 = get_state_dict(fresh, optim2)
+    with Checkpointer(f"{root}-spread") as ck:
+        ck.load(into={"model": msd2, "optim": osd2})
+    set_state_dict(fresh, optim2, model_state_dict=msd2, optim_state_dict=osd2)
+    msd3, osd3 = get_state_dict(fresh, optim2)
+    got = full({"model": msd3, "optim": osd3})
+    res["diff"] = same(got, ref) if rank == 0 else []
+
+
+def train_step_hsdp(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    torch.manual_seed(123)
+    model(torch.randn(8, 16)).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _leaves(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(v)]
+    return [obj]
 
 
 def main() -> None:
@@ -367,6 +448,10 @@ def main() -> None:
             save_wide(rank, world, root, out, res)
         elif scenario == "loadcorrupt":
             load_corrupt(rank, world, root, out, res)
+        elif scenario == "ddp_load":
+            ddp_load(rank, world, root, out, res)
+        elif scenario == "hsdp":
+            hsdp(rank, world, root, out, res)
         else:
             load(rank, world, saved, root, out, res)
     except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file

@@ -99,6 +99,22 @@ def test_bad_state_on_one_rank_raises_there_and_fails_the_save_everywhere(tmp_pa
 
 
 @pytest.mark.timeout(150)
+def test_leader_failure_with_a_deduplicated_state_fails_every_rank_at_once(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "leader_fails_deduped", 3)
+    for r in res.values():
+        assert r["prepare"]["type"] == "SaveError" and list(r["prepare"]["failures"]) == ["0"], r
+        assert r["prepare"]["failures"]["0"]["exc_type"] == "FileExistsError"
+        want = "TypeError" if r["rank"] == 0 else "SaveError"
+        assert r["refused"]["type"] == want, r
+        if want == "SaveError":
+            assert list(r["refused"]["failures"]) == ["0"]
+        assert r["prepare_s"] < 10 and r["refused_s"] < 10, r  # nobody waited for the timeout (30 s)
+        assert r["after"] == [3] and r["equal"], r
+        assert r["nbytes"] == 4096 * 4  # the one tensor, identical on every rank, written once
+    assert json.loads((tmp_path / "ck" / "step_00000003" / "manifest.json").read_text())["format"] == "asyncckpt/2"
+
+
+@pytest.mark.timeout(150)
 def test_rank_that_exits_makes_the_others_time_out_naming_it(tmp_path: Path) -> None:
     res = run_ranks(tmp_path, "exit", 4)
     assert sorted(res) == [0, 1, 3]

@@ -73,8 +73,8 @@ def test_save_on_4_load_on_2_reshards_bit_equal(saved_on_4: Any, tmp_path: Path)
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert manifest["format"] == "asyncckpt/2" and "index.json" in {f["name"] for f in manifest["files"]}
     index = json.loads((step_dir / "index.json").read_text())
-    # replicas write nothing: the Replicate()d vector is one chunk, written by rank 0
-    assert [c[2] for c in index["tensors"]["tp.rep"]["chunks"]] == ["rank00000.safetensors"]
+    # the Replicate()d vector is one chunk, written by one of its replicas
+    assert len(index["tensors"]["tp.rep"]["chunks"]) == 1
     # FSDP2 with 3 rows on 4 ranks: rank 3's shard is empty and written by nobody
     assert len(index["tensors"]["model.b.up.weight"]["chunks"]) == 3
     assert index["tensors"]["tp2d.up.weight"]["placements"] == ["SS(0,2)", "S(0)"]
@@ -133,10 +133,13 @@ def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_save_on_2_load_on_4(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
-    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe=True
+    spawn(tmp_path, "save", 2, root, out, 2)  # with dedupe (the default)
     index = json.loads((root / STEP / "index.json").read_text())
-    assert index["dedupe"]["copies_not_written"] > 0
-    assert index["plain"]["0"]["model.a.buf"][2:4] == index["plain"]["1"]["model.a.buf"][2:4]  # one copy
+    # the FSDP buffers and optimizer steps are equal on both ranks, but a few bytes next to each
+    # rank's shard: dropping them would copy the whole shard, so each rank keeps its own copy
+    assert index["dedupe"]["copies_not_written"] == 0
+    assert index["plain"]["0"]["model.a.buf"][2] == "rank00000.safetensors"
+    assert index["plain"]["1"]["model.a.buf"][2] == "rank00001.safetensors"
     assert index["plain"]["0"]["rng"][2] != index["plain"]["1"]["rng"][2]  # one per rank
     assert verify(root, 1) == []
     res = spawn(tmp_path, "load", 4, root, out, 2)
@@ -184,7 +187,49 @@ def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
     assert "model" not in str(e.value).split("per-rank state")[1]
     got, want = asyncckpt.load(dd, 2, per_rank="rank0"), asyncckpt.load(plain, 2)
     assert same(got["model"], want["model"]) == [] and same(got["optim"], want["optim"]) == []
+    # on disk: one replica of the model and optimizer plus every rank's RNG state, and per file
+    # no more than its page-aligned header and the tree
+    on_disk = sum(p.stat().st_size for p in (dd / "step_00000002").glob("rank*.safetensors"))
+    data = r0["replicated_bytes"] + 4 * r0["rng_bytes"]
+    assert data <= on_disk <= data + 4 * 16384, (on_disk, data)
     print(f"\nDDP on 4 ranks: {r0['dedup_nbytes']} B written with dedupe, {r0['plain_nbytes']} B without")
+
+    # resume on 2 ranks: the model and optimizer (identical on every saved rank) load exactly; the
+    # RNG states, which differ, are refused by name until a policy picks rank 0's
+    res2 = spawn(tmp_path, "ddp_load", 2, root, out, 4)
+    for r in res2.values():
+        assert r["refused"] is not None and "'rng'" in r["refused"] and "model" not in r["refused"], r
+        assert r["rng_untouched"] and r["model_equal"] and r["optim_equal"] and r["rng0"], r
+
+
+@pytest.mark.timeout(200)
+def test_hsdp_replica_writes_are_spread_and_load_bit_equal(tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    res = spawn(tmp_path, "hsdp", 4, root, out, 4)
+    assert res[0]["diff"] == []  # loaded into a fresh HSDP model: bit-equal to what was saved
+
+    def data_bytes(name: str) -> list[int]:
+        """The DTensor bytes each rank's file holds, from the index."""
+        index = json.loads((Path(f"{root}-{name}") / STEP / "index.json").read_text())
+        per = [0] * 4
+        for e in index["tensors"].values():
+            for c in e["chunks"]:
+                per[int(c[2][4:9])] += c[4]
+        return per
+
+    spread, lowest = data_bytes("spread"), data_bytes("lowest")
+    assert sum(spread) == sum(lowest)
+    # the lowest replica (replicate coordinate 0: ranks 0 and 1) wrote every box before
+    assert lowest[2] == lowest[3] == 0 and lowest[0] > 0 and lowest[1] > 0, lowest
+    # spread: every rank writes, and the bytes per rank are within one box of each other
+    assert max(spread) - min(spread) <= res[0]["largest_box"], (spread, res[0]["largest_box"])
+    assert min(spread) > 0
+    for name in ("spread", "lowest"):
+        assert verify(Path(f"{root}-{name}"), 1) == []
+    ref = torch.load(f"{out}.hsdp_ref.pt")
+    whole = asyncckpt.load(Path(f"{root}-spread"))  # one process: full global tensors
+    assert same({"model": whole["model"], "optim": whole["optim"]}, ref) == []
+    print(f"\nHSDP 2x2 data bytes per rank: spread {spread}, lowest replica {lowest}")
 
 
 def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None:
