@@ -47,7 +47,7 @@ from ._layout import check_step, step_dir_name
 from ._lifecycle import SaveState
 from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers
-from ._staging import Arena, StagingPool
+from ._staging import Arena, StageProgress, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
 from ._structure import flatten, tensor_names
 from ._writer import StartGate, WriterThread
@@ -139,7 +139,7 @@ class _Totals:
         self.failed = 0
         self.nbytes = 0
         self.sums = dict.fromkeys(
-            ("blocking_s", "wait_s", "staging_s", "write_s", "fsync_s", "commit_s", "total_s"), 0.0
+            ("blocking_s", "wait_s", "staging_s", "write_s", "fsync_s", "commit_s", "total_s", "writer_cpu_s"), 0.0
         )
         self.last: SaveStatistics | None = None
 
@@ -273,6 +273,7 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._records: list[SaveRecord] = []  # not yet settled, or failed and not yet flushed
         self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
+        self._staging_record: SaveRecord | None = None  # the save whose copy is running in save()
         self._committed: set[int] = set()
         self._seq = 0
         self._layout_key: tuple[Any, ...] | None = None
@@ -371,7 +372,11 @@ class Checkpointer:
                     self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed)
                 raise
             arena, waited = self._acquire_slot(layout.file_size)
-            events = self._rt.staging.stage(arena, layout, [refs[i].tensor for i in perm])
+            sources = [refs[i].tensor for i in perm]
+            if self._rt.staging.can_stream(sources):
+                return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
+                                             dtensors=dtensors, tied=tied, handed=handed)  # fmt: skip
+            events = self._rt.staging.stage(arena, layout, sources)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
@@ -384,6 +389,60 @@ class Checkpointer:
             with self._lock:  # still unregistered (no record took it): free the step
                 if self._reserved.get(step, 0) is None:
                     del self._reserved[step]
+
+    def _stage_streaming(
+        self,
+        step: int,
+        t_call: float,
+        arena: Arena,
+        layout: ShardLayout,
+        tree_bytes: bytes,
+        sources: list[Any],
+        waited: float,
+        *,
+        dtensors: list[dict[str, Any]] | None,
+        tied: bool,
+        handed: list[bool],
+    ) -> SaveHandle:
+        """Hand the save to the writer first, then copy: the writer streams the staged prefix
+        of the arena while the rest is copied. Returns once everything is staged.
+
+        If the copy fails (or is interrupted), the writer gives the save up (nothing is
+        committed: the manifest is written only after the whole shard), this call waits for
+        that to settle (so the slot and the step are free again, as if the save had never
+        started) and re-raises the copy's exception; the failed save is nobody's failure to
+        report later."""
+        progress = StageProgress(layout.file_size)
+        got: list[SaveRecord] = []
+        try:
+            handle = self._submit(
+                step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
+                dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
+            )  # fmt: skip
+            self._staging_record = got[0]
+            self._rt.staging.stage(arena, layout, sources, progress)
+            # everything save() did but wait for a slot: flatten, plan, allocation, copy
+            progress.finish(time.perf_counter() - t_call - waited)
+            return handle
+        except BaseException as e:
+            progress.fail(e)
+            if got:
+                self._forget_unstaged(got[0])
+            raise
+        finally:
+            self._staging_record = None
+
+    def _forget_unstaged(self, record: SaveRecord) -> None:
+        """A save whose copy failed: wait (bounded) until the writer gave it up, then drop it
+        from the books, so flush()/close() and the next save() never report it."""
+        record.reported = True
+        record.silent = True
+        try:
+            concurrent.futures.wait([record.future], min(self.timeout, 60.0) + _MARGIN_S)
+        finally:
+            with self._lock:
+                self._records = [r for r in self._records if r is not record]
+                self._unraised = [r for r in self._unraised if r is not record]
 
     def _reserve(self, step: int) -> None:
         """Check ``step`` may be saved and reserve it, in one step under the lock, so two
@@ -430,10 +489,14 @@ class Checkpointer:
         handed: list[bool] | None = None,
         dtensors: list[dict[str, Any]] | None = None,
         tied: bool = False,
+        progress: StageProgress | None = None,
+        record_out: list[SaveRecord] | None = None,
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles.
 
         ``handed[0]`` turns True the moment the save's record owns the arena and the step.
+        With ``progress``, the copy is still running and the writer waits on it;
+        ``record_out`` receives the save's record as soon as it exists.
         """
         with self._lock:
             self._seq += 1
@@ -462,6 +525,7 @@ class Checkpointer:
             dtensors=dtensors,
             dedupe=self.dedupe,
             tied=tied,
+            progress=progress,
         )
         holder: list[SaveRecord] = []
 
@@ -476,6 +540,8 @@ class Checkpointer:
         fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
         record = SaveRecord(step, fut)
         holder.append(record)
+        if record_out is not None:
+            record_out.append(record)
         me = weakref.ref(self)
         gate = StartGate()
         ranks = self._ranks
@@ -537,6 +603,9 @@ class Checkpointer:
         with self._lock:
             if self._reserved.get(record.step) is record:
                 del self._reserved[record.step]
+            if record.silent:  # its copy failed in save(), which raised that: not a save failure
+                self._records = [r for r in self._records if r is not record]
+                return
             if ok:
                 self._committed.add(record.step)
                 if record in self._records:
@@ -585,9 +654,12 @@ class Checkpointer:
             self._interrupted_save = _inside_save(frame, self)
             try:
                 if not self._closed:  # closed (or closing): its saves are flushed already
+                    # a save whose copy this signal interrupted cannot finish before the handler
+                    # returns: the flush waits for every other one
+                    interrupted = self._staging_record if self._interrupted_save else None
                     if final_save is not None:
                         final_save(self)
-                    self.flush(timeout=max(0.0, self._grace_end - time.monotonic()))
+                    self._flush(max(0.0, self._grace_end - time.monotonic()), skip=interrupted)
             except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
                 print(f"asyncckpt: final flush on SIGTERM failed: {_describe(e)}", file=sys.stderr)
                 sys.stdout.flush()
@@ -668,9 +740,12 @@ class Checkpointer:
         Raises the builtin ``TimeoutError`` if saves are still running after ``timeout``
         seconds (they keep running).
         """
+        self._flush(timeout)
+
+    def _flush(self, timeout: float | None, skip: SaveRecord | None = None) -> None:
         self._check_not_in_writer()
         self._check_not_forked()
-        futures = self._pending_futures()
+        futures = [f for f in self._pending_futures() if skip is None or f is not skip.future]
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
