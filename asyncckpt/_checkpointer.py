@@ -425,6 +425,8 @@ class Checkpointer:
             progress.finish(time.perf_counter() - t_call - waited)
             return handle
         except BaseException as e:
+            if progress.finished:
+                raise  # interrupted after the copy completed: the save goes on, as any staged one
             progress.fail(e)
             if got:
                 self._forget_unstaged(got[0])

@@ -77,7 +77,9 @@ class StageProgress:
     def expect_groups(self, ends: Sequence[int]) -> None:
         """The copy will finish groups whose (file-order) end offsets are ``ends``."""
         with self._cond:
-            self._ends, self._done, self._next = list(ends), set(), 0
+            # only finish() completes the staging: a copy that raises after its last group
+            # must leave the writer one byte short, so that save never commits
+            self._ends, self._done, self._next = [min(e, self.total - 1) for e in ends], set(), 0
 
     def group_done(self, g: int) -> None:
         """Group ``g`` is copied; the watermark moves over every group done in order."""
