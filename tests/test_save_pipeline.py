@@ -309,3 +309,50 @@ def test_metered_calls_use_the_thread_clock_of_the_thread_that_ran_them() -> Non
 
 def test_public_statistics_field_is_documented() -> None:
     assert "writer_cpu_s" in (asyncckpt.SaveStatistics.__doc__ or "")
+
+
+@pytest.mark.timeout(240)
+def test_interrupt_at_every_line_of_the_streaming_copy_leaves_every_commit_true(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the sweep of test_interrupts, over the code that runs while the writer already streams
+    from test_interrupts import At, Interrupt, _codes, _sweep
+
+    monkeypatch.setattr(_staging, "GROUP", 64 * 1024)  # several groups from small tensors
+
+    codes = _codes(
+        [
+            Checkpointer._stage_streaming,
+            Checkpointer._forget_unstaged,
+            _staging.StagingPool.stage,
+            _staging.StagingPool._stage_cpu,
+            _staging._CopyRun.work,
+            _staging._CopyRun.close,
+        ]
+    )
+
+    def state(v: float) -> dict[str, Any]:  # 3 groups: the helper thread takes part
+        return {"w": [torch.full((1 << 14,), v + i) for i in range(3)], "v": v}
+
+    fired = 0
+    step = 0
+    with Checkpointer(tmp_path / "ck", max_pending=1, timeout=20) as ck:
+        for code, line in _sweep(codes):
+            step += 1
+            with At(code, line) as at:
+                try:
+                    ck.save(step, state(float(step)))
+                except Interrupt:
+                    pass
+            fired += at.fired
+            step += 1  # the next save finds its slot and its step at once
+            ck.save(step, state(float(step))).result(timeout=20)
+        ck.flush(timeout=60)
+        steps = ck.steps()
+    assert fired > 20, fired
+    for s in steps:
+        got = load(tmp_path / "ck", s)
+        assert got["v"] == float(s), s
+        for i in range(3):
+            assert torch.equal(got["w"][i], torch.full((1 << 14,), float(s) + i)), (s, i)
+    assert _no_leftovers(tmp_path / "ck") == []
