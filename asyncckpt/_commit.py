@@ -48,8 +48,8 @@ from ._info import CheckpointInfo, SaveStatistics
 from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ._lifecycle import SaveEvent, SaveState, advance
 from ._retention import leftovers, retire
-from ._staging import Arena
-from ._storage import Storage
+from ._staging import Arena, StageProgress
+from ._storage import CpuMeter, Storage, current_meter, thread_cpu
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -97,6 +97,11 @@ class SaveJob:
     dedupe: bool = False
     # the state names a tensor twice (tied weights): readers of asyncckpt/1 cannot read it
     tied: bool = False
+    # set when save() stages while the writer streams: how far the copy got (its staging_s
+    # is the one reported then)
+    progress: StageProgress | None = None
+    # CPU seconds of the I/O threads' calls for this save
+    meter: CpuMeter = field(default_factory=CpuMeter)
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -174,6 +179,8 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     assert job.arena is not None and job.layout is not None
     skip = {d["name"] for d in job.dtensors or () if d["writer"]}
     try:
+        if job.progress is not None:  # the digests read the whole arena: wait until it is staged
+            await storage.run(job.progress.wait_for, job.progress.total, job.deadline)
         for ev in job.cuda_events or ():
             await storage.run(ev.synchronize)
         records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)
@@ -224,7 +231,13 @@ async def _write_files(
         if not leader:  # after the round: a failure here cannot leave the others waiting in it
             await storage.ensure_dir(tmp, _dir_deadline(job))
     shard = await storage.write_file(
-        os.path.join(tmp, _manifest.shard_name(rank)), buffer, layout.file_size, direct=True
+        os.path.join(tmp, _manifest.shard_name(rank)),
+        buffer,
+        layout.file_size,
+        direct=True,
+        # a deduplicated image is a finished copy; the arena itself may still be staging
+        staged=job.progress if buffer is job.arena.buffer else None,
+        deadline=job.deadline,
     )
     tree = await storage.write_bytes(os.path.join(tmp, _manifest.tree_name(rank)), job.tree)
     t0 = time.perf_counter()
@@ -343,6 +356,9 @@ async def run_save(
     rank, world = coord.rank, coord.world_size
     leader = rank == 0
     local_exc: BaseException | None = None
+    # this task's context: the I/O calls of this save count to its meter (Storage.run)
+    current_meter.set(job.meter)
+    loop_cpu0 = thread_cpu()
 
     def step_to(event: SaveEvent) -> None:
         job.advance(event)
@@ -468,13 +484,14 @@ async def run_save(
     total = time.perf_counter() - job.started
     stats = SaveStatistics(
         wait_s=job.wait_s,
-        staging_s=job.staging_s,
+        staging_s=job.progress.staging_s if job.progress is not None else job.staging_s,
         write_s=job.times.get("write", 0.0),
         fsync_s=job.times.get("fsync", 0.0),
         commit_s=job.times.get("commit", 0.0),
         total_s=total,
         nbytes=verdict.nbytes,
         direct_io=job.direct,
+        writer_cpu_s=job.meter.seconds + (thread_cpu() - loop_cpu0),
     )
     if leader:
         # once per save, by the rank that committed it, with the bytes of every rank

@@ -20,6 +20,7 @@ class SaveRecord:
         self.future = future
         self.state = SaveState.STAGED
         self.reported = False  # the failure reached the caller through some API call
+        self.silent = False  # its copy failed inside save(), which raised that instead
         self._lock = threading.Lock()
 
     def failure(self) -> BaseException | None:

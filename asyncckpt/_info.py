@@ -16,6 +16,12 @@ class SaveStatistics:
     ``write_s`` / ``fsync_s``: this rank's shard writes and their fsyncs.
     ``commit_s``: the manifest, the renames and the directory fsyncs.
     ``total_s``: from the call to ``save()`` until the outcome was known.
+    ``writer_cpu_s``: CPU seconds the save's background work used, measured with per-thread
+    CPU clocks on the threads themselves: every I/O-thread call of this save (checksums,
+    writes, fsyncs, renames) plus the writer loop thread's CPU while the save ran (which
+    includes other saves' loop work when saves overlap). This is what a save takes from
+    training when no core is idle; it excludes the copy in ``save()`` (``staging_s``).
+    ``cpu_s_per_gib`` relates it to the bytes written.
     """
 
     wait_s: float = 0.0
@@ -27,11 +33,17 @@ class SaveStatistics:
     nbytes: int = 0
     retries: int = 0
     direct_io: bool = False
+    writer_cpu_s: float = 0.0
 
     @property
     def blocking_s(self) -> float:
         """Time the caller's ``save()`` was blocked: slot wait plus staging."""
         return self.wait_s + self.staging_s
+
+    @property
+    def cpu_s_per_gib(self) -> float:
+        """``writer_cpu_s`` per GiB of tensor data (0.0 for an empty save)."""
+        return self.writer_cpu_s / (self.nbytes / 2**30) if self.nbytes > 0 else 0.0
 
     @property
     def gbps(self) -> float:
@@ -69,4 +81,5 @@ class CheckpointerStatistics:
     fsync_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
+    writer_cpu_s: float = 0.0
     last: SaveStatistics | None = None

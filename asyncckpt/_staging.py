@@ -9,11 +9,22 @@ CUDA tensors are copied with ``non_blocking=True`` on a side stream into the are
 which is page-locked with ``cudaHostRegister``; the caller's current stream then waits on
 the copy's event (so the training loop may mutate its tensors right away) and the writer
 synchronizes on the event before it reads the buffer. Without CUDA all of this is skipped.
+
+CPU tensors are copied in file order, in groups of about :data:`GROUP` bytes, and each
+finished group moves a :class:`StageProgress` watermark forward: the writer streams the
+staged prefix of the arena to disk while the rest is still being copied. Contiguous
+tensors are copied with a plain ``memmove`` (GIL released, no OpenMP region per tensor,
+so it holds up when torch's intra-op threads are contended), by the caller's thread and
+one helper thread pulling groups from a shared counter; the caller never waits for the
+helper longer than the one group it is copying.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import mmap
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +34,179 @@ import torch
 
 from ._format import ST_TO_DTYPE, ShardLayout
 from ._header import round_up
+
+#: Bytes per staging group: the unit the copy hands to the writer (and to the helper thread).
+GROUP = 8 * 1024 * 1024
+_memmove = ctypes.memmove
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STOP = object()
+
+
+class StagingAborted(Exception):
+    """The copy in ``save()`` did not finish (it raised, or the caller was interrupted): the
+    writer streaming that arena gives the save up. Never raised to the caller of ``save()``,
+    who gets the original exception."""
+
+
+class StageProgress:
+    """How much of an arena is staged: a watermark (file offset) the copy moves forward and
+    the writer waits on. Thread-safe; every wait has a deadline."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.staging_s = 0.0
+        self._cond = threading.Condition()
+        self._staged = 0
+        self._error: BaseException | None = None
+        self._gone = False  # the writer stopped waiting: nothing more to tell it
+        self._ends: list[int] = []
+        self._done: set[int] = set()
+        self._next = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._staged >= self.total
+
+    def advance(self, pos: int) -> None:
+        """The arena is staged up to file offset ``pos``."""
+        with self._cond:
+            if pos > self._staged:
+                self._staged = pos
+                self._cond.notify_all()
+
+    def expect_groups(self, ends: Sequence[int]) -> None:
+        """The copy will finish groups whose (file-order) end offsets are ``ends``."""
+        with self._cond:
+            # only finish() completes the staging: a copy that raises after its last group
+            # must leave the writer one byte short, so that save never commits
+            self._ends, self._done, self._next = [min(e, self.total - 1) for e in ends], set(), 0
+
+    def group_done(self, g: int) -> None:
+        """Group ``g`` is copied; the watermark moves over every group done in order."""
+        with self._cond:
+            self._done.add(g)
+            moved = False
+            while self._next in self._done:
+                self._done.discard(self._next)
+                self._staged = max(self._staged, self._ends[self._next])
+                self._next += 1
+                moved = True
+            if moved:
+                self._cond.notify_all()
+
+    def finish(self, staging_s: float) -> None:
+        """Everything is staged (called by ``save()`` once the copy returned)."""
+        with self._cond:
+            self.staging_s = staging_s
+            self._staged = self.total
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The copy failed: every wait (now or later) raises :class:`StagingAborted`."""
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """The writer gave the save up (failure, deadline): release its waiting threads."""
+        with self._cond:
+            self._gone = True
+            self._cond.notify_all()
+
+    def wait_for(self, pos: int, deadline: float) -> None:
+        """Block until offset ``pos`` is staged; ``StagingAborted`` if the copy failed or the
+        writer abandoned the save, ``TimeoutError`` at ``deadline`` (``time.monotonic()``)."""
+        with self._cond:
+            while self._staged < pos:
+                if self._error is not None:
+                    raise StagingAborted(
+                        f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
+                    )
+                if self._gone:
+                    raise StagingAborted("the save was given up before its state was staged")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the state was not staged before the save's deadline")
+                self._cond.wait(left)
+
+
+class _CopyPlan:
+    """Per (arena, layout): destination addresses, byte counts and the file-order groups."""
+
+    def __init__(self, arena: Arena, layout: ShardLayout, views: list[torch.Tensor]) -> None:
+        base = arena.tensor.data_ptr() + layout.data_start
+        self.dst = [base + s.begin for s in layout.slots]
+        self.nbytes = [s.end - s.begin for s in layout.slots]
+        self.views = views
+        bounds: list[int] = []  # index after each group
+        ends: list[int] = []  # file offset after each group
+        acc = 0
+        for i, s in enumerate(layout.slots):
+            acc += s.end - s.begin
+            if acc >= GROUP:
+                bounds.append(i + 1)
+                ends.append(layout.data_start + s.end)
+                acc = 0
+        if not bounds or bounds[-1] != len(layout.slots):
+            bounds.append(len(layout.slots))
+            ends.append(layout.file_size)
+        self.starts = [0, *bounds[:-1]]
+        self.bounds = bounds
+        self.ends = ends
+
+
+class _CopyRun:
+    """One stage() call's CPU copy, shared by the caller and the helper thread."""
+
+    def __init__(self, plan: _CopyPlan, sources: Sequence[torch.Tensor], progress: StageProgress | None) -> None:
+        self.plan, self.sources, self.progress = plan, sources, progress
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+        self._helper = "queued"  # -> "running" -> "done", or "closed" when it never started
+        self.helper_done = threading.Event()
+        self.error: BaseException | None = None
+        self.abort = False
+
+    def work(self) -> None:
+        """Copy groups until none is left (or the run is aborted)."""
+        plan, sources = self.plan, self.sources
+        n = len(plan.bounds)
+        while not self.abort:
+            g = next(self._next)  # atomic under the GIL: each group is copied exactly once
+            if g >= n:
+                return
+            for i in range(plan.starts[g], plan.bounds[g]):
+                s = sources[i]
+                if type(s) in _PLAIN and s.is_contiguous() and not s.is_conj() and not s.is_neg():
+                    _memmove(plan.dst[i], s.data_ptr(), plan.nbytes[i])
+                else:  # strided, conjugated or wrapped tensors: torch knows how to read them
+                    plan.views[i].copy_(s)
+            if self.progress is not None:
+                self.progress.group_done(g)
+
+    def run_helper(self) -> None:
+        with self._lock:
+            if self._helper != "queued":
+                return
+            self._helper = "running"
+        try:
+            self.work()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+            self.error = e
+            self.abort = True
+        finally:
+            self._helper = "done"
+            self.helper_done.set()
+
+    def close(self, timeout: float) -> None:
+        """Caller side, after its own work: wait for the helper's last group (if it started)."""
+        with self._lock:
+            if self._helper == "queued":
+                self._helper = "closed"
+                return
+        if not self.helper_done.wait(timeout):
+            raise TimeoutError(f"the staging helper thread did not finish its copy within {timeout:.0f}s")
 
 
 def _new_mapping(capacity: int) -> mmap.mmap:
@@ -44,6 +228,8 @@ class Arena:
         self.spare = False  # outside the pool's slots: released, not pooled, when given back
         self._views_for: ShardLayout | None = None
         self._views: list[torch.Tensor] = []
+        self._plan_for: ShardLayout | None = None
+        self._plan: _CopyPlan | None = None
 
     def pin(self) -> bool:
         """Page-lock the arena for fast async D2H copies; False if CUDA refuses."""
@@ -69,6 +255,13 @@ class Arena:
             self._views_for = layout
         return self._views
 
+    def copy_plan(self, layout: ShardLayout) -> _CopyPlan:
+        """Where each slot of ``layout`` goes in this arena, and the copy groups (cached)."""
+        if self._plan_for is not layout or self._plan is None:
+            self._plan = _CopyPlan(self, layout, self.views(layout))
+            self._plan_for = layout
+        return self._plan
+
     def release(self) -> None:
         """Unpin (if pinned) and drop the views; the mapping is freed with the last reference."""
         if self.pinned:
@@ -79,6 +272,8 @@ class Arena:
             self.pinned = False
         self._views = []
         self._views_for = None
+        self._plan = None
+        self._plan_for = None
 
 
 class StagingPool:
@@ -88,6 +283,16 @@ class StagingPool:
         self._cond = threading.Condition()
         self._free: list[Arena | None] = [None] * slots
         self._streams: dict[torch.device, Any] = {}
+        self._helper: threading.Thread | None = None
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        #: arenas allocated so far (tests and ``reserve()`` check that saves reuse them)
+        self.allocations = 0
+
+    def _new_arena(self, nbytes: int) -> Arena:
+        arena = Arena(nbytes)
+        self.allocations += 1
+        return arena
 
     def acquire(self, nbytes: int, timeout: float) -> tuple[Arena, float]:
         """Wait (up to ``timeout`` s) for a free slot; return an arena of >= ``nbytes``.
@@ -109,13 +314,29 @@ class StagingPool:
             if arena is not None:
                 arena.release()
                 del arena
-            arena = Arena(nbytes)
+            arena = self._new_arena(nbytes)
         return arena, waited
+
+    def reserve(self, nbytes: int, pin: bool) -> int:
+        """Make every free slot hold an arena of >= ``nbytes`` (pinned if ``pin``), allocating
+        only what is missing or too small; returns how many arenas were allocated. Slots held
+        by saves in flight are left alone (they grow when they come back, at their next use)."""
+        made = 0
+        with self._cond:
+            for i, a in enumerate(self._free):
+                if a is None or a.capacity < round_up(nbytes):
+                    if a is not None:
+                        a.release()
+                    a = self._free[i] = self._new_arena(nbytes)
+                    made += 1
+                if pin:
+                    a.pin()
+        return made
 
     def spare(self, nbytes: int) -> Arena:
         """A fresh arena outside the slots, for a save that must not wait for one (the final
         save of a SIGTERM handler that interrupted a save holding the slot)."""
-        arena = Arena(nbytes)
+        arena = self._new_arena(nbytes)
         arena.spare = True
         return arena
 
@@ -129,19 +350,64 @@ class StagingPool:
             self._cond.notify()
 
     def close(self) -> None:
+        """Release the free arenas and stop the helper thread (joined, bounded)."""
         with self._cond:
             for a in self._free:
                 if a is not None:
                     a.release()
             self._free = [None] * len(self._free)
+            self._closed = True
+            helper, self._helper = self._helper, None
+        if helper is not None and helper.is_alive():
+            self._work.put(_STOP)
+            helper.join(10.0)
 
-    def stage(self, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor]) -> Any:
+    @staticmethod
+    def can_stream(sources: Sequence[torch.Tensor]) -> bool:
+        """True when every source is a CPU tensor: the copy is then complete group by group,
+        as it happens, and the writer may stream the staged prefix (CUDA copies complete
+        only at their event)."""
+        return all(s.device.type == "cpu" for s in sources)
+
+    def _helper_loop(self) -> None:
+        while True:
+            run = self._work.get()
+            if run is _STOP:
+                return
+            run.run_helper()
+            del run
+
+    def _start_helper(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            if self._helper is None or not self._helper.is_alive():
+                t = threading.Thread(target=self._helper_loop, name="asyncckpt-stage", daemon=True)
+                t.start()
+                self._helper = t
+        return True
+
+    def stage(
+        self,
+        arena: Arena,
+        layout: ShardLayout,
+        sources: Sequence[torch.Tensor],
+        progress: StageProgress | None = None,
+    ) -> Any:
         """Copy ``sources`` (in ``layout.slots`` order) into ``arena``.
 
         Returns ``None`` when the copy is complete on return, or CUDA events the writer must
-        synchronize before reading the arena.
+        synchronize before reading the arena. With ``progress`` (CPU sources only, see
+        :meth:`can_stream`), each copied group moves its watermark; the caller calls
+        :meth:`StageProgress.finish` after this returns. Raises whatever the copy raised,
+        after the helper thread stopped touching the arena.
         """
         arena.buffer[: len(layout.header)] = layout.header
+        if progress is not None:
+            progress.advance(len(layout.header))
+        if self.can_stream(sources):
+            self._stage_cpu(arena, layout, sources, progress)
+            return None
         dsts = arena.views(layout)
         cpu_dst: list[torch.Tensor] = []
         cpu_src: list[torch.Tensor] = []
@@ -157,6 +423,30 @@ class StagingPool:
         if not gpu:
             return None
         return self._stage_cuda(arena, gpu)
+
+    def _stage_cpu(
+        self, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor], progress: StageProgress | None
+    ) -> None:
+        plan = arena.copy_plan(layout)
+        if len(plan.views) != len(sources):
+            raise ValueError(f"{len(sources)} tensors for a layout of {len(plan.views)}")
+        if progress is not None:
+            progress.expect_groups(plan.ends)
+        run = _CopyRun(plan, sources, progress)
+        helped = len(plan.bounds) > 1 and self._start_helper()
+        if helped:
+            self._work.put(run)
+        try:
+            run.work()
+        except BaseException:
+            run.abort = True
+            if helped:
+                run.close(10.0)  # the helper must be off the arena before it is reused
+            raise
+        if helped:
+            run.close(60.0)
+        if run.error is not None:
+            raise run.error
 
     def _stage_cuda(
         self, arena: Arena, groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]

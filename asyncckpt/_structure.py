@@ -112,6 +112,14 @@ def _describe(path: tuple[str, ...]) -> str:
 
 
 def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
+    # the common case in one expression (this runs once per tensor per save)
+    if (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout is torch.strided
+        and t.dtype in DTYPE_TO_ST
+        and not (t.is_meta or t.is_quantized or t.is_nested)
+    ):
+        return
     where = _describe(path)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"unsupported tensor subclass {type(t).__name__} at {where!r}")
@@ -131,8 +139,8 @@ def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     without data, whose storages may all sit at address 0."""
     if t.numel() == 0:
         return None
-    ptr = t.untyped_storage().data_ptr()
-    return (ptr, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    # the first element's address stands for storage + offset (cheaper than untyped_storage())
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)
 
 
 def _enc_float(x: float) -> Any:
@@ -233,7 +241,10 @@ def _strip_meta(meta: Any, prefix: str) -> Any:
 
 
 def flatten(
-    state: Any, strip_prefixes: Iterable[str] = (), dtensors: list[tuple[str, Any, Any]] | None = None
+    state: Any,
+    strip_prefixes: Iterable[str] = (),
+    dtensors: list[tuple[str, Any, Any]] | None = None,
+    tied_out: list[int] | None = None,
 ) -> tuple[Any, list[TensorRef]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
 
@@ -247,8 +258,11 @@ def flatten(
     convert it, and ``ValueError`` for a reference cycle or too deep a nesting. Calls
     ``state_dict()`` on stateful objects. Module state dicts lose the ``torch.compile``
     prefix and any of ``strip_prefixes`` that every key carries (e.g. DDP's ``"module."``).
+    With ``tied_out``, the number of tensor nodes that reference an earlier tensor (tied
+    weights) is appended to it.
     """
     prefixes = tuple(strip_prefixes)
+    n_tied = 0
     tensors: list[TensorRef] = []
     used: set[str] = set()
     active: set[int] = set()
@@ -280,6 +294,8 @@ def flatten(
         _check_tensor(t, path)
         tied = _tie_key(t)
         if tied is not None and tied in ties:
+            nonlocal n_tied
+            n_tied += 1
             return {"$tensor": ties[tied]}  # the same storage, shape and strides: stored once
         name = unique(path)
         tensors.append(TensorRef(name, t.detach()))
@@ -396,6 +412,8 @@ def flatten(
         return {"$odict": [items_of(obj, path), meta_node]}
 
     tree = enc(state, ())
+    if tied_out is not None:
+        tied_out.append(n_tied)
     return tree, tensors
 
 

@@ -359,6 +359,8 @@ class Asyncckpt(Method):
             "fsync_s": s.fsync_s,
             "commit_s": s.commit_s,
             "total_s": s.total_s,
+            "writer_cpu_s": s.writer_cpu_s,
+            "writer_cpu_s_per_gib": s.cpu_s_per_gib,
             "direct_io": s.direct_io,
         }
 

@@ -77,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: 8M states, 2 repeats, in one process (< 1 min)")
     p.add_argument("--in-process", action="store_true", help="run all cases in this process (default with --quick)")
     p.add_argument("--case-timeout", type=float, default=3600.0, help="seconds per (method, state) subprocess")
+    p.add_argument(
+        "--restore",
+        action="store_true",
+        help="also run benchmarks/restore.py (largest transformer size, same repeats) and fold its targets in",
+    )
+    p.add_argument(
+        "--restore-json", default=None, metavar="JSON", help="fold the targets of an earlier restore.py results.json"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--report-only", default=None, metavar="JSON", help="re-render results.md/png from a results.json")
     args = p.parse_args(argv)
@@ -252,6 +260,24 @@ def worker_main(job_path: str) -> int:
     return 0
 
 
+def run_restore(specs: list[StateSpec], repeats: int, scratch: str, out_dir: str) -> dict[str, Any]:
+    """benchmarks/restore.py in a subprocess (its own side-by-side run) on the largest CPU
+    transformer state; its results.json goes to ``out_dir/restore/``."""
+    sizes = [s.nbytes for s in specs if s.kind == "transformer" and s.device == "cpu"]
+    size = format_size(max(sizes)) if sizes else "1G"
+    out = os.path.join(out_dir, "restore")
+    cmd = [sys.executable, os.path.join(HERE, "restore.py"), "--size", size, "--repeats", str(max(5, repeats))]
+    cmd += ["--out", out, "--scratch", os.path.join(scratch, "restore")]
+    os.makedirs(os.path.join(scratch, "restore"), exist_ok=True)
+    log("restore: " + " ".join(cmd[1:]))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    if p.returncode != 0:
+        return {"status": "error", "reason": p.stderr[-2000:]}
+    with open(os.path.join(out, "results.json")) as f:
+        got: dict[str, Any] = json.load(f)
+    return got
+
+
 def write_outputs(data: dict[str, Any], out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     data["targets"] = evaluate_targets(data)
@@ -320,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             # keep partial results on disk while a long run goes on
             with open(os.path.join(scratch, "partial.json"), "w") as f:
                 json.dump(data, f)
+        if args.restore:
+            data["restore"] = run_restore(specs, repeats, scratch, args.out)
+        elif args.restore_json:
+            with open(args.restore_json) as f:
+                data["restore"] = json.load(f)
+            data["restore"]["from"] = args.restore_json
     except KeyboardInterrupt:
         log("interrupted: writing what was measured so far")
     finally:
