@@ -333,6 +333,11 @@ class Checkpointer:
                                    timeout=self.timeout, retire_local=self._local_retention(rt),
                                    uploads=self.rank == 0)
             self._mirror = rt.mirror
+            if self._mirror is not None and self.rank == 0 and committed:
+                # a local commit the last job may not have uploaded: push it (a no-op if it is there)
+                newest = _discovery.find_latest(self.root)
+                if isinstance(newest, CheckpointInfo):
+                    self._track_upload(newest)
             _live.add(self)
         except BaseException:
             _live.discard(self)
@@ -341,11 +346,6 @@ class Checkpointer:
             if ownership is not None:
                 ownership.release()
             raise
-        if self._mirror is not None and self.rank == 0 and committed:
-            # a local commit the last job may not have uploaded: push it (a no-op if it is there)
-            newest = _discovery.find_latest(self.root)
-            if isinstance(newest, CheckpointInfo):
-                self._track_upload(newest)
 
     # ------------------------------------------------------------------ tier mode
     def _local_retention(self, rt: _Runtime) -> Callable[[frozenset[int], int], Any] | None:
@@ -1258,6 +1258,12 @@ def _exit_hook() -> None:
         if not ck._closed:
             # wait without marking anything reported: what nobody saw is printed below
             concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
+            if ck._mirror is not None:  # tier mode: and the uploads of what just committed
+                try:
+                    if ck._uploads_to_wait_for(False):
+                        concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
+                except Exception:  # noqa: BLE001 - the writer is gone: nothing more will upload
+                    pass
         failures = ck._unreported_failures()
         if not ck._closed:
             try:

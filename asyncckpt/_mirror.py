@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import RankFailure, SaveError
 from ._handle import SaveRecord
 from ._info import CheckpointInfo
+from ._iopool import IOPool
 from ._writer import WriterThread
 
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
@@ -97,8 +98,16 @@ class Mirror:
         from ._remote import open_store
 
         self.root = root
-        # no I/O here: bad storage_options raise TypeError/ValueError at construction
-        self.store: ObjectStore = open_store(url, storage_options)
+        # its own pool for the CRC threads: at interpreter exit a ThreadPoolExecutor refuses
+        # new work, and the exit hook still waits for the upload of the last commit
+        self._pool = IOPool(2, "asyncckpt-mirror-io") if uploads else None
+        try:
+            # no I/O here: bad storage_options raise TypeError/ValueError at construction
+            self.store: ObjectStore = open_store(url, storage_options, executor=self._pool)
+        except BaseException:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            raise
         self.url = self.store.url
         self.storage_options = storage_options  # for loads through _remote_load; never logged
         self.keep_last_remote = keep_last_remote
@@ -111,7 +120,13 @@ class Mirror:
         self._probed = False
         self._stopped = False
         self._unsettled: dict[concurrent.futures.Future[CheckpointInfo], int] = {}  # future -> step
-        self._thread = WriterThread("asyncckpt-mirror") if uploads else None
+        self._thread: WriterThread | None = None
+        if uploads:
+            try:
+                self._thread = WriterThread("asyncckpt-mirror")
+            except BaseException:
+                self.stop(5.0)
+                raise
 
     # ------------------------------------------------------------------ the writer's side
     def committed(self, info: CheckpointInfo) -> UploadRecord:
@@ -247,6 +262,8 @@ class Mirror:
             self._settle(waiting[1], error=self._abandoned(waiting[0].step, "the Checkpointer was closed first"))
         if self._thread is not None:
             self._thread.stop(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, timeout=timeout)
         with self._lock:
             left = list(self._unsettled.items())
         for f, step in left:  # a loop that did not get to cancel its task: no waiter may hang

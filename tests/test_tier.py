@@ -10,7 +10,10 @@ step and the URL with nothing half-written taken as complete, then healed by the
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -338,3 +341,73 @@ def test_bad_tier_options_raise_at_construction(tmp_path: Path, kwargs: dict[str
         Checkpointer(root, **kwargs)
     # refused before anything was taken: the root is free for a correct Checkpointer
     Checkpointer(root).close()
+
+
+def _run_child(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), *sys.path]))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env)
+
+
+def test_exit_without_close_finishes_the_upload(tmp_path: Path, s3: S3Server, url: str) -> None:
+    o = opts(s3.endpoint)
+    code = (
+        "import torch\n"
+        "from asyncckpt import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path / 'ck')!r}, mirror={url!r}, storage_options={o!r})\n"
+        "ck.save(1, {'w': torch.ones(1000)})\n"  # no close(): the exit hook finishes save and upload
+    )
+    r = _run_child(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert remote_steps(url, o) == [1]
+
+
+def test_exit_with_an_unseen_failed_upload_exits_1(tmp_path: Path, proxy: FaultProxy, url: str) -> None:
+    o = opts(proxy.endpoint)
+    proxy.add(Rule("status", method="PUT", path_contains="rank00000.safetensors", status=503, times=10**6))
+    code = (
+        "import torch\n"
+        "from asyncckpt import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path / 'ck')!r}, mirror={url!r}, storage_options={o!r}, timeout=3)\n"
+        "ck.save(1, {'w': torch.ones(1000)}).result(timeout=30)\n"
+    )
+    r = _run_child(code)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "step 1" in r.stderr and url in r.stderr and SECRET not in r.stderr + r.stdout
+    assert remote.find_latest(url, storage_options=o) is None
+    assert local_steps(tmp_path / "ck") == [1]
+
+
+def test_two_gloo_ranks_on_a_shared_root_rank0_uploads_and_both_resume_from_the_store(
+    tmp_path: Path, s3: S3Server, url: str
+) -> None:
+    from _ranks import free_port, log_tail, run_ranks
+
+    o = opts(s3.endpoint)
+    root = tmp_path / "shared"
+    worker = str(Path(__file__).parent / "_tier_rank_worker.py")
+    for phase in ("save", "resume"):
+        port = free_port()
+        def argv(r: int, phase: str = phase, port: int = port) -> list[str]:
+            return [worker, phase, str(r), "2", str(port), str(root), url, json.dumps(o),
+                    str(tmp_path / f"{phase}-{r}.json")]
+
+        hung = run_ranks(argv, 2, tmp_path, deadline=90)
+        assert not hung, [log_tail(tmp_path, r) for r in hung]
+        results = [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(2)]
+        assert all(res.get("ok") for res in results), (results, [log_tail(tmp_path, r) for r in range(2)])
+        if phase == "save":
+            assert remote_steps(url, o) == [2]  # keep_last_remote=1: one commit holding both ranks' files
+            keys = [k for k in _keys(s3.endpoint, url) if k.startswith("step_00000002/")]
+            assert sum(k.endswith(".safetensors") for k in keys) == 2, keys
+            shutil.rmtree(root)  # the nodes are gone: the next job resumes from the store
+        else:
+            assert [res["latest"] for res in results] == [2, 2]
+
+
+def _keys(endpoint: str, url: str) -> list[str]:
+    from obstore.store import S3Store
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
+                 client_options={"allow_http": True})
+    return sorted(str(m["path"]).removeprefix(prefix + "/") for chunk in obstore.list(st) for m in chunk)
