@@ -116,6 +116,7 @@ class Mirror:
         self._lock = threading.Lock()
         self._waiting: tuple[CheckpointInfo, concurrent.futures.Future[CheckpointInfo]] | None = None
         self._in_flight: int | None = None
+        self._last_committed = -1  # local retention's "latest" (allow_earlier_steps: by commit order)
         self._pumping = False
         self._probed = False
         self._stopped = False
@@ -140,6 +141,7 @@ class Mirror:
                 fut.set_exception(self._abandoned(info.step, "the Checkpointer is closing"))
                 return record
             self._unsettled[fut] = info.step
+            self._last_committed = info.step
             if self._waiting is not None and self._waiting[0].step < info.step:
                 superseded, self._waiting = self._waiting, (info, fut)
             elif self._waiting is None:
@@ -155,7 +157,7 @@ class Mirror:
             if start:
                 self._thread.submit(self._pump())
             else:
-                self._thread.submit(self._retire_local_now(info.step))
+                self._thread.submit(self._retire_local_now())
         except RuntimeError as e:  # the mirror thread is stopped: say so on the record
             self._settle(fut, error=self._abandoned(info.step, str(e)))
         return record
@@ -165,12 +167,12 @@ class Mirror:
             waiting = {self._waiting[0].step} if self._waiting is not None else set()
             return frozenset(waiting | ({self._in_flight} if self._in_flight is not None else set()))
 
-    async def _retire_local_now(self, latest: int) -> None:
+    async def _retire_local_now(self) -> None:
         """Local retention with the pending uploads protected, on the writer loop."""
         if self._retire_local is None:
             return
         try:
-            fut = self._retire_local(self._protected(), latest)
+            fut = self._retire_local(self._protected(), self._last_committed)
             if fut is not None:
                 await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
         except Exception as e:  # noqa: BLE001 - retention never fails a committed save
@@ -186,7 +188,7 @@ class Mirror:
                     return
                 (info, fut), self._waiting = self._waiting, None
                 self._in_flight = info.step
-            await self._retire_local_now(info.step)
+            await self._retire_local_now()
             try:
                 await self._upload(info)
             except asyncio.CancelledError:
@@ -198,7 +200,7 @@ class Mirror:
                 self._settle(fut, result=info)
             with self._lock:
                 self._in_flight = None
-            await self._retire_local_now(info.step)
+            await self._retire_local_now()
 
     async def _upload(self, info: CheckpointInfo) -> None:
         from ._remote import push_step, retire_remote
