@@ -411,3 +411,84 @@ def _keys(endpoint: str, url: str) -> list[str]:
     st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
                  client_options={"allow_http": True})
     return sorted(str(m["path"]).removeprefix(prefix + "/") for chunk in obstore.list(st) for m in chunk)
+
+
+def test_store_that_ignores_conditional_creates_is_refused_at_the_first_upload(
+    tmp_path: Path, proxy: FaultProxy, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    o = opts(proxy.endpoint)
+    proxy.add(Rule("strip_header", method="PUT", header=("if-none-match", "*"), times=10**6))
+    with caplog.at_level("DEBUG", logger="asyncckpt"), \
+            Checkpointer(tmp_path / "ck", mirror=url, storage_options=o, timeout=10) as ck:
+        ck.save(1, state_for(1)).result(timeout=30)
+        with pytest.raises(SaveError) as ei:
+            ck.flush(timeout=30)
+        assert ei.value.failures[0].exc_type == "ConditionalWriteUnsupportedError", ei.value.failures
+        assert local_steps(tmp_path / "ck") == [1]
+    assert not any(k.endswith("manifest.json") for k in _keys(proxy.endpoint, url))  # refused, never raced
+    assert SECRET not in caplog.text
+
+
+def test_aflush_local_only_then_aflush_waits_for_the_upload(tmp_path: Path, proxy: FaultProxy, url: str) -> None:
+    import asyncio
+
+    o = opts(proxy.endpoint)
+    proxy.add(Rule("delay", method="PUT", path_contains="rank00000.safetensors", delay=1.0, times=10**6))
+
+    async def go() -> None:
+        async with Checkpointer(tmp_path / "ck", mirror=url, storage_options=o) as ck:
+            await ck.save(1, state_for(1))
+            await ck.aflush(timeout=30, local_only=True)
+            assert remote.find_latest(url, storage_options=o) is None
+            await ck.aflush(timeout=30)
+            found = remote.find_latest(url, storage_options=o)
+            assert found is not None and found.step == 1
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_flush_timeout_while_an_upload_runs_raises_builtin_timeout_and_the_upload_goes_on(
+    tmp_path: Path, proxy: FaultProxy, url: str
+) -> None:
+    o = opts(proxy.endpoint)
+    proxy.add(Rule("delay", method="PUT", path_contains="rank00000.safetensors", delay=2.0, times=1))
+    with Checkpointer(tmp_path / "ck", mirror=url, storage_options=o) as ck:
+        ck.save(1, state_for(1)).result(timeout=30)
+        with pytest.raises(TimeoutError, match="upload") as ei:
+            ck.flush(timeout=0.3)
+        assert not isinstance(ei.value, SaveError)
+        ck.flush(timeout=60)
+    assert remote_steps(url, o) == [1]
+
+
+def test_load_falls_back_when_the_remote_newest_does_not_verify(
+    tmp_path: Path, s3: S3Server, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    o = opts(s3.endpoint)
+    root = tmp_path / "ck"
+    with Checkpointer(root, mirror=url, storage_options=o) as ck:
+        ck.save(1, state_for(1))
+        ck.flush(timeout=60)
+        ck.save(2, state_for(2))
+    found = remote.find_latest(url, storage_options=o)
+    assert found is not None and found.step == 2
+    key = f"step_00000002/a-{found.attempt}/rank00000.safetensors"
+    data = bytearray(_object(s3.endpoint, url, key))
+    data[-5] ^= 0x40  # same size: only the CRC-32C tells
+    _put(s3.endpoint, url, key, bytes(data))
+    shutil.rmtree(root)
+    with Checkpointer(root, mirror=url, storage_options=o) as ck:
+        with pytest.raises(asyncckpt.CheckpointCorruptError, match="checksum mismatch"):
+            ck.load(step=2)
+        with caplog.at_level("WARNING", logger="asyncckpt"):
+            assert_same(ck.load(), state_for(1))
+    assert any("does not verify" in r.getMessage() for r in caplog.records)
+
+
+def _put(endpoint: str, url: str, key: str, data: bytes) -> None:
+    from obstore.store import S3Store
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
+                 client_options={"allow_http": True})
+    obstore.put(st, key, data)
