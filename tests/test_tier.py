@@ -492,3 +492,24 @@ def _put(endpoint: str, url: str, key: str, data: bytes) -> None:
     st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
                  client_options={"allow_http": True})
     obstore.put(st, key, data)
+
+
+def test_latest_and_load_raise_the_store_error_when_the_store_cannot_be_read(
+    tmp_path: Path, proxy: FaultProxy, url: str
+) -> None:
+    o = opts(proxy.endpoint)
+    root = tmp_path / "ck"
+    with Checkpointer(root, mirror=url, storage_options=o, timeout=3) as ck:
+        ck.save(1, state_for(1))
+        ck.flush(timeout=30)
+        proxy.add(Rule("status", method="GET", status=503, times=10**6))
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreError) as ei:  # which tier is newer cannot be told
+            ck.latest()
+        assert time.monotonic() - t0 < 15  # within the Checkpointer's timeout (+ margin)
+        assert ei.value.filename is not None and ei.value.filename.startswith(url)
+        with pytest.raises(ObjectStoreError):
+            ck.load()
+        proxy.clear()
+        latest = ck.latest()
+        assert latest is not None and latest.step == 1
