@@ -159,6 +159,9 @@ class Mirror:
             else:
                 self._thread.submit(self._retire_local_now())
         except RuntimeError as e:  # the mirror thread is stopped: say so on the record
+            if start:
+                with self._lock:
+                    self._pumping = False
             self._settle(fut, error=self._abandoned(info.step, str(e)))
         return record
 
@@ -189,18 +192,23 @@ class Mirror:
                 (info, fut), self._waiting = self._waiting, None
                 self._in_flight = info.step
             await self._retire_local_now()
+            error: SaveError | None = None
             try:
                 await self._upload(info)
             except asyncio.CancelledError:
                 self._settle(fut, error=self._abandoned(info.step, "the mirror thread was stopped"))
                 raise
             except Exception as e:  # noqa: BLE001 - delivered through the record
-                self._settle(fut, error=self._failure(info.step, e))
-            else:
-                self._settle(fut, result=info)
+                error = self._failure(info.step, e)
             with self._lock:
                 self._in_flight = None
+            # retire what this upload protected before settling: when flush() returns, both
+            # tiers hold what their retention says
             await self._retire_local_now()
+            if error is not None:
+                self._settle(fut, error=error)
+            else:
+                self._settle(fut, result=info)
 
     async def _upload(self, info: CheckpointInfo) -> None:
         from ._remote import push_step, retire_remote

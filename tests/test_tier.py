@@ -513,3 +513,17 @@ def test_latest_and_load_raise_the_store_error_when_the_store_cannot_be_read(
         proxy.clear()
         latest = ck.latest()
         assert latest is not None and latest.step == 1
+
+
+def test_a_checkpointer_without_mirror_never_imports_obstore(tmp_path: Path) -> None:
+    """obstore is an optional extra: plain saves must not need it (nor pay its exit wait)."""
+    code = (
+        "import sys, torch\n"
+        "from asyncckpt import Checkpointer\n"
+        f"with Checkpointer({str(tmp_path / 'ck')!r}) as ck:\n"
+        "    ck.save(1, {'w': torch.ones(4)})\n"
+        "    ck.latest(); ck.load()\n"
+        "assert 'obstore' not in sys.modules, 'obstore imported'\n"
+    )
+    r = _run_child(code)
+    assert r.returncode == 0, r.stderr[-2000:]
