@@ -521,7 +521,7 @@ def test_a_checkpointer_without_mirror_never_imports_obstore(tmp_path: Path) -> 
         "import sys, torch\n"
         "from asyncckpt import Checkpointer\n"
         f"with Checkpointer({str(tmp_path / 'ck')!r}) as ck:\n"
-        "    ck.save(1, {'w': torch.ones(4)})\n"
+        "    ck.save(1, {'w': torch.ones(4)}).result(timeout=60)\n"
         "    ck.latest(); ck.load()\n"
         "assert 'obstore' not in sys.modules, 'obstore imported'\n"
     )
