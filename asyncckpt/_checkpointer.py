@@ -281,6 +281,10 @@ class Checkpointer:
         if not isinstance(allow_earlier_steps, bool):
             raise TypeError(f"allow_earlier_steps must be a bool, not {allow_earlier_steps!r}")
         self.allow_earlier_steps = allow_earlier_steps
+        if mirror is not None and allow_earlier_steps:
+            # both tiers go by step (latest(), keep_last_remote): a rewound run's new, lower
+            # steps would be retired on the store at once and lose to the old ones at resume
+            raise ValueError("mirror= does not support allow_earlier_steps=True yet")
         if not isinstance(dedupe, bool):
             raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
         self.dedupe = dedupe

@@ -333,6 +333,7 @@ def test_server_killed_mid_upload_then_back(tmp_path: Path) -> None:
         ({"mirror": "s3://b/x", "keep_last_remote": True}, TypeError),
         ({"mirror": "s3://b/x", "storage_options": "endpoint=x"}, TypeError),
         ({"mirror": "s3://b/x", "storage_options": {"endpoint": 5}}, TypeError),
+        ({"mirror": "s3://b/x", "allow_earlier_steps": True}, ValueError),
     ],
 )
 def test_bad_tier_options_raise_at_construction(tmp_path: Path, kwargs: dict[str, Any], exc: type) -> None:
