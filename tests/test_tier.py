@@ -528,3 +528,30 @@ def test_a_checkpointer_without_mirror_never_imports_obstore(tmp_path: Path) -> 
     )
     r = _run_child(code)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["upload-in-grace", "upload-past-grace"])
+def test_sigterm_final_flush_waits_for_the_upload_within_the_grace(
+    tmp_path: Path, proxy: FaultProxy, url: str, slow: bool
+) -> None:
+    o = opts(proxy.endpoint)
+    if slow:
+        proxy.add(Rule("delay", method="PUT", path_contains="rank00000.safetensors", delay=10.0, times=10**6))
+    code = (
+        "import os, signal, time, torch\n"
+        "from asyncckpt import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path / 'ck')!r}, mirror={url!r}, storage_options={o!r})\n"
+        "ck.install_sigterm_handler(grace_s=3.0)\n"
+        "ck.save(1, {'w': torch.ones(1000)}).result(timeout=30)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    r = _run_child(code)
+    assert local_steps(tmp_path / "ck") == [1]  # the local commit is durable either way
+    if slow:
+        assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+        assert "upload" in r.stderr and url in r.stderr, r.stderr[-2000:]
+        assert remote.find_latest(url, storage_options=o) is None
+    else:
+        assert r.returncode == -15, (r.returncode, r.stderr[-2000:])  # the default action, after the upload
+        assert remote_steps(url, o) == [1]
