@@ -134,6 +134,9 @@ def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(
         latest = ck.latest()
         assert isinstance(latest, asyncckpt.CheckpointInfo) and latest.step == 4  # local wins a tie
     assert local_steps(root) == [3, 4]  # keep_last=2
+    import threading
+
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("asyncckpt")]  # close() stopped them
     got = remote_steps(url, o)
     assert got[-1] == 4 and len(got) <= 2 and set(got) <= {2, 3, 4}  # keep_last_remote=2; a waiting step may be skipped
     assert_same(asyncckpt.load(url, storage_options=o), state_for(4))
