@@ -80,8 +80,10 @@ def check_options(mirror: object, keep_last_remote: object, storage_options: obj
 class Mirror:
     """Uploads committed steps of ``root`` to ``url``; see the module docstring.
 
-    Built by the Checkpointer (rank 0 uploads; other ranks build none). ``committed`` is
-    called on the Checkpointer's writer thread; ``latest``/``stop`` on the caller's thread.
+    Built by the Checkpointer on every rank; only rank 0's uploads (``uploads=True``: it owns
+    the mirror thread and its I/O pool), the others only read the store (``latest``).
+    ``committed`` is called on the Checkpointer's writer thread (after a local commit, or
+    at construction for the newest local step); ``latest``/``stop`` on the caller's thread.
     """
 
     def __init__(
@@ -116,7 +118,7 @@ class Mirror:
         self._lock = threading.Lock()
         self._waiting: tuple[CheckpointInfo, concurrent.futures.Future[CheckpointInfo]] | None = None
         self._in_flight: int | None = None
-        self._last_committed = -1  # local retention's "latest" (allow_earlier_steps: by commit order)
+        self._last_committed = -1  # passed to local retention as the step just committed
         self._pumping = False
         self._probed = False
         self._stopped = False
