@@ -157,14 +157,14 @@ def test_local_retention_never_removes_a_step_whose_upload_is_pending(
 ) -> None:
     root = tmp_path / "ck"
     o = opts(proxy.endpoint)
-    held = proxy.add(Rule("delay", method="PUT", path_contains="step_00000001/a-", delay=4.0, times=10**6))
+    held = proxy.add(Rule("delay", method="PUT", path_contains="step_00000001/a-", delay=8.0, times=10**6))
     with Checkpointer(root, mirror=url, keep_last=1, storage_options=o) as ck:
         ck.save(1, state_for(1)).result(timeout=30)
         wait_until(lambda: held.hits > 0, 20, "the upload of step 1 to reach the proxy")
         ck.save(2, state_for(2)).result(timeout=30)
         ck.save(3, state_for(3)).result(timeout=30)  # supersedes the waiting step 2
         # step 1 is in flight, step 3 waits: both kept; step 2 (superseded, not pending) retired
-        wait_until(lambda: local_steps(root) == [1, 3], 3, "local retention to retire step 2 only")
+        wait_until(lambda: local_steps(root) == [1, 3], 6, "local retention to retire step 2 only")
         assert remote.find_latest(url, storage_options=o) is None  # step 1 still held at the proxy
         assert any(r.step == 1 and not r.future.done() for r in uploads(ck))
         ck.flush(timeout=60)
