@@ -948,6 +948,7 @@ class Checkpointer:
         verify: bool | None = None,
         rank: int | None = None,
         per_rank: _load_global.PerRank = "error",
+        mmap: bool = False,
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
@@ -975,7 +976,11 @@ class Checkpointer:
         rest of the state is per rank: across a change of world size it loads only where
         every saved rank holds the same values, else ``CheckpointError`` names the keys,
         unless ``per_rank="rank0"`` (take rank 0's) or ``rank=`` picks the saved rank.
+
+        ``mmap=True`` returns tensors backed by the shard's file (no copy; see
+        :func:`asyncckpt.load`); not with ``into=`` (``ValueError``).
         """
+        _load.check_mmap(mmap, into)
         if step is not None:
             check_step(step)
         if rank is not None and (not _is_int(rank) or rank < 0):
@@ -988,10 +993,13 @@ class Checkpointer:
         reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes)
         far = self._remote_choice(step)
         if far is not None:  # tier mode: the step is on the store only, or newer there
+            if mmap:
+                raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
+                                 f"({self._mirror_url()}): load it without mmap")
             state = self._load_remote(far, step is None, shard, verify)
         elif self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
-            kw = {"into": into, "strip_prefixes": self.strip_prefixes}
+            kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap}
             if step is None:
                 _, state = _resume.load_newest(
                     self.root, rank=shard, verify=verify, world_size=expect, reader=reader, **kw
@@ -1001,7 +1009,7 @@ class Checkpointer:
                     self.root, step, rank=shard, verify=verify, world_size=expect, reader=reader, **kw
                 )
         else:
-            state = self._load_agreed(step, shard, verify, expect, reader)
+            state = self._load_agreed(step, shard, verify, expect, reader, mmap)
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
@@ -1048,7 +1056,13 @@ class Checkpointer:
                                  storage_options=self._mirror.storage_options)
 
     def _load_agreed(
-        self, step: int | None, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
+        self,
+        step: int | None,
+        shard: int,
+        verify: bool,
+        expect: int | None,
+        reader: _load_global.Reader,
+        mmap: bool = False,
     ) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
         assert self._dist is not None
@@ -1072,7 +1086,7 @@ class Checkpointer:
             state: Any = None
             error: BaseException | None = None
             try:
-                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader)
+                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader, mmap=mmap)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -1162,6 +1176,7 @@ def load(
     strip_prefixes: Sequence[str] = (),
     per_rank: _load_global.PerRank = "error",
     storage_options: dict[str, str] | None = None,
+    mmap: bool = False,
 ) -> Any:
     """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
 
@@ -1181,8 +1196,19 @@ def load(
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
     ``root`` may be an ``s3://bucket/prefix`` URL (see :mod:`asyncckpt.remote`), with
     ``storage_options`` for its store.
+
+    ``mmap=True`` returns tensors backed by the shard file (a private, copy-on-write mapping:
+    nothing is copied, pages are read when first touched, writes never reach the file), for
+    inspection and export of checkpoints larger than memory. With ``verify`` (the default)
+    the shard's CRC-32C is checked once, up front, by streaming it through small buffers (no
+    copy kept); ``verify=False`` reads nothing until touched. The tensors stay valid after
+    retention removes the step (the mapping holds the file). Raises ``ValueError`` with
+    ``into=``, for an ``s3://`` root, and for a step with a global index (DTensors, dedupe).
     """
+    _load.check_mmap(mmap, into)
     if isinstance(root, str) and root.startswith("s3://"):
+        if mmap:
+            raise ValueError("mmap=True needs a local root, not an s3:// URL")
         from .remote import load as load_remote
 
         return load_remote(
@@ -1199,11 +1225,10 @@ def load(
     root_s = os.fspath(root)
     reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes)
     shard = 0 if rank is None else rank
+    kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
     if step is None:
-        kw = {"into": into, "strip_prefixes": prefixes, "reader": reader}
         _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
     else:
-        kw = {"into": into, "strip_prefixes": prefixes, "reader": reader}
         state = _resume.load_step(root_s, step, rank=shard, verify=verify, **kw)
     if into is not None:
         _load.restore_into(into, state, strip_prefixes=prefixes)

@@ -23,11 +23,20 @@ alternative, one pass straight into the targets, leaves a model half-overwritten
 checkpoint that then fails, which ``load(step=None)``'s fallback and any ``except`` around
 ``load`` would carry on from. ``verify=False`` is the one-pass read. (A shard larger than
 the page cache can hold is read from disk twice.)
+
+Lazy loads (``load(..., mmap=True)``, :func:`map_shard`): the tensors are views of a private
+(copy-on-write) mapping of the shard, so nothing is copied and the pages are read when first
+touched; writes to them stay in this process, never reach the file. With ``verify`` the
+whole shard's CRC-32C is checked once, up front, through the I/O threads' bounce buffers
+(the pages pass through the page cache, nothing is kept: no copy of the state in memory);
+``verify=False`` skips it and reads nothing. The mapping holds the file's inode, so the
+tensors stay valid after retention removes the step.
 """
 
 from __future__ import annotations
 
 import collections
+import mmap as _mmap
 import os
 import stat
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
@@ -213,14 +222,20 @@ def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any
 
 
 def load_pinned(
-    pinned: PinnedStep, rank: int, verify: bool, into: Any = None, strip_prefixes: Sequence[str] = ()
+    pinned: PinnedStep,
+    rank: int,
+    verify: bool,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    mmap: bool = False,
 ) -> Any:
     """Rebuild rank ``rank``'s state from a pinned, complete step directory.
 
     Both files are opened before either is read, so a retirement that starts afterwards
     cannot touch the read; one that removed a file first raises ``Vanished``. With ``into``,
     the tensors of ``into`` that match a saved tensor (:func:`plan_targets`) are read into in
-    place, after the whole shard verified; the returned state holds them.
+    place, after the whole shard verified; the returned state holds them. With ``mmap`` the
+    tensors are views of the mapped shard (:func:`map_shard`; ``into`` must be ``None``).
     """
     manifest = pinned.manifest
     assert manifest is not None
@@ -248,12 +263,56 @@ def load_pinned(
                     raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", shard_path) from None
                 targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
             expected = shard_crc if verify else None
-            tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed)
+            if mmap:
+                tensors = map_shard(shard_fd, shard_path, shard_size, expected)
+            else:
+                tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed)
         finally:
             os.close(shard_fd)
     finally:
         os.close(tree_fd)
     return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+# ---------------------------------------------------------------------- lazy (mapped) loads
+def check_mmap(mmap: object, into: Any) -> None:
+    """Refuse a bad ``mmap=`` argument at the call: ``TypeError`` for a non-bool,
+    ``ValueError`` together with ``into=`` (mapped tensors are for reading; restoring copies
+    into the targets anyway, so it would only add a mapping)."""
+    if type(mmap) is not bool:
+        raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
+    if mmap and into is not None:
+        raise ValueError("mmap=True returns tensors backed by the checkpoint's file and cannot be combined with into=")
+
+
+def map_shard(fd: int, path: str, size: int, expected_crc: int | None) -> dict[str, torch.Tensor]:
+    """The tensors of an open shard as views of one private mapping of the file (no copy).
+
+    With ``expected_crc`` the whole file is checksummed first, through bounded buffers, and a
+    mismatch raises ``CheckpointCorruptError`` before anything is mapped. The mapping lives
+    as long as any tensor of it (each holds a reference), and holds the inode after an
+    unlink. Writes to the tensors are private to this process (copy-on-write).
+    """
+    if expected_crc is not None:
+        try:
+            _readinto.verify_file(fd, path, size, expected_crc)
+        except OSError as e:
+            raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+    try:
+        _, data_start, slots, _ = read_header(fd, path, size)
+        mapped = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot map shard ({e.strerror})", path) from None
+    out: dict[str, torch.Tensor] = {}
+    for s in slots:
+        dtype = ST_TO_DTYPE[s.dtype]
+        count = (s.end - s.begin) // dtype.itemsize
+        if count == 0:  # frombuffer refuses empty views
+            out[s.name] = torch.empty(s.shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + s.begin)
+        out[s.name] = flat.view(s.shape)
+    return out
 
 
 # ---------------------------------------------------------------------- reading into targets

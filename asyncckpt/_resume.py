@@ -43,8 +43,15 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
 
 
 def attempt(
-    root: str, step: int, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
+    root: str,
+    step: int,
+    rank: int,
+    verify: bool,
+    world_size: int | None = None,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    reader: Reader | None = None,
+    mmap: bool = False,
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
 
@@ -52,6 +59,9 @@ def attempt(
     A step with a global tensor index (DTensors) loads at any world size as ``reader`` says
     (``_load_global``; default: one process taking rank ``rank``'s per-rank values); its
     state is restored into ``into`` by the caller.
+
+    ``mmap``: tensors backed by the shard's file (``_load.map_shard``); a step with a global
+    index raises ``ValueError`` then (its tensors are assembled from chunks, not mapped).
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
     (best effort) before ``CheckpointCorruptError`` is raised.
@@ -61,10 +71,15 @@ def attempt(
         assert manifest is not None
         if not indexed(manifest):
             _check_shape(manifest, step, rank, world_size)
+        if mmap and indexed(manifest):
+            raise ValueError(
+                f"step {step} holds DTensors or deduplicated tensors (a global index): mmap=True maps one "
+                "rank's shard file and cannot serve it; load without mmap, or `asyncckpt export` it"
+            )
         try:
             if indexed(manifest):
                 return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)
-            return load_pinned(pinned, rank, verify, into, strip_prefixes)
+            return load_pinned(pinned, rank, verify, into, strip_prefixes, mmap)
         except CheckpointCorruptError as e:
             if pinned.still_there():
                 mark(root, step, manifest.attempt, e)
@@ -80,12 +95,20 @@ def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> 
 
 
 def load_step(
-    root: str, step: int, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
+    root: str,
+    step: int,
+    *,
+    rank: int,
+    verify: bool,
+    world_size: int | None = None,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    reader: Reader | None = None,
+    mmap: bool = False,
 ) -> Any:
     """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired."""
     try:
-        return attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader)
+        return attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader, mmap)
     except Vanished as e:
         raise CheckpointNotFoundError(str(e)) from None
     except NoSuchShard as e:
@@ -113,8 +136,15 @@ def no_checkpoint(root: str, rejected: dict[int, CheckpointCorruptError]) -> Che
 
 
 def load_newest(
-    root: str, *, rank: int, verify: bool, world_size: int | None = None, into: Any = None,
-    strip_prefixes: Sequence[str] = (), reader: Reader | None = None,
+    root: str,
+    *,
+    rank: int,
+    verify: bool,
+    world_size: int | None = None,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    reader: Reader | None = None,
+    mmap: bool = False,
 ) -> tuple[int, Any]:
     """Load the newest complete checkpoint that verifies; return its step and the state."""
     rejected: dict[int, CheckpointCorruptError] = {}
@@ -132,7 +162,7 @@ def load_newest(
         if info is None:
             raise no_checkpoint(root, {**skipped, **rejected})
         try:
-            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes, reader)
+            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes, reader, mmap)
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again
@@ -187,4 +217,3 @@ def decide(step_given: bool, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     if "bad" in kinds:
         return {"kind": "fallback", "failures": {r: o for r, o in failures.items() if o["kind"] == "bad"}}
     return {"kind": "retry", "failures": failures}
-

@@ -185,6 +185,8 @@ def test_new_node_with_an_empty_disk_resumes_from_the_store(tmp_path: Path, s3: 
         assert isinstance(latest, remote.RemoteCheckpointInfo) and latest.step == 2
         assert latest.url == f"{url}/step_00000002"
         assert_same(ck.load(), state_for(2))
+        with pytest.raises(ValueError, match="only on the store"):
+            ck.load(mmap=True)  # nothing local to map
         target = {"model": {"big": torch.zeros(MiB // 4 + 3), "b": torch.zeros(5, dtype=torch.int64)}, "step": 0,
                   "meta": {}}
         ck.load(into=target)

@@ -1,5 +1,12 @@
 """``asyncckpt export``: one rank's tensors as a flat name->tensor .safetensors or .pt file.
 
+A ``.safetensors`` export streams (``asyncckpt._export``): the header first, then each
+tensor's bytes, assembled from a sharded checkpoint's chunks into full global tensors, read
+and checksummed one bounded piece at a time, so a model larger than memory exports. A ``.pt``
+export loads the selected tensors (``torch.save`` needs them all in memory). Tied tensors are
+written once, under the name ``safetensors.torch.save_model`` keeps (the first in sorted
+order) in ``.safetensors``; ``torch.save`` keeps the sharing itself.
+
 The only command that imports torch, and only when it runs.
 """
 
@@ -10,7 +17,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._layout import parse_leftover, parse_step_dir
 from .._storage import DEFAULT_OPS
@@ -20,6 +27,8 @@ from ._print import PROG, dump_json, human_bytes, say
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 #: Output suffixes ``export`` understands; ``.safetensors`` selects safetensors, the rest torch.save.
 SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -38,11 +47,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "write one rank's tensors to a single .safetensors or .pt file",
         "Write the tensors of one rank (default 0) of a step (default: the newest complete) as\n"
         "one flat name->tensor file for other tools: .safetensors (read by\n"
-        "safetensors.torch.load_file and Hugging Face loaders) or .pt/.pth (a torch.save of the\n"
-        "dict, loadable with torch.load(weights_only=True)). Names are the dotted key paths; --key\n"
-        "keeps only the subtree under a key and strips that prefix (model.layer.weight becomes\n"
-        "layer.weight). Non-tensor values are skipped. The data is verified while it is read; the\n"
-        "output is written atomically.",
+        "safetensors.torch.load_file/load_model and Hugging Face from_pretrained) or .pt/.pth (a\n"
+        "torch.save of the dict, loadable with torch.load(weights_only=True)). Names are the dotted\n"
+        "key paths; --key keeps only the subtree under a key and strips that prefix\n"
+        "(model.layer.weight becomes layer.weight). Sharded tensors (DTensors: FSDP2, tensor\n"
+        "parallel) are written whole, assembled from every rank's chunks; --rank picks whose\n"
+        "other values are written. Tied tensors are written once, under the first of their names\n"
+        "in sorted order (as safetensors.torch.save_model does). Non-tensor values are skipped.\n"
+        ".safetensors exports stream: memory stays bounded (~16 MiB of buffers) whatever the\n"
+        "size. The data is verified while it is read; the output is written atomically.",
         "  asyncckpt export ckpt/ --to all.safetensors\n"
         "  asyncckpt export ckpt/ --step 300 --key model --to model.safetensors\n"
         "  asyncckpt export ckpt/ --step 300 --key model --to model.pt",
@@ -77,9 +90,9 @@ def named_tensors(state: Any) -> tuple[list[tuple[str, torch.Tensor]], list[str]
     return tensors, skipped
 
 
-def select_key(tensors: list[tuple[str, torch.Tensor]], key: str | None) -> dict[str, torch.Tensor]:
+def select_key(tensors: list[tuple[str, T]], key: str | None) -> dict[str, T]:
     """The tensors under dotted prefix ``key`` with the prefix stripped (all of them when ``None``)."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, T] = {}
     for name, t in tensors:
         if key is None:
             new = name
@@ -101,22 +114,6 @@ def select_key(tensors: list[tuple[str, torch.Tensor]], key: str | None) -> dict
     return out
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as one safetensors file (``format: pt`` metadata) at ``path``, fsynced."""
-    from .._format import plan_layout
-    from .._load import byte_view
-
-    layout = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {"format": "pt"})
-    with open(path, "xb") as f:
-        f.write(layout.header)
-        for s in layout.slots:
-            f.write(byte_view(tensors[s.name].detach().cpu().contiguous()))
-        f.flush()
-        if f.tell() != layout.file_size:
-            raise OSError(f"wrote {f.tell()} bytes, expected {layout.file_size}")
-        os.fsync(f.fileno())
-
-
 def write_torch(path: str, tensors: dict[str, torch.Tensor]) -> None:
     """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``), fsynced."""
     import torch
@@ -127,7 +124,7 @@ def write_torch(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_write(dest: str, writer: Callable[[str], None], force: bool) -> None:
+def _atomic_write(dest: str, writer: Callable[[str], object], force: bool) -> None:
     """Have ``writer`` fill a temporary file beside ``dest``, then rename it into place."""
     if os.path.lexists(dest) and not force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
@@ -161,16 +158,20 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
         )
-    from .._checkpointer import load  # torch: only this command needs it
+    if dest.lower().endswith(".safetensors"):
+        tensors, skipped, dropped = _stream(args, manifest.step, dest)
+        nbytes = sum(_export_nbytes(s) for s in tensors.values())
+    else:
+        from .._checkpointer import load  # torch: only this command needs it
 
-    state = load(args.root, manifest.step, rank=args.rank, verify=True)
-    pairs, skipped = named_tensors(state)
-    tensors = select_key(pairs, args.key)
+        state = load(args.root, manifest.step, rank=args.rank, verify=True)
+        pairs, skipped = named_tensors(state)
+        loaded = select_key(pairs, args.key)
+        _atomic_write(dest, lambda p: write_torch(p, loaded), args.force)
+        nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        tensors, dropped = dict(loaded), {}
     if args.key is not None:
         skipped = [s for s in skipped if s.startswith(args.key + ".")]
-    writer = write_safetensors if dest.lower().endswith(".safetensors") else write_torch
-    _atomic_write(dest, lambda p: writer(p, tensors), args.force)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if args.json:
         dump_json(
             {"path": os.path.abspath(dest), "step": manifest.step, "rank": args.rank, "key": args.key,
@@ -182,7 +183,36 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {len(tensors)} tensor(s){where}, {human_bytes(nbytes)}, of step {manifest.step} "
         f"rank {args.rank} to {dest}"
     )
+    if dropped:
+        shown = ", ".join(f"{d} (= {k})" for d, k in list(dropped.items())[:5]) + (", ..." if len(dropped) > 5 else "")
+        say(f"{PROG}: note: tied tensor(s) written once; left out: {shown}", sys.stderr)
     if skipped:
         shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
         say(f"{PROG}: note: skipped {len(skipped)} non-tensor value(s): {shown}", sys.stderr)
     return 0
+
+
+def _export_nbytes(src: Any) -> int:
+    from .._export import nbytes_of
+
+    return nbytes_of(src)
+
+
+def _stream(args: argparse.Namespace, step: int, dest: str) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """Stream the selected tensors of ``step`` into ``dest`` (atomically); return them by
+    output name, the skipped values and the tied names left out. A checksum failure is
+    also recorded as the step's bad mark, as a load would."""
+    from .. import _export, _resume  # torch: only this command needs it
+    from .._errors import CheckpointCorruptError
+
+    with _export.open_export(args.root, step, args.rank) as ex:
+        selected = select_key(ex.named, args.key)
+        kept, dropped = _export.drop_aliases(selected)
+        try:
+            _atomic_write(dest, lambda p: ex.write(p, kept), args.force)
+        except CheckpointCorruptError as e:
+            manifest = ex.pinned.manifest
+            if manifest is not None and ex.pinned.still_there():
+                _resume.mark(args.root, step, manifest.attempt, e)
+            raise
+        return dict(kept), ex.skipped, dropped
