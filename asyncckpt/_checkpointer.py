@@ -23,10 +23,10 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _agree, _discovery, _distributed, _load, _load_global, _ownership, _resume
 from ._commit import SaveJob, run_save
@@ -46,12 +46,16 @@ from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
 from ._layout import check_step, step_dir_name
 from ._lifecycle import SaveState
+from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
-from ._retention import leftovers, remove_leftovers
+from ._retention import leftovers, remove_leftovers, retire
 from ._staging import Arena, StageProgress, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
 from ._structure import TensorRef, flatten
 from ._writer import StartGate, WriterThread
+
+if TYPE_CHECKING:
+    from ._remote import RemoteCheckpointInfo
 
 OnError = Literal["raise", "warn"]
 DirectIO = Literal["auto", "on", "off"]
@@ -72,6 +76,7 @@ class _Runtime:
         self.stopped = False
         self.pid = os.getpid()
         self.ownership: Ownership | None = None
+        self.mirror: Mirror | None = None  # tier mode (mirror=): stopped before the writer
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
         self.staging = StagingPool(max_pending)
@@ -108,6 +113,8 @@ class _Runtime:
             pass
         finally:
             try:
+                if self.mirror is not None:
+                    self.mirror.stop(timeout=10.0)
                 shutdown = getattr(self.coord, "shutdown", None)
                 if shutdown is not None:
                     shutdown()
@@ -200,6 +207,16 @@ class Checkpointer:
             ``asyncckpt/2``). A no-op for one process. ``False`` writes every rank's plain
             tensors in full and each replicated DTensor box from its lowest rank (the layout
             of earlier versions).
+        mirror: tier mode: an ``s3://bucket/prefix`` URL every committed step is uploaded to
+            in the background (the local save is unchanged; see README "Tier mode"). At most
+            one upload runs, a newer commit supersedes a waiting older one; ``flush()`` and
+            ``close()`` wait for uploads (``flush(local_only=True)`` does not); a failed upload
+            is a ``SaveError`` naming the step and the URL, raised like a failed save's, and the
+            next commit's upload retries. ``latest()``/``load()`` consider both tiers. With many
+            ranks the root must be a file system every rank shares: rank 0 uploads the step.
+        keep_last_remote: with ``mirror``, keep only the newest N complete steps on the store.
+        storage_options: with ``mirror``, obstore S3 options (``endpoint``, ``region``, keys);
+            missing ones come from the ``AWS_*`` environment. Never logged.
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -232,9 +249,13 @@ class Checkpointer:
         strip_prefixes: Sequence[str] = (),
         allow_earlier_steps: bool = False,
         dedupe: bool = True,
+        mirror: str | None = None,
+        keep_last_remote: int | None = None,
+        storage_options: Mapping[str, str] | None = None,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
+        check_options(mirror, keep_last_remote, storage_options)  # tier mode: bad options raise here
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path, not {type(root).__name__}")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
@@ -265,6 +286,10 @@ class Checkpointer:
         if not isinstance(allow_earlier_steps, bool):
             raise TypeError(f"allow_earlier_steps must be a bool, not {allow_earlier_steps!r}")
         self.allow_earlier_steps = allow_earlier_steps
+        if mirror is not None and allow_earlier_steps:
+            # both tiers go by step (latest(), keep_last_remote): a rewound run's new, lower
+            # steps would be retired on the store at once and lose to the old ones at resume
+            raise ValueError("mirror= does not support allow_earlier_steps=True yet")
         if not isinstance(dedupe, bool):
             raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
         self.dedupe = dedupe
@@ -313,6 +338,16 @@ class Checkpointer:
             if self._dist is not None:
                 rt.coord = StoreCoordinator(self._dist.connect, self.rank, self.world_size, namespace, rt.storage.run)
             self._rt = rt
+            if mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
+                rt.mirror = Mirror(self.root, mirror, storage_options, keep_last_remote=keep_last_remote,
+                                   timeout=self.timeout, retire_local=self._local_retention(rt),
+                                   uploads=self.rank == 0)
+            self._mirror = rt.mirror
+            if self._mirror is not None and self.rank == 0 and committed:
+                # a local commit the last job may not have uploaded: push it (a no-op if it is there)
+                newest = _discovery.find_latest(self.root)
+                if isinstance(newest, CheckpointInfo):
+                    self._track_upload(newest)
             _live.add(self)
         except BaseException:
             _live.discard(self)
@@ -321,6 +356,42 @@ class Checkpointer:
             if ownership is not None:
                 ownership.release()
             raise
+
+    # ------------------------------------------------------------------ tier mode
+    def _local_retention(self, rt: _Runtime) -> Callable[[frozenset[int], int], Any] | None:
+        """Local ``keep_last`` for tier mode, run by the mirror (the save itself does none):
+        on the writer loop, under its retention lock, with pending uploads protected."""
+        keep_last = self.keep_last
+        if keep_last is None:
+            return None
+        root, by_commit_order = self.root, self.allow_earlier_steps
+
+        def start(protect: frozenset[int], latest: int) -> concurrent.futures.Future[list[int]]:
+            return rt.writer.submit(retire(rt.storage, root, keep_last, by_commit_order=by_commit_order,
+                                           lock=rt.retention_lock, latest=latest, protect=protect))
+
+        return start
+
+    def _track_upload(self, info: CheckpointInfo) -> None:
+        """Hand committed ``info`` to the mirror and track its upload like a save."""
+        assert self._mirror is not None
+        record = self._mirror.committed(info)
+        me = weakref.ref(self)
+        with self._lock:
+            self._records.append(record)
+
+        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            owner = me()
+            if owner is None:
+                return
+            with owner._lock:
+                if f.exception() is None:
+                    if record in owner._records:
+                        owner._records.remove(record)
+                else:
+                    owner._unraised.append(record)  # raised at the next save(), flush(), close()
+
+        record.future.add_done_callback(settled)
 
     def _take_root(self, ops: OsOps, own: Ownership) -> list[int]:
         """Rank 0 at construction: create the root, take ownership (into ``own``), then clean
@@ -561,7 +632,7 @@ class Checkpointer:
             started=t_call,
             wait_s=waited,
             staging_s=staging_s,
-            keep_last=self.keep_last,
+            keep_last=self.keep_last if self._mirror is None else None,  # tier mode: the mirror retires
             timeout=self.timeout,
             prefailed=prefailed,
             failed_commits=self._failed_commits,
@@ -664,6 +735,8 @@ class Checkpointer:
             else:
                 self._unraised.append(record)
             self._totals.add(info)
+        if info is not None and self._mirror is not None and self.rank == 0:
+            self._track_upload(info)  # tier mode: upload in the background
         if info is not None and self._on_commit is not None:
             try:
                 self._on_commit(info)
@@ -763,9 +836,19 @@ class Checkpointer:
         raise exc
 
     # ------------------------------------------------------------------ waiting
-    def _pending_futures(self) -> list[concurrent.futures.Future[CheckpointInfo]]:
+    def _pending_futures(self, local_only: bool = False) -> list[concurrent.futures.Future[CheckpointInfo]]:
         with self._lock:
-            return [r.future for r in self._records]
+            return [r.future for r in self._records if not (local_only and isinstance(r, UploadRecord))]
+
+    def _uploads_to_wait_for(self, local_only: bool) -> bool:
+        """Tier mode, after the local saves settled: whether to wait for uploads too. True
+        only once every settled save has handed its step to the mirror: ``_settle`` runs on
+        the writer loop right after a save's future resolves, so one round trip through that
+        loop orders this after it."""
+        if local_only or self._mirror is None or self.rank != 0 or self._rt.stopped:
+            return False
+        self._rt.writer.submit(asyncio.sleep(0)).result(_MARGIN_S)
+        return True
 
     def _raise_failures_since_flush(self) -> None:
         with self._lock:
@@ -785,32 +868,53 @@ class Checkpointer:
                 exc.add_note(note)
         raise exc
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self, timeout: float | None = None, *, local_only: bool = False) -> None:
         """Wait for every pending save; raise ``SaveError`` if any failed since the last flush.
 
+        In tier mode (``mirror=``) also wait until the newest committed step is uploaded
+        (its upload, or a failed one's ``SaveError``); ``local_only=True`` waits for local
+        durability only (upload failures already known are still raised).
         Raises the builtin ``TimeoutError`` if saves are still running after ``timeout``
         seconds (they keep running).
         """
-        self._flush(timeout)
+        self._flush(timeout, local_only=local_only)
 
-    def _flush(self, timeout: float | None, skip: SaveRecord | None = None) -> None:
+    def _flush(self, timeout: float | None, skip: SaveRecord | None = None, local_only: bool = False) -> None:
         self._check_not_in_writer()
         self._check_not_forked()
-        futures = [f for f in self._pending_futures() if skip is None or f is not skip.future]
+        end = None if timeout is None else time.monotonic() + timeout
+        futures = [f for f in self._pending_futures(local_only=True) if skip is None or f is not skip.future]
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        if self._uploads_to_wait_for(local_only):
+            left = None if end is None else max(0.0, end - time.monotonic())
+            _, not_done = concurrent.futures.wait(self._pending_futures(), left)
+            if not_done:
+                raise TimeoutError(f"{len(not_done)} upload(s) to {self._mirror_url()} still running after {timeout}s")
         self._raise_failures_since_flush()
 
-    async def aflush(self, timeout: float | None = None) -> None:
+    def _mirror_url(self) -> str:
+        return "" if self._mirror is None else self._mirror.url
+
+    async def aflush(self, timeout: float | None = None, *, local_only: bool = False) -> None:
         """:meth:`flush` for asyncio code: waits without blocking the running loop."""
         self._check_not_in_writer()
         self._check_not_forked()
-        futures = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures()]
+        end = None if timeout is None else time.monotonic() + timeout
+        futures = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures(local_only=True)]
         if futures:
             _, not_done = await asyncio.wait(futures, timeout=timeout)
             if not_done:
                 raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        if await asyncio.to_thread(self._uploads_to_wait_for, local_only):
+            uploads = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures()]
+            if uploads:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                _, not_done = await asyncio.wait(uploads, timeout=left)
+                if not_done:
+                    raise TimeoutError(f"{len(not_done)} upload(s) to {self._mirror_url()} still running after "
+                                       f"{timeout}s")
         self._raise_failures_since_flush()
 
     # ------------------------------------------------------------------ closing
@@ -927,14 +1031,22 @@ class Checkpointer:
         self._queries += 1
         return self._dist.share(f"q/{self._queries}", compute if self.rank == 0 else None, self.timeout)
 
-    def latest(self) -> CheckpointInfo | None:
+    def latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
         """The newest complete checkpoint under ``root``, or ``None``.
 
+        In tier mode (``mirror=``) the newest complete step on either tier: a
+        :class:`RemoteCheckpointInfo` when the store holds a newer step than ``root`` (a new
+        node with an empty disk), the local :class:`CheckpointInfo` otherwise; a store that
+        cannot be reached raises its ``ObjectStoreError``.
         With many ranks this is collective: rank 0 looks and every rank gets its answer.
         """
 
         def look() -> Any:
             info = _discovery.find_latest(self.root)
+            if self._mirror is not None:
+                far = self._mirror.latest()
+                if far is not None and (info is None or far.step > info.step):
+                    return [far.step, far.url, far.nbytes, far.world_size, far.created, far.attempt]
             return None if info is None else [info.step, info.nbytes, info.world_size, info.created]
 
         # every rank takes rank 0's whole answer: re-reading the directory here could race
@@ -942,6 +1054,10 @@ class Checkpointer:
         found = self._decided_by_leader(look)
         if found is None:
             return None
+        if len(found) == 6:
+            from ._remote import RemoteCheckpointInfo
+
+            return RemoteCheckpointInfo(*found)
         step, nbytes, world_size, created = found
         return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created)
 
@@ -1003,7 +1119,13 @@ class Checkpointer:
         # collective: an indexed step is read into the targets only after every rank agreed
         defer = self._dist is not None
         reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer)
-        if self._dist is None:
+        far = self._remote_choice(step)
+        if far is not None:  # tier mode: the step is on the store only, or newer there
+            if mmap:
+                raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
+                                 f"({self._mirror_url()}): load it without mmap")
+            state = self._load_remote(far, step is None, shard, verify)
+        elif self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap}
             if step is None:
@@ -1019,6 +1141,47 @@ class Checkpointer:
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
+
+    def _remote_choice(self, step: int | None) -> int | None:
+        """Tier mode: the step to load from the store (``None``: load locally, as without a
+        mirror). The newest complete step on either tier, local when both hold it; an explicit
+        step comes from the store only when it is not complete locally. Decided by rank 0."""
+        if self._mirror is None:
+            return None
+
+        def pick() -> int | None:
+            assert self._mirror is not None
+            if step is not None:
+                if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
+                    return None
+                return step
+            far = self._mirror.latest()
+            near = _discovery.find_latest(self.root)
+            return far.step if far is not None and (near is None or far.step > near.step) else None
+
+        chosen: int | None = self._decided_by_leader(pick)
+        return chosen
+
+    def _load_remote(self, step: int, fall_back: bool, shard: int, verify: bool) -> Any:
+        """Load ``shard`` of ``step`` from the mirror; with ``fall_back`` (``load()`` with no
+        step) a step that does not verify is logged and the newest older one on either tier
+        loads instead. Each rank reads its own shard (no agreement round: see README)."""
+        from . import _remote_load
+
+        assert self._mirror is not None
+        try:
+            return _remote_load.load(self._mirror.url, step, verify=verify, rank=shard,
+                                     storage_options=self._mirror.storage_options)
+        except CheckpointCorruptError as e:
+            if not fall_back:
+                raise
+            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step,
+                        self._mirror.url, e)
+        near = _discovery.find_latest(self.root)
+        if near is not None:
+            return _resume.load_newest(self.root, rank=shard, verify=verify, strip_prefixes=self.strip_prefixes)[1]
+        return _remote_load.load(self._mirror.url, None, verify=verify, rank=shard,
+                                 storage_options=self._mirror.storage_options)
 
     def _load_agreed(
         self,
@@ -1283,6 +1446,12 @@ def _exit_hook() -> None:
         if not ck._closed:
             # wait without marking anything reported: what nobody saw is printed below
             concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
+            if ck._mirror is not None:  # tier mode: and the uploads of what just committed
+                try:
+                    if ck._uploads_to_wait_for(False):
+                        concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
+                except Exception:  # noqa: BLE001 - the writer is gone: nothing more will upload
+                    pass
         failures = ck._unreported_failures()
         if not ck._closed:
             try:

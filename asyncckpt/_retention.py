@@ -73,27 +73,32 @@ async def retire(
     by_commit_order: bool = False,
     lock: asyncio.Lock | None = None,
     latest: int | None = None,
+    protect: frozenset[int] = frozenset(),
 ) -> list[int]:
     """Retire complete checkpoints beyond the newest ``keep_last``; return their steps.
+
+    Steps in ``protect`` are kept besides (tier mode: uploads pending or in flight).
 
     Newest means the highest step, or with ``by_commit_order`` the latest committed.
     ``lock`` (one per writer loop) serializes overlapping saves' retention, so two of them
     never pick and rename the same victim. ``latest``: see :func:`choose_by_commit_order`.
     """
     if lock is None:
-        return await _retire(storage, root, keep_last, by_commit_order, latest)
+        return await _retire(storage, root, keep_last, by_commit_order, latest, protect)
     async with lock:
-        return await _retire(storage, root, keep_last, by_commit_order, latest)
+        return await _retire(storage, root, keep_last, by_commit_order, latest, protect)
 
 
 async def _retire(
-    storage: Storage, root: str, keep_last: int, by_commit_order: bool, latest: int | None
+    storage: Storage, root: str, keep_last: int, by_commit_order: bool, latest: int | None,
+    protect: frozenset[int] = frozenset(),
 ) -> list[int]:
     infos = await storage.run(complete_checkpoints, root)
     if by_commit_order:
         victims = choose_by_commit_order(infos, keep_last, latest)
     else:
         victims = choose_victims([i.step for i in infos], keep_last)
+    victims = [s for s in victims if s not in protect]
     moved = []
     for step in victims:
         src = os.path.join(root, step_dir_name(step))

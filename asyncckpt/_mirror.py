@@ -1,0 +1,282 @@
+"""Tier mode: every local commit is uploaded to an object store in the background.
+
+``Checkpointer(root, mirror="s3://bucket/run1")`` saves exactly as without it (the local
+commit protocol, the same time to first durability); each committed step is then handed
+to the :class:`Mirror`, which uploads it with the push protocol of ``_remote.push_step``
+(data under ``step_N/a-<attempt>/``, CRC-32C compared with the local manifest, the local
+manifest bytes created once with ``If-None-Match: *`` as the remote commit point).
+
+Theory of operation. The mirror owns one thread running one asyncio loop (a
+``WriterThread`` of its own, so an upload never delays a save on the Checkpointer's writer
+loop, and never runs in a forked child: obstore cannot). At most one upload is in flight;
+at most one step waits behind it, the newest committed one: a newer commit supersedes the
+waiting step, whose wait then ends without an upload (the newer step covers it). Each step
+handed over has a future that settles when its upload committed (result: the local
+``CheckpointInfo``), was superseded (the same), or failed (a ``SaveError`` naming the step
+and the remote URL). The Checkpointer tracks these futures like saves, so ``flush()``
+waits for them and a failure reaches the next ``save()``/``flush()``/``close()``.
+
+Retention per tier. Local retention (``keep_last``) runs here, not in the save: after each
+commit and after each upload, on the Checkpointer's writer loop under its retention lock,
+with the step in flight and the waiting step protected, so a step is never removed locally
+before it is on the store (or superseded). Remote retention (``keep_last_remote``) runs
+after each committed upload: the manifest first, then the objects (``retire_remote``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._errors import RankFailure, SaveError
+from ._handle import SaveRecord
+from ._info import CheckpointInfo
+from ._iopool import IOPool
+from ._writer import WriterThread
+
+if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
+    from ._objstore import ObjectStore
+    from ._remote import RemoteCheckpointInfo
+
+log = logging.getLogger("asyncckpt")
+
+#: ``retire_local(protect, latest)``: start local retention on the writer loop with the steps
+#: in ``protect`` kept; returns its future, or ``None`` when there is nothing to retire.
+RetireLocal = Callable[[frozenset[int], int], "concurrent.futures.Future[Any] | None"]
+
+
+class UploadRecord(SaveRecord):
+    """A committed step's upload, tracked by the Checkpointer like a save (``flush()`` waits
+    for it unless ``local_only``; a failure is raised like a failed save's)."""
+
+
+def check_options(mirror: object, keep_last_remote: object, storage_options: object) -> None:
+    """Raise ``TypeError``/``ValueError`` for tier options that cannot work (no I/O)."""
+    if mirror is None:
+        if keep_last_remote is not None:
+            raise ValueError("keep_last_remote needs mirror= (the object-store URL to retain on)")
+        if storage_options is not None:
+            raise ValueError("storage_options only apply to mirror= (the object-store URL)")
+        return
+    if not isinstance(mirror, str):
+        raise TypeError(f"mirror must be an s3://bucket/prefix URL str, not {type(mirror).__name__}")
+    bucket = mirror[len("s3://"):].partition("/")[0] if mirror.startswith("s3://") else ""
+    if not bucket:
+        raise ValueError(f"mirror must be an s3://bucket/prefix URL, not {mirror!r}")
+    if keep_last_remote is not None:
+        if not isinstance(keep_last_remote, int) or isinstance(keep_last_remote, bool):
+            raise TypeError(f"keep_last_remote must be a positive int or None, not {keep_last_remote!r}")
+        if keep_last_remote < 1:
+            raise ValueError(f"keep_last_remote must be a positive int or None, not {keep_last_remote!r}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a mapping of str to str, not {type(storage_options).__name__}")
+
+
+class Mirror:
+    """Uploads committed steps of ``root`` to ``url``; see the module docstring.
+
+    Built by the Checkpointer on every rank; only rank 0's uploads (``uploads=True``: it owns
+    the mirror thread and its I/O pool), the others only read the store (``latest``).
+    ``committed`` is called on the Checkpointer's writer thread (after a local commit, or
+    at construction for the newest local step); ``latest``/``stop`` on the caller's thread.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        url: str,
+        storage_options: Mapping[str, str] | None,
+        *,
+        keep_last_remote: int | None,
+        timeout: float,
+        retire_local: RetireLocal | None,
+        uploads: bool = True,
+    ) -> None:
+        from ._remote import open_store
+
+        self.root = root
+        # its own pool for the CRC threads: at interpreter exit a ThreadPoolExecutor refuses
+        # new work, and the exit hook still waits for the upload of the last commit
+        self._pool = IOPool(2, "asyncckpt-mirror-io") if uploads else None
+        try:
+            # no I/O here: bad storage_options raise TypeError/ValueError at construction
+            self.store: ObjectStore = open_store(url, storage_options, executor=self._pool)
+        except BaseException:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            raise
+        self.url = self.store.url
+        self.storage_options = storage_options  # for loads through _remote_load; never logged
+        self.keep_last_remote = keep_last_remote
+        self.timeout = timeout
+        self._retire_local = retire_local
+        self._lock = threading.Lock()
+        self._waiting: tuple[CheckpointInfo, concurrent.futures.Future[CheckpointInfo]] | None = None
+        self._in_flight: int | None = None
+        self._last_committed = -1  # passed to local retention as the step just committed
+        self._pumping = False
+        self._probed = False
+        self._stopped = False
+        self._unsettled: dict[concurrent.futures.Future[CheckpointInfo], int] = {}  # future -> step
+        self._thread: WriterThread | None = None
+        if uploads:
+            try:
+                self._thread = WriterThread("asyncckpt-mirror")
+            except BaseException:
+                self.stop(5.0)
+                raise
+
+    # ------------------------------------------------------------------ the writer's side
+    def committed(self, info: CheckpointInfo) -> UploadRecord:
+        """Queue committed ``info.step`` for upload (superseding a waiting older step) and
+        return the record whose future settles with the upload's outcome. Never blocks."""
+        fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
+        record = UploadRecord(info.step, fut)
+        superseded = None
+        with self._lock:
+            if self._stopped or self._thread is None:
+                fut.set_exception(self._abandoned(info.step, "the Checkpointer is closing"))
+                return record
+            self._unsettled[fut] = info.step
+            self._last_committed = info.step
+            if self._waiting is not None and self._waiting[0].step < info.step:
+                superseded, self._waiting = self._waiting, (info, fut)
+            elif self._waiting is None:
+                self._waiting = (info, fut)
+            else:  # an older step committed after a newer one (allow_earlier_steps): the newer covers it
+                superseded = (info, fut)
+            start = not self._pumping
+            self._pumping = True
+        if superseded is not None:
+            log.debug("upload of step %d superseded by step %d", superseded[0].step, info.step)
+            self._settle(superseded[1], result=superseded[0])
+        try:
+            if start:
+                self._thread.submit(self._pump())
+            else:
+                self._thread.submit(self._retire_local_now())
+        except RuntimeError as e:  # the mirror thread is stopped: say so on the record
+            if start:
+                with self._lock:
+                    self._pumping = False
+            self._settle(fut, error=self._abandoned(info.step, str(e)))
+        return record
+
+    def _protected(self) -> frozenset[int]:
+        with self._lock:
+            waiting = {self._waiting[0].step} if self._waiting is not None else set()
+            return frozenset(waiting | ({self._in_flight} if self._in_flight is not None else set()))
+
+    async def _retire_local_now(self) -> None:
+        """Local retention with the pending uploads protected, on the writer loop."""
+        if self._retire_local is None:
+            return
+        try:
+            fut = self._retire_local(self._protected(), self._last_committed)
+            if fut is not None:
+                await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
+        except Exception as e:  # noqa: BLE001 - retention never fails a committed save
+            log.warning("local retention under %s failed: %s", self.root, e)
+
+    async def _pump(self) -> None:
+        """Upload the waiting step, then the next one that arrived meanwhile, until none waits."""
+        while True:
+            with self._lock:
+                if self._waiting is None or self._stopped:
+                    self._pumping = False
+                    self._in_flight = None
+                    return
+                (info, fut), self._waiting = self._waiting, None
+                self._in_flight = info.step
+            await self._retire_local_now()
+            error: SaveError | None = None
+            try:
+                await self._upload(info)
+            except asyncio.CancelledError:
+                self._settle(fut, error=self._abandoned(info.step, "the mirror thread was stopped"))
+                raise
+            except Exception as e:  # noqa: BLE001 - delivered through the record
+                error = self._failure(info.step, e)
+            with self._lock:
+                self._in_flight = None
+            # retire what this upload protected before settling: when flush() returns, both
+            # tiers hold what their retention says
+            await self._retire_local_now()
+            if error is not None:
+                self._settle(fut, error=error)
+            else:
+                self._settle(fut, result=info)
+
+    async def _upload(self, info: CheckpointInfo) -> None:
+        from ._remote import push_step, retire_remote
+
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout
+        if not self._probed:
+            await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
+            self._probed = True
+        result = await push_step(self.store, self.root, info.step, deadline)
+        log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.url, time.monotonic() - t0, result.status)
+        if self.keep_last_remote is not None:
+            try:
+                removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout)
+                if removed:
+                    log.info("retired remote steps %s under %s", removed, self.url)
+            except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
+                log.warning("remote retention under %s failed: %s", self.url, e)
+
+    def _failure(self, step: int, e: BaseException) -> SaveError:
+        err = SaveError(step, {0: RankFailure.from_exception(0, e)},
+                        detail=f"upload to {self.url} failed; the local checkpoint under {self.root} is committed, "
+                               "and the next commit's upload retries")
+        err.__cause__ = e
+        return err
+
+    def _abandoned(self, step: int, why: str) -> SaveError:
+        return SaveError(step, {0: RankFailure(0, "CancelledError", f"upload abandoned: {why}")},
+                         detail=f"not uploaded to {self.url}; the local checkpoint under {self.root} is committed")
+
+    def _settle(self, fut: concurrent.futures.Future[CheckpointInfo], *, result: CheckpointInfo | None = None,
+                error: BaseException | None = None) -> None:
+        with self._lock:
+            self._unsettled.pop(fut, None)
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            assert result is not None
+            fut.set_result(result)
+
+    # ------------------------------------------------------------------ the caller's side
+    def latest(self) -> RemoteCheckpointInfo | None:
+        """The newest complete step on the store (typed ``ObjectStoreError`` if unreachable)."""
+        from ._remote import info_of, newest_complete, run_sync
+
+        async def go() -> RemoteCheckpointInfo | None:
+            found = await newest_complete(self.store, time.monotonic() + self.timeout)
+            return None if found is None else info_of(self.store, found[0])
+
+        return run_sync(go)
+
+    def stop(self, timeout: float) -> None:
+        """Stop the mirror thread (an upload still running is cancelled; its record and the
+        waiting step's fail with "upload abandoned"). Idempotent."""
+        with self._lock:
+            self._stopped = True
+            waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self._settle(waiting[1], error=self._abandoned(waiting[0].step, "the Checkpointer was closed first"))
+        if self._thread is not None:
+            self._thread.stop(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, timeout=timeout)
+        with self._lock:
+            left = list(self._unsettled.items())
+        for f, step in left:  # a loop that did not get to cancel its task: no waiter may hang
+            self._settle(f, error=self._abandoned(step, "the Checkpointer was closed first"))
