@@ -49,7 +49,7 @@ from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ._lifecycle import SaveEvent, SaveState, advance
 from ._retention import leftovers, retire
 from ._staging import Arena, StageProgress
-from ._storage import CpuMeter, Storage, current_meter, thread_cpu
+from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -180,7 +180,7 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     skip = {d["name"] for d in job.dtensors or () if d["writer"]}
     try:
         if job.progress is not None:  # the digests read the whole arena: wait until it is staged
-            await storage.run(job.progress.wait_for, job.progress.total, job.deadline)
+            await until_staged(job.progress, job.progress.total, job.deadline)  # not on the I/O pool
         for ev in job.cuda_events or ():
             await storage.run(ev.synchronize)
         records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)

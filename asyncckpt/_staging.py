@@ -114,6 +114,19 @@ class StageProgress:
             self._gone = True
             self._cond.notify_all()
 
+    def reached(self, pos: int) -> bool:
+        """Whether offset ``pos`` is staged, without waiting; ``StagingAborted`` as :meth:`wait_for`."""
+        with self._cond:
+            if self._staged >= pos:
+                return True
+            if self._error is not None:
+                raise StagingAborted(
+                    f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
+                )
+            if self._gone:
+                raise StagingAborted("the save was given up before its state was staged")
+            return False
+
     def wait_for(self, pos: int, deadline: float) -> None:
         """Block until offset ``pos`` is staged; ``StagingAborted`` if the copy failed or the
         writer abandoned the save, ``TimeoutError`` at ``deadline`` (``time.monotonic()``)."""

@@ -96,6 +96,8 @@ class Staged(Protocol):
 
     def wait_for(self, pos: int, deadline: float) -> None: ...
 
+    def reached(self, pos: int) -> bool: ...
+
     def abandon(self) -> None: ...
 
 
@@ -411,6 +413,7 @@ class Storage:
             if use_direct and pieces:
                 # the first piece alone: a file system that took O_DIRECT at open may refuse the I/O
                 try:
+                    await until_staged(staged, pieces[0][1], until)
                     await self.run(_write_piece, f, chain, staged, buf, 0, *pieces[0], use_direct, until)
                 except OSError as e:
                     if e.errno != errno.EINVAL or self._direct_required:
@@ -444,6 +447,20 @@ class Storage:
                     pass
         return WriteResult(size, crc, use_direct, t1 - t0, t2 - t1)
 
+    async def _piece(
+        self,
+        f: _OpenFile,
+        chain: _CrcChain,
+        staged: Staged | None,
+        buf: memoryview,
+        i: int,
+        piece: tuple[int, int],
+        direct: bool,
+        until: float,
+    ) -> None:
+        await until_staged(staged, piece[1], until)
+        await self.run(_write_piece, f, chain, staged, buf, i, *piece, direct, until)
+
     async def _write_pieces(
         self,
         f: _OpenFile,
@@ -473,9 +490,7 @@ class Storage:
                     break
                 while len(window) >= INFLIGHT:
                     await settle(window.pop(0))
-                window.append(
-                    asyncio.ensure_future(self.run(_write_piece, f, chain, staged, buf, i, *pieces[i], direct, until))
-                )
+                window.append(asyncio.ensure_future(self._piece(f, chain, staged, buf, i, pieces[i], direct, until)))
             while window:
                 await settle(window.pop(0))
         finally:
@@ -585,6 +600,20 @@ class _CrcChain:
         v = self._values[i]
         assert v is not None
         return v
+
+
+async def until_staged(staged: Staged | None, pos: int, until: float) -> None:
+    """Wait on the writer loop, not on an I/O thread, until ``pos`` is staged: a copy paused
+    (a signal handler running on the saving thread, which may itself save and flush) must not
+    hold the I/O pool, or every other save's I/O would queue behind it."""
+    if staged is None:
+        return
+    pause = 0.0002
+    while not staged.reached(pos):
+        if time.monotonic() >= until:
+            raise TimeoutError("the state was not staged before the save's deadline")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.005)
 
 
 def _write_piece(

@@ -91,7 +91,8 @@ def main() -> None:
         with Checkpointer(root, timeout=TIMEOUT, _ops=ops) as ck:
             step = 0
             ops.arm(None)
-            ck.save(step, {"w": torch.full((5000,), float(rank))}).result(timeout=60)
+            # the same on every rank, like every later save: counted with the same (deduplicated) work
+            ck.save(step, {"w": torch.full((5000,), float(step))}).result(timeout=60)
             counts = [0] * world  # every rank learns how many counted ops each rank makes per save
             counts[rank] = ops.count
             t = torch.tensor(counts)
