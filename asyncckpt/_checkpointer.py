@@ -437,13 +437,16 @@ class Checkpointer:
             try:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
+                aliases: dict[str, str] = {}
                 # the walk allocates tens of thousands of small containers for a state of many
                 # tensors, and the cyclic GC they trigger (traversing every live object,
                 # tensors included) was 70 % of the walk's time for 10,000 tensors: pause it
                 gc_was_on = gc.isenabled()
                 gc.disable()
                 try:
-                    tree, refs = flatten(state, self.strip_prefixes, dtensors=found, tied_out=n_tied)
+                    tree, refs = flatten(
+                        state, self.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
+                    )
                     if found and self.dedupe and self.world_size > 1:
                         found, refs = _spread_replica_writes(found, refs)
                     tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
@@ -451,7 +454,7 @@ class Checkpointer:
                 finally:
                     if gc_was_on:
                         gc.enable()
-                dtensors = _load_global.describe_for_index(found) if found else None
+                dtensors = _load_global.describe_for_index(found, aliases) if found else None
                 for d, (_, info, _) in zip(dtensors or (), found, strict=True):
                     d["mesh_key"] = _mesh_key(info)  # dedupe checks the ranks of a mesh agree
                 tied = n_tied[0] > 0

@@ -47,7 +47,7 @@ from ._load import _check_tree_size, _read_all, byte_view, read_header
 from ._load_global import indexed
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._reshard import Box, SavedChunk, intersect
-from ._structure import unflatten
+from ._structure import resolve_dtensor_aliases, unflatten
 
 #: The size of one piece in flight (there are two: the band and the bounce buffer).
 _BAND = 8 * 1024 * 1024
@@ -356,6 +356,7 @@ def open_export(root: str, step: int, rank: int) -> Export:
         sources: dict[str, Source] = {}
         if indexed(manifest):
             index = _read_index(ex, manifest)
+            tree = resolve_dtensor_aliases(tree, index["aliases"])  # tied DTensors: one source
             entries = index["plain"][rank]
             if entries is None:
                 sources.update(_whole(ex, manifest, shard_name(rank), wholes))

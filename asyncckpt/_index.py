@@ -25,6 +25,9 @@ does not know them ignores them, so the format string stays ``asyncckpt-index/1`
 a reader can take one rank's values without reading its DTensor chunks (``null``: a rank that
 held no DTensor reported nothing; its file is then read whole, checked by the manifest's
 CRC). ``placements`` and ``mesh`` are informational; the loader uses shape and chunks only.
+``aliases`` (additive too) maps a DTensor name to the one it is tied to (GPT-2's
+``lm_head.weight`` -> ``wte.weight``): stored once, and readers resolve every rank's tree
+through it.
 Torch-free.
 """
 
@@ -124,7 +127,10 @@ def rank_part(
     by_name = {s.name: s for s in slots}
     tensors: dict[str, Any] = {}
     written: set[str] = set()
+    aliases: dict[str, str] = {}
     for d in dtensors:
+        for alias in d.get("aliases", ()):
+            aliases[alias] = d["name"]
         entry = {k: d[k] for k in ("dtype", "shape", "placements", "mesh")}
         entry["chunk"] = None
         if d["writer"]:
@@ -140,13 +146,19 @@ def rank_part(
         for s in slots
         if s.name not in written
     ]  # fmt: skip
-    return {"file": file, "tensors": tensors, "plain": plain, "writers": dict(writers or {}), "block": BLOCK}
+    part = {"file": file, "tensors": tensors, "plain": plain, "writers": dict(writers or {}), "block": BLOCK}
+    if aliases:
+        part["aliases"] = aliases
+    return part
 
 
 def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     """The index file from every rank's part (``None``: a rank without DTensors).
 
-    Raises ``ValueError`` when ranks disagree on a DTensor's dtype or global shape.
+    Raises ``ValueError`` when ranks disagree on a DTensor's dtype or global shape, or on a
+    tie: a name some rank tied to another DTensor (its part's ``aliases``) may appear as a
+    DTensor of its own only on ranks that wrote no bytes of it (a local shard over no storage
+    cannot show the tie); it is then stored once, under the name it is tied to.
     """
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
@@ -184,11 +196,24 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
                     raise ValueError(f"rank {w} was to write {name!r} for rank {r} but did not report it")
                 plain[str(r)][name] = have
                 deduped += 1
+    aliases: dict[str, str] = {}
+    for _, part in sorted(parts.items()):
+        for alias, target in (part or {}).get("aliases", {}).items():
+            if aliases.setdefault(alias, target) != target:
+                raise ValueError(f"ranks disagree on DTensor {alias!r}: tied to {aliases[alias]!r} and to {target!r}")
+    for alias, target in aliases.items():
+        if target not in tensors or target in aliases:
+            raise ValueError(f"DTensor {alias!r} is tied to {target!r}, which no rank saved")
+        own, kept = tensors.pop(alias, None), tensors[target]
+        if own is not None and (own["chunks"] or (own["dtype"], own["shape"]) != (kept["dtype"], kept["shape"])):
+            raise ValueError(f"ranks disagree on whether DTensor {alias!r} is tied to {target!r}")
     for e in tensors.values():
         order = sorted(range(len(e["chunks"])), key=lambda i: e["chunks"][i][0])
         e["chunks"] = [e["chunks"][i] for i in order]
         e["blocks"] = [e["blocks"][i] for i in order]
     doc: dict[str, Any] = {"format": FORMAT, "world_size": world, "block": block, "tensors": tensors, "plain": plain}
+    if aliases:
+        doc["aliases"] = aliases
     if any((p or {}).get("writers") for p in parts.values()):
         doc["dedupe"] = {"hash": "xxh3-128", "copies_not_written": deduped}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -229,9 +254,15 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: boo
     block = doc.get("block")
     if block is not None and not (_uint(block) and 0 < block <= MAX_BLOCK):
         raise ValueError(f"index has a bad block size {block!r}")
+    aliases = doc.get("aliases", {})
+    if not (isinstance(aliases, dict) and all(isinstance(a, str) and isinstance(t, str) for a, t in aliases.items())):
+        raise ValueError("index aliases are malformed")
     out: dict[str, Any] = {}
     if not plain_only:
         out = _parse_tensors(tensors, file_sizes, block)
+        for alias, target in aliases.items():
+            if alias in out or target not in out:
+                raise ValueError(f"index alias {alias!r} -> {target!r} names no single stored DTensor")
     ranks: dict[int, dict[str, tuple[str, tuple[int, ...], str, int, int, int]] | None] = {}
     for r in range(world):
         entries = plain.get(str(r))
@@ -252,7 +283,7 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: boo
                 raise ValueError(f"plain entry {name!r} of rank {r} lies outside the files listed")
             got[name] = (dtype, tuple(shape), file, begin, n, crc)
         ranks[r] = got
-    return {"tensors": out, "plain": ranks}
+    return {"tensors": out, "plain": ranks, "aliases": aliases}
 
 
 def _crc_list(v: object, count: int) -> bool:

@@ -31,7 +31,7 @@ caller chose ``per_rank="rank0"`` (take rank 0's).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,7 +46,7 @@ from ._format import DTYPE_TO_ST, ST_TO_DTYPE
 from ._load import _check_tree_size, _read_all, byte_view, read_shard_fd
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._reshard import Box, plan_reads
-from ._structure import dtensor_names, flatten, tensor_names, unflatten
+from ._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
@@ -100,8 +100,14 @@ def indexed(manifest: Manifest) -> bool:
     return any(f.name == _index.INDEX for f in manifest.files)
 
 
-def describe_for_index(found: list[tuple[str, Any, Any]]) -> list[dict[str, Any]]:
-    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part``."""
+def describe_for_index(
+    found: list[tuple[str, Any, Any]], aliases: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part``; each
+    lists under ``"aliases"`` the names ``flatten`` tied to it (``dtensor_aliases``)."""
+    tied_to: dict[str, list[str]] = {}
+    for alias, target in (aliases or {}).items():
+        tied_to.setdefault(target, []).append(alias)
     out = []
     for name, info, _ in found:
         box = info.box
@@ -116,6 +122,8 @@ def describe_for_index(found: list[tuple[str, Any, Any]]) -> list[dict[str, Any]
                 "writer": info.writer,
             }
         )
+        if name in tied_to:
+            out[-1]["aliases"] = tied_to[name]
     return out
 
 
@@ -228,7 +236,8 @@ def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool, plan:
         ranks = [0]
     else:
         ranks = list(range(saved))  # compared below: they must agree
-    trees = {r: _tree(files, r, verify) for r in ranks}
+    # every rank's tree names a tied DTensor as the index stores it
+    trees = {r: resolve_dtensor_aliases(_tree(files, r, verify), index["aliases"]) for r in ranks}
     plains = {r: _plain(files, index, r, trees[r], verify) for r in ranks}
     first = ranks[0]
     if len(ranks) > 1:
@@ -248,7 +257,7 @@ def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool, plan:
             )
     tree = trees[first]
     tensors: dict[str, Any] = dict(plains[first])
-    for name in dtensor_names(tree):
+    for name in dict.fromkeys(dtensor_names(tree)):  # a tied DTensor is named twice: read once
         meta = index["tensors"].get(name)
         if meta is None:
             raise CheckpointCorruptError(f"the index lacks DTensor {name!r}", files.path(_index.INDEX))

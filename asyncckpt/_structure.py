@@ -143,6 +143,23 @@ def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)
 
 
+def _dtensor_tie_key(dt: Any) -> tuple[Any, ...] | None:
+    """What makes two DTensors the same values on every rank: the same mesh, placements and
+    global shape over the same local storage view. FSDP2 hands out a fresh DTensor per
+    ``state_dict()`` key, so identity alone misses GPT-2's tied ``lm_head``/``wte``; its empty
+    local shards are views of a padded storage and still compare. A local tensor over no
+    storage at all (address 0 is shared by every such tensor) ties nothing: the index merge
+    accepts that rank's empty entry for a name the other ranks tied."""
+    local = dt._local_tensor
+    storage = local.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (
+        id(dt.device_mesh), tuple(str(p) for p in dt.placements), tuple(dt.shape),
+        storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype, local.device,
+    )  # fmt: skip
+
+
 def _enc_float(x: float) -> Any:
     if math.isfinite(x):
         return float(x)
@@ -245,6 +262,7 @@ def flatten(
     strip_prefixes: Iterable[str] = (),
     dtensors: list[tuple[str, Any, Any]] | None = None,
     tied_out: list[int] | None = None,
+    dtensor_aliases: dict[str, str] | None = None,
 ) -> tuple[Any, list[TensorRef]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
 
@@ -259,7 +277,10 @@ def flatten(
     ``state_dict()`` on stateful objects. Module state dicts lose the ``torch.compile``
     prefix and any of ``strip_prefixes`` that every key carries (e.g. DDP's ``"module."``).
     With ``tied_out``, the number of tensor nodes that reference an earlier tensor (tied
-    weights) is appended to it.
+    weights) is appended to it. A DTensor tied to an earlier one (:func:`_dtensor_tie_key`)
+    becomes a node naming the earlier one, and ``dtensor_aliases`` (when given) maps the name
+    it would have had to the earlier name: the index records it, so that every rank's tree
+    resolves to one stored tensor even where a rank could not see the tie.
     """
     prefixes = tuple(strip_prefixes)
     n_tied = 0
@@ -268,6 +289,7 @@ def flatten(
     active: set[int] = set()
     # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view
     ties: dict[tuple[Any, ...], str] = {}
+    dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
 
     def unique(path: tuple[str, ...]) -> str:
         base = ".".join(path) if path else "_"
@@ -279,22 +301,33 @@ def flatten(
         return name
 
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        nonlocal n_tied
         if dtensors is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
             from . import _sharding  # imported only when a state may hold DTensors
 
             if _sharding.is_dtensor(t):
+                # named first either way: a rank that cannot see the tie names it the same
+                name = unique(path)
+                key = _dtensor_tie_key(t)
+                earlier = dties.get(id(t)) or (dties.get(key) if key is not None else None)
+                if earlier is not None:
+                    n_tied += 1
+                    if dtensor_aliases is not None:
+                        dtensor_aliases[name] = earlier
+                    return {"$dtensor": earlier}
                 info = _sharding.describe(_describe(path), t)
                 if info.dtype not in DTYPE_TO_ST:
                     raise TypeError(f"unsupported dtype {info.dtype} at {_describe(path)!r}")
-                name = unique(path)
-                dtensors.append((name, info, t))
+                dtensors.append((name, info, t))  # (keeps t alive: its id is not reused in the walk)
+                dties[id(t)] = name
+                if key is not None:
+                    dties[key] = name
                 if info.writer:
                     tensors.append(TensorRef(name, info.local.detach()))
                 return {"$dtensor": name}
         _check_tensor(t, path)
         tied = _tie_key(t)
         if tied is not None and tied in ties:
-            nonlocal n_tied
             n_tied += 1
             return {"$tensor": ties[tied]}  # the same storage, shape and strides: stored once
         name = unique(path)
@@ -728,6 +761,27 @@ def _references(tree: Any, wanted: str) -> list[str]:
                 # every other node's value may hold nodes ($dict items, $param, $generator, ...)
                 stack.append(val)
     return out
+
+
+def resolve_dtensor_aliases(tree: Any, aliases: Mapping[str, str]) -> Any:
+    """Rename, in place, every ``{"$dtensor": alias}`` node of ``tree`` (a tree read back,
+    owned by the caller) to the name the index stores it under (``flatten``'s
+    ``dtensor_aliases``); returns ``tree``."""
+    if not aliases:
+        return tree
+    stack = [tree]
+    while stack:  # iterative: a tree may be MAX_DEPTH containers deep
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$dtensor":
+                if isinstance(val, str) and val in aliases:
+                    node[tag] = aliases[val]
+            elif tag != "$tensor":
+                stack.append(val)
+    return tree
 
 
 def tensor_names(tree: Any) -> list[str]:
