@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _agree, _discovery, _distributed, _load, _load_global, _ownership, _resume
+from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from ._errors import (
@@ -77,6 +78,7 @@ class _Runtime:
         self.pid = os.getpid()
         self.ownership: Ownership | None = None
         self.mirror: Mirror | None = None  # tier mode (mirror=): stopped before the writer
+        self.backend: Backend | None = None  # where saves go (POSIX root or object store)
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
         self.staging = StagingPool(max_pending)
@@ -255,7 +257,11 @@ class Checkpointer:
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
-        check_options(mirror, keep_last_remote, storage_options)  # tier mode: bad options raise here
+        store = None
+        if isinstance(root, str) and root.startswith("s3://"):
+            store = _open_store_root(root, mirror, keep_last_remote, storage_options, direct_io, allow_earlier_steps)
+        else:
+            check_options(mirror, keep_last_remote, storage_options)  # tier mode: bad options raise here
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path, not {type(root).__name__}")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
@@ -270,10 +276,16 @@ class Checkpointer:
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', not {direct_io!r}")
         if not _is_int(io_threads) or io_threads < 1:
             raise ValueError(f"io_threads must be a positive int, not {io_threads!r}")
-        given = os.path.abspath(os.fspath(root))
-        # pinned: a symlinked root (runs/current -> runs/exp7) repointed while the job runs
-        # must not make it write to, or retire in, a root it does not own
-        self.root = os.path.realpath(given)
+        if store is not None:
+            given = self.root = store.url
+        else:
+            given = os.path.abspath(os.fspath(root))
+            # pinned: a symlinked root (runs/current -> runs/exp7) repointed while the job runs
+            # must not make it write to, or retire in, a root it does not own
+            self.root = os.path.realpath(given)
+        # object-store root (Checkpointer("s3://...")): saves commit by conditional create
+        self._store = store
+        self._storage_options = dict(storage_options) if store is not None and storage_options else None
         self.keep_last = keep_last
         self.timeout = float(timeout)
         self.max_pending = max_pending
@@ -317,12 +329,17 @@ class Checkpointer:
         self._queries = 0
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), the except below releases what was taken
-        ownership = Ownership(self.root, None) if self.rank == 0 else None
+        ownership = Ownership(self.root, None) if self.rank == 0 and store is None else None
         rt: _Runtime | None = None
         try:
             committed: list[int] = []
             failure: BaseException | None = None
-            if ownership is not None:
+            if store is not None and self.rank == 0:
+                try:  # no ownership lease on a store (yet): the conditional create guards each step
+                    committed = _remote_start(store, self.timeout)
+                except (CheckpointError, OSError, ValueError) as e:
+                    failure = e
+            elif ownership is not None:
                 try:
                     committed = self._take_root(_ops, ownership)
                 except (CheckpointError, OSError, ValueError) as e:
@@ -335,6 +352,12 @@ class Checkpointer:
             self._committed = set(committed)
             rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
             rt.ownership = ownership
+            if store is not None:
+                from ._backend_s3 import ObjectBackend
+
+                rt.backend = ObjectBackend(store)
+            else:
+                rt.backend = PosixBackend(rt.storage, self.root)
             if self._dist is not None:
                 rt.coord = StoreCoordinator(self._dist.connect, self.rank, self.world_size, namespace, rt.storage.run)
             self._rt = rt
@@ -683,7 +706,7 @@ class Checkpointer:
                 owner._settle(record, ok)
 
         def make() -> Any:
-            return _guarded(run_save(job, rt.storage, rt.coord, on_state), job, rt.coord.rank, ranks)
+            return _guarded(run_save(job, rt.storage, rt.coord, on_state, rt.backend), job, rt.coord.rank, ranks)
 
         try:
             if handed is not None:
@@ -949,7 +972,7 @@ class Checkpointer:
         with self._lock:
             pending = [r for r in self._records if not r.future.done()]
         self._rt.stop(_MARGIN_S, collective=False)
-        newest = _discovery.find_latest(self.root)
+        newest = self._find_latest()
         newest_s = f"step {newest.step}" if newest is not None else "none"
         for r in pending:
             r.mark_reported()  # said here: the exit hook must not report it again
@@ -1045,7 +1068,10 @@ class Checkpointer:
         """
 
         def look() -> Any:
-            info = _discovery.find_latest(self.root)
+            info = self._find_latest()
+            if self._store is not None:  # an object-store root: a RemoteCheckpointInfo or None
+                return None if info is None else [info.step, info.url, info.nbytes, info.world_size,
+                                                  info.created, info.attempt]  # type: ignore[union-attr]
             if self._mirror is not None:
                 far = self._mirror.latest()
                 if far is not None and (info is None or far.step > info.step):
@@ -1066,6 +1092,8 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Every complete step under ``root``, ascending (collective with many ranks)."""
+        if self._store is not None:
+            return self._decided_by_leader(lambda: sorted(_remote_steps(self._store, self.timeout)))  # type: ignore[no-any-return]
         steps: list[int] = self._decided_by_leader(lambda: [i.step for i in _discovery.complete_checkpoints(self.root)])
         return steps
 
@@ -1122,6 +1150,11 @@ class Checkpointer:
         # collective: an indexed step is read into the targets only after every rank agreed
         defer = self._dist is not None
         reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer)
+        if self._store is not None:
+            state = self._load_store_root(step, shard, verify, mmap)
+            if into is not None:
+                _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+            return state
         far = self._remote_choice(step)
         if far is not None:  # tier mode: the step is on the store only, or newer there
             if mmap:
@@ -1144,6 +1177,32 @@ class Checkpointer:
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
+
+    def _find_latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
+        """The newest complete step of this Checkpointer's root (no collective)."""
+        if self._store is not None:
+            from ._remote import newest_complete, run_sync
+
+            store, timeout = self._store, self.timeout
+            found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout))
+            return None if found is None else _remote_info(store, found[0])
+        return _discovery.find_latest(self.root)
+
+    def _load_store_root(self, step: int | None, shard: int, verify: bool, mmap: bool) -> Any:
+        """``load()`` under an object-store root: rank 0 picks the step (``None``: the newest
+        complete), every rank reads its own shard with ranged GETs, verified."""
+        from . import _remote_load
+
+        if mmap:
+            raise ValueError(f"mmap=True needs a local root, not {self.root}")
+        if step is None:
+            latest = self.latest()
+            if latest is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint under {self.root}")
+            step = latest.step
+        return _remote_load.load(
+            self.root, step, verify=verify, rank=shard, storage_options=self._storage_options, deadline_s=self.timeout
+        )
 
     def _remote_choice(self, step: int | None) -> int | None:
         """Tier mode: the step to load from the store (``None``: load locally, as without a
@@ -1474,3 +1533,55 @@ def _exit_hook() -> None:
 
 
 atexit.register(_exit_hook)
+
+
+def _open_store_root(
+    url: str,
+    mirror: object,
+    keep_last_remote: object,
+    storage_options: Mapping[str, str] | None,
+    direct_io: object,
+    allow_earlier_steps: object,
+) -> Any:
+    """The :class:`ObjectStore` of an ``s3://`` root (no I/O); options that have no meaning
+    there raise ``ValueError`` here, at the constructor."""
+    if mirror is not None:
+        raise ValueError("mirror= needs a local root (tier mode); this root is already an object store")
+    if keep_last_remote is not None:
+        raise ValueError("keep_last_remote applies to mirror=; an object-store root retains with keep_last")
+    if direct_io != "auto":
+        raise ValueError(f"direct_io={direct_io!r} has no meaning on an object store (use the default 'auto')")
+    if allow_earlier_steps:
+        raise ValueError("allow_earlier_steps=True is not supported on an object-store root yet")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a mapping of str to str, not {type(storage_options).__name__}")
+    from ._remote import open_store
+
+    return open_store(url, storage_options)
+
+
+def _remote_start(store: Any, timeout: float) -> list[int]:
+    """Rank 0 at construction under an object-store root: check the store enforces
+    conditional creates (``ConditionalWriteUnsupportedError`` if not) and list the complete
+    steps."""
+    from ._remote import complete_steps, run_sync
+
+    async def go() -> list[int]:
+        deadline = time.monotonic() + min(timeout, 120.0)
+        await store.probe(deadline)
+        return [m.step for m, _ in await complete_steps(store, deadline)]
+
+    return run_sync(go)
+
+
+def _remote_steps(store: Any, timeout: float) -> list[int]:
+    from ._remote import complete_steps, run_sync
+
+    return [m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout))]
+
+
+def _remote_info(store: Any, m: Any) -> RemoteCheckpointInfo:
+    from ._remote import info_of
+
+    info: RemoteCheckpointInfo = info_of(store, m)
+    return info

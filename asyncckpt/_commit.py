@@ -1,6 +1,8 @@
 """The save protocol one rank runs on the writer thread, ending in an atomic commit.
 
-Order of operations (``L`` = leader only):
+Written once for every storage; what differs (directories and renames on a POSIX root, key
+prefixes and a conditional create on an object store) is the ``_backend.Backend``'s. Order
+of operations (``L`` = leader only; POSIX wording, the object store's in ``_backend_s3``):
 
 1. L: retire leftovers of earlier attempts of this step; create ``step_N.tmp-<attempt>/``
    (race-tolerant ``ensure_dir``), fsync the root so the attempt is findable after a crash;
@@ -18,24 +20,17 @@ Order of operations (``L`` = leader only):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _dedupe, _index, _manifest
+from ._backend import Backend, PosixBackend, _PhaseTimeout
 from ._coordination import Coordinator, Report, Start, Verdict
-from ._discovery import open_step, read_manifest
 from ._errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
     CoordinationLost,
     RankFailure,
     SaveError,
@@ -45,9 +40,7 @@ from ._errors import (
 )
 from ._format import ShardLayout
 from ._info import CheckpointInfo, SaveStatistics
-from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ._lifecycle import SaveEvent, SaveState, advance
-from ._retention import leftovers, retire
 from ._staging import Arena, StageProgress
 from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 
@@ -107,68 +100,14 @@ class SaveJob:
         self.state = advance(self.state, event)
 
 
-class _PhaseTimeout(TimeoutError):
-    pass
-
-
 async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
     remaining = deadline - time.monotonic()
     try:
         return await asyncio.wait_for(aw, max(remaining, 0.001))
-    except TimeoutError:
+    except TimeoutError as e:
+        if type(e) is not TimeoutError:  # a typed timeout from below (ObjectStoreTimeoutError): keep it
+            raise
         raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
-
-
-def _dir_deadline(job: SaveJob) -> float:
-    """ensure_dir's deadline: a little before the phase's, so its StaleDirectoryError (EEXIST,
-    the path) reaches the caller rather than a generic phase timeout."""
-    remaining = job.deadline - time.monotonic()
-    return max(0.0, remaining - min(0.5, 0.1 * remaining))
-
-
-def _final_state(final: str, failed_attempts: set[str]) -> str:
-    if not os.path.lexists(final):
-        return "absent"
-    try:
-        manifest = read_manifest(final)
-    except (CheckpointNotFoundError, CheckpointCorruptError):
-        return "uncommitted"
-    return "failed" if manifest.attempt in failed_attempts else "committed"
-
-
-async def _prepare_attempt(storage: Storage, job: SaveJob, attempt: str) -> str:
-    root = job.root
-    final = os.path.join(root, step_dir_name(job.step))
-    for old in await storage.run(leftovers, root, job.step):
-        name = os.path.basename(old)
-        if name in job.dead:
-            await storage.remove_tree(old)
-            job.dead.discard(name)
-        else:
-            # not provably dead: another writer's live attempt, say; never touch it
-            log.warning("leaving %s alone: not an attempt this Checkpointer knows to be dead", old)
-    found = await storage.run(_final_state, final, job.failed_commits)
-    if found == "committed":
-        raise FileExistsError(17, f"step {job.step} is already committed", final)
-    if found == "uncommitted":
-        # not a checkpoint, and not provably ours: never remove it (it may hold anyone's files)
-        raise FileExistsError(
-            errno.EEXIST,
-            f"{step_dir_name(job.step)} exists but is not a complete checkpoint this Checkpointer wrote; "
-            "move it away to save this step (asyncckpt ls shows what it holds)",
-            final,
-        )
-    if found == "failed":
-        # our own commit that failed and could not be taken back: move it aside
-        aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
-        await storage.rename(final, aside)
-        job.dead.add(os.path.basename(aside))
-        await storage.remove_tree(aside)
-        job.dead.discard(os.path.basename(aside))
-    tmp = os.path.join(root, tmp_dir_name(job.step, attempt))
-    await storage.ensure_dir(tmp, _dir_deadline(job))
-    await storage.fsync_dir(root)
-    return tmp
 
 
 async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> dict[str, int] | None:
@@ -200,10 +139,11 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
 
 
 async def _write_files(
+    backend: Backend,
     storage: Storage,
     job: SaveJob,
     rank: int,
-    tmp: str,
+    loc: str,
     leader: bool,
     coord: Coordinator | None = None,
     dedupe_round: Awaitable[dict[str, int] | None] | None = None,
@@ -211,7 +151,7 @@ async def _write_files(
     assert job.arena is not None and job.layout is not None
     dedupe = job.dedupe and coord is not None and coord.world_size > 1
     if not leader and not dedupe:
-        await storage.ensure_dir(tmp, _dir_deadline(job))
+        await backend.join(job, loc)
     if job.cuda_events and not dedupe:  # the dedupe round waits for them itself
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
@@ -229,19 +169,13 @@ async def _write_files(
             else:  # a few small copies: writing them beats copying the whole shard to drop them
                 writers = _dedupe.own_copies(writers, layout.slots, rank)
         if not leader:  # after the round: a failure here cannot leave the others waiting in it
-            await storage.ensure_dir(tmp, _dir_deadline(job))
-    shard = await storage.write_file(
-        os.path.join(tmp, _manifest.shard_name(rank)),
-        buffer,
-        layout.file_size,
-        direct=True,
-        # a deduplicated image is a finished copy; the arena itself may still be staging
-        staged=job.progress if buffer is job.arena.buffer else None,
-        deadline=job.deadline,
-    )
-    tree = await storage.write_bytes(os.path.join(tmp, _manifest.tree_name(rank)), job.tree)
+            await backend.join(job, loc)
+    # a deduplicated image is a finished copy; the arena itself may still be staging
+    staged = job.progress if buffer is job.arena.buffer else None
+    shard = await backend.write_shard(job, loc, _manifest.shard_name(rank), buffer, layout.file_size, staged)
+    tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
     t0 = time.perf_counter()
-    await storage.fsync_dir(tmp)
+    await backend.seal(job, loc)
     job.times["write"] = shard.write_s + tree.write_s
     job.times["fsync"] = shard.fsync_s + tree.fsync_s + (time.perf_counter() - t0)
     job.direct = shard.direct
@@ -265,7 +199,7 @@ async def _write_files(
 
 
 async def _commit(
-    storage: Storage, job: SaveJob, tmp: str, attempt: str, world: int, reports: dict[int, Report]
+    backend: Backend, job: SaveJob, loc: str, attempt: str, world: int, reports: dict[int, Report]
 ) -> Verdict:
     t0 = time.perf_counter()
     created = time.time()
@@ -276,43 +210,13 @@ async def _commit(
     if any(r.index is not None for r in reports.values()):
         # DTensors: the global index, durable before the manifest that lists it
         index = _index.merge(world, {r: rep.index for r, rep in reports.items()})
-        written = await storage.write_bytes(os.path.join(tmp, _index.INDEX), index)
+        written = await backend.write_small(job, loc, _index.INDEX, index)
         files.append(_manifest.FileEntry(_index.INDEX, written.size, written.crc32c, 0))
         fmt = _manifest.FORMAT_INDEXED
     if any(r.needs_v2 for r in reports.values()):
         fmt = _manifest.FORMAT_INDEXED
     body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt)
-    tmp_marker = os.path.join(tmp, _manifest.MANIFEST + ".tmp")
-    await storage.write_bytes(tmp_marker, body)
-    await storage.rename(tmp_marker, os.path.join(tmp, _manifest.MANIFEST))
-    await storage.fsync_dir(tmp)
-    final = os.path.join(job.root, step_dir_name(job.step))
-    if time.monotonic() > job.deadline:
-        # e.g. this process was stopped mid-commit: the other ranks have given up by now
-        raise _PhaseTimeout("the save's deadline passed before the commit point")
-    # retention of an overlapping save must not retire this step between its commit rename
-    # and the check of what was committed (it would look like a failed commit)
-    async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
-        await storage.rename(tmp, final)  # commit point
-        try:
-            await storage.fsync_dir(job.root)
-            # check what was committed: exactly the manifest's files with their sizes, our attempt
-            await storage.run(_check_committed, job.root, job.step, attempt)
-        except (OSError, CheckpointError, asyncio.CancelledError):
-            # the rename may not survive a power loss, the directory is not what was written,
-            # or the save's deadline cancelled us after the rename, and every rank is about to
-            # hear "failed": take the commit back so disk and verdict agree (best effort; GC'd
-            # at start if not)
-            try:
-                aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
-                await storage.rename(final, aside)
-                job.dead.add(os.path.basename(aside))
-                await storage.remove_tree(aside)
-                job.dead.discard(os.path.basename(aside))
-            except OSError as e:
-                job.failed_commits.add(attempt)
-                log.warning("could not take back the commit of step %d: %s", job.step, e)
-            raise
+    await backend.commit(job, loc, attempt, body)
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)
 
@@ -324,13 +228,6 @@ async def _drop(task: asyncio.Task[Any] | None) -> None:
         return
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # a cancellation of ours still propagates
-
-
-def _check_committed(root: str, step: int, attempt: str) -> None:
-    """Raise ``CheckpointCorruptError`` unless ``step_N`` is complete and holds ``attempt``."""
-    step_dir, manifest = open_step(root, step)
-    if manifest.attempt != attempt:
-        raise CheckpointCorruptError(f"holds attempt {manifest.attempt}, not the committed {attempt}", step_dir)
 
 
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
@@ -351,8 +248,14 @@ async def run_save(
     storage: Storage,
     coord: Coordinator,
     on_state: Callable[[SaveState], None] | None = None,
+    backend: Backend | None = None,
 ) -> CheckpointInfo:
-    """Run one save to its verdict on this rank; return the info or raise ``SaveError``."""
+    """Run one save to its verdict on this rank; return the info or raise ``SaveError``.
+
+    ``backend``: where the files go and how the step commits (default: the POSIX root
+    ``job.root`` through ``storage``); ``storage``'s I/O pool runs the CPU work either way."""
+    if backend is None:
+        backend = PosixBackend(storage, job.root)
     rank, world = coord.rank, coord.world_size
     leader = rank == 0
     local_exc: BaseException | None = None
@@ -382,7 +285,7 @@ async def run_save(
         try:
             if job.prefailed is not None:
                 raise job.prefailed
-            await _within(_prepare_attempt(storage, job, attempt), job.deadline, "creating the step directory")
+            await _within(backend.prepare(job, attempt), job.deadline, "creating the step directory")
             start = Start(attempt)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
             local_exc = e
@@ -395,7 +298,7 @@ async def run_save(
     if start.failure is not None:
         await _drop(dedupe_round)
     attempt = start.attempt
-    tmp = os.path.join(job.root, tmp_dir_name(job.step, attempt))
+    loc = backend.location(job.step, attempt)
 
     # 2. every rank writes its own files
     mine = Report(rank=rank)
@@ -406,7 +309,9 @@ async def run_save(
         try:
             step_to(SaveEvent.START_WRITE)
             mine = await _within(
-                _write_files(storage, job, rank, tmp, leader, coord, dedupe_round), job.deadline, "writing the shard"
+                _write_files(backend, storage, job, rank, loc, leader, coord, dedupe_round),
+                job.deadline,
+                "writing the shard",
             )
             step_to(SaveEvent.FILES_DURABLE)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
@@ -429,7 +334,7 @@ async def run_save(
         if not failures and not missing:
             try:
                 step_to(SaveEvent.START_COMMIT)
-                verdict = await _within(_commit(storage, job, tmp, attempt, world, reports), job.deadline, "committing")
+                verdict = await _within(_commit(backend, job, loc, attempt, world, reports), job.deadline, "committing")
             except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
                 local_exc = e
                 failures[rank] = _failure(rank, e)
@@ -447,14 +352,13 @@ async def run_save(
         if not job.state.final:
             step_to(SaveEvent.FAIL)
         if leader:
-            job.dead.add(os.path.basename(tmp))  # ours and failed: provably dead
             try:
-                await storage.remove_tree(tmp)
-                job.dead.discard(os.path.basename(tmp))
+                await backend.abandon(job, loc)
             except Exception as e:  # noqa: BLE001 - removed before a retry or at the next start
-                log.warning("could not remove failed attempt %s: %s", tmp, e)
+                log.warning("could not remove failed attempt %s: %s", loc, e)
         timed_out = bool(verdict.missing) or any(
-            f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError") for f in verdict.failures.values()
+            f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError", "ObjectStoreTimeoutError")
+            for f in verdict.failures.values()
         )
         err: SaveError
         failures = with_global_ranks(verdict.failures, job.ranks)
@@ -469,16 +373,9 @@ async def run_save(
             err = SaveError(job.step, failures)
         raise err from local_exc
     step_to(SaveEvent.COMMITTED)
-    if leader and job.keep_last is not None:
+    if leader:
         try:
-            await retire(
-                storage,
-                job.root,
-                job.keep_last,
-                by_commit_order=job.by_commit_order,
-                lock=job.retention_lock,
-                latest=job.step,
-            )
+            await backend.retire(job)
         except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
             log.warning("retention after step %d failed: %s", job.step, e)
     total = time.perf_counter() - job.started
@@ -510,9 +407,8 @@ async def run_save(
         )
     else:
         log.debug("rank %d: step %d committed by rank 0 (%s written here)", rank, job.step, format_bytes(job.nbytes))
-    return CheckpointInfo(
-        step=job.step,
-        path=Path(job.root) / step_dir_name(job.step),
+    return backend.info(
+        job.step,
         nbytes=verdict.nbytes,
         world_size=world,
         created=verdict.created,

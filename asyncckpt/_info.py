@@ -56,7 +56,9 @@ class CheckpointInfo:
     """A complete checkpoint on disk.
 
     ``nbytes`` counts the tensor bytes written by all ranks. ``statistics`` is set on the
-    info a save returns, and ``None`` for checkpoints found on disk.
+    info a save returns, and ``None`` for checkpoints found on disk. Under an object-store
+    root (``Checkpointer("s3://...")``) ``url`` is the step's ``s3://`` prefix and ``path``
+    the step's name relative to the root; ``url`` is ``None`` on a file system.
     """
 
     step: int
@@ -65,6 +67,7 @@ class CheckpointInfo:
     world_size: int = 1
     created: float = 0.0
     statistics: SaveStatistics | None = None
+    url: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ by ``_load._rebuild``. Every defect is ``CheckpointCorruptError`` naming the obj
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -21,8 +22,11 @@ import torch
 from . import _load
 from ._bounds import MAX_TREE_BYTES, human, parse_structure
 from ._checksum import crc32c
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
+from ._index import INDEX, MAX_INDEX_BYTES
+from ._index import parse as parse_index
 from ._layout import check_step
 from ._manifest import Manifest, shard_name, tree_name
 from ._objstore import ObjectStore, gather_or_cancel
@@ -111,7 +115,13 @@ def _crc(head: bytes, views: list[memoryview]) -> int:
 
 
 async def load_rank(store: ObjectStore, m: Manifest, rank: int, verify: bool, deadline: float) -> Any:
-    """Rebuild rank ``rank``'s state of complete step ``m`` from the store."""
+    """Rebuild rank ``rank``'s state of complete step ``m`` from the store.
+
+    Values written once for several ranks (dedupe) are read from the rank's file that holds
+    them, each checked against its index CRC. A step holding DTensors is refused with
+    ``CheckpointError``: its shards hold local pieces of global tensors, assembled only by the
+    file-system loader (``pull`` it first)."""
+    borrowed = await _borrowed(store, m, rank, deadline) if any(f.name == INDEX for f in m.files) else {}
     tree_key, tree_size, tree_crc = _entry(store, m, tree_name(rank))
     shard_key, shard_size, shard_crc = _entry(store, m, shard_name(rank))
     tree_url, shard_url = store.object_url(tree_key), store.object_url(shard_key)
@@ -128,7 +138,38 @@ async def load_rank(store: ObjectStore, m: Manifest, rank: int, verify: bool, de
     await _fill(store, shard_key, data_start, ordered, views, deadline)
     if verify and await asyncio.to_thread(_crc, head, views) != shard_crc:
         raise CheckpointCorruptError("checksum mismatch", shard_url)
+    for name, (dtype, shape, file, begin, n, crc) in borrowed.items():
+        t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
+        key = data_prefix(m.step, m.attempt) + file
+        view = _load.byte_view(t)
+        if n:
+            await store.get_range_into(key, begin, view, deadline)
+        if verify and await asyncio.to_thread(crc32c, view) != crc:
+            raise CheckpointCorruptError(f"checksum mismatch in {name!r}", store.object_url(key))
+        tensors[name] = t
     return _load._rebuild(tree, tensors, tree_url, shard_url)
+
+
+async def _borrowed(store: ObjectStore, m: Manifest, rank: int, deadline: float) -> dict[str, Any]:
+    """The plain tensors of ``rank`` stored in another rank's file (dedupe), from the step's
+    verified index: ``name -> (dtype, shape, file, begin, nbytes, crc32c)``."""
+    key, size, crc = _entry(store, m, INDEX)
+    url = store.object_url(key)
+    raw = await store.get_bytes(key, deadline, limit=MAX_INDEX_BYTES)
+    if len(raw) != size or crc32c(raw) != crc:
+        raise CheckpointCorruptError("checksum mismatch", url)
+    try:
+        dtensors = bool(json.loads(raw).get("tensors"))
+        index = parse_index(raw, m.world_size, {f.name: f.size for f in m.files}, plain_only=True)
+    except (ValueError, AttributeError, RecursionError) as e:
+        raise CheckpointCorruptError(f"bad global index ({e})", url) from None
+    if dtensors:
+        raise CheckpointError(
+            f"step {m.step} under {store.url} holds DTensors (sharded state): loading it straight from the store "
+            "is not supported yet; pull it to a local root (asyncckpt.remote.pull) and load from there"
+        )
+    entries = index["plain"].get(rank) or {}
+    return {name: e for name, e in entries.items() if e[2] != shard_name(rank)}
 
 
 def _check_rank(rank: object) -> int:

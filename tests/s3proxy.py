@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -46,6 +47,7 @@ class Rule:
     action: str
     method: str | None = None
     path_contains: str | None = None
+    path_regex: str | None = None  # re.search on the path, beside path_contains
     query_has: tuple[str, ...] = ()
     query_lacks: tuple[str, ...] = ()
     header: tuple[str, str] | None = None  # (lower-case name, value) that must be present
@@ -62,6 +64,8 @@ class Rule:
         if self.method is not None and method != self.method:
             return False
         if self.path_contains is not None and self.path_contains not in path:
+            return False
+        if self.path_regex is not None and re.search(self.path_regex, path) is None:
             return False
         if any(k not in query for k in self.query_has) or any(k in query for k in self.query_lacks):
             return False

@@ -27,6 +27,7 @@ from conftest import assert_same
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from s3fixtures import opts, running_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
@@ -51,16 +52,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    server = S3Server()
-    try:
-        try:
-            server.start()
-            server.create_bucket(BUCKET)
-        except Exception as e:  # noqa: BLE001 - CI fails on this skip
-            pytest.skip(f"needs s3/server: SeaweedFS did not start ({e})")
+    with running_server(BUCKET) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
@@ -75,11 +68,6 @@ def proxy(s3: S3Server) -> Iterator[FaultProxy]:
 @pytest.fixture
 def url() -> str:
     return f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-
-
-def opts(endpoint: str) -> dict[str, str]:
-    return {"endpoint": endpoint, "access_key_id": "asyncckpt-test-key", "secret_access_key": SECRET,
-            "region": "us-east-1"}
 
 
 def state_for(step: int) -> dict[str, Any]:

@@ -1,0 +1,233 @@
+"""Where a save's files go and how a step commits: the storage half of the save protocol.
+
+``_commit.run_save`` is the protocol, written once (coordination, verdicts, deadlines, the
+index and the manifest's content, lifecycle); a :class:`Backend` is what differs between
+storages. :class:`PosixBackend` (here) commits by rename: the attempt is a directory
+``step_N.tmp-<attempt>/`` renamed to ``step_N`` once its manifest is in it, with fsyncs
+around every step. ``_backend_s3.ObjectBackend`` commits by conditional create: the attempt's
+objects lie under ``step_N/a-<attempt>/`` and the manifest is created once with
+``If-None-Match: *``. An attempt's *location* is the tmp directory or the key prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import pathlib
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import _manifest
+from ._discovery import open_step, read_manifest
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._info import CheckpointInfo
+from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from ._retention import leftovers, retire
+from ._storage import Staged, Storage, WriteResult
+
+if TYPE_CHECKING:
+    from ._commit import SaveJob
+
+log = logging.getLogger("asyncckpt")
+
+
+class _PhaseTimeout(TimeoutError):
+    """A phase of the save ran past the save's deadline (classified as a timeout by name)."""
+
+
+def check_deadline(job: SaveJob) -> None:
+    """Raise ``_PhaseTimeout`` once the save's deadline passed: e.g. this process was stopped
+    mid-commit, and the other ranks have given up by now."""
+    if time.monotonic() > job.deadline:
+        raise _PhaseTimeout("the save's deadline passed before the commit point")
+
+
+def dir_deadline(job: SaveJob) -> float:
+    """ensure_dir's deadline: a little before the phase's, so its StaleDirectoryError (EEXIST,
+    the path) reaches the caller rather than a generic phase timeout."""
+    remaining = job.deadline - time.monotonic()
+    return max(0.0, remaining - min(0.5, 0.1 * remaining))
+
+
+class Backend(Protocol):
+    """The storage operations of one save; every method runs on the writer loop."""
+
+    def location(self, step: int, attempt: str) -> str:
+        """Where the files of ``attempt`` of ``step`` go (no I/O)."""
+        ...
+
+    def info(self, step: int, **fields: Any) -> CheckpointInfo:
+        """The :class:`CheckpointInfo` of committed ``step`` with ``fields``."""
+        ...
+
+    async def prepare(self, job: SaveJob, attempt: str) -> None:
+        """Leader: open ``attempt``; refuse a committed step (``FileExistsError``)."""
+        ...
+
+    async def join(self, job: SaveJob, loc: str) -> None:
+        """Follower: make sure it can write into ``loc`` (the leader prepared it)."""
+        ...
+
+    async def write_shard(
+        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+    ) -> WriteResult:
+        """Store ``buf[:size]`` as ``name``, durable when this returns, checksummed.
+        ``staged``: the arena is still being copied into; wait for its bytes."""
+        ...
+
+    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+        """Store ``data`` as ``name``, durable when this returns."""
+        ...
+
+    async def seal(self, job: SaveJob, loc: str) -> None:
+        """Every file of this rank is written: make their names durable."""
+        ...
+
+    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+        """Leader: publish ``manifest`` and make the step complete (the commit point).
+        Raises if the step did not commit as ``attempt``; then it is not complete."""
+        ...
+
+    async def abandon(self, job: SaveJob, loc: str) -> None:
+        """Leader: remove a failed attempt (raises if it could not; it is collected later)."""
+        ...
+
+    async def retire(self, job: SaveJob) -> None:
+        """Leader, after every commit: remove what the commit made dead, apply ``job.keep_last``
+        (``None``: keep every step). Its failures are logged, never fail the save."""
+        ...
+
+
+# ---------------------------------------------------------------------------------- POSIX
+
+
+def _final_state(final: str, failed_attempts: set[str]) -> str:
+    if not os.path.lexists(final):
+        return "absent"
+    try:
+        manifest = read_manifest(final)
+    except (CheckpointNotFoundError, CheckpointCorruptError):
+        return "uncommitted"
+    return "failed" if manifest.attempt in failed_attempts else "committed"
+
+
+def _check_committed(root: str, step: int, attempt: str) -> None:
+    """Raise ``CheckpointCorruptError`` unless ``step_N`` is complete and holds ``attempt``."""
+    step_dir, manifest = open_step(root, step)
+    if manifest.attempt != attempt:
+        raise CheckpointCorruptError(f"holds attempt {manifest.attempt}, not the committed {attempt}", step_dir)
+
+
+class PosixBackend:
+    """A root directory on a POSIX file system: commit by rename (module docstring)."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+
+    def location(self, step: int, attempt: str) -> str:
+        return os.path.join(self.root, tmp_dir_name(step, attempt))
+
+    def info(self, step: int, **fields: Any) -> CheckpointInfo:
+        return CheckpointInfo(step=step, path=pathlib.Path(self.root) / step_dir_name(step), **fields)
+
+    async def prepare(self, job: SaveJob, attempt: str) -> None:
+        storage, root = self.storage, job.root
+        final = os.path.join(root, step_dir_name(job.step))
+        for old in await storage.run(leftovers, root, job.step):
+            name = os.path.basename(old)
+            if name in job.dead:
+                await storage.remove_tree(old)
+                job.dead.discard(name)
+            else:
+                # not provably dead: another writer's live attempt, say; never touch it
+                log.warning("leaving %s alone: not an attempt this Checkpointer knows to be dead", old)
+        found = await storage.run(_final_state, final, job.failed_commits)
+        if found == "committed":
+            raise FileExistsError(17, f"step {job.step} is already committed", final)
+        if found == "uncommitted":
+            # not a checkpoint, and not provably ours: never remove it (it may hold anyone's files)
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{step_dir_name(job.step)} exists but is not a complete checkpoint this Checkpointer wrote; "
+                "move it away to save this step (asyncckpt ls shows what it holds)",
+                final,
+            )
+        if found == "failed":
+            # our own commit that failed and could not be taken back: move it aside
+            aside = os.path.join(root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+            await storage.rename(final, aside)
+            job.dead.add(os.path.basename(aside))
+            await storage.remove_tree(aside)
+            job.dead.discard(os.path.basename(aside))
+        await storage.ensure_dir(self.location(job.step, attempt), dir_deadline(job))
+        await storage.fsync_dir(root)
+
+    async def join(self, job: SaveJob, loc: str) -> None:
+        await self.storage.ensure_dir(loc, dir_deadline(job))
+
+    async def write_shard(
+        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+    ) -> WriteResult:
+        return await self.storage.write_file(
+            os.path.join(loc, name), buf, size, direct=True, staged=staged, deadline=job.deadline
+        )
+
+    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+        return await self.storage.write_bytes(os.path.join(loc, name), data)
+
+    async def seal(self, job: SaveJob, loc: str) -> None:
+        await self.storage.fsync_dir(loc)
+
+    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+        storage = self.storage
+        tmp_marker = os.path.join(loc, _manifest.MANIFEST + ".tmp")
+        await storage.write_bytes(tmp_marker, manifest)
+        await storage.rename(tmp_marker, os.path.join(loc, _manifest.MANIFEST))
+        await storage.fsync_dir(loc)
+        final = os.path.join(job.root, step_dir_name(job.step))
+        check_deadline(job)
+        # retention of an overlapping save must not retire this step between its commit rename
+        # and the check of what was committed (it would look like a failed commit)
+        async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
+            await storage.rename(loc, final)  # commit point
+            try:
+                await storage.fsync_dir(job.root)
+                # check what was committed: exactly the manifest's files with their sizes, our attempt
+                await storage.run(_check_committed, job.root, job.step, attempt)
+            except (OSError, CheckpointError, asyncio.CancelledError):
+                # the rename may not survive a power loss, the directory is not what was written,
+                # or the save's deadline cancelled us after the rename, and every rank is about to
+                # hear "failed": take the commit back so disk and verdict agree (best effort; GC'd
+                # at start if not)
+                try:
+                    aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+                    await storage.rename(final, aside)
+                    job.dead.add(os.path.basename(aside))
+                    await storage.remove_tree(aside)
+                    job.dead.discard(os.path.basename(aside))
+                except OSError as e2:
+                    job.failed_commits.add(attempt)
+                    log.warning("could not take back the commit of step %d: %s", job.step, e2)
+                raise
+
+    async def abandon(self, job: SaveJob, loc: str) -> None:
+        job.dead.add(os.path.basename(loc))  # ours and failed: provably dead
+        await self.storage.remove_tree(loc)
+        job.dead.discard(os.path.basename(loc))
+
+    async def retire(self, job: SaveJob) -> None:
+        if job.keep_last is None:
+            return
+        await retire(
+            self.storage,
+            job.root,
+            job.keep_last,
+            by_commit_order=job.by_commit_order,
+            lock=job.retention_lock,
+            latest=job.step,
+        )

@@ -1,0 +1,174 @@
+"""The object-store backend of the save protocol: commit by conditional create.
+
+Names (docs/design/object-stores.md, section 1)::
+
+    P/step_00000300/manifest.json                  the commit object, created once (If-None-Match: *)
+    P/step_00000300/a-<attempt>/rank00000.safetensors
+    P/step_00000300/a-<attempt>/rank00000.json     attempt-unique keys: plain overwrites
+
+The protocol beside POSIX's (``_backend.PosixBackend``):
+
+1. L: the step's manifest exists and names another attempt → refused (``FileExistsError``),
+   unless it is an attempt of ours whose commit was reported failed (its create's outcome
+   was unknown and it landed late): then that manifest and its objects are deleted first.
+   Nothing to create: prefixes are implicit.
+2. every rank: the shard and the tree uploaded from the staging arena (no copy: multipart,
+   parts in parallel, CRC-32C computed alongside, the stored size checked by a HEAD); a
+   200 on the upload is the durability point. Nothing to seal.
+3. L: the index, then ``create_once`` of the manifest: the commit point. Lost → another
+   attempt committed the step (``FileExistsError`` naming it): this one is not complete.
+   Outcome unknown at the deadline → ``ObjectStoreTimeoutError``; the attempt is recorded
+   as a failed commit (if the manifest lands late it names complete, verified objects: a
+   correct checkpoint, replaced by a retry of the step, see 1).
+4. L, failure: the attempt's objects deleted and its multipart uploads aborted (keys are
+   attempt-unique, so no live writer can own them). Success: the objects of other attempts
+   of the step are deleted (they can never commit), stale uploads under the step aborted,
+   and ``keep_last`` applied (the manifest first, so a step stops being complete at once,
+   then its objects).
+
+A step is complete iff its manifest decodes and one LIST of its attempt prefix shows exactly
+the manifest's names and sizes (``_remote.open_step``), which is how readers find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import pathlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._backend import check_deadline
+from ._errors import CheckpointCorruptError
+from ._info import CheckpointInfo
+from ._layout import step_dir_name
+from ._manifest import decode
+from ._objstore import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
+from ._remote import (
+    _abort_stale_uploads,
+    _sweep_dead_attempts,
+    data_prefix,
+    manifest_key,
+    read_manifest,
+    retire_remote,
+)
+from ._storage import Staged, WriteResult, until_staged
+
+if TYPE_CHECKING:
+    from ._commit import SaveJob
+
+log = logging.getLogger("asyncckpt")
+
+#: Time kept back from the save's deadline for the clean-up after a failed create.
+_CLEANUP_S = 20.0
+
+
+class ObjectBackend:
+    """An ``s3://bucket/prefix`` root (module docstring). One per rank and Checkpointer."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def location(self, step: int, attempt: str) -> str:
+        return data_prefix(step, attempt)
+
+    def info(self, step: int, **fields: Any) -> CheckpointInfo:
+        # path: the step's name relative to the prefix; url: where it is
+        return CheckpointInfo(
+            step=step, path=pathlib.Path(step_dir_name(step)), url=self.store.object_url(step_dir_name(step)), **fields
+        )
+
+    async def prepare(self, job: SaveJob, attempt: str) -> None:
+        found = await read_manifest(self.store, job.step, job.deadline)
+        if found is None:
+            return
+        m = found[0]
+        if m.attempt not in job.failed_commits:
+            raise FileExistsError(
+                errno.EEXIST, f"step {job.step} is already committed", self.store.object_url(manifest_key(job.step))
+            )
+        # our own commit reported failed that landed late: replace it (manifest first)
+        await self.store.delete([manifest_key(job.step)], job.deadline)
+        await self._remove_prefix(data_prefix(job.step, m.attempt), job.deadline)
+        job.failed_commits.discard(m.attempt)
+
+    async def join(self, job: SaveJob, loc: str) -> None:
+        return None  # prefixes are implicit
+
+    def _until(self, job: SaveJob) -> float:
+        """The store's own deadline for a write: a little before the save's, so a store that
+        keeps failing surfaces as its typed error (503 through every retry:
+        ``ObjectStoreUnavailableError``) rather than as the phase guard's timeout."""
+        return job.deadline - min(2.0, 0.2 * job.timeout)
+
+    async def write_shard(
+        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+    ) -> WriteResult:
+        t0 = time.perf_counter()
+        try:
+            # the whole shard staged first: a multipart upload wants its parts at once
+            await until_staged(staged, size, job.deadline)
+            put = await self.store.put_file(loc + name, buf[:size], self._until(job))
+        except BaseException:
+            if staged is not None:
+                staged.abandon()
+            raise
+        return WriteResult(put.size, put.crc32c, False, time.perf_counter() - t0, 0.0)
+
+    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+        t0 = time.perf_counter()
+        put = await self.store.put_file(loc + name, memoryview(data), self._until(job))
+        return WriteResult(put.size, put.crc32c, False, time.perf_counter() - t0, 0.0)
+
+    async def seal(self, job: SaveJob, loc: str) -> None:
+        return None  # each upload was durable when it returned
+
+    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+        check_deadline(job)
+        key = manifest_key(job.step)
+        # keep time back: after an unknown outcome the caller still removes the attempt
+        until = max(time.monotonic() + 0.5, job.deadline - min(_CLEANUP_S, 0.2 * job.timeout))
+        try:
+            result = await self.store.create_once(key, manifest, until)
+        except ObjectStoreTimeoutError as e:
+            if getattr(e, "outcome_unknown", False):
+                job.failed_commits.add(attempt)  # a late landing is replaced by a retry of the step
+            raise
+        if not result.won:
+            try:
+                other = decode(result.stored, self.store.object_url(key)).attempt
+            except CheckpointCorruptError:
+                other = "unreadable"
+            raise FileExistsError(
+                errno.EEXIST,
+                f"step {job.step} was committed by another attempt ({other}) while this one wrote",
+                self.store.object_url(key),
+            )
+
+    async def abandon(self, job: SaveJob, loc: str) -> None:
+        # after the deadline too: a bounded clean-up of keys no live writer can own
+        await self._remove_prefix(loc, max(job.deadline, time.monotonic() + _CLEANUP_S))
+
+    async def _remove_prefix(self, prefix: str, deadline: float) -> None:
+        keys = [o.key for o in await self.store.list(prefix, deadline)]
+        if keys:
+            await self.store.delete(keys, deadline)
+        if self.store.can_list_uploads:
+            await self.store.abort_uploads(prefix, deadline=deadline)
+
+    async def retire(self, job: SaveJob) -> None:
+        deadline = max(job.deadline, time.monotonic() + _CLEANUP_S)
+        found = await read_manifest(self.store, job.step, deadline)
+        if found is not None:
+            try:
+                await _sweep_dead_attempts(self.store, found[0], deadline)
+                await _abort_stale_uploads(self.store, found[0], deadline)
+            except ObjectStoreError as e:
+                log.warning("could not remove dead attempts of step %d: %s", job.step, e)
+        if job.keep_last is None:
+            return
+        async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
+            removed = await retire_remote(self.store, job.keep_last, deadline)
+        if removed:
+            log.info("retired steps %s under %s", removed, self.store.url)

@@ -1,0 +1,81 @@
+"""A process saving to an object-store root, for tests/test_s3_checkpointer.py.
+
+``python _s3_worker.py resume URL OPTIONS_JSON OUT``: load the newest step, write what it got.
+``python _s3_worker.py save URL OPTIONS_JSON OUT STEP``: save STEP and wait (the test kills it).
+``python _s3_worker.py ranks URL OPTIONS_JSON OUT RANK WORLD PORT``: one gloo rank saving steps
+1 and 2 (each rank its own state) to the shared prefix, then loading step 2 back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from asyncckpt import Checkpointer, SaveError
+
+MiB = 1024 * 1024
+
+
+def state_for(step: int, rank: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"model": {"big": torch.randn(MiB // 4 + 3, generator=g), "b": torch.arange(step, step + 5)},
+            "step": step, "rank": rank}
+
+
+def main() -> None:
+    what, url, opts, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    res: dict[str, Any] = {}
+    try:
+        if what == "resume":
+            with Checkpointer(url, storage_options=opts, timeout=60) as ck:
+                latest = ck.latest()
+                res["latest"] = None if latest is None else latest.step
+                got = ck.load()
+                want = state_for(got["step"])
+                res["equal"] = bool(torch.equal(got["model"]["big"], want["model"]["big"]))
+        elif what == "save":
+            ck = Checkpointer(url, storage_options=opts, timeout=120)
+            ck.save(int(sys.argv[5]), state_for(int(sys.argv[5])))
+            print("staged", flush=True)
+            time.sleep(600)  # killed by the test while the upload is held at the proxy
+        else:
+            import torch.distributed as dist
+
+            rank, world, port = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+            with Checkpointer(url, storage_options=opts, keep_last=1, timeout=20) as ck:
+                shared = torch.arange(300_000, dtype=torch.float32)  # the same on both: written once (dedupe)
+                ck.save(1, {**state_for(1, rank), "shared": shared}).result(timeout=60)
+                try:
+                    ck.save(2, state_for(2, rank)).result(timeout=60)
+                    res["second"] = "committed"
+                except SaveError as e:
+                    res["second"] = {r: f.exc_type for r, f in e.failures.items()}
+                    res["message"] = str(e)
+                    try:
+                        ck.flush(timeout=30)
+                    except SaveError:
+                        pass  # the same failure, already recorded
+                latest = ck.latest()
+                res["latest"] = None if latest is None else latest.step
+                got = ck.load()
+                want = state_for(got["step"], rank)
+                res["equal"] = bool(torch.equal(got["model"]["big"], want["model"]["big"])) and got["rank"] == rank
+                res["shared"] = bool(torch.equal(got["shared"], shared))
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
