@@ -684,8 +684,6 @@ class Checkpointer:
         fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
         record = SaveRecord(step, fut)
         holder.append(record)
-        if record_out is not None:
-            record_out.append(record)
         me = weakref.ref(self)
         gate = StartGate()
         ranks = self._ranks
@@ -716,6 +714,11 @@ class Checkpointer:
                 self._records.append(record)
                 if step in self._reserved:
                     self._reserved[step] = record
+            # handed out only here, inside the guard: a caller that sees the record may wait
+            # for its future, which from here on either runs or is cancelled below (an
+            # interrupt earlier left no record to wait for: waiting would take the timeout)
+            if record_out is not None:
+                record_out.append(record)
             rt.writer.launch(make, fut, gate)
         except BaseException:
             if gate.abandon():
