@@ -81,6 +81,12 @@ async def raw_get(store: S3Store, key: str, out: memoryview) -> None:
     await asyncio.gather(*(one(s) for s in range(0, out.nbytes, PART)))
 
 
+def drop(store: S3Store, prefix: str) -> None:
+    keys = [str(m["path"]) for chunk in obstore.list(store, prefix=prefix) for m in chunk]
+    if keys:
+        obstore.delete(store, keys)
+
+
 def dcp_available() -> bool:
     try:
         import s3fs  # noqa: F401
@@ -109,7 +115,7 @@ def main() -> None:
     flat = torch.empty(nbytes, dtype=torch.uint8)
     flat.copy_(torch.cat([t.view(torch.uint8) for t in state.values()]))
     rows: dict[str, list[float]] = {}
-    server = S3Server(volumes=64)
+    server = S3Server(volumes=200)  # x 256 MiB; deletes are not reclaimed during the run
     server.start()
     try:
         server.create_bucket(BUCKET)
@@ -173,6 +179,9 @@ def main() -> None:
                                                                  **dcp_kwargs(endpoint)), no_dist=True)
                     rows.setdefault("dcp.load + FsspecReader", []).append(time.perf_counter() - t0)
                     del target
+                # the server holds one repeat at a time (a full data dir fails uploads with 500s)
+                drop(store, f"{run}/raw/{rep}")
+                drop(store, f"{run}/dcp-{rep}/")
                 print(f"repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in rows.items()), flush=True)
         finally:
             ck.close()
