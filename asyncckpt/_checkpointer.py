@@ -975,18 +975,23 @@ class Checkpointer:
         with self._lock:
             pending = [r for r in self._records if not r.future.done()]
         self._rt.stop(_MARGIN_S, collective=False)
-        newest = self._find_latest()
-        newest_s = f"step {newest.step}" if newest is not None else "none"
+        known = True
+        try:  # bounded: the user interrupted to get out (a store that does not answer must not hold them)
+            newest = self._find_latest(deadline_s=min(10.0, self.timeout))
+            newest_s = f"step {newest.step}" if newest is not None else "none"
+        except (OSError, CheckpointError) as e:
+            newest, newest_s, known = None, f"unknown ({type(e).__name__}: the store did not answer)", False
         for r in pending:
             r.mark_reported()  # said here: the exit hook must not report it again
             committed = r.future.done() and r.failure() is None
             if not committed:
                 committed = newest is not None and newest.step == r.step
-            fate = (
-                "committed"
-                if committed
-                else "abandoned before its commit (not on disk; its leftover is removed at the next start)"
-            )
+            if committed:
+                fate = "committed"
+            elif known:
+                fate = "abandoned before its commit (not on disk; its leftover is removed at the next start)"
+            else:
+                fate = "abandoned; whether its commit landed could not be checked"
             print(
                 f"asyncckpt: {why}: save of step {r.step} under {self.root} {fate}; "
                 f"newest complete checkpoint: {newest_s}",
@@ -1181,12 +1186,13 @@ class Checkpointer:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
-    def _find_latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
-        """The newest complete step of this Checkpointer's root (no collective)."""
+    def _find_latest(self, deadline_s: float | None = None) -> CheckpointInfo | RemoteCheckpointInfo | None:
+        """The newest complete step of this Checkpointer's root (no collective); on a store
+        within ``deadline_s`` (default: ``timeout``)."""
         if self._store is not None:
             from ._remote import newest_complete, run_sync
 
-            store, timeout = self._store, self.timeout
+            store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
             found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout))
             return None if found is None else _remote_info(store, found[0])
         return _discovery.find_latest(self.root)

@@ -294,3 +294,32 @@ def _get(endpoint: str, url: str, key: str) -> bytes:
     st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
                  client_options={"allow_http": True})
     return bytes(obstore.get(st, key).bytes())
+
+
+def test_ctrl_c_in_close_returns_promptly_when_the_store_stops_answering(
+    proxy: FaultProxy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    o = opts(proxy.endpoint)
+    ck = Checkpointer(url, storage_options=o, timeout=120)
+    proxy.add(Rule("delay", method="PUT", path_contains="rank00000.safetensors", delay=60.0, times=10**6))
+    proxy.add(Rule("delay", method="GET", delay=60.0, times=10**6))  # LIST too: nothing answers
+    ck.save(1, state_for(1))
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)  # Ctrl-C while close() waits for the held upload
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ck.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    took = time.monotonic() - t0
+    assert took < 40, took  # the writer stopped (5 s) and the store asked once, within 10 s
+    err = capsys.readouterr().err
+    assert "save of step 1" in err and "could not be checked" in err and "the store did not answer" in err, err
+    proxy.clear()
+    assert asyncckpt.find_latest(url, storage_options=o) is None
