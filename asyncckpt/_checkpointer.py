@@ -1159,7 +1159,7 @@ class Checkpointer:
         defer = self._dist is not None
         reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer)
         if self._store is not None:
-            state = self._load_store_root(step, shard, verify, mmap)
+            state = self._load_store_root(step, shard, verify, mmap, expect, reader)
             if into is not None:
                 _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
             return state
@@ -1197,21 +1197,38 @@ class Checkpointer:
             return None if found is None else _remote_info(store, found[0])
         return _discovery.find_latest(self.root)
 
-    def _load_store_root(self, step: int | None, shard: int, verify: bool, mmap: bool) -> Any:
-        """``load()`` under an object-store root: rank 0 picks the step (``None``: the newest
-        complete), every rank reads its own shard with ranged GETs, verified."""
+    def _load_store_root(
+        self, step: int | None, shard: int, verify: bool, mmap: bool, expect: int | None,
+        reader: _load_global.Reader,
+    ) -> Any:
+        """``load()`` under an object-store root: each rank reads its own shard with ranged
+        GETs, verified. One process: the newest step that verifies (``_remote_load``). Many
+        ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
+        picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
+        every rank fall back to the same older step; an explicit step raises on every rank)."""
         from . import _remote_load
 
         if mmap:
             raise ValueError(f"mmap=True needs a local root, not {self.root}")
-        if step is None:
-            latest = self.latest()
-            if latest is None:
-                raise CheckpointNotFoundError(f"no complete checkpoint under {self.root}")
-            step = latest.step
+        if self._dist is not None:
+            return self._load_agreed(step, shard, verify, expect, reader)
         return _remote_load.load(
             self.root, step, verify=verify, rank=shard, storage_options=self._storage_options, deadline_s=self.timeout
         )
+
+    def _load_store_step(self, step: int, shard: int, verify: bool) -> Any:
+        """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
+        or an object gone) is ``CheckpointNotFoundError``, so the ranks agree to retry."""
+        from . import _remote_load
+        from ._objstore import ObjectNotFoundError
+
+        try:
+            return _remote_load.load(
+                self.root, step, verify=verify, rank=shard, storage_options=self._storage_options,
+                deadline_s=self.timeout,
+            )
+        except ObjectNotFoundError as e:
+            raise CheckpointNotFoundError(f"step {step} under {self.root} vanished while being read ({e})") from None
 
     def _remote_choice(self, step: int | None) -> int | None:
         """Tier mode: the step to load from the store (``None``: load locally, as without a
@@ -1271,6 +1288,8 @@ class Checkpointer:
             def pick() -> Any:
                 if step is not None:
                     return step
+                if self._store is not None:
+                    return _store_newest(self._store, frozenset(rejected), self.timeout)
                 skipped: dict[int, CheckpointCorruptError] = {}
                 info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
                 for s, e in sorted(skipped.items(), reverse=True):
@@ -1285,7 +1304,10 @@ class Checkpointer:
             state: Any = None
             error: BaseException | None = None
             try:
-                state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader, mmap=mmap)
+                if self._store is not None:
+                    state = self._load_store_step(chosen, shard, verify)
+                else:
+                    state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader, mmap=mmap)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -1594,3 +1616,26 @@ def _remote_info(store: Any, m: Any) -> RemoteCheckpointInfo:
 
     info: RemoteCheckpointInfo = info_of(store, m)
     return info
+
+
+def _store_newest(store: Any, rejected: frozenset[int], timeout: float) -> int | None:
+    """The newest complete step on ``store`` not in ``rejected`` (rank 0's pick of a collective
+    load); manifests that do not decode are skipped (logged)."""
+    from ._remote import candidate_steps, open_step, run_sync
+
+    async def go() -> int | None:
+        deadline = time.monotonic() + timeout
+        for s in await candidate_steps(store, deadline):
+            if s in rejected:
+                continue
+            try:
+                await open_step(store, s, deadline)
+            except CheckpointNotFoundError:
+                continue
+            except CheckpointCorruptError as e:
+                log.warning("asyncckpt: skipping step %d under %s: %s", s, store.url, e)
+                continue
+            return s
+        return None
+
+    return run_sync(go)

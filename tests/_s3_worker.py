@@ -44,6 +44,26 @@ def main() -> None:
             ck.save(int(sys.argv[5]), state_for(int(sys.argv[5])))
             print("staged", flush=True)
             time.sleep(600)  # killed by the test while the upload is held at the proxy
+        elif what in ("save2", "fallback"):
+            import torch.distributed as dist
+
+            rank, world, port = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+            with Checkpointer(url, storage_options=opts, timeout=60) as ck:
+                if what == "save2":
+                    for step in (1, 2):
+                        ck.save(step, state_for(step, rank)).result(timeout=60)
+                else:
+                    got = ck.load()  # rank 1's shard of step 2 is corrupt: every rank falls back to 1
+                    res["step"] = got["step"]
+                    res["equal"] = bool(torch.equal(got["model"]["big"], state_for(1, rank)["model"]["big"]))
+                    try:
+                        ck.load(step=2)
+                        res["explicit"] = "loaded"
+                    except Exception as e:  # noqa: BLE001 - the test checks the type
+                        res["explicit"] = type(e).__name__
+            dist.destroy_process_group()
         else:
             import torch.distributed as dist
 

@@ -323,3 +323,35 @@ def test_ctrl_c_in_close_returns_promptly_when_the_store_stops_answering(
     assert "save of step 1" in err and "could not be checked" in err and "the store did not answer" in err, err
     proxy.clear()
     assert asyncckpt.find_latest(url, storage_options=o) is None
+
+
+def test_two_gloo_ranks_fall_back_together_when_one_shard_is_corrupt(
+    s3: S3Server, url: str, tmp_path: Path
+) -> None:
+    from _ranks import free_port, log_tail, run_ranks
+    from obstore.store import S3Store
+
+    o = opts(s3.endpoint)
+    for phase in ("save2", "fallback"):
+        port = free_port()
+
+        def argv(r: int, phase: str = phase, port: int = port) -> list[str]:
+            return [WORKER, phase, url, json.dumps(o), str(tmp_path / f"{phase}{r}.json"), str(r), "2", str(port)]
+
+        hung = run_ranks(argv, 2, tmp_path, deadline=120)
+        assert not hung, [log_tail(tmp_path, r) for r in hung]
+        res = [json.loads((tmp_path / f"{phase}{r}.json").read_text()) for r in range(2)]
+        assert all("error" not in x for x in res), (res, [log_tail(tmp_path, r) for r in range(2)])
+        if phase == "save2":
+            # flip one byte of rank 1's shard of step 2, same size: only its CRC can tell
+            key = next(k for k in keys(s3.endpoint, url) if k.startswith("step_00000002/") and
+                       k.endswith("rank00001.safetensors"))
+            raw = bytearray(_get(s3.endpoint, url, key))
+            raw[-3] ^= 0x10
+            bucket, _, prefix = url[len("s3://"):].partition("/")
+            st = S3Store(bucket, prefix=prefix, config=o,  # type: ignore[arg-type]
+                         client_options={"allow_http": True})
+            obstore.put(st, key, bytes(raw))
+    for r in range(2):  # the same decision on both ranks, rank 0's shard of step 2 being intact
+        assert res[r]["step"] == 1 and res[r]["equal"], res[r]
+        assert res[r]["explicit"] == "CheckpointCorruptError", res[r]
