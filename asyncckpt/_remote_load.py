@@ -29,7 +29,7 @@ from ._index import INDEX, MAX_INDEX_BYTES
 from ._index import parse as parse_index
 from ._layout import check_step
 from ._manifest import Manifest, shard_name, tree_name
-from ._objstore import ObjectStore, gather_or_cancel
+from ._objstore import ObjectNotFoundError, ObjectStore, gather_or_cancel
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, open_step, open_store, run_sync
 
 log = logging.getLogger("asyncckpt")
@@ -38,6 +38,8 @@ log = logging.getLogger("asyncckpt")
 _DIRECT = 1024 * 1024
 _RUN = 8 * 1024 * 1024
 _RANGES_IN_FLIGHT = 4
+#: Listings of a load(step=None) whose choice was retired while being read, before giving up.
+_LIST_ROUNDS = 16
 
 
 def _entry(store: ObjectStore, m: Manifest, name: str) -> tuple[str, int, int]:
@@ -203,16 +205,27 @@ def load(
     async def go() -> Any:
         deadline = time.monotonic() + deadline_s
         if step is not None:
-            m, _ = await open_step(store, step, deadline)
-            return await load_rank(store, m, rank, verify, deadline)
-        for s in await candidate_steps(store, deadline):
             try:
-                m, _ = await open_step(store, s, deadline)
+                m, _ = await open_step(store, step, deadline)
                 return await load_rank(store, m, rank, verify, deadline)
-            except CheckpointNotFoundError:
-                continue
-            except CheckpointCorruptError as e:
-                log.warning("remote step %d does not verify, trying an older one: %s", s, e)
+            except ObjectNotFoundError as e:  # retired while being read (manifest first, then objects)
+                msg = f"step {step} under {store.url} vanished while being read ({e})"
+                raise CheckpointNotFoundError(msg) from None
+        for _ in range(_LIST_ROUNDS):
+            vanished = False
+            for s in await candidate_steps(store, deadline):
+                try:
+                    m, _ = await open_step(store, s, deadline)
+                    return await load_rank(store, m, rank, verify, deadline)
+                except CheckpointNotFoundError:
+                    continue
+                except ObjectNotFoundError:
+                    vanished = True  # retired while being read: a newer step exists now, list again
+                    break
+                except CheckpointCorruptError as e:
+                    log.warning("remote step %d does not verify, trying an older one: %s", s, e)
+            if not vanished:
+                break
         raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
 
     state = run_sync(go)

@@ -355,3 +355,28 @@ def test_two_gloo_ranks_fall_back_together_when_one_shard_is_corrupt(
     for r in range(2):  # the same decision on both ranks, rank 0's shard of step 2 being intact
         assert res[r]["step"] == 1 and res[r]["equal"], res[r]
         assert res[r]["explicit"] == "CheckpointCorruptError", res[r]
+
+
+def test_a_load_racing_retention_loads_the_newer_step_instead_of_failing(
+    s3: S3Server, proxy: FaultProxy, url: str
+) -> None:
+    with Checkpointer(url, storage_options=opts(s3.endpoint), keep_last=1) as writer:
+        writer.save(1, state_for(1)).result(timeout=60)
+        # the reader's ranged GETs of step 1's shard are held while the writer retires step 1
+        held = proxy.add(Rule("delay", method="GET", path_regex=r"step_00000001/a-[0-9a-f]+/rank00000\.safetensors",
+                              delay=8.0, times=1))
+        import threading
+
+        got: dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: got.update(state=asyncckpt.load(url, storage_options=opts(
+            proxy.endpoint))))
+        reader.start()
+        end = time.monotonic() + 30
+        while held.hits == 0 and time.monotonic() < end:
+            time.sleep(0.02)
+        writer.save(2, state_for(2)).result(timeout=60)  # keep_last=1: step 1 is retired now
+        assert writer.steps() == [2]
+        reader.join(timeout=60)
+    assert "state" in got, "the load raised instead of moving on"
+    assert held.hits == 1
+    assert_same(got["state"], state_for(2))
