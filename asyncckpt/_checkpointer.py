@@ -1186,14 +1186,16 @@ class Checkpointer:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
-    def _find_latest(self, deadline_s: float | None = None) -> CheckpointInfo | RemoteCheckpointInfo | None:
+    def _find_latest(
+        self, deadline_s: float | None = None, skip: frozenset[int] = frozenset()
+    ) -> CheckpointInfo | RemoteCheckpointInfo | None:
         """The newest complete step of this Checkpointer's root (no collective); on a store
-        within ``deadline_s`` (default: ``timeout``)."""
+        within ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
         if self._store is not None:
             from ._remote import newest_complete, run_sync
 
             store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
-            found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout))
+            found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
             return None if found is None else _remote_info(store, found[0])
         return _discovery.find_latest(self.root)
 
@@ -1218,17 +1220,13 @@ class Checkpointer:
 
     def _load_store_step(self, step: int, shard: int, verify: bool) -> Any:
         """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
-        or an object gone) is ``CheckpointNotFoundError``, so the ranks agree to retry."""
+        or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
+        agree to retry."""
         from . import _remote_load
-        from ._objstore import ObjectNotFoundError
 
-        try:
-            return _remote_load.load(
-                self.root, step, verify=verify, rank=shard, storage_options=self._storage_options,
-                deadline_s=self.timeout,
-            )
-        except ObjectNotFoundError as e:
-            raise CheckpointNotFoundError(f"step {step} under {self.root} vanished while being read ({e})") from None
+        return _remote_load.load(
+            self.root, step, verify=verify, rank=shard, storage_options=self._storage_options, deadline_s=self.timeout
+        )
 
     def _remote_choice(self, step: int | None) -> int | None:
         """Tier mode: the step to load from the store (``None``: load locally, as without a
@@ -1289,7 +1287,8 @@ class Checkpointer:
                 if step is not None:
                     return step
                 if self._store is not None:
-                    return _store_newest(self._store, frozenset(rejected), self.timeout)
+                    found = self._find_latest(skip=frozenset(rejected))
+                    return None if found is None else found.step
                 skipped: dict[int, CheckpointCorruptError] = {}
                 info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
                 for s, e in sorted(skipped.items(), reverse=True):
@@ -1616,26 +1615,3 @@ def _remote_info(store: Any, m: Any) -> RemoteCheckpointInfo:
 
     info: RemoteCheckpointInfo = info_of(store, m)
     return info
-
-
-def _store_newest(store: Any, rejected: frozenset[int], timeout: float) -> int | None:
-    """The newest complete step on ``store`` not in ``rejected`` (rank 0's pick of a collective
-    load); manifests that do not decode are skipped (logged)."""
-    from ._remote import candidate_steps, open_step, run_sync
-
-    async def go() -> int | None:
-        deadline = time.monotonic() + timeout
-        for s in await candidate_steps(store, deadline):
-            if s in rejected:
-                continue
-            try:
-                await open_step(store, s, deadline)
-            except CheckpointNotFoundError:
-                continue
-            except CheckpointCorruptError as e:
-                log.warning("asyncckpt: skipping step %d under %s: %s", s, store.url, e)
-                continue
-            return s
-        return None
-
-    return run_sync(go)

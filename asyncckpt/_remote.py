@@ -195,8 +195,13 @@ async def complete_steps(store: ObjectStore, deadline: float) -> list[tuple[Mani
     return out
 
 
-async def newest_complete(store: ObjectStore, deadline: float) -> tuple[Manifest, bytes] | None:
+async def newest_complete(
+    store: ObjectStore, deadline: float, skip: frozenset[int] = frozenset()
+) -> tuple[Manifest, bytes] | None:
+    """The newest complete step not in ``skip`` (corrupt ones are logged and passed over)."""
     for step in await candidate_steps(store, deadline):
+        if step in skip:
+            continue
         try:
             return await open_step(store, step, deadline)
         except CheckpointNotFoundError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from s3server import S3Server
@@ -34,13 +35,34 @@ def running_server(bucket: str) -> Iterator[S3Server]:
         server.close()
 
 
-def keys(endpoint: str, url: str) -> list[str]:
-    """Every object under ``url``, relative to it, listed with obstore directly (not through
-    the code under test)."""
-    import obstore
+def store_for(endpoint: str, url: str) -> Any:
+    """A plain obstore client for ``url`` at ``endpoint``: the tests look at and tamper with
+    the store through it, never through the code under test."""
     from obstore.store import S3Store
 
     bucket, _, prefix = url[len("s3://"):].partition("/")
-    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
-                 client_options={"allow_http": True})
-    return sorted(str(m["path"]).removeprefix(prefix + "/") for chunk in obstore.list(st) for m in chunk)
+    return S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
+                   client_options={"allow_http": True})
+
+
+def keys(endpoint: str, url: str) -> list[str]:
+    """Every object under ``url``, relative to it."""
+    import obstore
+
+    prefix = url[len("s3://"):].partition("/")[2]
+    chunks = obstore.list(store_for(endpoint, url))
+    return sorted(str(m["path"]).removeprefix(prefix + "/") for chunk in chunks for m in chunk)
+
+
+def get(endpoint: str, url: str, key: str) -> bytes:
+    """The bytes of object ``key`` under ``url``."""
+    import obstore
+
+    return bytes(obstore.get(store_for(endpoint, url), key).bytes())
+
+
+def put(endpoint: str, url: str, key: str, data: bytes) -> None:
+    """Overwrite object ``key`` under ``url`` (a hostile or broken writer)."""
+    import obstore
+
+    obstore.put(store_for(endpoint, url), key, data)

@@ -26,13 +26,13 @@ from conftest import assert_same
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _s3_worker import state_for
-from s3fixtures import SECRET, opts, running_server
+from s3fixtures import SECRET, get, opts, put, running_server
 from s3fixtures import keys as all_keys
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
 try:
-    import obstore
+    import obstore  # noqa: F401 - the skip below needs it importable
 except ImportError:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/obstore: pip install obstore", allow_module_level=True)
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
@@ -281,19 +281,11 @@ def test_two_gloo_ranks_save_to_one_prefix_and_a_fault_is_named_on_both(
         assert SECRET not in res[r]["message"]
     ks = keys(s3.endpoint, url)
     assert manifests(s3.endpoint, url) == ["step_00000001/manifest.json"]
-    index = json.loads(_get(s3.endpoint, url, next(k for k in ks if k.endswith("/index.json"))))
+    index = json.loads(get(s3.endpoint, url, next(k for k in ks if k.endswith("/index.json"))))
     files = {index["plain"][str(r)]["shared"][2] for r in range(2)}
     assert len(files) == 1, index["plain"]  # "shared" stored once, read by the other rank from that file
     assert sum(k.endswith(".safetensors") for k in ks) == 2 and all(k.startswith("step_00000001/") for k in ks), ks
 
-
-def _get(endpoint: str, url: str, key: str) -> bytes:
-    from obstore.store import S3Store
-
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
-                 client_options={"allow_http": True})
-    return bytes(obstore.get(st, key).bytes())
 
 
 def test_ctrl_c_in_close_returns_promptly_when_the_store_stops_answering(
@@ -329,7 +321,6 @@ def test_two_gloo_ranks_fall_back_together_when_one_shard_is_corrupt(
     s3: S3Server, url: str, tmp_path: Path
 ) -> None:
     from _ranks import free_port, log_tail, run_ranks
-    from obstore.store import S3Store
 
     o = opts(s3.endpoint)
     for phase in ("save2", "fallback"):
@@ -346,12 +337,9 @@ def test_two_gloo_ranks_fall_back_together_when_one_shard_is_corrupt(
             # flip one byte of rank 1's shard of step 2, same size: only its CRC can tell
             key = next(k for k in keys(s3.endpoint, url) if k.startswith("step_00000002/") and
                        k.endswith("rank00001.safetensors"))
-            raw = bytearray(_get(s3.endpoint, url, key))
+            raw = bytearray(get(s3.endpoint, url, key))
             raw[-3] ^= 0x10
-            bucket, _, prefix = url[len("s3://"):].partition("/")
-            st = S3Store(bucket, prefix=prefix, config=o,  # type: ignore[arg-type]
-                         client_options={"allow_http": True})
-            obstore.put(st, key, bytes(raw))
+            put(s3.endpoint, url, key, bytes(raw))
     for r in range(2):  # the same decision on both ranks, rank 0's shard of step 2 being intact
         assert res[r]["step"] == 1 and res[r]["equal"], res[r]
         assert res[r]["explicit"] == "CheckpointCorruptError", res[r]

@@ -27,12 +27,12 @@ from conftest import assert_same
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from s3fixtures import opts, running_server
+from s3fixtures import get, keys, opts, put, running_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
 try:
-    import obstore
+    import obstore  # noqa: F401 - the skip below needs it importable
 except ImportError:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/obstore: pip install obstore", allow_module_level=True)
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
@@ -115,7 +115,7 @@ def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(
         ck.flush(timeout=30)
         assert remote_steps(url, o) == [1]
         assert (root / "step_00000001" / "manifest.json").read_bytes() == \
-            _object(proxy.endpoint, url, "step_00000001/manifest.json")  # the local commit, copied
+            get(proxy.endpoint, url, "step_00000001/manifest.json")  # the local commit, copied
         for s in (2, 3, 4):
             ck.save(s, state_for(s)).result(timeout=30)
         ck.flush(timeout=60)
@@ -129,15 +129,6 @@ def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(
     assert got[-1] == 4 and len(got) <= 2 and set(got) <= {2, 3, 4}  # keep_last_remote=2; a waiting step may be skipped
     assert_same(asyncckpt.load(url, storage_options=o), state_for(4))
     assert "asyncckpt-test-secret" not in (root / "step_00000004" / "manifest.json").read_text()
-
-
-def _object(endpoint: str, url: str, key: str) -> bytes:
-    from obstore.store import S3Store
-
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
-                 client_options={"allow_http": True})
-    return bytes(obstore.get(st, key).bytes())
 
 
 def test_local_retention_never_removes_a_step_whose_upload_is_pending(
@@ -391,20 +382,11 @@ def test_two_gloo_ranks_on_a_shared_root_rank0_uploads_and_both_resume_from_the_
         assert all(res.get("ok") for res in results), (results, [log_tail(tmp_path, r) for r in range(2)])
         if phase == "save":
             assert remote_steps(url, o) == [2]  # keep_last_remote=1: one commit holding both ranks' files
-            keys = [k for k in _keys(s3.endpoint, url) if k.startswith("step_00000002/")]
-            assert sum(k.endswith(".safetensors") for k in keys) == 2, keys
+            ks = [k for k in keys(s3.endpoint, url) if k.startswith("step_00000002/")]
+            assert sum(k.endswith(".safetensors") for k in ks) == 2, ks
             shutil.rmtree(root)  # the nodes are gone: the next job resumes from the store
         else:
             assert [res["latest"] for res in results] == [2, 2]
-
-
-def _keys(endpoint: str, url: str) -> list[str]:
-    from obstore.store import S3Store
-
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
-                 client_options={"allow_http": True})
-    return sorted(str(m["path"]).removeprefix(prefix + "/") for chunk in obstore.list(st) for m in chunk)
 
 
 def test_store_that_ignores_conditional_creates_is_refused_at_the_first_upload(
@@ -419,7 +401,7 @@ def test_store_that_ignores_conditional_creates_is_refused_at_the_first_upload(
             ck.flush(timeout=30)
         assert ei.value.failures[0].exc_type == "ConditionalWriteUnsupportedError", ei.value.failures
         assert local_steps(tmp_path / "ck") == [1]
-    assert not any(k.endswith("manifest.json") for k in _keys(proxy.endpoint, url))  # refused, never raced
+    assert not any(k.endswith("manifest.json") for k in keys(proxy.endpoint, url))  # refused, never raced
     assert SECRET not in caplog.text
 
 
@@ -467,9 +449,9 @@ def test_load_falls_back_when_the_remote_newest_does_not_verify(
     found = remote.find_latest(url, storage_options=o)
     assert found is not None and found.step == 2
     key = f"step_00000002/a-{found.attempt}/rank00000.safetensors"
-    data = bytearray(_object(s3.endpoint, url, key))
+    data = bytearray(get(s3.endpoint, url, key))
     data[-5] ^= 0x40  # same size: only the CRC-32C tells
-    _put(s3.endpoint, url, key, bytes(data))
+    put(s3.endpoint, url, key, bytes(data))
     shutil.rmtree(root)
     with Checkpointer(root, mirror=url, storage_options=o) as ck:
         with pytest.raises(asyncckpt.CheckpointCorruptError, match="checksum mismatch"):
@@ -477,15 +459,6 @@ def test_load_falls_back_when_the_remote_newest_does_not_verify(
         with caplog.at_level("WARNING", logger="asyncckpt"):
             assert_same(ck.load(), state_for(1))
     assert any("does not verify" in r.getMessage() for r in caplog.records)
-
-
-def _put(endpoint: str, url: str, key: str, data: bytes) -> None:
-    from obstore.store import S3Store
-
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    st = S3Store(bucket, prefix=prefix, config=opts(endpoint),  # type: ignore[arg-type]
-                 client_options={"allow_http": True})
-    obstore.put(st, key, data)
 
 
 def test_latest_and_load_raise_the_store_error_when_the_store_cannot_be_read(
