@@ -116,7 +116,7 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     Independent of the attempt: ``run_save`` starts it before ``begin`` so it overlaps the
     leader's preparation of the attempt directory."""
     assert job.arena is not None and job.layout is not None
-    skip = {d["name"] for d in job.dtensors or () if d["writer"]}
+    skip = _dedupe_skip(job)
     try:
         if job.progress is not None:  # the digests read the whole arena: wait until it is staged
             await until_staged(job.progress, job.progress.total, job.deadline)  # not on the I/O pool
@@ -146,18 +146,22 @@ async def _write_files(
     loc: str,
     leader: bool,
     coord: Coordinator | None = None,
-    dedupe_round: Awaitable[dict[str, int] | None] | None = None,
+    dedupe_round: asyncio.Task[dict[str, int] | None] | None = None,
 ) -> Report:
     assert job.arena is not None and job.layout is not None
     dedupe = job.dedupe and coord is not None and coord.world_size > 1
-    if not leader and not dedupe:
+    buffer, layout = job.arena.buffer, job.layout
+    # with dedupe, a rank whose plain tensors are too few to pay for an image without them
+    # (FSDP: step counters next to its shard) writes its staged file whole whatever the round
+    # decides, so it streams the file while the round (and the staging) runs
+    early = dedupe and dedupe_round is not None and not _dedupe.may_pay_for_an_image(layout.slots, _dedupe_skip(job))
+    if not leader and (early or not dedupe):
         await backend.join(job, loc)
-    if job.cuda_events and not dedupe:  # the dedupe round waits for them itself
+    if job.cuda_events and (early or not dedupe):  # else the dedupe round waits for them itself
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
-    buffer, layout = job.arena.buffer, job.layout
     writers: dict[str, int] | None = None
-    if dedupe:
+    if dedupe and not early:
         assert coord is not None
         writers = await (dedupe_round if dedupe_round is not None else _dedupe_round(storage, job, coord))
         if writers is None:
@@ -172,30 +176,63 @@ async def _write_files(
             await backend.join(job, loc)
     # a deduplicated image is a finished copy; the arena itself may still be staging
     staged = job.progress if buffer is job.arena.buffer else None
-    shard = await backend.write_shard(job, loc, _manifest.shard_name(rank), buffer, layout.file_size, staged)
-    tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
-    t0 = time.perf_counter()
-    await backend.seal(job, loc)
+    # the index part's checksums run beside the write (they read what it writes, once staged)
+    part_task = (
+        asyncio.ensure_future(_index_part(storage, job, buffer, layout, rank, staged, writers))
+        if job.dtensors is not None or writers
+        else None
+    )
+    try:
+        shard = await backend.write_shard(job, loc, _manifest.shard_name(rank), buffer, layout.file_size, staged)
+        tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
+        t0 = time.perf_counter()
+        await backend.seal(job, loc)
+        seal_s = time.perf_counter() - t0
+        if early:
+            assert dedupe_round is not None
+            writers = await dedupe_round
+            if writers is None:
+                return Report(rank=rank)  # a peer failed: its report fails the save
+            writers = _dedupe.own_copies(writers, layout.slots, rank)
+        part = await part_task if part_task is not None else None
+        if part is None and writers:  # no DTensors: only the round named plain tensors to index
+            part = await _index_part(storage, job, buffer, layout, rank, None, writers)
+        elif part is not None:
+            part["writers"] = dict(writers or {})
+    finally:
+        await _drop(part_task)
+        if early and dedupe_round is not None:
+            # not cancelled: the other ranks wait in the round for this rank's value
+            dedupe_round.add_done_callback(_consume)
     job.times["write"] = shard.write_s + tree.write_s
-    job.times["fsync"] = shard.fsync_s + tree.fsync_s + (time.perf_counter() - t0)
+    job.times["fsync"] = shard.fsync_s + tree.fsync_s + seal_s
     job.direct = shard.direct
     files = [
         {"name": _manifest.shard_name(rank), "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
-    part = None
-    if job.dtensors is not None or writers:
-        # per-slot CRCs of the image written, for the global index (on the I/O pool)
-        part = await storage.run(
-            _index.rank_part,
-            buffer,
-            layout.data_start,
-            layout.slots,
-            job.dtensors or [],
-            _manifest.shard_name(rank),
-            writers,
-        )
     return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
+
+
+def _dedupe_skip(job: SaveJob) -> set[str]:
+    """The slots the dedupe round does not hash: DTensor boxes this rank writes (never replicated
+    plain tensors; a replicated box's writer is already chosen by the mesh)."""
+    return {d["name"] for d in job.dtensors or () if d["writer"]}
+
+
+async def _index_part(
+    storage: Storage,
+    job: SaveJob,
+    buffer: memoryview,
+    layout: ShardLayout,
+    rank: int,
+    staged: StageProgress | None,
+    writers: dict[str, int] | None,
+) -> dict[str, Any]:
+    """This rank's index part (per-chunk CRCs of ``buffer``) once ``buffer`` is staged, on the I/O pool."""
+    await until_staged(staged, staged.total if staged is not None else 0, job.deadline)
+    name, dtensors = _manifest.shard_name(rank), job.dtensors or []
+    return await storage.run(_index.rank_part, buffer, layout.data_start, layout.slots, dtensors, name, writers)
 
 
 async def _commit(
@@ -228,6 +265,13 @@ async def _drop(task: asyncio.Task[Any] | None) -> None:
         return
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # a cancellation of ours still propagates
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    """Retrieve the outcome of a task nobody awaits any more (its failure is not this save's:
+    the failure that made nobody await it is)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:

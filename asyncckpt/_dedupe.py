@@ -94,6 +94,15 @@ def worth_an_image(slots: Sequence[Any], keep: Sequence[Any]) -> bool:
     return nbytes(slots) - kept >= MIN_DROP_SHARE * kept
 
 
+def may_pay_for_an_image(slots: Sequence[Any], skip: set[str]) -> bool:
+    """Whether some plan of the round could make :func:`worth_an_image` true for this rank:
+    only the slots the round hashes (not in ``skip``) can be dropped. When False, the rank
+    writes its staged file whole whatever the round decides, so it may write before the round
+    ends (FSDP2: a few step counters next to the rank's shard)."""
+    candidates = sum(s.end - s.begin for s in slots if s.name not in skip)
+    return candidates >= MIN_DROP_SHARE * (nbytes(slots) - candidates)
+
+
 def own_copies(writers: Mapping[str, int], slots: Sequence[Any], rank: int) -> dict[str, int]:
     """``writers`` as this rank reports them when it writes its staged file whole: its own
     copy of every tensor it holds (``_index.merge`` then points its entries at its file)."""

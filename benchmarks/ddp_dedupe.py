@@ -40,7 +40,8 @@ PHASES = (
     ("_coordination", "StoreCoordinator.decide", True),
     ("_storage", "Storage.write_file", True),
     ("_storage", "Storage.write_bytes", True),
-    ("_commit", "_prepare_attempt", True),
+    ("_backend", "PosixBackend.prepare", True),
+    ("_backend", "PosixBackend.seal", True),
     ("_commit", "_commit", True),
 )
 

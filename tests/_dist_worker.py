@@ -102,6 +102,47 @@ def scenario_efbig(rank: int, world: int, root: str, result: dict[str, Any]) -> 
         result["steps"] = ck.steps()
 
 
+def sharded_state_for(rank: int, world: int, step: int) -> dict[str, Any]:
+    """A DTensor sharded over every rank next to a tiny plain tensor identical on every rank
+    (FSDP2's shape: the dedupe round cannot pay for an image, so the shard is written while
+    the round runs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.Generator().manual_seed(step)
+    w = torch.randn(64 * world, 256, generator=full)
+    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)])}, "step": torch.tensor(float(step))}
+
+
+def scenario_efbig_sharded(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    with Checkpointer(root, timeout=20) as ck:
+        ck.save(1, sharded_state_for(rank, world, 1)).result(timeout=60)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        t0 = time.monotonic()
+        h = ck.save(2, sharded_state_for(rank, world, 2))
+        result["error"] = describe(h.exception(timeout=60))
+        result["elapsed"] = time.monotonic() - t0
+        try:
+            ck.flush()
+        except SaveError as e:
+            result["flush_error"] = describe(e)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        latest = ck.latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        result["retry"] = ck.save(2, sharded_state_for(rank, world, 2)).result(timeout=60).step
+        target = sharded_state_for(rank, world, 0)
+        ck.load(into=target)
+        want = sharded_state_for(rank, world, 2)
+        result["equal"] = bool(
+            torch.equal(target["model"]["w"].to_local(), want["model"]["w"].to_local())
+            and torch.equal(target["step"], want["step"])
+        )
+
+
 def scenario_bad_state(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
     with Checkpointer(root, timeout=20) as ck:
         state: Any = state_for(rank, 1)

@@ -88,6 +88,24 @@ def test_one_rank_efbig_fails_every_rank_the_same(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_one_rank_efbig_while_sharded_shards_stream_during_the_dedupe_round(tmp_path: Path) -> None:
+    # DTensor shards next to a replicated scalar: each rank writes its shard before the dedupe
+    # round ends; rank 1's write fails (EFBIG) while the others' round may still be running
+    res = run_ranks(tmp_path, "efbig_sharded", 3)
+    assert sorted(res) == [0, 1, 2]
+    for r in res.values():
+        err = r["error"]
+        assert err["type"] == "SaveError" and list(err["failures"]) == ["1"], err
+        assert err["failures"]["1"]["errno"] == 27 and "rank00001.safetensors" in err["failures"]["1"]["path"]
+        assert r["elapsed"] < 15, r  # nobody waited for the save's timeout (20 s)
+        assert r["flush_error"]["failures"] == err["failures"]
+        assert r["latest_after_failure"] == 1
+        assert r["retry"] == 2 and r["equal"], r
+    steps = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_00000001", "step_00000002"]  # the failed attempt left nothing behind
+
+
+@pytest.mark.timeout(150)
 def test_bad_state_on_one_rank_raises_there_and_fails_the_save_everywhere(tmp_path: Path) -> None:
     res = run_ranks(tmp_path, "bad_state", 3)
     assert res[2]["call_error"]["type"] == "TypeError" and "extra.bad" in res[2]["call_error"]["msg"]
