@@ -229,10 +229,6 @@ class ShardInfo:
         return self.rank is not None and bool(self.replicas) and self.writer_rank == self.rank
 
 
-#: (global shape, mesh shape, placements, coordinate) whose box torch's public helper confirmed
-_AGREED: set[tuple[Any, ...]] = set()
-
-
 #: mesh -> its global ranks; DeviceMesh.mesh is rebuilt on every access (~0.15 ms)
 _RANKS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 
@@ -250,6 +246,12 @@ def _mesh_ranks(mesh: Any) -> list[int]:
     return list(ranks)
 
 
+#: per mesh, (global shape, placements) -> what :func:`describe` derived for this rank, checked:
+#: a state saved every few steps holds the same DTensors each time, and deriving their boxes
+#: again cost ~17 us each (FSDP2 and Adam: hundreds per rank, on the training thread)
+_DESCRIBED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
 def describe(key: str, dt: Any) -> ShardInfo:
     """Describe the DTensor ``dt`` saved under ``key`` on this rank; no communication.
 
@@ -260,35 +262,54 @@ def describe(key: str, dt: Any) -> ShardInfo:
     if not is_dtensor(dt):
         raise TypeError(f"{key!r} is a {type(dt).__name__}, not a DTensor")
     mesh = dt.device_mesh
-    mesh_shape = tuple(int(n) for n in mesh.shape)
-    global_shape = tuple(int(n) for n in dt.shape)
-    layout = layout_of(key, global_shape, mesh_shape, dt.placements)
+    global_shape = tuple(dt.shape)
+    placements = tuple(dt.placements)
+    memo = _memo_of(mesh)
+    found = memo.get((global_shape, placements)) if memo is not None else None
+    if found is None:
+        found = _derive(key, mesh, global_shape, placements)
+        if memo is not None:
+            memo[(global_shape, placements)] = found
+    layout, rank, box, replicas, ranks = found
     local = local_tensor(dt)
+    if box is not None and tuple(local.shape) != box.sizes:
+        raise TypeError(
+            f"DTensor at {key!r}: this rank's local tensor has shape {tuple(local.shape)}, the layout says "
+            f"{box}; this torch version's layout rules are not supported"
+        )
+    writer = replicas[0] if replicas else None
+    return ShardInfo(key, global_shape, dt.dtype, layout, local, rank, box, replicas, ranks, writer)
+
+
+def _memo_of(mesh: Any) -> dict[tuple[Any, ...], tuple[Any, ...]] | None:
+    try:
+        return _DESCRIBED.setdefault(mesh, {})
+    except TypeError:
+        return None  # not weak-referenceable or unhashable: derive every time
+
+
+def _derive(key: str, mesh: Any, global_shape: tuple[int, ...], placements: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(layout, rank, box, replicas, mesh ranks) of a DTensor of ``global_shape`` placed by
+    ``placements`` on ``mesh``, for this rank; the box checked against torch's public helper."""
+    mesh_shape = tuple(int(n) for n in mesh.shape)
+    layout = layout_of(key, global_shape, mesh_shape, placements)
     coord = mesh.get_coordinate()
     if coord is None:
-        return ShardInfo(key, global_shape, dt.dtype, layout, local, None, None, (), tuple(_mesh_ranks(mesh)))
+        return layout, None, None, (), tuple(_mesh_ranks(mesh))
     coord = tuple(int(c) for c in coord)
     box = layout.box(coord)
-    agreed = (global_shape, mesh_shape, tuple(dt.placements), coord)
-    if agreed not in _AGREED:
-        # the public helper costs ~1 ms with _StridedShard: compare once per layout and coordinate
-        shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, dt.placements)
-        if (tuple(shape), tuple(offset)) == (box.sizes, box.offsets):
-            _AGREED.add(agreed)
-    else:
-        shape, offset = box.sizes, box.offsets
-    if (tuple(shape), tuple(offset)) != (box.sizes, box.offsets) or tuple(local.shape) != box.sizes:
+    # the public helper costs ~1 ms with _StridedShard: once per layout and coordinate
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    if (tuple(shape), tuple(offset)) != (box.sizes, box.offsets):
         raise TypeError(
-            f"DTensor at {key!r}: torch places this rank's shard {tuple(local.shape)} at "
-            f"{tuple(offset)} (size {tuple(shape)}), the layout says {box}; this torch version's "
-            "layout rules are not supported"
+            f"DTensor at {key!r}: torch places this rank's shard at {tuple(offset)} (size {tuple(shape)}), "
+            f"the layout says {box}; this torch version's layout rules are not supported"
         )
     ranks = _mesh_ranks(mesh)
     flat = _flat_index(mesh_shape)
     rank = ranks[flat(coord)]
     replicas = () if box.empty else tuple(sorted(ranks[flat(c)] for c in layout.replica_coordinates(coord)))
-    writer = replicas[0] if replicas else None
-    return ShardInfo(key, global_shape, dt.dtype, layout, local, rank, box, replicas, tuple(ranks), writer)
+    return layout, rank, box, replicas, tuple(ranks)
 
 
 #: (layout key, mesh ranks, itemsize) -> every distinct box's (offsets, holders, nbytes)
