@@ -192,6 +192,7 @@ class S3Server:
             try:
                 status, body = self._request("PUT", f"/{name}", timeout=10.0)
                 if status in (200, 409):
+                    self._warm(name, t_end)
                     return
                 last = f"{status} {body[:200]!r}"
                 if 400 <= status < 500:
@@ -200,6 +201,22 @@ class S3Server:
                 last = repr(e)
             time.sleep(0.25)
         raise S3ServerError(f"cannot create bucket {name}: {last}")
+
+    def _warm(self, bucket: str, t_end: float) -> None:
+        """Write and delete one object: the first write into a new bucket makes SeaweedFS grow
+        its volumes (seconds on a loaded machine), which a test with a short save timeout must
+        not pay. Best effort: a store that refuses the anonymous write is left cold."""
+        while time.monotonic() < t_end:
+            try:
+                status, _ = self._request("PUT", f"/{bucket}/.warm-up", timeout=10.0, body=b"\0" * 65536)
+                if status == 200:
+                    self._request("DELETE", f"/{bucket}/.warm-up", timeout=10.0)
+                    return
+                if 400 <= status < 500:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
 
     def pending_uploads(self, bucket: str) -> list[str]:
         """Incomplete multipart uploads of ``bucket``, read from the filer (independent of any

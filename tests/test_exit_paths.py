@@ -186,6 +186,7 @@ def test_ctrl_c_during_close_leaves_old_or_new_checkpoint_and_says_which(tmp_pat
         class SlowFsync(OsOps):
             def fsync(self, fd):
                 if "step_00000002" in str(getattr(self, "last", "")):
+                    open({str(tmp_path / "in_fsync")!r}, "w").close()  # close() is waiting on this save now
                     time.sleep(1.5)
                 super().fsync(fd)
 
@@ -202,7 +203,11 @@ def test_ctrl_c_during_close_leaves_old_or_new_checkpoint_and_says_which(tmp_pat
     """)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "closing"
-    time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "in_fsync").exists():  # the slow fsync began: close() is waiting in it
+        assert time.monotonic() < deadline and p.poll() is None, "step 2's fsync never began"
+        time.sleep(0.01)
+    time.sleep(0.1)  # into close()'s wait (the fsync itself lasts 1.5 s)
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
     out, err = _finish(p, 30)
