@@ -118,11 +118,15 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     assert job.arena is not None and job.layout is not None
     skip = _dedupe_skip(job)
     try:
-        if job.progress is not None:  # the digests read the whole arena: wait until it is staged
-            await until_staged(job.progress, job.progress.total, job.deadline)  # not on the I/O pool
         for ev in job.cuda_events or ():
             await storage.run(ev.synchronize)
-        records = await storage.run(_dedupe.digests, job.arena.buffer, job.layout.data_start, job.layout.slots, skip)
+        records: dict[str, Any] = {}
+        # hashed as the copy goes: each batch once its bytes are staged (waiting on the loop,
+        # not on the I/O pool), so the digests are ready about when the staging is
+        data_start = job.layout.data_start
+        for batch in _dedupe.batches(job.layout.slots, skip):
+            await until_staged(job.progress, data_start + batch[-1].end, job.deadline)
+            records.update(await storage.run(_dedupe.digests, job.arena.buffer, data_start, batch, skip))
         meshes = _dedupe.mesh_digests(job.dtensors or [])
     except BaseException:
         await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
@@ -161,21 +165,29 @@ async def _write_files(
         for ev in job.cuda_events:
             await storage.run(ev.synchronize)
     writers: dict[str, int] | None = None
+    image_progress: StageProgress | None = None
+    fill: asyncio.Future[None] | None = None
     if dedupe and not early:
         assert coord is not None
         writers = await (dedupe_round if dedupe_round is not None else _dedupe_round(storage, job, coord))
         if writers is None:
             return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
+        if not leader:  # after the round: a failure here cannot leave the others waiting in it
+            await backend.join(job, loc)
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
             if _dedupe.worth_an_image(layout.slots, keep):
-                buffer, layout = await storage.run(_dedupe.image, buffer, layout, keep, job.arena)
+                # the image is copied on the I/O pool while the write streams what is copied
+                out, new = await storage.run(_dedupe.image_buffer, layout, keep, job.arena)
+                image_progress = StageProgress(new.file_size)
+                fill = asyncio.ensure_future(
+                    storage.run(_dedupe.fill_image, out, new, buffer, layout, image_progress)
+                )
+                buffer, layout = out, new
             else:  # a few small copies: writing them beats copying the whole shard to drop them
                 writers = _dedupe.own_copies(writers, layout.slots, rank)
-        if not leader:  # after the round: a failure here cannot leave the others waiting in it
-            await backend.join(job, loc)
-    # a deduplicated image is a finished copy; the arena itself may still be staging
-    staged = job.progress if buffer is job.arena.buffer else None
+    # the arena, or the deduplicated image, may still be being copied into
+    staged = job.progress if buffer is job.arena.buffer else image_progress
     # the index part's checksums run beside the write (they read what it writes, once staged)
     part_task = (
         asyncio.ensure_future(_index_part(storage, job, buffer, layout, rank, staged, writers))
@@ -183,6 +195,8 @@ async def _write_files(
         else None
     )
     try:
+        if fill is not None:  # let it reach the pool first: the write's pieces wait for it there
+            await asyncio.sleep(0)
         shard = await backend.write_shard(job, loc, _manifest.shard_name(rank), buffer, layout.file_size, staged)
         tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
         t0 = time.perf_counter()
@@ -201,6 +215,8 @@ async def _write_files(
             part["writers"] = dict(writers or {})
     finally:
         await _drop(part_task)
+        if fill is not None:  # never cancelled: the image buffer is reused once this save settles
+            await asyncio.gather(fill, return_exceptions=True)
         if early and dedupe_round is not None:
             # not cancelled: the other ranks wait in the round for this rank's value
             dedupe_round.add_done_callback(_consume)

@@ -31,6 +31,7 @@ import xxhash
 
 from ._format import ST_TO_DTYPE, ShardLayout, plan_layout
 from ._header import round_up
+from ._staging import StageProgress
 
 HASH = "xxh3-128"
 
@@ -45,6 +46,26 @@ def digests(buffer: memoryview, data_start: int, slots: Sequence[Any], skip: set
         n = s.end - s.begin
         h = xxhash.xxh3_128_hexdigest(buffer[data_start + s.begin : data_start + s.end])
         out[s.name] = [s.dtype, list(s.shape), n, h]
+    return out
+
+
+#: the digests of a save are taken in batches of about this many bytes, each once it is staged
+BATCH = 16 * 1024 * 1024
+
+
+def batches(slots: Sequence[Any], skip: set[str]) -> list[list[Any]]:
+    """The slots not in ``skip``, in file order, in consecutive batches of about :data:`BATCH` bytes."""
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    size = 0
+    for s in sorted((s for s in slots if s.name not in skip), key=lambda s: s.begin):
+        cur.append(s)
+        size += s.end - s.begin
+        if size >= BATCH:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
     return out
 
 
@@ -121,7 +142,11 @@ _IMAGES: weakref.WeakKeyDictionary[Any, mmap.mmap] = weakref.WeakKeyDictionary()
 
 
 def image(
-    buffer: memoryview, layout: ShardLayout, keep: Sequence[Any], owner: Any = None
+    buffer: memoryview,
+    layout: ShardLayout,
+    keep: Sequence[Any],
+    owner: Any = None,
+    progress: StageProgress | None = None,
 ) -> tuple[memoryview, ShardLayout]:
     """A page-aligned file image holding only the ``keep`` slots of the staged image
     ``buffer`` (laid out by ``layout``): one copy of the kept bytes, on the writer's I/O pool.
@@ -130,6 +155,14 @@ def image(
     reused by that arena's next save; the caller must be done with the image before the
     arena is staged into again (true of a save: the arena is its own until it settles).
     """
+    out, new = image_buffer(layout, keep, owner)
+    fill_image(out, new, buffer, layout, progress)
+    return out, new
+
+
+def image_buffer(layout: ShardLayout, keep: Sequence[Any], owner: Any = None) -> tuple[memoryview, ShardLayout]:
+    """The (not yet filled) buffer and layout of :func:`image`: the header is written, the
+    data is :func:`fill_image`'s to copy."""
     specs = [(s.name, ST_TO_DTYPE[s.dtype], tuple(s.shape)) for s in keep]
     new = plan_layout(specs, {"format": "pt", "writer": "asyncckpt"})
     size = round_up(max(new.file_size, 1))
@@ -139,13 +172,39 @@ def image(
         if owner is not None:
             _IMAGES[owner] = out
     out[: len(new.header)] = new.header
-    dst, src = np.frombuffer(out, dtype=np.uint8), np.frombuffer(buffer, dtype=np.uint8)
-    old = {s.name: s for s in layout.slots}
-    for s in new.slots:
-        a = layout.data_start + old[s.name].begin
-        # numpy releases the GIL for the copy (a memoryview slice assignment holds it)
-        dst[new.data_start + s.begin : new.data_start + s.end] = src[a : a + s.end - s.begin]
     return memoryview(out)[:size], new
+
+
+#: the image is copied, and its progress told, in pieces of about this many bytes
+_FILL_PIECE = 8 * 1024 * 1024
+
+
+def fill_image(
+    out: memoryview, new: ShardLayout, buffer: memoryview, layout: ShardLayout, progress: StageProgress | None = None
+) -> None:
+    """Copy the slots of ``new`` from the staged image ``buffer`` (laid out by ``layout``) into
+    ``out``, in file order. With ``progress``, each piece copied moves its watermark, so a
+    writer streaming ``out`` trails the copy; a failure fails ``progress`` before it is raised."""
+    try:
+        dst, src = np.frombuffer(out, dtype=np.uint8), np.frombuffer(buffer, dtype=np.uint8)
+        old = {s.name: s for s in layout.slots}
+        done = len(new.header)
+        for s in new.slots:
+            a, b = layout.data_start + old[s.name].begin, new.data_start + s.begin
+            n = s.end - s.begin
+            for i in range(0, n, _FILL_PIECE):
+                k = min(_FILL_PIECE, n - i)
+                # numpy releases the GIL for the copy (a memoryview slice assignment holds it)
+                dst[b + i : b + i + k] = src[a + i : a + i + k]
+                if progress is not None and b + i + k - done >= _FILL_PIECE:
+                    done = b + i + k
+                    progress.advance(done)
+    except BaseException as e:
+        if progress is not None:
+            progress.fail(e)
+        raise
+    if progress is not None:
+        progress.finish(0.0)
 
 
 def mesh_digests(dtensors: Sequence[Mapping[str, Any]]) -> dict[str, str]:
