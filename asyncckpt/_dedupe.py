@@ -120,7 +120,7 @@ def may_pay_for_an_image(slots: Sequence[Any], skip: set[str]) -> bool:
     only the slots the round hashes (not in ``skip``) can be dropped. When False, the rank
     writes its staged file whole whatever the round decides, so it may write before the round
     ends (FSDP2: a few step counters next to the rank's shard)."""
-    candidates = sum(s.end - s.begin for s in slots if s.name not in skip)
+    candidates: int = sum(s.end - s.begin for s in slots if s.name not in skip)
     return candidates >= MIN_DROP_SHARE * (nbytes(slots) - candidates)
 
 
