@@ -1114,19 +1114,23 @@ class Checkpointer:
         rank: int | None = None,
         per_rank: _load_global.PerRank = "error",
         mmap: bool = False,
+        verify_first: bool = False,
     ) -> Any:
         """Load a complete checkpoint (``None``: the newest that verifies) and return its state.
 
-        With ``into=``, restores in place, and (verifying) nothing is written before the whole
-        state verified: a checkpoint that fails verification leaves every target untouched. Tensors
-        of the saved dtype and shape (module parameters and buffers, optimizer state, tensors
-        in dicts and lists) are read straight into their memory, so the extra memory is the
-        I/O buffers', not the state's; the returned state holds those tensors. The rest:
-        objects get ``load_state_dict``, tensors get ``copy_``. For an explicit ``step``,
-        raises ``CheckpointNotFoundError`` if it is missing, uncommitted or retired while
-        being read, and ``CheckpointCorruptError`` (naming the file) when anything fails
-        verification. With ``step=None`` a corrupt newest checkpoint is logged (WARNING,
-        naming the file) and the next newest that verifies is loaded.
+        With ``into=``, restores in place. Tensors of the saved dtype and shape (module
+        parameters and buffers, optimizer state, tensors in dicts and lists) are read straight
+        into their memory and checksummed as their bytes land, so the extra memory is the I/O
+        buffers', not the state's; the returned state holds those tensors. The rest: objects
+        get ``load_state_dict``, tensors get ``copy_``. For an explicit ``step``, raises
+        ``CheckpointNotFoundError`` if it is missing, uncommitted or retired while being read,
+        and ``CheckpointCorruptError`` (naming the file) when anything fails verification; the
+        targets may then be partly overwritten. With ``step=None`` a corrupt newest checkpoint
+        is logged (WARNING, naming the file) and the next newest that verifies is loaded over
+        the same targets (restoring is strict, so a fallback that succeeds rewrote them all).
+        ``verify_first=True`` writes no target before the whole state verified (a checkpoint
+        that fails leaves every target untouched), at the price of a second, in-memory pass
+        over the targets' bytes; with many ranks no rank writes before every rank verified.
 
         With many ranks this is collective: rank 0 picks the step, each rank loads its own
         shard and reports, and every rank takes the same decision, so if any rank's shard
@@ -1157,7 +1161,20 @@ class Checkpointer:
         shard = self.rank if rank is None else rank
         # collective: an indexed step is read into the targets only after every rank agreed
         defer = self._dist is not None
-        reader = _load_global.Reader(self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer)
+        if type(verify_first) is not bool:
+            raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
+        reader = _load_global.Reader(
+            self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer, verify_first
+        )
+        with _load.noting_partial_targets(into is not None and not verify_first):
+            return self._load(step, shard, verify, mmap, expect, reader)
+
+    def _load(
+        self, step: int | None, shard: int, verify: bool, mmap: bool, expect: int | None,
+        reader: _load_global.Reader,
+    ) -> Any:  # fmt: skip
+        """``load``'s body, its arguments checked."""
+        into = reader.into
         if self._store is not None:
             state = self._load_store_root(step, shard, verify, mmap, expect, reader)
             if into is not None:
@@ -1306,7 +1323,11 @@ class Checkpointer:
                 if self._store is not None:
                     state = self._load_store_step(chosen, shard, verify)
                 else:
-                    state = _resume.attempt(self.root, chosen, shard, verify, expect, reader=reader, mmap=mmap)
+                    # one pass: straight into the targets; verify_first: fresh tensors, restored
+                    # once every rank verified (an indexed step defers inside the reader)
+                    into = None if reader.verify_first else reader.into
+                    state = _resume.attempt(self.root, chosen, shard, verify, expect, into, reader.strip_prefixes,
+                                            reader=reader, mmap=mmap)
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -1403,6 +1424,7 @@ def load(
     per_rank: _load_global.PerRank = "error",
     storage_options: dict[str, str] | None = None,
     mmap: bool = False,
+    verify_first: bool = False,
 ) -> Any:
     """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
 
@@ -1415,8 +1437,9 @@ def load(
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
     ``CheckpointNotFoundError`` if it is missing or was retired while being read and
     ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
-    (tensors read straight into, see :meth:`Checkpointer.load`), and (verifying) nothing is
-    written before the whole state verified. Needs no ownership of the root:
+    (tensors read straight into and checksummed as they land, see :meth:`Checkpointer.load`:
+    a step that fails may leave them partly overwritten; ``verify_first=True`` writes no
+    target before the whole state verified). Needs no ownership of the root:
     any number of readers may run while a job writes.
 
     ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
@@ -1432,6 +1455,8 @@ def load(
     ``into=``, for an ``s3://`` root, and for a step with a global index (DTensors, dedupe).
     """
     _load.check_mmap(mmap, into)
+    if type(verify_first) is not bool:
+        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
     if isinstance(root, str) and root.startswith("s3://"):
         if mmap:
             raise ValueError("mmap=True needs a local root, not an s3:// URL")
@@ -1449,15 +1474,16 @@ def load(
     if per_rank not in _load_global.PER_RANK:
         raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
     root_s = os.fspath(root)
-    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes)
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
     kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
-    if step is None:
-        _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
-    else:
-        state = _resume.load_step(root_s, step, rank=shard, verify=verify, **kw)
-    if into is not None:
-        _load.restore_into(into, state, strip_prefixes=prefixes)
+    with _load.noting_partial_targets(into is not None and not verify_first):
+        if step is None:
+            _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
+        else:
+            state = _resume.load_step(root_s, step, rank=shard, verify=verify, **kw)
+        if into is not None:
+            _load.restore_into(into, state, strip_prefixes=prefixes)
     return state
 
 

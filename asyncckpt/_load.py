@@ -13,16 +13,18 @@ straight into them; the other saved tensors go to fresh tensors, restored by
 :func:`restore_into` as before. Peak extra memory: the I/O threads' bounce buffers, plus
 the fresh tensors.
 
-The contract on damage: a checkpoint that fails verification writes no target. Every piece
-is checksummed as it lands, on the thread that read it. The first pass reads the whole
-shard: the fresh tensors' bytes into them, the targets' bytes through the bounce buffers,
-only checksummed (from disk when cold, leaving the pages in the page cache). Only when the
-whole file verified does the second pass read the targets' bytes into the targets, from the
-page cache. The price is that in-memory second pass over the targets' bytes; the
-alternative, one pass straight into the targets, leaves a model half-overwritten by a
-checkpoint that then fails, which ``load(step=None)``'s fallback and any ``except`` around
-``load`` would carry on from. ``verify=False`` is the one-pass read. (A shard larger than
-the page cache can hold is read from disk twice.)
+The contract on damage. By default the read is one pass: every piece lands in its target
+and is checksummed there, on the thread that read it, while it is still in cache; a
+checkpoint that then fails verification raises ``CheckpointCorruptError`` with the targets
+partly overwritten. That is safe for ``load(step=None)``: its fallback loads an older step
+over the same targets, and restoring is strict (every target key must be in the step, with
+its shape), so a fallback that succeeds rewrote every target. With ``verify_first`` a
+checkpoint that fails verification writes no target: the first pass reads the fresh
+tensors' bytes into them and only checksums the targets' bytes through the bounce buffers
+(leaving the pages in the page cache); only when the whole file verified does the second
+pass read the targets' bytes into the targets, from the page cache. Its price is that
+second, in-memory pass (and a shard larger than the page cache is read from disk twice).
+``verify=False`` is one pass without checksums.
 
 Lazy loads (``load(..., mmap=True)``, :func:`map_shard`): the tensors are views of a private
 (copy-on-write) mapping of the shard, so nothing is copied and the pages are read when first
@@ -36,10 +38,11 @@ tensors stay valid after retention removes the step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap as _mmap
 import os
 import stat
-from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,8 +59,6 @@ from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: Test-only switch: False reads into the targets in the first pass (the guard off).
-_VERIFY_BEFORE_WRITE = True
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -132,13 +133,15 @@ def read_shard_fd(
     expected_crc: int | None,
     targets: Mapping[str, torch.Tensor] | None = None,
     parsed: Header | None = None,
+    verify_first: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`read_shard` on an open file (the caller closes it).
 
     ``targets`` (from :func:`plan_targets`) names tensors to read straight into instead of
-    fresh ones; they come back in the result. With a checksum to verify, no target is
-    written before the whole file verified: the first pass reads the fresh tensors and only
-    checksums the targets' bytes, the second reads those bytes into the targets.
+    fresh ones; they come back in the result, checksummed as their bytes land (partly
+    written if the file then fails). With ``verify_first`` and a checksum to verify, no
+    target is written before the whole file verified: the first pass reads the fresh tensors
+    and only checksums the targets' bytes, the second reads those bytes into the targets.
     ``parsed``: :func:`read_header`'s result for this file, if the caller has it.
     """
     targets = targets or {}
@@ -159,7 +162,7 @@ def read_shard_fd(
                 into.append(_readinto.Direct(offset, byte_view(t)))
             else:
                 into.append(_readinto.Staged(offset, nbytes, t))
-            guard = expected_crc is not None and _VERIFY_BEFORE_WRITE
+            guard = expected_crc is not None and verify_first
             first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
         crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
         if expected_crc is not None:
@@ -228,13 +231,15 @@ def load_pinned(
     into: Any = None,
     strip_prefixes: Sequence[str] = (),
     mmap: bool = False,
+    verify_first: bool = False,
 ) -> Any:
     """Rebuild rank ``rank``'s state from a pinned, complete step directory.
 
     Both files are opened before either is read, so a retirement that starts afterwards
     cannot touch the read; one that removed a file first raises ``Vanished``. With ``into``,
     the tensors of ``into`` that match a saved tensor (:func:`plan_targets`) are read into in
-    place, after the whole shard verified; the returned state holds them. With ``mmap`` the
+    place (with ``verify_first``: only after the whole shard verified); the returned state
+    holds them. With ``mmap`` the
     tensors are views of the mapped shard (:func:`map_shard`; ``into`` must be ``None``).
     """
     manifest = pinned.manifest
@@ -266,12 +271,33 @@ def load_pinned(
             if mmap:
                 tensors = map_shard(shard_fd, shard_path, shard_size, expected)
             else:
-                tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed)
+                tensors, _ = read_shard_fd(
+                    shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first
+                )
         finally:
             os.close(shard_fd)
     finally:
         os.close(tree_fd)
     return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+PARTIAL_TARGETS_NOTE = (
+    " (into=: tensors read in place may be partly overwritten with this step's bytes;"
+    " load(..., verify_first=True) verifies the whole step before writing any target)"
+)
+
+
+@contextlib.contextmanager
+def noting_partial_targets(written: bool) -> Iterator[None]:
+    """A ``CheckpointCorruptError`` leaving the block says, when ``written`` (a one-pass
+    ``into=`` load), that the targets may be partly overwritten: a caller who catches it
+    and starts afresh must not trust them."""
+    try:
+        yield
+    except CheckpointCorruptError as exc:
+        if written and exc.args and PARTIAL_TARGETS_NOTE not in str(exc.args[0]):
+            exc.args = (f"{exc.args[0]}{PARTIAL_TARGETS_NOTE}", *exc.args[1:])
+        raise
 
 
 # ---------------------------------------------------------------------- lazy (mapped) loads

@@ -11,15 +11,17 @@ index written before them has one block per chunk). All reads of a load go throu
 Where the bytes land. A DTensor target whose local shard is a contiguous CPU tensor of the
 saved dtype (FSDP2 and ``distribute_tensor`` shards) is read into in place and returned
 itself; anything else gets a fresh tensor (``restore_into`` copies it into the target). The
-contract on damage, as for ``load(into=)`` of one shard (``_load``): a step that fails
-verification writes no target. The first pass reads every needed block: into the fresh
-tensors, or, for in-place targets, through the bounce buffers, only checksummed. Only when
-all of it verified does the second pass read the targets' bytes, run by run (each contiguous
-in the file and in the target), from the page cache the first pass filled. A collective load
-(``Reader.defer``) runs that second pass only once every rank has verified its part
-(``Reader.finish`` after the ranks agreed), so no rank writes a target for a step another
-rank rejects. ``verify=False`` reads only the bytes needed, in one pass. Extra memory: the
-I/O threads' bounce buffers, plus the fresh tensors.
+contract on damage, as for ``load(into=)`` of one shard (``_load``): by default one pass reads
+every needed block, the targets' bytes straight into them, each block checked as it lands;
+a step that fails verification leaves the targets partly overwritten (a fallback to an older
+step rewrites them all). With ``Reader.verify_first`` a step that fails writes no target: the
+first pass reads every needed block into the fresh tensors or, for in-place targets, through
+the bounce buffers, only checksummed; only when all of it verified does the second pass read
+the targets' bytes, run by run (each contiguous in the file and in the target), from the page
+cache the first pass filled. A collective load (``Reader.defer``) then runs that second pass
+only once every rank has verified its part (``Reader.finish`` after the ranks agreed), so no
+rank writes a target for a step another rank rejects. ``verify=False`` reads only the bytes
+needed, in one pass. Extra memory: the I/O threads' bounce buffers, plus the fresh tensors.
 
 Everything else in a rank's state (plain tensors, values) is *per rank*: it loads from the
 reader's own rank when the world size matches, from the rank named by ``rank=``, or, across a
@@ -52,7 +54,7 @@ PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
 #: Test-only switches (the guards off): False reads the targets' bytes straight into them in
 #: the checked pass; False writes a collective load's targets before the ranks agreed.
-_VERIFY_BEFORE_WRITE = True
+#: Test-only switch: False lets a ``verify_first`` collective load write before the ranks agreed.
 _AGREE_BEFORE_WRITE = True
 
 
@@ -68,6 +70,8 @@ class Reader:
     strip_prefixes: tuple[str, ...] = ()
     #: collective loads: read into the targets only at :meth:`finish`, after every rank agreed
     defer: bool = False
+    #: no target written unless every byte this rank needs verified (a second, in-memory pass)
+    verify_first: bool = False
     _targets: dict[str, Any] | None = field(default=None, repr=False)
     _pending: Callable[[bool], None] | None = field(default=None, repr=False)
 
@@ -175,16 +179,16 @@ class _Files:
 def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
     """The state of an indexed step as ``reader`` gets it (see the module docstring).
 
-    Verifying, no target is written unless every byte this rank needs verified. With
-    ``reader.defer`` the targets are not written here at all: the returned state holds them
-    still unchanged, the step's files stay open, and ``reader.finish()`` (or ``discard()``)
-    completes the load.
+    With ``reader.verify_first`` (and verifying), no target is written unless every byte this
+    rank needs verified, and with ``reader.defer`` too the targets are not written here at
+    all: the returned state holds them still unchanged, the step's files stay open, and
+    ``reader.finish()`` (or ``discard()``) completes the load.
     """
     manifest = pinned.manifest
     assert manifest is not None
     reader.discard()  # a previous attempt's leftover, if any
     files = _Files(pinned, manifest)
-    plan = _Plan()
+    plan = _Plan(reader.verify_first)
     try:
         state = _load(files, manifest, reader, verify, plan)
         plan.run_first()
@@ -204,7 +208,7 @@ def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
         finally:
             files.close()
 
-    if reader.defer and _AGREE_BEFORE_WRITE:
+    if reader.defer and reader.verify_first and _AGREE_BEFORE_WRITE:
         reader._pending = complete
     else:
         complete(True)
@@ -364,15 +368,17 @@ def _in_place(t: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
 
 
 class _Plan:
-    """Every read of one load, in two passes (see the module docstring).
+    """Every read of one load, in one or two passes (see the module docstring).
 
-    ``first``: the checked reads: the blocks of fresh tensors read into them, and, verifying,
-    the blocks covering the targets' bytes, only checksummed. ``second``: the targets' bytes,
-    read straight into them once everything verified (from the page cache the first pass
-    filled), each copy contiguous in the file and in the target, unchecked.
+    ``first``: the checked reads: the blocks of fresh tensors and of in-place targets read
+    into them, checked as they land; with ``verify_first`` the targets' blocks are only
+    checksummed here, and ``second`` holds the targets' bytes, read straight into them once
+    everything verified (from the page cache the first pass filled), each copy contiguous in
+    the file and in the target, unchecked.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, verify_first: bool = False) -> None:
+        self.verify_first = verify_first
         self.first: list[_readinto.Block] = []
         self.second: list[_readinto.Block] = []
         self.after: list[Callable[[], object]] = []
@@ -408,9 +414,9 @@ class _Plan:
                 begin = chunk.begin + k * size
                 length = min(size, n - k * size)
                 label = f"block {k} of {what}" if meta["block"] else what
-                parts = () if target and _VERIFY_BEFORE_WRITE else tuple(runs[k])
+                parts = () if target and self.verify_first else tuple(runs[k])
                 self.first.append(_readinto.Block(fd, path, begin, length, crcs[k], parts, label))
-            if target and _VERIFY_BEFORE_WRITE:
+            if target and self.verify_first:
                 self.second.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
 
     def run_first(self) -> None:

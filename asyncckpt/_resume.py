@@ -55,7 +55,8 @@ def attempt(
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
 
-    ``into``: tensors to read into in place once the shard verified (``_load.load_pinned``).
+    ``into``: tensors to read into in place (``_load.load_pinned``; once the shard verified
+    when ``reader.verify_first``).
     A step with a global tensor index (DTensors) loads at any world size as ``reader`` says
     (``_load_global``; default: one process taking rank ``rank``'s per-rank values); its
     state is restored into ``into`` by the caller.
@@ -79,7 +80,8 @@ def attempt(
         try:
             if indexed(manifest):
                 return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)
-            return load_pinned(pinned, rank, verify, into, strip_prefixes, mmap)
+            first = reader is not None and reader.verify_first
+            return load_pinned(pinned, rank, verify, into, strip_prefixes, mmap, first)
         except CheckpointCorruptError as e:
             if pinned.still_there():
                 mark(root, step, manifest.attempt, e)

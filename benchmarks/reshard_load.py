@@ -15,15 +15,15 @@ variant ran). One sample is barrier to barrier: the slower rank's time.
   or 4 threads; the faster of the two (by median, per column) is the limit, measured in the
   same run;
 * ``asyncckpt load(into=)``: ``Checkpointer.load(into={"model": msd})`` (verified, the
-  default: first pass checks every needed block, second pass reads into the targets once
-  every rank agreed);
-* ``asyncckpt load(into=, verify=False)``: one pass, straight into the targets;
-* ``asyncckpt one pass, CRC as it lands (guard off)``: ``_load_global._VERIFY_BEFORE_WRITE =
-  False``: what dropping the "no target written before verification" contract would buy;
+  default: one pass straight into the targets, each block's CRC checked as it lands);
+* ``asyncckpt load(into=, verify=False)``: one pass, no checksum;
+* ``asyncckpt load(into=, verify_first=True)``: two passes: the first checks every needed
+  block, the second reads into the targets once every rank agreed (a corrupt chunk leaves
+  every target untouched);
 * ``dcp.load``: ``torch.distributed.checkpoint.load`` of the DCP checkpoint into the same
   kind of targets.
 
-The verified load's two passes are timed separately (rank 0) as its profile. Prints a
+The verified load's phases are timed separately (rank 0) as its profile. Prints a
 markdown table with the target (resharded load >= 0.8x the raw read, issue 11) and its
 verdict, and writes ``results.json`` and ``results.md`` to ``--out``.
 """
@@ -57,7 +57,7 @@ VARIANTS = (
     "raw read x4",
     "asyncckpt load(into=)",
     "asyncckpt load(into=, verify=False)",
-    "asyncckpt one pass, CRC as it lands (guard off)",
+    "asyncckpt load(into=, verify_first=True)",
     "dcp.load",
 )
 
@@ -213,25 +213,18 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
         setattr(owner, attr, wrapper)
 
     timed(_load_global, "_load", "plan: manifest, index, trees, targets")
-    timed(_load_global._Plan, "run_first", "first pass: read + check the needed blocks")
+    timed(_load_global._Plan, "run_first", "read + check the needed blocks (into the targets)")
     timed(_agree, "agree", "agreement of the ranks (c10d store)")
-    timed(_load_global._Plan, "run_second", "second pass: the targets' bytes into them")
-    timed(_resume, "attempt", "attempt total (pin, plan, first pass)")
+    timed(_load_global._Plan, "run_second", "after the read: non-contiguous targets' copies")
+    timed(_resume, "attempt", "attempt total (pin, plan, read)")
     ck = asyncckpt.Checkpointer(root)
-
-    def one_pass() -> None:
-        _load_global._VERIFY_BEFORE_WRITE = False
-        try:
-            ck.load(1, into={"model": msd})
-        finally:
-            _load_global._VERIFY_BEFORE_WRITE = True
 
     fns = {
         "raw read x1": lambda: _raw_read(ranges, buf, threads=1),
         "raw read x4": lambda: _raw_read(ranges, buf, threads=4),
         "asyncckpt load(into=)": lambda: ck.load(1, into={"model": msd}),
         "asyncckpt load(into=, verify=False)": lambda: ck.load(1, into={"model": msd}, verify=False),
-        "asyncckpt one pass, CRC as it lands (guard off)": one_pass,
+        "asyncckpt load(into=, verify_first=True)": lambda: ck.load(1, into={"model": msd}, verify_first=True),
         "dcp.load": lambda: dcp.load({"model": msd}, checkpoint_id=dcp_dir),
     }
     times: dict[str, dict[str, list[float]]] = {v: {"cold": [], "warm": []} for v in VARIANTS}
@@ -435,9 +428,8 @@ def report(r: dict[str, Any]) -> str:
     for key, d in r["profile_rank0"].items():
         lines.append(f"| {key} | {d['cold']:.3f} | {d['warm']:.3f} |")
     prof = r["profile_rank0"]
-    # "attempt total" includes the plan and the first pass; add it, the agreement and the second pass
-    known = ("attempt total (pin, plan, first pass)", "agreement of the ranks (c10d store)",
-             "second pass: the targets' bytes into them")  # fmt: skip
+    # one pass: "attempt total" holds the plan, the read and the copies after it; add the agreement
+    known = ("attempt total (pin, plan, read)", "agreement of the ranks (c10d store)")
     rest = {mode: med(a, mode) - sum(prof[k][mode] for k in known) for mode in ("cold", "warm")}
     lines.append(f"| rest: the leader's step choice, closing barrier | {rest['cold']:.3f} | {rest['warm']:.3f} |")
     lines.append("")

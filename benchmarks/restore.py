@@ -10,14 +10,14 @@ neighbour hits every variant alike, each variant cold (the file's pages evicted 
 * ``raw read``: ``preadv`` of the bytes (one file, 16 MiB calls, one thread) into a
   preallocated buffer (``limits.py``), the harness's limit;
 * ``raw read x4``: the same from 4 threads, one contiguous quarter each;
-* ``asyncckpt.load(into=)``: verified (the default), into the live state;
+* ``asyncckpt.load(into=)``: verified (the default), into the live state in one pass, the
+  CRC computed on each piece as it lands;
 * ``asyncckpt.load(into=, verify=False)``: one pass, no checksum;
-* ``asyncckpt one pass, CRC as it lands (rejected)``: ``load(into=)`` with the guard off
-  (``_load._VERIFY_BEFORE_WRITE = False``): what the design that may leave targets
-  half-overwritten by a corrupt file would cost;
+* ``asyncckpt.load(into=, verify_first=True)``: two passes, the whole file checksummed
+  through the bounce buffers before any target is written (a corrupt file leaves the
+  targets untouched);
 * ``asyncckpt checksum pass alone``: the whole-file checksum through the bounce buffers,
-  i.e. the first pass of ``load(into=)`` when every tensor has a target (the price of the
-  "no target written before the file verified" contract);
+  i.e. the first pass of ``verify_first=True``;
 * ``asyncckpt.load()``: no target, fresh tensors (checksummed as they land);
 * ``torch.load + copy``: ``torch.load(weights_only=True)`` and ``copy_`` into the live state.
 
@@ -52,7 +52,7 @@ from measure import PeakMemory, drop_cache, summary, trim_heap  # noqa: E402
 from states import StateSpec, build_state, checksums, copy_into, format_size, mutate, parse_size  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt import _load, _readinto  # noqa: E402
+from asyncckpt import _readinto  # noqa: E402
 from asyncckpt._discovery import read_manifest  # noqa: E402
 
 
@@ -139,13 +139,6 @@ def run(size: int, repeats: int, scratch: str) -> dict[str, Any]:
         finally:
             os.close(fd)
 
-    def one_pass() -> None:
-        _load._VERIFY_BEFORE_WRITE = False
-        try:
-            asyncckpt.load(root, 1, into=state)
-        finally:
-            _load._VERIFY_BEFORE_WRITE = True
-
     def torch_load() -> None:
         copy_into(state, torch.load(pt, map_location="cpu", weights_only=True))
 
@@ -154,7 +147,9 @@ def run(size: int, repeats: int, scratch: str) -> dict[str, Any]:
         "raw read x4": ([raw_file], lambda: _parallel_read(raw_file, lim.read_view, lim.nbytes, 4)),
         "asyncckpt.load(into=)": ([step_dir], lambda: asyncckpt.load(root, 1, into=state)),
         "asyncckpt.load(into=, verify=False)": ([step_dir], lambda: asyncckpt.load(root, 1, into=state, verify=False)),
-        "asyncckpt one pass, CRC as it lands (rejected)": ([step_dir], one_pass),
+        "asyncckpt.load(into=, verify_first=True)": (
+            [step_dir], lambda: asyncckpt.load(root, 1, into=state, verify_first=True)
+        ),
         "asyncckpt checksum pass alone": ([step_dir], verify_pass),
         "asyncckpt.load() fresh": ([step_dir], lambda: asyncckpt.load(root, 1)),
         "torch.load + copy": ([pt], torch_load),

@@ -54,7 +54,7 @@ def main() -> None:
             result["into"] = [target["step"], float(target["w"][0])]
             untouched = {"w": torch.zeros(1024), "step": -1, "rank": -1}
             try:
-                ck.load(2, into=untouched)
+                ck.load(2, into=untouched, verify_first=True)  # no rank writes: one rank rejects
                 result["explicit"] = "loaded"
             except CheckpointCorruptError as e:
                 result["explicit"] = type(e).__name__

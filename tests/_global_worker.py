@@ -321,9 +321,10 @@ def snapshot(obj: Any) -> Any:
 
 def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
     """Load step 2, which has one flipped byte that only rank 1 reads: every rank must raise
-    ``CheckpointCorruptError`` naming the file with its targets bit-identical; then the same
-    with each guard off (the test-only switches), to show the test has teeth; then
-    ``load(step=None)`` into fresh targets, which must fall back to the intact step 1."""
+    ``CheckpointCorruptError`` naming the file with its targets bit-identical under
+    ``verify_first=True``; then with the agreement off (a test-only switch) and in the default
+    one pass (``verify_first=False``), where targets are written; then ``load(step=None)`` into
+    the same, now dirty, targets, which must fall back to the intact step 1 and restore them all."""
     from asyncckpt import CheckpointCorruptError, _load_global
 
     def targets(seed: int) -> dict[str, Any]:
@@ -334,18 +335,17 @@ def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]
     target = targets(99)
     for guard in ("on", "agree_off", "verify_off"):
         _load_global._AGREE_BEFORE_WRITE = guard != "agree_off"
-        _load_global._VERIFY_BEFORE_WRITE = guard != "verify_off"
         before = snapshot(target)
         with Checkpointer(root) as ck:
             try:
-                ck.load(2, into=target, per_rank="rank0")
+                ck.load(2, into=target, per_rank="rank0", verify_first=guard != "verify_off")
                 res[guard] = {"error": None}
             except CheckpointCorruptError as e:
                 res[guard] = {"error": type(e).__name__, "path": e.path, "msg": str(e)}
         res[guard]["unchanged"] = same(snapshot(target), before) == []
         dist.barrier()
-    _load_global._AGREE_BEFORE_WRITE = _load_global._VERIFY_BEFORE_WRITE = True
-    fresh = targets(98)
+    _load_global._AGREE_BEFORE_WRITE = True
+    fresh = target  # written by the one-pass attempt above
     with Checkpointer(root) as ck:
         ck.load(into=fresh, per_rank="rank0")  # step 2 is corrupt on rank 1: every rank takes step 1
     got = full({"tp": fresh["tp"], "model": fresh["model"]})

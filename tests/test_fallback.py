@@ -72,7 +72,7 @@ def test_checkpointer_load_falls_back_and_restores_only_a_verified_state(root: P
         assert got["step"] == 2 and target["step"] == 2 and torch.equal(target["w"], state(2)["w"])
         untouched = {"w": torch.zeros(4096), "b": torch.zeros(8, dtype=torch.int64), "step": -1}
         with pytest.raises(CheckpointCorruptError):
-            ck.load(3, into=untouched)
+            ck.load(3, into=untouched, verify_first=True)
         assert untouched["step"] == -1 and not untouched["w"].any() and not untouched["b"].any()
 
 

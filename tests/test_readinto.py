@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, Checkpointer, _load, _readinto, load
+from asyncckpt import CheckpointCorruptError, Checkpointer, _readinto, load
 
 SHARD = "rank00000.safetensors"
 
@@ -129,8 +129,8 @@ def _flip_data_byte(shard: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("guard", [True, False], ids=["verified-first", "guard-off"])
-def test_corrupt_shard_leaves_targets_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guard: bool) -> None:
+@pytest.mark.parametrize("verify_first", [True, False], ids=["verify-first", "one-pass"])
+def test_corrupt_shard_into_targets_then_fallback_restores_every_target(tmp_path: Path, verify_first: bool) -> None:
     m1, o1 = _trained(1)
     _save(tmp_path, 1, {"model": m1, "optim": o1, "big": torch.arange(1 << 16, dtype=torch.float32)})
     m3, o3 = _trained(3)
@@ -141,22 +141,41 @@ def test_corrupt_shard_leaves_targets_untouched(tmp_path: Path, monkeypatch: pyt
     _flip_data_byte(step2 / SHARD)
     pristine = {k: v.clone() for k, v in m3.state_dict().items()}
     pristine_o = {k: v.clone() for k, v in _opt_tensors(o3).items()}
-    if not guard:  # teeth: with the guard off the corruption lands in the targets
-        monkeypatch.setattr(_load, "_VERIFY_BEFORE_WRITE", False)
     with pytest.raises(CheckpointCorruptError) as ei:
-        load(tmp_path, 2, into=target)
+        load(tmp_path, 2, into=target, verify_first=verify_first)
     assert ei.value.path is not None and ei.value.path.endswith(SHARD)
-    if guard:
-        # the documented contract: a checkpoint that fails verification writes no target
+    if verify_first:
+        # its contract: a checkpoint that fails verification writes no target
         assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
         assert all(torch.equal(_opt_tensors(o3)[k], v) for k, v in pristine_o.items())
         assert torch.equal(big, torch.zeros(1 << 16))
-        # the newest that verifies: step 1, read in place over the same targets
-        load(tmp_path, into=target)
-        assert all(torch.equal(m3.state_dict()[k], v) for k, v in m1.state_dict().items())
-        assert torch.equal(big, torch.arange(1 << 16, dtype=torch.float32))
-    else:
-        assert not torch.equal(big, torch.zeros(1 << 16))
+        assert "verify_first" not in str(ei.value)
+    else:  # the default, one pass: step 2's bytes (the flipped one too) landed in the targets
+        assert torch.equal(big[:16], torch.arange(16, dtype=torch.float32) + 1)
+        # and the error says so, for a caller who would catch it and train on from the targets
+        assert "partly overwritten" in str(ei.value) and "verify_first=True" in str(ei.value)
+    # either way the newest that verifies, step 1, read in place over the same targets, restores all
+    load(tmp_path, into=target, verify_first=verify_first)
+    assert all(torch.equal(m3.state_dict()[k], v) for k, v in m1.state_dict().items())
+    assert all(torch.equal(_opt_tensors(o3)[k], v) for k, v in _opt_tensors(o1).items())
+    assert torch.equal(big, torch.arange(1 << 16, dtype=torch.float32))
+
+
+def test_step_none_over_a_corrupt_newest_restores_the_older_step_in_one_pass(tmp_path: Path) -> None:
+    m1, o1 = _trained(1)
+    _save(tmp_path, 1, {"model": m1, "optim": o1})
+    m2, o2 = _trained(2)
+    _flip_data_byte(_save(tmp_path, 2, {"model": m2, "optim": o2}) / SHARD)
+    m3, o3 = _trained(3)
+    load(tmp_path, into={"model": m3, "optim": o3})  # step 2 is read (into the targets), fails, step 1 loads
+    assert all(torch.equal(m3.state_dict()[k], v) for k, v in m1.state_dict().items())
+    assert all(torch.equal(_opt_tensors(o3)[k], v) for k, v in _opt_tensors(o1).items())
+
+
+def test_verify_first_must_be_a_bool(tmp_path: Path) -> None:
+    _save(tmp_path, 1, {"w": torch.zeros(4)})
+    with pytest.raises(TypeError, match="verify_first must be a bool"):
+        load(tmp_path, 1, into={"w": torch.zeros(4)}, verify_first="yes")  # type: ignore[arg-type]
 
 
 def test_corrupt_shard_without_targets_still_detected(tmp_path: Path) -> None:
@@ -262,7 +281,7 @@ def test_targets_and_fresh_tensors_in_one_shard(tmp_path: Path) -> None:
     m3 = _model(3)
     pristine = {k: v.clone() for k, v in m3.state_dict().items()}
     with pytest.raises(CheckpointCorruptError):
-        load(tmp_path, 1, into={"model": m3})
+        load(tmp_path, 1, into={"model": m3}, verify_first=True)
     assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
 
 
@@ -280,6 +299,11 @@ def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(_readinto, "_read_range", spy)
     target = {"big": torch.zeros(1 << 18), "small": torch.zeros(3)}
     load(tmp_path, 1, into=target)
+    assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
+    assert len(seen) == _readinto.THREADS  # one pass, split across every thread
+    seen.clear()
+    target = {"big": torch.zeros(1 << 18), "small": torch.zeros(3)}
+    load(tmp_path, 1, into=target, verify_first=True)
     assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
     assert len(seen) == 2 * _readinto.THREADS  # both passes split across every thread
 

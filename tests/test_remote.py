@@ -279,6 +279,47 @@ def test_cli_push_ls_pull(tmp_path: Path, s3: S3Server, url: str, capsys: pytest
     assert "no complete checkpoint under s3://" in err and "asyncckpt-test-secret" not in err
 
 
+def test_cli_verify_of_a_url_recomputes_every_crc_and_names_the_bad_object(
+    tmp_path: Path, s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    root = tmp_path / "ck"
+    write_local(root, [1, 2, 3])
+    o = opts(s3.endpoint)
+    remote.push(root, url, storage_options=o, deadline_s=60)
+    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    assert cli_main(["verify", url, *so]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step 3: ok (3 files, ") and "verified" in out, out
+    attempt = json.loads(objects_bytes(s3.endpoint, url, "step_00000002/manifest.json"))["attempt"]
+    key = f"step_00000002/a-{attempt}/rank00000.safetensors"
+    data = bytearray(objects_bytes(s3.endpoint, url, key))
+    data[-5] ^= 0x40  # same size: only the recomputed CRC-32C can tell
+    put_object(s3.endpoint, url, key, bytes(data))
+    assert cli_main(["verify", url, "--step", "2", *so]) == 1
+    err = capsys.readouterr().err
+    assert "step 2: corrupt: checksum mismatch" in err and err.rstrip().endswith(f": {url}/{key}"), err
+    # a prefix with data and no manifest (a push that never committed): --all passes over it
+    put_object(s3.endpoint, url, "step_00000009/a-0123456789abcdef/rank00000.safetensors", b"x" * 10)
+    assert cli_main(["verify", url, "--all", "--json", *so]) == 1
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert [(r["step"], r["status"]) for r in doc["steps"]] == [(1, "ok"), (2, "corrupt"), (3, "ok")]
+    assert doc["ok"] == 2 and doc["failed"] == 1 and "step 9 has no manifest" in cap.err
+    assert doc["steps"][1]["problems"][0]["path"] == f"{url}/{key}"
+    # an explicit step with no manifest is not found; a truncated object fails the LIST rule
+    assert cli_main(["verify", url, "--step", "9", *so]) == 1
+    assert "step 9: not found" in capsys.readouterr().err
+    put_object(s3.endpoint, url, key, bytes(data[:-8]))
+    assert cli_main(["verify", url, "--step", "2", *so]) == 1
+    cap = capsys.readouterr()
+    assert "recorded in the manifest" in cap.err and f"{url}/{key}" in cap.err, cap.err
+    assert "asyncckpt-test-secret" not in cap.out + cap.err
+    assert cli_main(["verify", f"s3://{BUCKET}/empty-{uuid.uuid4().hex[:6]}", *so]) == 1
+    assert "no complete checkpoint under s3://" in capsys.readouterr().err
+
+
 def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: str) -> None:
     """push, ls and pull with URLs stay torch-free (the CLI's promise), in a real process."""
     import subprocess
@@ -293,6 +334,7 @@ def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: s
         f"assert main(['push', {str(root)!r}, {url!r}, *so]) == 0\n"
         f"assert main(['ls', {url!r}, *so]) == 0\n"
         f"assert main(['pull', {url!r}, {str(tmp_path / 'dest')!r}, *so]) == 0\n"
+        f"assert main(['verify', {url!r}, *so]) == 0\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))

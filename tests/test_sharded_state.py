@@ -277,7 +277,9 @@ def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------- block CRCs, partial reads
 @pytest.mark.timeout(200)
-def test_corrupt_chunk_read_by_one_rank_leaves_every_target_untouched(saved_on_4: Any, tmp_path: Path) -> None:
+def test_corrupt_chunk_read_by_one_rank_is_named_on_every_rank_and_the_fallback_restores_all(
+    saved_on_4: Any, tmp_path: Path
+) -> None:
     root, out, _ = saved_on_4
     copy = tmp_path / "ck"
     shutil.copytree(root, copy)
@@ -296,12 +298,18 @@ def test_corrupt_chunk_read_by_one_rank_leaves_every_target_untouched(saved_on_4
     for r in (0, 1):
         on = res[r]["on"]
         assert on["error"] == "CheckpointCorruptError" and on["path"].endswith(file), on
-        assert on["unchanged"], f"rank {r} wrote its targets for a step that failed verification"
+        assert on["unchanged"], f"rank {r} wrote its targets for a step that failed verification (verify_first)"
     assert "'tp.s0'" in res[1]["on"]["msg"]
-    # teeth: without the agreement rank 0 (whose bytes verified) writes; without the guard rank 1 does
+    # teeth: without the agreement rank 0 (whose bytes verified) writes
     assert not res[0]["agree_off"]["unchanged"] and res[1]["agree_off"]["unchanged"]
-    assert res[1]["verify_off"]["error"] == "CheckpointCorruptError" and not res[1]["verify_off"]["unchanged"]
-    # load(step=None): both ranks drop the pending read of step 2 and load step 1, bit-equal
+    # the default, one pass: every rank names the corrupt file, and the targets were written
+    for r in (0, 1):
+        one = res[r]["verify_off"]
+        assert one["error"] == "CheckpointCorruptError" and one["path"].endswith(file), one
+        assert "partly overwritten" in one["msg"], one  # so a caller does not train on from them
+        assert "partly overwritten" not in res[r]["on"]["msg"]
+    assert not res[1]["verify_off"]["unchanged"]
+    # load(step=None) over those dirty targets: both ranks reject step 2 and load step 1, bit-equal
     assert res[0]["fallback_diff"] == []
 
 

@@ -10,9 +10,10 @@ from typing import Any
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
-from ..reading import candidate_steps, find_latest, open_step, step_bytes, verify_step
+from ..reading import Problem, candidate_steps, find_latest, open_step, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
+from ._remote_args import add_remote_arguments
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -24,14 +25,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "against its shard header, streaming the data (memory use stays small). Shows progress\n"
         "(bytes, rate, ETA) when stderr is a terminal, nothing when piped. A failure is remembered\n"
         "under ROOT/.asyncckpt/bad so 'asyncckpt ls' marks the step (when ROOT is writable).\n"
-        "Exits 0 when valid, 1 when a checkpoint is incomplete or corrupt (naming the file).",
+        "Exits 0 when valid, 1 when a checkpoint is incomplete or corrupt (naming the file).\n"
+        "ROOT may be an s3:// URL: every object's CRC-32C is recomputed from ranged GETs\n"
+        "(bounded memory) and the step's objects and sizes checked against its manifest.",
         "  asyncckpt verify ckpt/                # the newest complete step (what load() resumes from)\n"
         "  asyncckpt verify ckpt/ --step 300\n"
-        "  asyncckpt verify ckpt/ --all          # every step directory with a committed name",
+        "  asyncckpt verify ckpt/ --all          # every step directory with a committed name\n"
+        "  asyncckpt verify s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=non_negative_int, metavar="N", help="verify this step (default: newest complete)")
     which.add_argument("--all", action="store_true", help="verify every step directory")
+    add_remote_arguments(p)  # s3:// only
     return p
 
 
@@ -59,6 +64,10 @@ def _steps(root: str, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Verify the chosen steps; one ``ok`` line per good step, one error line per problem."""
     root: str = args.root
+    if root.startswith("s3://"):
+        from ._verify_remote import run_remote
+
+        return run_remote(args)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     steps = _steps(root, args)
@@ -80,31 +89,38 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
             files = len(manifest.files) + 1  # the manifest is a file of the checkpoint too
             nbytes = step_bytes(step_dir, manifest)
-            # retired by a running job while we read it: gone, not damaged
-            status = "ok" if not problems else "not found" if all(p.vanished for p in problems) else "corrupt"
-            results.append(
-                {
-                    "step": manifest.step,
-                    "status": status,
-                    "ok": not problems,
-                    "path": os.path.abspath(step_dir),
-                    "files": files,
-                    "bytes": nbytes,
-                    "problems": [{"path": p.path, "reason": p.reason} for p in problems],
-                }
-            )
-            if args.json:
-                continue
-            for p in problems:
-                say(f"{PROG}: step {manifest.step}: {status}: {p}", sys.stderr)
-            if not problems:
-                say(f"step {manifest.step}: ok ({files} files, {human_bytes(nbytes)} verified)")
+            report(results, manifest.step, problems, os.path.abspath(step_dir), files, nbytes, args.json)
     finally:
         progress.close()
+    return summarize(results, os.path.abspath(root), len(steps), args.json)
+
+
+def report(
+    results: list[dict[str, Any]], step: int, problems: list[Problem], where: str, files: int, nbytes: int,
+    as_json: bool,
+) -> None:
+    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
+    # retired by a running job while we read it: gone, not damaged
+    status = "ok" if not problems else "not found" if all(p.vanished for p in problems) else "corrupt"
+    results.append({
+        "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
+        "problems": [{"path": p.path, "reason": p.reason} for p in problems],
+    })  # fmt: skip
+    if as_json:
+        return
+    for p in problems:
+        say(f"{PROG}: step {step}: {status}: {p}", sys.stderr)
+    if not problems:
+        say(f"step {step}: ok ({files} files, {human_bytes(nbytes)} verified)")
+
+
+def summarize(results: list[dict[str, Any]], root: str, asked: int, as_json: bool) -> int:
+    """Print the closing summary (or the JSON document) and return the exit status: 0 when
+    every result is ok."""
     results.sort(key=lambda r: int(r["step"]))
     good = sum(1 for r in results if r["ok"])
-    if args.json:
-        dump_json({"root": os.path.abspath(root), "ok": good, "failed": len(results) - good, "steps": results})
-    elif len(steps) > 1:
-        say(f"{good} of {len(steps)} checkpoints ok")
+    if as_json:
+        dump_json({"root": root, "ok": good, "failed": len(results) - good, "steps": results})
+    elif asked > 1:
+        say(f"{good} of {asked} checkpoints ok")
     return 0 if good == len(results) else 1
