@@ -383,20 +383,35 @@ def read_shard_slots(path: str, size: int) -> dict[str, TensorSlot]:
     fd = _open_regular(path, size)
     try:
         prefix = _pread_exact(fd, 8, 0, path) if size >= 8 else b""
-        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if n < 0 or n > MAX_HEADER or n > size - 8:
-            raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
-        head = prefix + _pread_exact(fd, n, 8, path)
-        _, header = parse_header(head, size)
-        if (8 + n) % 8:
-            raise ValueError("data section is not 8-byte aligned")
-        return {s.name: s for s in validate_header(header, size - 8 - n)}
-    except (ValueError, UnicodeDecodeError, RecursionError, OverflowError, MemoryError) as e:
-        raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
+        n = header_length(prefix, size, path)
+        return slots_of_header(prefix + _pread_exact(fd, n, 8, path), size, path)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
     finally:
         os.close(fd)
+
+
+def header_length(prefix: bytes, size: int, where: str) -> int:
+    """The header length a shard of ``size`` bytes declares in its first 8 bytes ``prefix``,
+    checked to fit (``CheckpointCorruptError`` naming ``where`` if not)."""
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if n < 0 or n > MAX_HEADER or n > size - 8:
+        raise CheckpointCorruptError(
+            f"bad safetensors header (declared header length {n} does not fit the file ({size} bytes))", where
+        )
+    return n
+
+
+def slots_of_header(head: bytes, size: int, where: str) -> dict[str, TensorSlot]:
+    """The tensors that ``head`` (a shard's first 8 + n bytes) declares for a shard of ``size``
+    bytes: the loader's parser and validation; every defect names ``where``."""
+    try:
+        _, header = parse_header(head, size)
+        if len(head) % 8:
+            raise ValueError("data section is not 8-byte aligned")
+        return {s.name: s for s in validate_header(header, size - len(head))}
+    except (ValueError, UnicodeDecodeError, RecursionError, OverflowError, MemoryError) as e:
+        raise CheckpointCorruptError(f"bad safetensors header ({e})", where) from None
 
 
 def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
@@ -423,24 +438,37 @@ def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int
 
 
 def _indexed_slots(step_dir: str, manifest: Manifest, rank: int) -> dict[str, TensorSlot]:
-    """The tensors of rank ``rank`` that a step's global index places in other files (written
-    once by another rank: ``dedupe``) or splits into chunks (DTensors), as slots to show."""
     path, size, crc = _listed(step_dir, manifest, _index.INDEX)
     try:
         with open(path, "rb") as f:
             raw = f.read(size + 1)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read the index ({e.strerror})", path) from None
+    return indexed_slots(raw, size, crc, manifest, rank, path)
+
+
+def indexed_slots(raw: bytes, size: int, crc: int, manifest: Manifest, rank: int, where: str) -> dict[str, TensorSlot]:
+    """The tensors of rank ``rank`` that a step's global index (its bytes ``raw``, listed
+    with ``size`` and ``crc``) places in other files (written once by another rank:
+    ``dedupe``) or splits into chunks (DTensors), as slots to show."""
     if len(raw) != size or crc32c(raw) != crc:
-        raise CheckpointCorruptError("checksum mismatch", path)
+        raise CheckpointCorruptError("checksum mismatch", where)
     try:
         index = _index.parse(raw, manifest.world_size, {f.name: f.size for f in manifest.files}, plain_only=True)
     except ValueError as e:
-        raise CheckpointCorruptError(f"bad global index ({e})", path) from None
+        raise CheckpointCorruptError(f"bad global index ({e})", where) from None
     return {
         name: TensorSlot(name, dtype, shape, 0, n)
         for name, (dtype, shape, _, _, n, _) in (index["plain"].get(rank) or {}).items()
     }
+
+
+def check_rank(manifest: Manifest, rank: int) -> None:
+    """``CheckpointNotFoundError`` unless the step has a rank ``rank``."""
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {rank}"
+        )
 
 
 def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
@@ -451,22 +479,28 @@ def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[lis
     ``CheckpointCorruptError`` if the files are malformed or the tree names a tensor the
     shard lacks.
     """
-    if not 0 <= rank < manifest.world_size:
-        raise CheckpointNotFoundError(
-            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {rank}"
-        )
+    check_rank(manifest, rank)
     tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
     shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
     tree = read_structure(tree_path, tree_size, tree_crc)
-    shard_slots = slots = read_shard_slots(shard_path, shard_size)
-    if any(f.name == _index.INDEX for f in manifest.files):
-        slots = {**_indexed_slots(step_dir, manifest, rank), **shard_slots}
-    entries, missing, referenced = _outline(tree, slots, tree_path)
+    shard_slots = read_shard_slots(shard_path, shard_size)
+    more = _indexed_slots(step_dir, manifest, rank) if any(f.name == _index.INDEX for f in manifest.files) else {}
+    return rank_outline(tree, shard_slots, more, tree_path, shard_path)
+
+
+def rank_outline(
+    tree: Any, shard_slots: dict[str, TensorSlot], indexed: dict[str, TensorSlot], tree_where: str, shard_where: str
+) -> tuple[list[Entry], dict[str, TensorSlot]]:
+    """The outline of one rank from its parsed structure, its shard's slots and the slots the
+    global index adds; ``CheckpointCorruptError`` if the tree and the tensors disagree."""
+    slots = {**indexed, **shard_slots}
+    entries, missing, referenced = _outline(tree, slots, tree_where)
     if missing:
-        raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}", shard_path)
+        names = ", ".join(missing[:5])
+        raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {names}", shard_where)
     if referenced is not None and referenced != set(slots):
         extra = sorted(set(slots) - referenced)
-        raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_path)
+        raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_where)
     return entries, shard_slots
 
 

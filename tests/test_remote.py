@@ -320,6 +320,49 @@ def test_cli_verify_of_a_url_recomputes_every_crc_and_names_the_bad_object(
     assert "no complete checkpoint under s3://" in capsys.readouterr().err
 
 
+def test_cli_info_of_a_url_shows_what_a_local_info_shows(
+    tmp_path: Path, s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    root = tmp_path / "ck"
+    write_local(root, [4, 5])
+    o = opts(s3.endpoint)
+    remote.push(root, url, storage_options=o, deadline_s=60)
+    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    for extra in ([], ["--step", "4"]):
+        assert cli_main(["info", str(root), "--json", *extra]) == 0
+        local = json.loads(capsys.readouterr().out)
+        assert cli_main(["info", url, "--json", *extra, *so]) == 0
+        far = json.loads(capsys.readouterr().out)
+        assert far.pop("path") == f"{url}/step_{local['step']:08d}"
+        local.pop("path")
+        assert far == local and far["tensors"] == 4
+    assert cli_main(["info", url, *so]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"step 5  {url}/step_00000005\n") and "big" in out and "float32" in out, out
+    assert cli_main(["info", url, "--rank", "3", *so]) == 1
+    assert "there is no rank 3" in capsys.readouterr().err
+    # a flipped byte in the structure object is named by its URL; the header is checked too
+    attempt = json.loads(objects_bytes(s3.endpoint, url, "step_00000005/manifest.json"))["attempt"]
+    tree_key = f"step_00000005/a-{attempt}/rank00000.json"
+    tree = bytearray(objects_bytes(s3.endpoint, url, tree_key))
+    tree[len(tree) // 2] ^= 0x01
+    put_object(s3.endpoint, url, tree_key, bytes(tree))
+    assert cli_main(["info", url, "--step", "5", *so]) == 1
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and f"{url}/{tree_key}" in err, err
+    attempt4 = json.loads(objects_bytes(s3.endpoint, url, "step_00000004/manifest.json"))["attempt"]
+    shard_key = f"step_00000004/a-{attempt4}/rank00000.safetensors"
+    shard = bytearray(objects_bytes(s3.endpoint, url, shard_key))
+    shard[0:8] = (len(shard)).to_bytes(8, "little")  # a header length past the object's end
+    put_object(s3.endpoint, url, shard_key, bytes(shard))
+    assert cli_main(["info", url, "--step", "4", *so]) == 1
+    cap = capsys.readouterr()
+    assert "bad safetensors header" in cap.err and f"{url}/{shard_key}" in cap.err, cap.err
+    assert "asyncckpt-test-secret" not in cap.out + cap.err
+
+
 def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: str) -> None:
     """push, ls and pull with URLs stay torch-free (the CLI's promise), in a real process."""
     import subprocess
@@ -335,6 +378,7 @@ def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: s
         f"assert main(['ls', {url!r}, *so]) == 0\n"
         f"assert main(['pull', {url!r}, {str(tmp_path / 'dest')!r}, *so]) == 0\n"
         f"assert main(['verify', {url!r}, *so]) == 0\n"
+        f"assert main(['info', {url!r}, *so]) == 0\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))

@@ -8,9 +8,12 @@ import os
 import time
 from typing import Any
 
+from .._header import TensorSlot
+from .._manifest import Manifest
 from ..reading import Entry, local_time, read_rank_outline, resolve_step, timestamp
 from ._args import add_step, command, non_negative_int
 from ._print import dump_json, human_age, human_bytes, say
+from ._remote_args import add_remote_arguments, storage_options
 
 #: Containers of plain values longer than this are shown on one abbreviated line (``--full``: all).
 SHOWN_ITEMS = 8
@@ -27,14 +30,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "Show the tree of keys one rank saved in a step: every tensor with its dtype, shape and\n"
         "size, and every other value (numbers, strings, ...) as saved. Long lists of plain values\n"
         f"(an RNG state) are abbreviated to their first {SHOWN_ITEMS} items; --full shows all. Reads only\n"
-        "the structure file and the shard header, not the tensor data (use 'verify' for that).",
+        "the structure file and the shard header, not the tensor data (use 'verify' for that).\n"
+        "ROOT may be an s3:// URL (the same objects, with ranged GETs for the header).",
         "  asyncckpt info ckpt/                  # newest complete step, rank 0\n"
         "  asyncckpt info ckpt/ --step 300 --rank 3\n"
-        "  asyncckpt info ckpt/ --json",
+        "  asyncckpt info ckpt/ --json\n"
+        "  asyncckpt info s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
     )
     add_step(p, "show")
     p.add_argument("--rank", type=non_negative_int, default=0, metavar="R", help="the rank to show (default: 0)")
     p.add_argument("--full", action="store_true", help="show every item of long lists")
+    add_remote_arguments(p)  # s3:// only
     return p
 
 
@@ -104,15 +110,40 @@ def lines(entries: list[Entry], full: bool) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the saved keys of one rank of one step: tensors with dtype/shape/bytes, other values as saved."""
+    if args.root.startswith("s3://"):
+        return _run_remote(args)
     step_dir, manifest = resolve_step(args.root, args.step)
     entries, slots = read_rank_outline(step_dir, manifest, args.rank)
+    return _show(args, manifest, os.path.abspath(step_dir), entries, slots)
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    from .._layout import step_dir_name
+    from .._remote import open_store, run_sync
+    from .._remote_info import remote_rank_outline, resolve_remote_step
+
+    store = open_store(args.root, storage_options(args))
+    deadline = time.monotonic() + args.deadline
+
+    async def read() -> tuple[Manifest, list[Entry], dict[str, TensorSlot]]:
+        m = await resolve_remote_step(store, args.step, deadline)
+        entries, slots = await remote_rank_outline(store, m, args.rank, deadline)
+        return m, entries, slots
+
+    manifest, entries, slots = run_sync(read)
+    return _show(args, manifest, store.object_url(step_dir_name(manifest.step)), entries, slots)
+
+
+def _show(
+    args: argparse.Namespace, manifest: Manifest, where: str, entries: list[Entry], slots: dict[str, TensorSlot]
+) -> int:
     rank_bytes = sum(s.end - s.begin for s in slots.values())
     created = timestamp(manifest.created)
     if args.json:
         dump_json(
             {
                 "step": manifest.step,
-                "path": os.path.abspath(step_dir),
+                "path": where,
                 "rank": args.rank,
                 "world_size": manifest.world_size,
                 "created": created,
@@ -124,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    say(f"step {manifest.step}  {os.path.abspath(step_dir)}")
+    say(f"step {manifest.step}  {where}")
     ago = f" ({human_age(time.time() - created)} ago)" if created is not None else ""
     say(f"created {local_time(created)}{ago}")
     say(
