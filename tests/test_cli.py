@@ -533,7 +533,7 @@ def test_python_m_asyncckpt_help() -> None:
         assert command in r.stdout
 
 
-@pytest.mark.parametrize("argv", [["gc"], ["export", "--to", "x.safetensors"]])
+@pytest.mark.parametrize("argv", [["gc"], ["gc", "--keep-last", "2"]])
 def test_a_url_for_a_command_that_reads_local_roots_is_a_usage_error_naming_pull(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

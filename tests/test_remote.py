@@ -284,11 +284,7 @@ def test_cli_verify_of_a_url_recomputes_every_crc_and_names_the_bad_object(
 ) -> None:
     import json
 
-    root = tmp_path / "ck"
-    write_local(root, [1, 2, 3])
-    o = opts(s3.endpoint)
-    remote.push(root, url, storage_options=o, deadline_s=60)
-    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    so = pushed(tmp_path, s3, url, [1, 2, 3])
     assert cli_main(["verify", url, *so]) == 0
     out = capsys.readouterr().out
     assert out.startswith("step 3: ok (3 files, ") and "verified" in out, out
@@ -320,16 +316,21 @@ def test_cli_verify_of_a_url_recomputes_every_crc_and_names_the_bad_object(
     assert "no complete checkpoint under s3://" in capsys.readouterr().err
 
 
+def pushed(tmp_path: Path, s3: S3Server, url: str, steps: list[int]) -> list[str]:
+    """Save ``steps`` locally, push them to ``url``; the CLI's --storage-option arguments."""
+    write_local(tmp_path / "ck", steps)
+    o = opts(s3.endpoint)
+    remote.push(tmp_path / "ck", url, storage_options=o, deadline_s=60)
+    return [f"--storage-option={k}={v}" for k, v in o.items()]
+
+
 def test_cli_info_of_a_url_shows_what_a_local_info_shows(
     tmp_path: Path, s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import json
 
+    so = pushed(tmp_path, s3, url, [4, 5])
     root = tmp_path / "ck"
-    write_local(root, [4, 5])
-    o = opts(s3.endpoint)
-    remote.push(root, url, storage_options=o, deadline_s=60)
-    so = [f"--storage-option={k}={v}" for k, v in o.items()]
     for extra in ([], ["--step", "4"]):
         assert cli_main(["info", str(root), "--json", *extra]) == 0
         local = json.loads(capsys.readouterr().out)
@@ -361,6 +362,42 @@ def test_cli_info_of_a_url_shows_what_a_local_info_shows(
     cap = capsys.readouterr()
     assert "bad safetensors header" in cap.err and f"{url}/{shard_key}" in cap.err, cap.err
     assert "asyncckpt-test-secret" not in cap.out + cap.err
+
+
+def test_cli_export_of_a_url_writes_what_a_local_export_writes_and_leaves_nothing_behind(
+    tmp_path: Path, s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    so = pushed(tmp_path, s3, url, [6, 7])
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, extra in (("a.safetensors", []), ("b.pt", ["--step", "6"])):
+        assert cli_main(["export", url, "--key", "model", "--to", str(out / name), "--json", *extra, *so]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["step"] == (6 if extra else 7) and doc["tensors"] == 4, doc
+    want7, want6 = state_for(7)["model"], state_for(6)["model"]
+    got = load_file(str(out / "a.safetensors"))
+    assert got.keys() == want7.keys() and all(torch.equal(got[k], want7[k]) for k in want7)
+    got6 = torch.load(out / "b.pt", weights_only=True)
+    assert all(torch.equal(got6[k], want6[k]) for k in want6)
+    assert sorted(os.listdir(out)) == ["a.safetensors", "b.pt"]  # the temporary root is gone
+    # a corrupt object: exit 1 naming its URL, no output file, nothing left beside it
+    attempt = json.loads(objects_bytes(s3.endpoint, url, "step_00000007/manifest.json"))["attempt"]
+    key = f"step_00000007/a-{attempt}/rank00000.safetensors"
+    data = bytearray(objects_bytes(s3.endpoint, url, key))
+    data[-5] ^= 0x40
+    put_object(s3.endpoint, url, key, bytes(data))
+    assert cli_main(["export", url, "--to", str(out / "c.safetensors"), *so]) == 1
+    cap = capsys.readouterr()
+    assert "checksum mismatch" in cap.err and f"{url}/{key}" in cap.err, cap.err
+    assert "asyncckpt-test-secret" not in cap.out + cap.err
+    assert sorted(os.listdir(out)) == ["a.safetensors", "b.pt"]
+    # OUT exists: refused before anything is downloaded
+    assert cli_main(["export", url, "--to", str(out / "a.safetensors"), *so]) == 2
+    assert "already exists" in capsys.readouterr().err
 
 
 def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: str) -> None:

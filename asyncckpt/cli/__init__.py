@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: The commands that take an object-store URL for their ROOT (or source) today.
-_URL_COMMANDS = frozenset({"ls", "push", "pull", "verify", "info"})
+_URL_COMMANDS = frozenset({"ls", "push", "pull", "verify", "info", "export"})
 
 
 def _error(command: str | None, message: str) -> None:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     root = getattr(args, "root", None)
     if command not in _URL_COMMANDS and isinstance(root, str) and root.startswith("s3://"):
         _error(command, f"{command} reads a local root; for {root}: asyncckpt pull it to a local root first "
-                        f"(ls, info, verify, push and pull take s3:// URLs)")
+                        f"(every command but gc takes s3:// URLs)")
         return EXIT_USAGE
     try:
         return func(args)

@@ -24,6 +24,7 @@ from .._storage import DEFAULT_OPS
 from ..reading import resolve_step
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
+from ._remote_args import add_remote_arguments, storage_options
 
 if TYPE_CHECKING:
     import torch
@@ -55,10 +56,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "other values are written. Tied tensors are written once, under the first of their names\n"
         "in sorted order (as safetensors.torch.save_model does). Non-tensor values are skipped.\n"
         ".safetensors exports stream: memory stays bounded (~16 MiB of buffers) whatever the\n"
-        "size. The data is verified while it is read; the output is written atomically.",
+        "size. The data is verified while it is read; the output is written atomically.\n"
+        "ROOT may be an s3:// URL: the step is first pulled (verified) into a temporary\n"
+        "directory beside OUT, so OUT's file system needs room for the whole step.",
         "  asyncckpt export ckpt/ --to all.safetensors\n"
         "  asyncckpt export ckpt/ --step 300 --key model --to model.safetensors\n"
-        "  asyncckpt export ckpt/ --step 300 --key model --to model.pt",
+        "  asyncckpt export ckpt/ --step 300 --key model --to model.pt\n"
+        "  asyncckpt export s3://bucket/run1 --key model --to model.safetensors",
     )
     add_step(p, "export")
     p.add_argument("--key", metavar="KEY", help="export only the subtree under this dotted key, prefix stripped")
@@ -67,6 +71,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--to", type=_export_path, required=True, metavar="OUT", help="output file: *.safetensors, *.pt or *.pth"
     )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    add_remote_arguments(p)  # s3:// only
     return p
 
 
@@ -147,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     dest: str = args.to
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
+    if args.root.startswith("s3://"):
+        return _run_remote(args)
     parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
     inside = os.path.basename(parent)
     if os.path.dirname(parent) == os.path.realpath(args.root) and (
@@ -190,6 +197,20 @@ def run(args: argparse.Namespace) -> int:
         shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
         say(f"{PROG}: note: skipped {len(skipped)} non-tensor value(s): {shown}", sys.stderr)
     return 0
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    """Export from an ``s3://`` URL: the step is pulled (every object CRC-32C checked) into a
+    temporary root beside OUT, on OUT's file system, exported from there, then removed."""
+    import tempfile
+
+    from .._remote import pull
+
+    url: str = args.root
+    parent = os.path.dirname(os.path.abspath(args.to))
+    with tempfile.TemporaryDirectory(prefix=".asyncckpt-export-", dir=parent) as tmp:
+        step, _ = pull(url, tmp, step=args.step, storage_options=storage_options(args), deadline_s=args.deadline)
+        return run(argparse.Namespace(**{**vars(args), "root": tmp, "step": step}))
 
 
 def _export_nbytes(src: Any) -> int:
