@@ -282,21 +282,23 @@ def load_pinned(
 
 
 PARTIAL_TARGETS_NOTE = (
-    " (into=: tensors read in place may be partly overwritten with this step's bytes;"
+    " (into=: the targets may be partly overwritten by a checkpoint read into them in place;"
     " load(..., verify_first=True) verifies the whole step before writing any target)"
 )
 
 
 @contextlib.contextmanager
-def noting_partial_targets(written: bool) -> Iterator[None]:
-    """A ``CheckpointCorruptError`` leaving the block says, when ``written`` (a one-pass
-    ``into=`` load), that the targets may be partly overwritten: a caller who catches it
-    and starts afresh must not trust them."""
+def noting_partial_targets(reader: Any) -> Iterator[None]:
+    """An error leaving the block says, once ``reader.touched`` (bytes were read into the
+    targets of ``into=``), that the targets may be partly overwritten, whatever its type
+    (corrupt, retired, refused on another rank, a fallback that failed): a caller who
+    catches it and starts afresh must not trust them."""
     try:
         yield
-    except CheckpointCorruptError as exc:
-        if written and exc.args and PARTIAL_TARGETS_NOTE not in str(exc.args[0]):
-            exc.args = (f"{exc.args[0]}{PARTIAL_TARGETS_NOTE}", *exc.args[1:])
+    except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
+        one = len(exc.args) == 1 and isinstance(exc.args[0], str)
+        if reader.touched and one and PARTIAL_TARGETS_NOTE not in exc.args[0]:
+            exc.args = (f"{exc.args[0]}{PARTIAL_TARGETS_NOTE}",)
         raise
 
 

@@ -52,8 +52,6 @@ from ._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
-#: Test-only switches (the guards off): False reads the targets' bytes straight into them in
-#: the checked pass; False writes a collective load's targets before the ranks agreed.
 #: Test-only switch: False lets a ``verify_first`` collective load write before the ranks agreed.
 _AGREE_BEFORE_WRITE = True
 
@@ -72,6 +70,8 @@ class Reader:
     defer: bool = False
     #: no target written unless every byte this rank needs verified (a second, in-memory pass)
     verify_first: bool = False
+    #: set once bytes may have been read into ``into``'s targets (a failed load then says so)
+    touched: bool = False
     _targets: dict[str, Any] | None = field(default=None, repr=False)
     _pending: Callable[[bool], None] | None = field(default=None, repr=False)
 
@@ -90,6 +90,7 @@ class Reader:
         """
         pending, self._pending = self._pending, None
         if pending is not None:
+            self.touched = True
             pending(True)
 
     def discard(self) -> None:

@@ -77,6 +77,8 @@ def attempt(
                 f"step {step} holds DTensors or deduplicated tensors (a global index): mmap=True maps one "
                 "rank's shard file and cannot serve it; load without mmap, or `asyncckpt export` it"
             )
+        if reader is not None and reader.into is not None and not reader.verify_first:
+            reader.touched = True  # one pass: the targets are written as the bytes land
         try:
             if indexed(manifest):
                 return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)

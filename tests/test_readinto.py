@@ -172,6 +172,25 @@ def test_step_none_over_a_corrupt_newest_restores_the_older_step_in_one_pass(tmp
     assert all(torch.equal(_opt_tensors(o3)[k], v) for k, v in _opt_tensors(o1).items())
 
 
+def test_a_failed_fallback_after_a_one_pass_read_says_the_targets_are_dirty(tmp_path: Path) -> None:
+    # step 2 (corrupt) holds "b", step 1 does not: the fallback to step 1 cannot restore "b"
+    _save(tmp_path, 1, {"w": torch.arange(4.0)})
+    _flip_data_byte(_save(tmp_path, 2, {"w": torch.arange(4.0) + 1, "b": torch.full((1 << 12,), 2.0)}) / SHARD)
+    b = torch.full((1 << 12,), 7.0)
+    with pytest.raises(KeyError) as ei:
+        load(tmp_path, into={"w": torch.zeros(4), "b": b})
+    assert "partly overwritten" in str(ei.value) and "verify_first=True" in str(ei.value)
+    assert not torch.equal(b, torch.full((1 << 12,), 7.0))  # step 2's bytes landed: the note is true
+    b.fill_(7.0)
+    with pytest.raises(KeyError) as ei:
+        load(tmp_path, into={"w": torch.zeros(4), "b": b}, verify_first=True)
+    assert "partly overwritten" not in str(ei.value) and torch.equal(b, torch.full((1 << 12,), 7.0))
+    # nothing read into the targets, nothing said: an empty root
+    with pytest.raises(asyncckpt.CheckpointNotFoundError) as en:
+        load(tmp_path / "empty", into={"b": b})
+    assert "partly overwritten" not in str(en.value)
+
+
 def test_verify_first_must_be_a_bool(tmp_path: Path) -> None:
     _save(tmp_path, 1, {"w": torch.zeros(4)})
     with pytest.raises(TypeError, match="verify_first must be a bool"):

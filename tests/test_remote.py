@@ -395,7 +395,9 @@ def test_cli_export_of_a_url_writes_what_a_local_export_writes_and_leaves_nothin
     assert "checksum mismatch" in cap.err and f"{url}/{key}" in cap.err, cap.err
     assert "asyncckpt-test-secret" not in cap.out + cap.err
     assert sorted(os.listdir(out)) == ["a.safetensors", "b.pt"]
-    # OUT exists: refused before anything is downloaded
+    # a rank the step lacks, and an existing OUT: refused before anything is downloaded
+    assert cli_main(["export", url, "--rank", "3", "--to", str(out / "d.safetensors"), *so]) == 1
+    assert "there is no rank 3" in capsys.readouterr().err and sorted(os.listdir(out)) == ["a.safetensors", "b.pt"]
     assert cli_main(["export", url, "--to", str(out / "a.safetensors"), *so]) == 2
     assert "already exists" in capsys.readouterr().err
 

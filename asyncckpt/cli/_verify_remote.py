@@ -57,6 +57,8 @@ async def _run(store: Any, url: str, args: argparse.Namespace, deadline: float) 
             results.append({"step": step, "status": what, "ok": False, "problems": [{"path": path, "reason": str(e)}]})
             if not args.json:
                 say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
+    if args.all and not results and not opened:
+        raise CheckpointNotFoundError(f"no committed checkpoints under {store.url}")
     progress = Progress(sys.stderr, sum(f.size for m in opened for f in m.files), sys.stderr.isatty())
     try:
         for m in opened:
@@ -68,4 +70,4 @@ async def _run(store: Any, url: str, args: argparse.Namespace, deadline: float) 
                    args.json)  # fmt: skip
     finally:
         progress.close()
-    return summarize(results, url, len(steps), args.json)
+    return summarize(results, url, len(results), args.json)

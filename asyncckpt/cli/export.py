@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -204,12 +205,22 @@ def _run_remote(args: argparse.Namespace) -> int:
     temporary root beside OUT, on OUT's file system, exported from there, then removed."""
     import tempfile
 
-    from .._remote import pull
+    from .._remote import open_store, pull, run_sync
+    from .._remote_info import resolve_remote_step
 
     url: str = args.root
+    opts = storage_options(args)
+    # the manifest first: a rank the step lacks is refused before anything is downloaded
+    store = open_store(url, opts)
+    deadline = time.monotonic() + args.deadline
+    manifest = run_sync(lambda: resolve_remote_step(store, args.step, deadline))
+    if args.rank >= manifest.world_size:
+        raise DataError(
+            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
+        )
     parent = os.path.dirname(os.path.abspath(args.to))
     with tempfile.TemporaryDirectory(prefix=".asyncckpt-export-", dir=parent) as tmp:
-        step, _ = pull(url, tmp, step=args.step, storage_options=storage_options(args), deadline_s=args.deadline)
+        step, _ = pull(url, tmp, step=manifest.step, storage_options=opts, deadline_s=deadline - time.monotonic())
         return run(argparse.Namespace(**{**vars(args), "root": tmp, "step": step}))
 
 
