@@ -16,7 +16,7 @@ from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
 from ._remote import check_objects, data_prefix, manifest_key, read_manifest
-from .reading import Problem
+from .reading import Problem, _short
 
 
 async def open_for_verify(store: ObjectStore, step: int, deadline: float) -> Manifest:
@@ -38,7 +38,7 @@ async def verify_remote_step(
     try:
         await check_objects(store, m, deadline)
     except CheckpointCorruptError as e:
-        problems.append(Problem(e.path or store.object_url(data_prefix(m.step, m.attempt)), _reason(e)))
+        problems.append(Problem(e.path or store.object_url(data_prefix(m.step, m.attempt)), _short(e)))
     if not problems:
         prefix = data_prefix(m.step, m.attempt)
         for f in m.files:
@@ -67,10 +67,3 @@ async def _still_there(store: ObjectStore, m: Manifest, deadline: float) -> bool
     except CheckpointError:
         return False
     return found is not None and found[0].attempt == m.attempt
-
-
-def _reason(e: CheckpointError) -> str:
-    """The error's message without the trailing ``: <url>`` its ``path`` added."""
-    text = str(e)
-    path = getattr(e, "path", None)
-    return text[: -len(path) - 2] if path and text.endswith(f": {path}") else text
