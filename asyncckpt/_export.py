@@ -43,10 +43,11 @@ from ._discovery import PinnedStep, pin_step
 from ._errors import CheckpointCorruptError
 from ._format import ST_TO_DTYPE, plan_layout
 from ._header import TensorSlot
-from ._load import _check_tree_size, _read_all, byte_view, read_header
+from ._load import _check_tree_size, byte_view, read_header
 from ._load_global import indexed
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._reshard import Box, SavedChunk, intersect
+from ._stepfiles import read_all
 from ._structure import resolve_dtensor_aliases, unflatten
 
 #: The size of one piece in flight (there are two: the band and the bounce buffer).
@@ -399,7 +400,7 @@ def _tree(pinned: PinnedStep, manifest: Manifest, rank: int) -> Any:
     _check_tree_size(path, entry.size)
     fd = pinned.open_file(name, entry.size)
     try:
-        raw = _read_all(fd, entry.size)
+        raw = read_all(fd, entry.size)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
     finally:
@@ -411,7 +412,7 @@ def _read_index(ex: Export, manifest: Manifest) -> dict[str, Any]:
     entry = manifest.file(_index.INDEX)
     path = ex._path(_index.INDEX)
     try:
-        raw = _read_all(ex._fd(_index.INDEX), entry.size)
+        raw = read_all(ex._fd(_index.INDEX), entry.size)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read ({e.strerror})", path) from None
     if len(raw) != entry.size or crc32c(raw) != entry.crc32c:

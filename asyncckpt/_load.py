@@ -56,6 +56,7 @@ from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._stepfiles import PinnedFiles, StepFiles
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -85,14 +86,16 @@ def open_regular(path: str, size: int) -> int:
     return fd
 
 
-def read_header(fd: int, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:
+def read_header(fd: _readinto.Source, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:
     """Read and validate a shard's header: its raw bytes, the data offset, its slots, the dict."""
-    prefix = os.pread(fd, 8, 0)
     try:
-        n = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
-        if n < 0 or n > MAX_HEADER or n > size - 8:
+        if size < 8:
+            raise ValueError(f"a file of {size} bytes has no header length")
+        prefix = _readinto.pread(fd, 8, 0, path)
+        n = int.from_bytes(prefix, "little")
+        if n > MAX_HEADER or n > size - 8:
             raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
-        head = prefix + os.pread(fd, n, 8)
+        head = prefix + _readinto.pread(fd, n, 8, path)
         _, header = parse_header(head, size)
         data_start = 8 + n
         if data_start % 8:
@@ -127,7 +130,7 @@ Header = tuple[bytes, int, list[TensorSlot], dict[str, Any]]
 
 
 def read_shard_fd(
-    fd: int,
+    fd: _readinto.Source,
     path: str,
     size: int,
     expected_crc: int | None,
@@ -174,7 +177,7 @@ def read_shard_fd(
         meta = header.get("__metadata__", {})
         return tensors, meta
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+        raise unreadable(e, "shard", path) from None
     except MemoryError:
         raise CheckpointError(f"not enough memory to read the shard: {path}") from None
 
@@ -224,6 +227,14 @@ def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any
     return _rebuild(tree, tensors, tree_path, shard_path)
 
 
+def unreadable(e: OSError, what: str, path: str) -> CheckpointError:
+    """The error a failed read of ``what`` raises: an object store's own error as it is (gone,
+    timed out, unavailable: not damage), any other ``OSError`` as ``CheckpointCorruptError``."""
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointCorruptError(f"cannot read {what} ({e.strerror})", path)
+
+
 def load_pinned(
     pinned: PinnedStep,
     rank: int,
@@ -233,51 +244,62 @@ def load_pinned(
     mmap: bool = False,
     verify_first: bool = False,
 ) -> Any:
-    """Rebuild rank ``rank``'s state from a pinned, complete step directory.
-
-    Both files are opened before either is read, so a retirement that starts afterwards
-    cannot touch the read; one that removed a file first raises ``Vanished``. With ``into``,
-    the tensors of ``into`` that match a saved tensor (:func:`plan_targets`) are read into in
-    place (with ``verify_first``: only after the whole shard verified); the returned state
-    holds them. With ``mmap`` the
-    tensors are views of the mapped shard (:func:`map_shard`; ``into`` must be ``None``).
-    """
+    """Rebuild rank ``rank``'s state from a pinned, complete step directory (:func:`load_files`)."""
     manifest = pinned.manifest
     assert manifest is not None
-    tree_name_, tree_size, tree_crc = _listed(pinned.path, manifest, tree_name(rank))
-    shard_name_, shard_size, shard_crc = _listed(pinned.path, manifest, shard_name(rank))
-    tree_path = os.path.join(pinned.path, tree_name_)
-    shard_path = os.path.join(pinned.path, shard_name_)
-    _check_tree_size(tree_path, tree_size)
-    tree_fd = pinned.open_file(tree_name_, tree_size)
+    files = PinnedFiles(pinned, manifest)
     try:
-        shard_fd = pinned.open_file(shard_name_, shard_size)
-        try:
-            try:
-                raw = _read_all(tree_fd, tree_size)
-            except OSError as e:
-                raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", tree_path) from None
-            tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
-            del raw
-            targets: dict[str, torch.Tensor] = {}
-            parsed: Header | None = None
-            if into is not None:
-                try:
-                    parsed = read_header(shard_fd, shard_path, shard_size)
-                except OSError as e:
-                    raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", shard_path) from None
-                targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
-            expected = shard_crc if verify else None
-            if mmap:
-                tensors = map_shard(shard_fd, shard_path, shard_size, expected)
-            else:
-                tensors, _ = read_shard_fd(
-                    shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first
-                )
-        finally:
-            os.close(shard_fd)
+        return load_files(files, rank, verify, into, strip_prefixes, mmap, verify_first)
     finally:
-        os.close(tree_fd)
+        files.close()
+
+
+def load_files(
+    files: StepFiles,
+    rank: int,
+    verify: bool,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    mmap: bool = False,
+    verify_first: bool = False,
+) -> Any:
+    """Rebuild rank ``rank``'s state from the files of a complete step without a global index.
+
+    Both files are opened before either is read, so a retirement that starts afterwards
+    cannot touch a local read; one that removed a file first raises ``Vanished``. With
+    ``into``, the tensors of ``into`` that match a saved tensor (:func:`plan_targets`) are
+    read into in place (with ``verify_first``: only after the whole shard verified); the
+    returned state holds them. With ``mmap`` the tensors are views of the mapped shard
+    (:func:`map_shard`; ``into`` must be ``None``, the files local).
+    """
+    manifest = files.manifest
+    tree_name_, shard_name_ = tree_name(rank), shard_name(rank)
+    tree_size, shard_size = files.size(tree_name_), files.size(shard_name_)
+    tree_crc, shard_crc = manifest.file(tree_name_).crc32c, manifest.file(shard_name_).crc32c
+    tree_path, shard_path = files.path(tree_name_), files.path(shard_name_)
+    _check_tree_size(tree_path, tree_size)
+    files.source(tree_name_)
+    shard_fd = files.source(shard_name_)
+    try:
+        raw = files.read(tree_name_, None)
+    except OSError as e:
+        raise unreadable(e, "structure", tree_path) from None
+    tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
+    del raw
+    targets: dict[str, torch.Tensor] = {}
+    parsed: Header | None = None
+    if into is not None:
+        try:
+            parsed = read_header(shard_fd, shard_path, shard_size)
+        except OSError as e:
+            raise unreadable(e, "shard", shard_path) from None
+        targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
+    expected = shard_crc if verify else None
+    if mmap:
+        assert isinstance(shard_fd, int)
+        tensors = map_shard(shard_fd, shard_path, shard_size, expected)
+    else:
+        tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first)
     return _rebuild(tree, tensors, tree_path, shard_path)
 
 
@@ -456,18 +478,6 @@ def _without_overlaps(targets: dict[str, torch.Tensor], slot_of: Mapping[str, Te
             continue
         end_of[dev] = end
     return {n: t for n, t in targets.items() if n not in dropped}
-
-
-def _read_all(fd: int, size: int) -> bytes:
-    chunks = []
-    pos = 0
-    while pos < size:
-        b = os.pread(fd, size - pos, pos)
-        if not b:
-            break
-        chunks.append(b)
-        pos += len(b)
-    return b"".join(chunks)
 
 
 def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Sequence[str] = ()) -> None:

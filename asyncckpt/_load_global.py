@@ -32,7 +32,6 @@ caller chose ``per_rank="rank0"`` (take rank 0's).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,13 +40,13 @@ import torch
 
 from . import _index, _readinto
 from ._bounds import check_memory, parse_structure
-from ._checksum import crc32c
 from ._discovery import PinnedStep
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import DTYPE_TO_ST, ST_TO_DTYPE
-from ._load import _check_tree_size, _read_all, byte_view, read_shard_fd
-from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._load import _check_tree_size, byte_view, read_shard_fd
+from ._manifest import Manifest, shard_name, tree_name
 from ._reshard import Box, plan_reads
+from ._stepfiles import PinnedFiles, StepFiles
 from ._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
 
 PerRank = Literal["error", "rank0"]
@@ -144,51 +143,24 @@ def targets_of(into: Any, strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
     return {name: (info, dt) for name, info, dt in found}
 
 
-class _Files:
-    """The step's files opened at most once each (through the pin), closed together."""
-
-    def __init__(self, pinned: PinnedStep, manifest: Manifest) -> None:
-        self.pinned, self.manifest = pinned, manifest
-        self.fds: dict[str, int] = {}
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.pinned.path, name)
-
-    def size(self, name: str) -> int:
-        try:
-            return self.manifest.file(name).size
-        except CheckpointCorruptError:
-            raise CheckpointCorruptError(f"manifest does not list {name}", self.path(MANIFEST)) from None
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = self.pinned.open_file(name, self.size(name))
-        return self.fds[name]
-
-    def read(self, name: str, expected_crc: int | None) -> bytes:
-        raw = _read_all(self.fd(name), self.size(name))
-        if len(raw) != self.size(name) or (expected_crc is not None and crc32c(raw) != expected_crc):
-            raise CheckpointCorruptError("checksum mismatch", self.path(name))
-        return raw
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
 def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
-    """The state of an indexed step as ``reader`` gets it (see the module docstring).
+    """The state of an indexed step in a pinned local directory (:func:`load_indexed_files`)."""
+    manifest = pinned.manifest
+    assert manifest is not None
+    return load_indexed_files(PinnedFiles(pinned, manifest), reader, verify)
+
+
+def load_indexed_files(files: StepFiles, reader: Reader, verify: bool) -> Any:
+    """The state of an indexed step as ``reader`` gets it (see the module docstring); ``files``
+    are closed when the load is done.
 
     With ``reader.verify_first`` (and verifying), no target is written unless every byte this
     rank needs verified, and with ``reader.defer`` too the targets are not written here at
     all: the returned state holds them still unchanged, the step's files stay open, and
     ``reader.finish()`` (or ``discard()``) completes the load.
     """
-    manifest = pinned.manifest
-    assert manifest is not None
+    manifest = files.manifest
     reader.discard()  # a previous attempt's leftover, if any
-    files = _Files(pinned, manifest)
     plan = _Plan(reader.verify_first)
     try:
         state = _load(files, manifest, reader, verify, plan)
@@ -216,11 +188,13 @@ def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
     return state
 
 
-def _io_error(e: OSError) -> CheckpointCorruptError:
+def _io_error(e: OSError) -> CheckpointError:
+    if isinstance(e, CheckpointError):  # an object store's own error (gone, timed out): not damage
+        return e
     return CheckpointCorruptError(f"cannot read ({e.strerror})", getattr(e, "filename", None))
 
 
-def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool, plan: _Plan) -> Any:
+def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, plan: _Plan) -> Any:
     saved = manifest.world_size
     entry = manifest.file(_index.INDEX)
     raw = files.read(_index.INDEX, entry.crc32c if verify else None)
@@ -273,21 +247,21 @@ def _load(files: _Files, manifest: Manifest, reader: Reader, verify: bool, plan:
         raise CheckpointCorruptError(f"malformed structure ({e})", files.path(tree_name(first))) from None
 
 
-def _tree(files: _Files, rank: int, verify: bool) -> Any:
+def _tree(files: StepFiles, rank: int, verify: bool) -> Any:
     name = tree_name(rank)
     size = files.size(name)
     _check_tree_size(files.path(name), size)
-    raw = _read_all(files.fd(name), size)
+    raw = files.read(name, None)
     return parse_structure(raw, files.path(name), size, files.manifest.file(name).crc32c if verify else None)
 
 
-def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: bool) -> dict[str, torch.Tensor]:
+def _plain(files: StepFiles, index: dict[str, Any], rank: int, tree: Any, verify: bool) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s plain tensors (everything but its DTensor chunks)."""
     name = shard_name(rank)
     wanted = set(tensor_names(tree))
     entries = index["plain"][rank]
     if entries is None:  # a rank that held no DTensor: its whole file, checked by the manifest
-        fd = files.fd(name)
+        fd = files.source(name)
         got, _ = read_shard_fd(
             fd, files.path(name), files.size(name), files.manifest.file(name).crc32c if verify else None
         )
@@ -303,11 +277,8 @@ def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: b
                 break
             dtype, shape, file, begin, n, crc = entries[k]  # file: another rank's when deduplicated
             t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
-            blocks.append(
-                _readinto.Block(
-                    files.fd(file), files.path(file), begin, n, crc if verify else None, ((0, byte_view(t)),), repr(k)
-                )
-            )
+            src, where = files.source(file), files.path(file)
+            blocks.append(_readinto.Block(src, where, begin, n, crc if verify else None, ((0, byte_view(t)),), repr(k)))
             out[k] = t
         _readinto.read_blocks(blocks)
     if set(out) != wanted:
@@ -315,7 +286,7 @@ def _plain(files: _Files, index: dict[str, Any], rank: int, tree: Any, verify: b
     return out
 
 
-def _dtensor(files: _Files, name: str, meta: dict[str, Any], target: Any, verify: bool, plan: _Plan) -> Any:
+def _dtensor(files: StepFiles, name: str, meta: dict[str, Any], target: Any, verify: bool, plan: _Plan) -> Any:
     """The saved DTensor ``name``: the target's local shard as a DTensor, or the whole tensor.
 
     Only planned here (``plan``): a target whose local shard can take the bytes as they are
@@ -386,12 +357,12 @@ class _Plan:
         self.bytes_needed = 0
 
     def add(
-        self, files: _Files, name: str, meta: dict[str, Any], out: torch.Tensor, box: Box, verify: bool, target: bool
+        self, files: StepFiles, name: str, meta: dict[str, Any], out: torch.Tensor, box: Box, verify: bool, target: bool
     ) -> None:
         item = out.element_size()
         dst = byte_view(out)
         for cr in plan_reads(meta["chunks"], box, item):
-            chunk, fd, path = cr.chunk, files.fd(cr.chunk.file), files.path(cr.chunk.file)
+            chunk, fd, path = cr.chunk, files.source(cr.chunk.file), files.path(cr.chunk.file)
             copies = [(r.src, dst[r.dst : r.dst + r.length]) for r in cr.copies()]
             self.bytes_needed += cr.nbytes
             what = f"a chunk of {name!r}"

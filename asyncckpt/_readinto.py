@@ -15,6 +15,10 @@ before a read into the caller's tensors). Short reads are continued; a read past
 ``_load_global``): each ``Block`` is a file range with its own CRC-32C and the parts of it
 that land in memory; the blocks are spread over the threads in file order, adjacent ones
 share a ``preadv``, and each block is checked as its bytes land.
+
+A *source* is an open file descriptor (``preadv``) or a :class:`RangeSource`: bytes read by
+ranges from elsewhere (an object store's ranged GETs, ``_remote_load``). Everything above
+holds for both; a range source only says how many reads it wants in flight.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import concurrent.futures
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -38,6 +42,32 @@ BOUNCE = 4 * 1024 * 1024
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _POLY = 0x82F63B78  # CRC-32C, reflected
 T = TypeVar("T")
+
+
+class RangeSource(Protocol):
+    """Bytes of one object read by ranges (not a local file): an object store's ranged GETs."""
+
+    #: reads of this source worth having in flight at once (the I/O threads of a read)
+    threads: int
+    #: orders sources among each other (a read visits each source's ranges in offset order)
+    order: int
+
+    def read_exact(self, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` (consecutive in the object) from ``offset``, or raise: ``OSError``
+        (an ``ObjectStoreError`` keeps its type) or ``CheckpointCorruptError``."""
+        ...
+
+
+#: An open file descriptor or a range source.
+Source = int | RangeSource
+
+
+def _threads_for(sources: Any) -> int:
+    return max((s.threads for s in sources if not isinstance(s, int)), default=THREADS)
+
+
+def _order(src: Source) -> tuple[int, int]:
+    return (0, src) if isinstance(src, int) else (1, src.order)
 
 
 @dataclass(frozen=True)
@@ -111,8 +141,11 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 # ---------------------------------------------------------------------- reads
-def _pread_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+def _pread_exact(fd: Source, views: list[memoryview], offset: int, path: str) -> None:
     """Fill ``views`` (consecutive in the file) from ``offset``; short reads are continued."""
+    if not isinstance(fd, int):
+        fd.read_exact(views, offset)
+        return
     i = 0
     while i < len(views):
         batch = views[i : i + _IOV_MAX]
@@ -137,6 +170,15 @@ def _pread_exact(fd: int, views: list[memoryview], offset: int, path: str) -> No
         i += len(batch)
 
 
+def pread(src: Source, n: int, offset: int, path: str) -> bytes:
+    """Exactly ``n`` bytes of ``src`` from ``offset`` (``CheckpointCorruptError`` if it ends first)."""
+    if n <= 0:
+        return b""
+    buf = bytearray(n)
+    _pread_exact(src, [memoryview(buf)], offset, path)
+    return bytes(buf)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
@@ -159,7 +201,7 @@ class _Bounce:
         return self.cpu
 
 
-def _read_skipped(fd: int, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+def _read_skipped(fd: Source, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
     for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
         n = min(BOUNCE, d.offset + d.nbytes - pos)
         view = _bytes_of(bounce.get(n, False)[:n])
@@ -169,7 +211,7 @@ def _read_skipped(fd: int, d: Skip, bounce: _Bounce, path: str, crc: int | None)
     return crc
 
 
-def _read_staged(fd: int, d: Staged, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | None) -> int | None:
     if d.nbytes == 0:
         return crc
     t = d.target
@@ -195,7 +237,7 @@ def _read_staged(fd: int, d: Staged, bounce: _Bounce, path: str, crc: int | None
     return crc
 
 
-def _read_range(fd: int, dests: list[Dest], path: str, checksum: bool) -> int:
+def _read_range(fd: Source, dests: list[Dest], path: str, checksum: bool) -> int:
     """Read one thread's destinations (sorted by offset); the CRC-32C of the bytes read, in
     order (0 if not asked: with ``checksum`` the destinations must be consecutive)."""
     crc: int | None = 0 if checksum else None
@@ -278,22 +320,23 @@ def _parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> 
         pool.shutdown(wait=True)
 
 
-def _advise_sequential(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
+def _advise_sequential(fd: Source) -> None:
+    if isinstance(fd, int) and hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except OSError:
             pass
 
 
-def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads: int | None = None) -> int:
-    """Read ``dests`` (sorted by offset) in parallel, ``threads`` (default :data:`THREADS`) at once.
+def read_into(fd: Source, path: str, dests: list[Dest], *, checksum: bool, threads: int | None = None) -> int:
+    """Read ``dests`` (sorted by offset) in parallel, ``threads`` (default :data:`THREADS`, or
+    what a range source asks for) at once.
 
     With ``checksum`` the destinations must tile one contiguous file range; returns its
     CRC-32C then (else 0).
     """
     _advise_sequential(fd)
-    groups = _split(dests, threads or THREADS)
+    groups = _split(dests, threads or _threads_for([fd]))
     crcs = _parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
     if not checksum:
         return 0
@@ -303,11 +346,11 @@ def read_into(fd: int, path: str, dests: list[Dest], *, checksum: bool, threads:
     return crc
 
 
-def verify_file(fd: int, path: str, size: int, expected_crc: int, *, threads: int | None = None) -> None:
+def verify_file(fd: Source, path: str, size: int, expected_crc: int, *, threads: int | None = None) -> None:
     """Checksum the whole file through the threads' bounce buffers; ``CheckpointCorruptError``
     unless it is ``expected_crc``. Nothing read is kept (the page cache may keep it)."""
     _advise_sequential(fd)
-    parts = max(1, min(threads or THREADS, -(-size // BOUNCE)))
+    parts = max(1, min(threads or _threads_for([fd]), -(-size // BOUNCE)))
     cut = -(-size // parts)
     bounds = [(i * cut, min(size, (i + 1) * cut)) for i in range(parts)]
 
@@ -332,7 +375,7 @@ def verify_file(fd: int, path: str, size: int, expected_crc: int, *, threads: in
 # ---------------------------------------------------------------------- checked blocks, many files
 @dataclass(frozen=True)
 class Block:
-    """File bytes ``[offset, offset + nbytes)`` of ``fd``, checked against ``crc`` (``None``:
+    """Bytes ``[offset, offset + nbytes)`` of source ``fd``, checked against ``crc`` (``None``:
     not checked), of which the parts in ``runs`` land in memory.
 
     ``runs``: ``(byte inside the block, destination)`` pairs, ascending and disjoint. When
@@ -341,7 +384,7 @@ class Block:
     ``what`` names the bytes in a checksum error (``CheckpointCorruptError`` naming ``path``).
     """
 
-    fd: int
+    fd: Source
     path: str
     offset: int
     nbytes: int
@@ -457,7 +500,7 @@ def _split_blocks(blocks: list[Block], parts: int) -> list[list[Block]]:
             pieces.extend(_cut(b, s, min(b.nbytes, s + BOUNCE)) for s in range(0, b.nbytes, BOUNCE))
         else:
             pieces.append(b)
-    pieces.sort(key=lambda b: (b.fd, b.offset))
+    pieces.sort(key=lambda b: (_order(b.fd), b.offset))
     total = sum(b.nbytes for b in pieces)
     groups: list[list[Block]] = [[]]
     acc, share = 0, total / max(1, parts)
@@ -480,7 +523,8 @@ def _cut(b: Block, s: int, e: int) -> Block:
 
 
 def read_blocks(blocks: list[Block], *, threads: int | None = None) -> None:
-    """Read and check ``blocks`` (any files, any order) on ``threads`` (default :data:`THREADS`).
+    """Read and check ``blocks`` (any sources, any order) on ``threads`` (default :data:`THREADS`,
+    or what their range sources ask for).
 
     Every checked block is CRC-32C'd as its bytes land, on the thread that read them; a
     mismatch raises ``CheckpointCorruptError`` naming the block's file, after every thread
@@ -489,5 +533,5 @@ def read_blocks(blocks: list[Block], *, threads: int | None = None) -> None:
     """
     for fd in {b.fd for b in blocks}:
         _advise_sequential(fd)
-    groups = _split_blocks(blocks, threads or THREADS)
+    groups = _split_blocks(blocks, threads or _threads_for({id(b.fd): b.fd for b in blocks}.values()))
     _parallel("asyncckpt-read", _read_segments, [(g,) for g in groups])

@@ -352,11 +352,12 @@ def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[tor
     from asyncckpt._discovery import pin_step
     from asyncckpt._format import ST_TO_DTYPE
     from asyncckpt._reshard import plan_reads
+    from asyncckpt._stepfiles import PinnedFiles
 
     with pin_step(str(root), 1) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
-        files = _load_global._Files(pinned, manifest)
+        files = PinnedFiles(pinned, manifest)
         try:
             raw = (root / STEP / "index.json").read_bytes()
             meta = _index.parse(raw, 4, {f.name: f.size for f in manifest.files})["tensors"][name]
