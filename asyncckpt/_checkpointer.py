@@ -1185,7 +1185,7 @@ class Checkpointer:
             if mmap:
                 raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
                                  f"({self._mirror_url()}): load it without mmap")
-            state = self._load_remote(far, step is None, shard, verify)
+            state = self._load_remote(far, step is None, shard, verify, expect, reader)
         elif self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap}
@@ -1232,18 +1232,24 @@ class Checkpointer:
         if self._dist is not None:
             return self._load_agreed(step, shard, verify, expect, reader)
         return _remote_load.load(
-            self.root, step, verify=verify, rank=shard, storage_options=self._storage_options, deadline_s=self.timeout
-        )
+            self.root, step, into=reader.into, verify=verify, rank=shard, storage_options=self._storage_options,
+            deadline_s=self.timeout, reader=reader, world_size=expect,
+        )  # fmt: skip
 
-    def _load_store_step(self, step: int, shard: int, verify: bool) -> Any:
+    def _load_store_step(
+        self, step: int, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
+    ) -> Any:
         """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
         or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
-        agree to retry."""
+        agree to retry. As on a file system: a step without a global index is read into the
+        targets at once unless ``verify_first`` (then restored once every rank verified); an
+        indexed one defers inside ``reader``."""
         from . import _remote_load
 
         return _remote_load.load(
-            self.root, step, verify=verify, rank=shard, storage_options=self._storage_options, deadline_s=self.timeout
-        )
+            self.root, step, into=None if reader.verify_first else reader.into, verify=verify, rank=shard,
+            storage_options=self._storage_options, deadline_s=self.timeout, reader=reader, world_size=expect,
+        )  # fmt: skip
 
     def _remote_choice(self, step: int | None) -> int | None:
         """Tier mode: the step to load from the store (``None``: load locally, as without a
@@ -1265,26 +1271,40 @@ class Checkpointer:
         chosen: int | None = self._decided_by_leader(pick)
         return chosen
 
-    def _load_remote(self, step: int, fall_back: bool, shard: int, verify: bool) -> Any:
-        """Load ``shard`` of ``step`` from the mirror; with ``fall_back`` (``load()`` with no
-        step) a step that does not verify is logged and the newest older one on either tier
-        loads instead. Each rank reads its own shard (no agreement round: see README)."""
+    def _load_remote(
+        self, step: int, fall_back: bool, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
+    ) -> Any:
+        """Load ``shard`` of ``step`` from the mirror (into ``reader``'s targets, resharding
+        DTensors, as a local load would); with ``fall_back`` (``load()`` with no step) a step
+        that does not verify is logged and the newest older one on either tier loads instead.
+        Each rank reads its own shard (no agreement round: see README), so a read ``reader``
+        defers is finished at once."""
         from . import _remote_load
 
         assert self._mirror is not None
+        mirror = self._mirror
+
+        def from_store(s: int | None) -> Any:
+            state = _remote_load.load(
+                mirror.url, s, into=reader.into, verify=verify, rank=shard, storage_options=mirror.storage_options,
+                reader=reader, world_size=expect,
+            )  # fmt: skip
+            reader.finish()
+            return state
+
         try:
-            return _remote_load.load(self._mirror.url, step, verify=verify, rank=shard,
-                                     storage_options=self._mirror.storage_options)
+            return from_store(step)
         except CheckpointCorruptError as e:
             if not fall_back:
                 raise
-            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step,
-                        self._mirror.url, e)
+            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
         near = _discovery.find_latest(self.root)
         if near is not None:
-            return _resume.load_newest(self.root, rank=shard, verify=verify, strip_prefixes=self.strip_prefixes)[1]
-        return _remote_load.load(self._mirror.url, None, verify=verify, rank=shard,
-                                 storage_options=self._mirror.storage_options)
+            state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, into=reader.into,
+                                        strip_prefixes=self.strip_prefixes, reader=reader)[1]  # fmt: skip
+            reader.finish()
+            return state
+        return from_store(None)
 
     def _load_agreed(
         self,
@@ -1321,7 +1341,7 @@ class Checkpointer:
             error: BaseException | None = None
             try:
                 if self._store is not None:
-                    state = self._load_store_step(chosen, shard, verify)
+                    state = self._load_store_step(chosen, shard, verify, expect, reader)
                 else:
                     # one pass: straight into the targets; verify_first: fresh tensors, restored
                     # once every rank verified (an indexed step defers inside the reader)
@@ -1463,8 +1483,8 @@ def load(
         from .remote import load as load_remote
 
         return load_remote(
-            root, step, into=into, verify=verify, rank=0 if rank is None else rank,
-            strip_prefixes=strip_prefixes, storage_options=storage_options,
+            root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
+            verify_first=verify_first, storage_options=storage_options,
         )  # fmt: skip
     prefixes = _prefixes(strip_prefixes)
     if step is not None:

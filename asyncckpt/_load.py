@@ -4,7 +4,7 @@ Nothing here unpickles. Every byte read is bounded by the sizes the manifest rec
 the file actually has, and by the limits of ``_bounds`` checked before anything is parsed or
 allocated; every defect becomes ``CheckpointCorruptError`` naming the file, and a state too
 large for this machine's memory a ``CheckpointError`` saying how much it needs. Reads are
-parallel (``_readinto``). :func:`load_pinned` reads through a pinned step directory
+parallel (``_readinto``). :func:`load_files` reads a step's ``StepFiles``: a pinned step directory
 (``_discovery``), so a checkpoint retired meanwhile is reported as gone, not as corrupt.
 
 Where the bytes land. With ``load(into=)``, :func:`plan_targets` finds the target tensors
@@ -51,12 +51,12 @@ import torch
 from . import _readinto
 from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
 from ._checksum import crc32c
-from ._discovery import PinnedStep, read_regular_file
+from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
-from ._stepfiles import PinnedFiles, StepFiles
+from ._stepfiles import StepFiles
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -233,25 +233,6 @@ def unreadable(e: OSError, what: str, path: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     return CheckpointCorruptError(f"cannot read {what} ({e.strerror})", path)
-
-
-def load_pinned(
-    pinned: PinnedStep,
-    rank: int,
-    verify: bool,
-    into: Any = None,
-    strip_prefixes: Sequence[str] = (),
-    mmap: bool = False,
-    verify_first: bool = False,
-) -> Any:
-    """Rebuild rank ``rank``'s state from a pinned, complete step directory (:func:`load_files`)."""
-    manifest = pinned.manifest
-    assert manifest is not None
-    files = PinnedFiles(pinned, manifest)
-    try:
-        return load_files(files, rank, verify, into, strip_prefixes, mmap, verify_first)
-    finally:
-        files.close()
 
 
 def load_files(

@@ -40,13 +40,12 @@ import torch
 
 from . import _index, _readinto
 from ._bounds import check_memory, parse_structure
-from ._discovery import PinnedStep
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import DTYPE_TO_ST, ST_TO_DTYPE
 from ._load import _check_tree_size, byte_view, read_shard_fd
 from ._manifest import Manifest, shard_name, tree_name
 from ._reshard import Box, plan_reads
-from ._stepfiles import PinnedFiles, StepFiles
+from ._stepfiles import StepFiles
 from ._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
 
 PerRank = Literal["error", "rank0"]
@@ -141,13 +140,6 @@ def targets_of(into: Any, strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
     except (TypeError, ValueError):
         return {}  # not a state save() could take: restore_into reports the mismatch
     return {name: (info, dt) for name, info, dt in found}
-
-
-def load_indexed(pinned: PinnedStep, reader: Reader, verify: bool) -> Any:
-    """The state of an indexed step in a pinned local directory (:func:`load_indexed_files`)."""
-    manifest = pinned.manifest
-    assert manifest is not None
-    return load_indexed_files(PinnedFiles(pinned, manifest), reader, verify)
 
 
 def load_indexed_files(files: StepFiles, reader: Reader, verify: bool) -> Any:

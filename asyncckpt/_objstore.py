@@ -649,6 +649,30 @@ class ObjectStore:
 
         await gather_or_cancel([one(s) for s in range(0, dst.nbytes, step)])
 
+    async def get_range_scatter(self, key: str, offset: int, views: Sequence[memoryview], deadline: float) -> None:
+        """One ranged GET of ``key`` from ``offset`` filling ``views`` in order (consecutive in
+        the object), each copied into once. A short object raises :class:`ObjectIntegrityError`."""
+        self._check_key(key)
+        dsts = [_as_bytes(v, writable=True) for v in views]
+        total = sum(d.nbytes for d in dsts)
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        if total == 0:
+            return
+        got = await self._retrying(
+            deadline, key, "ranged get",
+            lambda _b: obstore.get_range_async(self._store, key, start=offset, length=total),
+        )
+        src = memoryview(got)
+        if src.nbytes != total:
+            raise ObjectIntegrityError(
+                errno.EIO, f"range at {offset} returned {src.nbytes} bytes, expected {total}", self.object_url(key)
+            )
+        at = 0
+        for d in dsts:
+            d[:] = src[at : at + d.nbytes]
+            at += d.nbytes
+
     async def crc32c_of(self, key: str, size: int, deadline: float) -> int:
         """CRC-32C of the first ``size`` bytes of ``key``, read in windows of bounded memory."""
         crc = 0

@@ -1,177 +1,133 @@
-"""Loading a checkpoint straight from an object store into fresh tensors, verified.
+"""Loading a checkpoint straight from an object store: the file system's loader on ranged GETs.
 
-The same checks as the local loader, on bytes fetched with ranged GETs: the structure file
-(bounded, CRC-32C), the shard's 8-byte length and header (``_header.parse_header`` /
-``validate_header``), tensors allocated by ``_load._allocate`` and filled by ranged GETs
-(large tensors directly into their memory, runs of small ones through one scratch range),
-then the whole shard's CRC-32C in file order against the manifest, and the state rebuilt
-by ``_load._rebuild``. Every defect is ``CheckpointCorruptError`` naming the object's URL.
+A step on a store is read by the same code as a local one (``_resume.load_files_as``, so
+``_load.load_files`` and ``_load_global.load_indexed_files``), through :class:`StoreFiles`:
+each object of the step a ``_readinto.RangeSource`` whose reads are ranged GETs (at most
+``_readinto.BOUNCE`` bytes each, :data:`GETS_IN_FLIGHT` at once), every byte landing once in
+its destination. So everything a local load does, a store load does: ``into=`` targets read
+straight into and CRC-32C'd as they land (``verify_first`` to write none before all
+verified), a step holding DTensors assembled or resharded onto the targets' meshes reading
+only the blocks that overlap them, deduplicated tensors from the rank that holds them, the
+same bounds on hostile headers. Every defect is ``CheckpointCorruptError`` naming the
+object's URL; a store failure keeps its ``ObjectStoreError`` type (an object gone mid-read
+means the step was retired: ``CheckpointNotFoundError`` for an explicit step, look again for
+``step=None``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from . import _load
-from ._bounds import MAX_TREE_BYTES, human, parse_structure
-from ._checksum import crc32c
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._format import ST_TO_DTYPE
-from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
-from ._index import INDEX, MAX_INDEX_BYTES
-from ._index import parse as parse_index
+from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._layout import check_step
-from ._manifest import Manifest, shard_name, tree_name
-from ._objstore import ObjectNotFoundError, ObjectStore, gather_or_cancel
-from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, open_step, open_store, run_sync
+from ._load_global import PER_RANK, PerRank, Reader
+from ._manifest import Manifest
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
 
 log = logging.getLogger("asyncckpt")
+T = TypeVar("T")
 
-#: Tensors at least this large are fetched straight into their memory; smaller ones in runs.
-_DIRECT = 1024 * 1024
-_RUN = 8 * 1024 * 1024
-_RANGES_IN_FLIGHT = 4
+#: Ranged GETs of one load in flight (the I/O threads of its reads).
+GETS_IN_FLIGHT = 16
 #: Listings of a load(step=None) whose choice was retired while being read, before giving up.
 _LIST_ROUNDS = 16
 
 
-def _entry(store: ObjectStore, m: Manifest, name: str) -> tuple[str, int, int]:
+def blocking(aw: Awaitable[T]) -> T:
+    """Run ``aw`` to its end from synchronous code: on a fresh event loop in this thread, or,
+    where this thread already runs one (a notebook caller), on a loop in a thread of its own."""
     try:
-        f = m.file(name)
-    except CheckpointCorruptError:
-        raise CheckpointCorruptError(f"manifest does not list {name}", store.object_url(f"step_{m.step:08d}")) from None
-    return data_prefix(m.step, m.attempt) + f.name, f.size, f.crc32c
+        asyncio.get_running_loop()
+    except RuntimeError:
+
+        async def go() -> T:
+            return await aw
+
+        return asyncio.run(go())
+    return run_sync(lambda: aw)
 
 
-async def _read_header(store: ObjectStore, key: str, size: int, deadline: float) -> tuple[bytes, int, list[TensorSlot]]:
-    url = store.object_url(key)
-    if size < 8:
-        raise CheckpointCorruptError(f"shard of {size} bytes has no header", url)
-    prefix = bytearray(8)
-    await store.get_range_into(key, 0, memoryview(prefix), deadline)
-    n = int.from_bytes(prefix, "little")
-    try:
-        if n > MAX_HEADER or n > size - 8:
-            raise ValueError(f"declared header length {n} does not fit the object ({size} bytes)")
-        rest = bytearray(n)
-        await store.get_range_into(key, 8, memoryview(rest), deadline)
-        head = bytes(prefix) + bytes(rest)
-        _, header = parse_header(head, size)
-        data_start = 8 + n
-        if data_start % 8:
-            raise ValueError("data section is not 8-byte aligned")
-        slots = validate_header(header, size - data_start)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointCorruptError(f"bad safetensors header ({e})", url) from None
-    return head, data_start, slots
+class _ObjectSource:
+    """One object of a step, read by ranged GETs (a ``_readinto.RangeSource``)."""
+
+    threads = GETS_IN_FLIGHT
+
+    def __init__(self, store: ObjectStore, key: str, deadline: float, order: int) -> None:
+        self.store, self.key, self.deadline, self.order = store, key, deadline, order
+
+    def read_exact(self, views: list[memoryview], offset: int) -> None:
+        try:
+            blocking(self.store.get_range_scatter(self.key, offset, views, self.deadline))
+        except ObjectIntegrityError as e:  # shorter than the manifest says: damage, not a store fault
+            raise CheckpointCorruptError(f"object ended early ({e.args[1] if len(e.args) > 1 else e})",
+                                         self.store.object_url(self.key)) from None
 
 
-async def _fill(store: ObjectStore, key: str, data_start: int, ordered: list[TensorSlot],
-                views: list[memoryview], deadline: float) -> None:
-    """Ranged GETs of every tensor's bytes into ``views`` (in ``ordered``'s order)."""
-    groups: list[list[int]] = []
-    run: list[int] = []
-    run_bytes = 0
-    for i, v in enumerate(views):
-        if v.nbytes >= _DIRECT:
-            groups.append([i])
-        elif v.nbytes:
-            run.append(i)
-            run_bytes += v.nbytes
-            if run_bytes >= _RUN:
-                groups.append(run)
-                run, run_bytes = [], 0
-    if run:
-        groups.append(run)
-    sem = asyncio.Semaphore(_RANGES_IN_FLIGHT)
+class StoreFiles:
+    """The objects of complete step ``manifest`` on ``store`` as ``_stepfiles.StepFiles``;
+    every read bounded by ``deadline`` (``time.monotonic()`` seconds)."""
 
-    async def one(group: list[int]) -> None:
-        async with sem:
-            first = ordered[group[0]]
-            if len(group) == 1:
-                await store.get_range_into(key, data_start + first.begin, views[group[0]], deadline)
-                return
-            # small tensors are adjacent in the data section (it is tiled without gaps)
-            span = ordered[group[-1]].end - first.begin
-            scratch = bytearray(span)
-            await store.get_range_into(key, data_start + first.begin, memoryview(scratch), deadline)
-            for i in group:
-                s = ordered[i]
-                views[i][:] = memoryview(scratch)[s.begin - first.begin : s.end - first.begin]
+    def __init__(self, store: ObjectStore, manifest: Manifest, deadline: float) -> None:
+        self.store, self.manifest, self.deadline = store, manifest, deadline
+        self.prefix = data_prefix(manifest.step, manifest.attempt)
+        self._sources: dict[str, _ObjectSource] = {}
 
-    await gather_or_cancel([one(g) for g in groups])
+    def path(self, name: str) -> str:
+        return self.store.object_url(self.prefix + name)
 
+    def size(self, name: str) -> int:
+        try:
+            return self.manifest.file(name).size
+        except CheckpointCorruptError:
+            where = self.store.object_url(manifest_key(self.manifest.step))
+            raise CheckpointCorruptError(f"manifest does not list {name}", where) from None
 
-def _crc(head: bytes, views: list[memoryview]) -> int:
-    crc = crc32c(head)
-    for v in views:
-        crc = crc32c(v, crc)
-    return crc
+    def source(self, name: str) -> _ObjectSource:
+        self.size(name)
+        if name not in self._sources:
+            self._sources[name] = _ObjectSource(self.store, self.prefix + name, self.deadline, len(self._sources))
+        return self._sources[name]
+
+    def read(self, name: str, expected_crc: int | None) -> bytes:
+        from ._checksum import crc32c
+
+        size = self.size(name)
+        try:
+            raw = blocking(self.store.get_bytes(self.prefix + name, self.deadline, limit=size))
+        except ObjectIntegrityError:
+            raise CheckpointCorruptError(f"object is not of its listed {size} bytes", self.path(name)) from None
+        if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
+            raise CheckpointCorruptError("checksum mismatch", self.path(name))
+        return raw
+
+    def close(self) -> None:
+        self._sources.clear()
 
 
-async def load_rank(store: ObjectStore, m: Manifest, rank: int, verify: bool, deadline: float) -> Any:
-    """Rebuild rank ``rank``'s state of complete step ``m`` from the store.
+def load_step(
+    store: ObjectStore,
+    m: Manifest,
+    rank: int,
+    verify: bool,
+    deadline: float,
+    *,
+    world_size: int | None = None,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    reader: Reader | None = None,
+) -> Any:
+    """Rank ``rank``'s state of complete step ``m`` on ``store`` (``_resume.load_files_as``)."""
+    from ._resume import load_files_as
 
-    Values written once for several ranks (dedupe) are read from the rank's file that holds
-    them, each checked against its index CRC. A step holding DTensors is refused with
-    ``CheckpointError``: its shards hold local pieces of global tensors, assembled only by the
-    file-system loader (``pull`` it first)."""
-    borrowed = await _borrowed(store, m, rank, deadline) if any(f.name == INDEX for f in m.files) else {}
-    tree_key, tree_size, tree_crc = _entry(store, m, tree_name(rank))
-    shard_key, shard_size, shard_crc = _entry(store, m, shard_name(rank))
-    tree_url, shard_url = store.object_url(tree_key), store.object_url(shard_key)
-    if tree_size > MAX_TREE_BYTES:
-        raise CheckpointCorruptError(f"structure object of {tree_size} bytes exceeds the {human(MAX_TREE_BYTES)} limit",
-                                     tree_url)
-    raw = await store.get_bytes(tree_key, deadline, limit=MAX_TREE_BYTES)
-    tree = parse_structure(raw, tree_url, tree_size, tree_crc if verify else None)
-    del raw
-    head, data_start, slots = await _read_header(store, shard_key, shard_size, deadline)
-    ordered = sorted(slots, key=lambda s: s.begin)
-    tensors = _load._allocate(ordered, shard_size - data_start, shard_url)
-    views = [_load.byte_view(tensors[s.name]) for s in ordered]
-    await _fill(store, shard_key, data_start, ordered, views, deadline)
-    if verify and await asyncio.to_thread(_crc, head, views) != shard_crc:
-        raise CheckpointCorruptError("checksum mismatch", shard_url)
-    for name, (dtype, shape, file, begin, n, crc) in borrowed.items():
-        t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
-        key = data_prefix(m.step, m.attempt) + file
-        view = _load.byte_view(t)
-        if n:
-            await store.get_range_into(key, begin, view, deadline)
-        if verify and await asyncio.to_thread(crc32c, view) != crc:
-            raise CheckpointCorruptError(f"checksum mismatch in {name!r}", store.object_url(key))
-        tensors[name] = t
-    return _load._rebuild(tree, tensors, tree_url, shard_url)
-
-
-async def _borrowed(store: ObjectStore, m: Manifest, rank: int, deadline: float) -> dict[str, Any]:
-    """The plain tensors of ``rank`` stored in another rank's file (dedupe), from the step's
-    verified index: ``name -> (dtype, shape, file, begin, nbytes, crc32c)``."""
-    key, size, crc = _entry(store, m, INDEX)
-    url = store.object_url(key)
-    raw = await store.get_bytes(key, deadline, limit=MAX_INDEX_BYTES)
-    if len(raw) != size or crc32c(raw) != crc:
-        raise CheckpointCorruptError("checksum mismatch", url)
-    try:
-        dtensors = bool(json.loads(raw).get("tensors"))
-        index = parse_index(raw, m.world_size, {f.name: f.size for f in m.files}, plain_only=True)
-    except (ValueError, AttributeError, RecursionError) as e:
-        raise CheckpointCorruptError(f"bad global index ({e})", url) from None
-    if dtensors:
-        raise CheckpointError(
-            f"step {m.step} under {store.url} holds DTensors (sharded state): loading it straight from the store "
-            "is not supported yet; pull it to a local root (asyncckpt.remote.pull) and load from there"
-        )
-    entries = index["plain"].get(rank) or {}
-    return {name: e for name, e in entries.items() if e[2] != shard_name(rank)}
+    return load_files_as(StoreFiles(store, m, deadline), rank, verify, world_size, into, strip_prefixes, reader)
 
 
 def _check_rank(rank: object) -> int:
@@ -186,37 +142,66 @@ def load(
     *,
     into: Any = None,
     verify: bool = True,
-    rank: int = 0,
+    rank: int | None = None,
     strip_prefixes: Sequence[str] = (),
+    per_rank: PerRank = "error",
+    verify_first: bool = False,
     storage_options: Mapping[str, str] | None = None,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    reader: Reader | None = None,
+    world_size: int | None = None,
 ) -> Any:
     """:func:`asyncckpt.load` for ``s3://bucket/prefix``: the same rules (``step=None`` loads the
     newest complete checkpoint that verifies, logging and skipping a corrupt newer one; an
-    explicit step raises ``CheckpointNotFoundError`` / ``CheckpointCorruptError``)."""
+    explicit step raises ``CheckpointNotFoundError`` / ``CheckpointCorruptError``), the same
+    in-place reads into ``into=`` and the same resharding of DTensors.
+
+    ``reader`` (a Checkpointer's: its world, rank, collective deferral) replaces the one
+    built from ``rank`` / ``per_rank`` / ``into`` / ``verify_first``, and ``into`` then names
+    only what a step without a global index reads into in place; ``world_size``: such a step
+    must have been saved at it. The caller of ``reader`` restores into its targets; otherwise
+    this function does."""
     from ._checkpointer import _prefixes
 
     prefixes = _prefixes(strip_prefixes)
     if step is not None:
         check_step(step)
-    _check_rank(rank)
+    if rank is not None:
+        _check_rank(rank)
+    if per_rank not in PER_RANK:
+        raise ValueError(f"per_rank must be one of {PER_RANK}, not {per_rank!r}")
+    if type(verify_first) is not bool:
+        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
+    own = reader is None
+    if reader is None:
+        reader = Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
+    shard = 0 if rank is None else rank
     store = open_store(url, storage_options)
+    deadline = time.monotonic() + deadline_s
 
-    async def go() -> Any:
-        deadline = time.monotonic() + deadline_s
+    def attempt(s: int) -> Any:
+        m, _ = run_sync(lambda: open_step(store, s, deadline))
+        return load_step(store, m, shard, verify, deadline, world_size=world_size, into=into,
+                         strip_prefixes=prefixes, reader=reader)
+
+    def go() -> Any:
+        from ._resume import NoSuchShard
+
         if step is not None:
             try:
-                m, _ = await open_step(store, step, deadline)
-                return await load_rank(store, m, rank, verify, deadline)
+                return attempt(step)
+            except NoSuchShard as e:
+                raise CheckpointNotFoundError(str(e)) from None
             except ObjectNotFoundError as e:  # retired while being read (manifest first, then objects)
                 msg = f"step {step} under {store.url} vanished while being read ({e})"
                 raise CheckpointNotFoundError(msg) from None
         for _ in range(_LIST_ROUNDS):
             vanished = False
-            for s in await candidate_steps(store, deadline):
+            for s in run_sync(lambda: candidate_steps(store, deadline)):
                 try:
-                    m, _ = await open_step(store, s, deadline)
-                    return await load_rank(store, m, rank, verify, deadline)
+                    return attempt(s)
+                except NoSuchShard as e:
+                    raise CheckpointNotFoundError(str(e)) from None
                 except CheckpointNotFoundError:
                     continue
                 except ObjectNotFoundError:
@@ -228,8 +213,11 @@ def load(
                 break
         raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
 
-    state = run_sync(go)
-    if into is not None:
-        with torch.no_grad():
-            _load.restore_into(into, state, strip_prefixes=prefixes)
+    if not own:
+        return go()
+    with _load.noting_partial_targets(reader):
+        state = go()
+        if into is not None:
+            with torch.no_grad():
+                _load.restore_into(into, state, strip_prefixes=prefixes)
     return state

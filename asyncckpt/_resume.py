@@ -17,9 +17,10 @@ from typing import Any
 from ._badmarks import record_bad
 from ._discovery import Vanished, newest_complete, pin_step
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._load import load_pinned
-from ._load_global import Reader, indexed, load_indexed
+from ._load import load_files
+from ._load_global import Reader, indexed, load_indexed_files
 from ._manifest import Manifest
+from ._stepfiles import PinnedFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
 
@@ -55,7 +56,7 @@ def attempt(
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
 
-    ``into``: tensors to read into in place (``_load.load_pinned``; once the shard verified
+    ``into``: tensors to read into in place (``_load.load_files``; once the shard verified
     when ``reader.verify_first``).
     A step with a global tensor index (DTensors) loads at any world size as ``reader`` says
     (``_load_global``; default: one process taking rank ``rank``'s per-rank values); its
@@ -70,6 +71,32 @@ def attempt(
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
+        try:
+            return load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
+                                 reader, mmap)  # fmt: skip
+        except CheckpointCorruptError as e:
+            if pinned.still_there():
+                mark(root, step, manifest.attempt, e)
+            raise
+
+
+def load_files_as(
+    files: StepFiles,
+    rank: int,
+    verify: bool,
+    world_size: int | None = None,
+    into: Any = None,
+    strip_prefixes: Sequence[str] = (),
+    reader: Reader | None = None,
+    mmap: bool = False,
+) -> Any:
+    """:func:`attempt`'s load of a complete step's ``files`` (local or on an object store):
+    a step with a global index as ``reader`` says, any other by rank ``rank``'s shard (which
+    must exist: ``NoSuchShard``; at the world size ``world_size`` when given). ``files`` are
+    closed when the read is done."""
+    manifest = files.manifest
+    step = manifest.step
+    try:
         if not indexed(manifest):
             _check_shape(manifest, step, rank, world_size)
         if mmap and indexed(manifest):
@@ -77,17 +104,18 @@ def attempt(
                 f"step {step} holds DTensors or deduplicated tensors (a global index): mmap=True maps one "
                 "rank's shard file and cannot serve it; load without mmap, or `asyncckpt export` it"
             )
-        if reader is not None and reader.into is not None and not reader.verify_first:
-            reader.touched = True  # one pass: the targets are written as the bytes land
-        try:
-            if indexed(manifest):
-                return load_indexed(pinned, reader if reader is not None else Reader(rank=rank), verify)
-            first = reader is not None and reader.verify_first
-            return load_pinned(pinned, rank, verify, into, strip_prefixes, mmap, first)
-        except CheckpointCorruptError as e:
-            if pinned.still_there():
-                mark(root, step, manifest.attempt, e)
-            raise
+    except BaseException:
+        files.close()
+        raise
+    if reader is not None and reader.into is not None and not reader.verify_first:
+        reader.touched = True  # one pass: the targets are written as the bytes land
+    if indexed(manifest):
+        return load_indexed_files(files, reader if reader is not None else Reader(rank=rank), verify)
+    first = reader is not None and reader.verify_first
+    try:
+        return load_files(files, rank, verify, into, strip_prefixes, mmap, first)
+    finally:
+        files.close()
 
 
 def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:

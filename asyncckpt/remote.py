@@ -15,7 +15,7 @@ Credentials never appear in errors or logs. Everything here is torch-free except
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ._remote import (
     DEFAULT_DEADLINE_S,
@@ -39,14 +39,18 @@ def load(
     *,
     into: Any = None,
     verify: bool = True,
-    rank: int = 0,
+    rank: int | None = None,
     strip_prefixes: Sequence[str] = (),
+    per_rank: Literal["error", "rank0"] = "error",
+    verify_first: bool = False,
     storage_options: Mapping[str, str] | None = None,
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> Any:
-    """Load rank ``rank``'s state of the newest (or ``step``) complete checkpoint under ``url``
-    (same rules as :func:`asyncckpt.load`; ranged GETs into fresh tensors, CRC-32C verified)."""
+    """Load the newest (or ``step``) complete checkpoint under ``url`` as :func:`asyncckpt.load`
+    loads a local one: the same rules and arguments (``rank``, ``per_rank``, ``into=`` read
+    straight into and checksummed as the bytes land, ``verify_first``), DTensors assembled or
+    resharded onto ``into``'s, by ranged GETs (CRC-32C verified), all within ``deadline_s``."""
     from ._remote_load import load as _load
 
-    return _load(url, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes,
-                 storage_options=storage_options, deadline_s=deadline_s)
+    return _load(url, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
+                 verify_first=verify_first, storage_options=storage_options, deadline_s=deadline_s)

@@ -503,3 +503,38 @@ def test_server_killed_mid_push_then_restarted_repush_leaves_nothing_behind(tmp_
             assert torch.equal(asyncckpt.load(url, storage_options=o)["big"], asyncckpt.load(root)["big"])
     finally:
         server.close()
+
+
+def test_sharded_step_loads_from_the_store_as_from_its_local_root(tmp_path: Path, s3: S3Server, url: str) -> None:
+    """A 4-rank DTensor checkpoint (FSDP2, TP, a 2-D mesh, tied, per-rank values) pushed to the
+    store loads from it exactly as from its local root: full global tensors, bit-equal; plain
+    targets of into= restored in place (the same memory); a corrupt chunk named by its URL."""
+    from test_export_sharded import spawn
+
+    root, out = spawn(tmp_path, "layouts", 4)
+    ref = torch.load(str(out) + ".ref.pt", weights_only=True)
+    o = opts(s3.endpoint)
+    remote.push(root, url, storage_options=o, deadline_s=60)
+    local = asyncckpt.load(root, per_rank="rank0")
+    got = asyncckpt.load(url, per_rank="rank0", storage_options=o)
+    assert_same(got, local)
+    assert torch.equal(got["tp"]["s1"], ref["tp.s1"]) and torch.equal(got["tp2d"]["up.weight"], ref["tp2d.up.weight"])
+    with pytest.raises(asyncckpt.CheckpointError, match="rng"):  # per-rank values differ: no silent pick
+        asyncckpt.load(url, storage_options=o)
+    assert torch.equal(asyncckpt.load(url, rank=2, storage_options=o)["rng"], torch.full((3,), 2.0))
+    # into= plain tensors: the global tensors end in the targets' own memory
+    target = {"tp": {k: torch.zeros_like(v) for k, v in local["tp"].items()}}
+    ptrs = {k: v.data_ptr() for k, v in target["tp"].items()}
+    asyncckpt.load(url, into=target, per_rank="rank0", storage_options=o)
+    for k, v in target["tp"].items():
+        assert torch.equal(v, local["tp"][k]) and v.data_ptr() == ptrs[k]
+    # a flipped byte in rank 1's shard object: named by URL, never loaded
+    info = asyncckpt.find_latest(url, storage_options=o)
+    assert info is not None
+    key = f"step_00000001/a-{info.attempt}/rank00001.safetensors"
+    data = bytearray(objects_bytes(s3.endpoint, url, key))
+    data[-3] ^= 0x10
+    put_object(s3.endpoint, url, key, bytes(data))
+    with pytest.raises(CheckpointCorruptError) as ei:
+        asyncckpt.load(url, step=1, per_rank="rank0", storage_options=o)
+    assert f"{url}/{key}" in str(ei.value) and "checksum mismatch" in str(ei.value)
