@@ -110,6 +110,16 @@ async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
         raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
 
 
+async def _device_copies(storage: Storage, job: SaveJob) -> None:
+    """Wait (on the I/O pool) until the device-to-host copies of a CUDA state into the arena
+    have run, and note when that was (``SaveStatistics.device_copy_s``)."""
+    if not job.cuda_events or "device_copy" in job.times:
+        return
+    for ev in job.cuda_events:
+        await storage.run(ev.synchronize)
+    job.times["device_copy"] = time.perf_counter() - job.started
+
+
 async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> dict[str, int] | None:
     """Hash this rank's plain tensors and agree with every rank on who writes which
     (``_dedupe``); ``None`` when a peer failed before the round (its failure fails the save).
@@ -118,8 +128,7 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     assert job.arena is not None and job.layout is not None
     skip = _dedupe_skip(job)
     try:
-        for ev in job.cuda_events or ():
-            await storage.run(ev.synchronize)
+        await _device_copies(storage, job)
         records: dict[str, Any] = {}
         # hashed as the copy goes: each batch once its bytes are staged (waiting on the loop,
         # not on the I/O pool), so the digests are ready about when the staging is
@@ -162,8 +171,7 @@ async def _write_files(
     if not leader and (early or not dedupe):
         await backend.join(job, loc)
     if job.cuda_events and (early or not dedupe):  # else the dedupe round waits for them itself
-        for ev in job.cuda_events:
-            await storage.run(ev.synchronize)
+        await _device_copies(storage, job)
     writers: dict[str, int] | None = None
     image_progress: StageProgress | None = None
     fill: asyncio.Future[None] | None = None
@@ -449,6 +457,7 @@ async def run_save(
         nbytes=verdict.nbytes,
         direct_io=job.direct,
         writer_cpu_s=job.meter.seconds + (thread_cpu() - loop_cpu0),
+        device_copy_s=job.times.get("device_copy", 0.0),
     )
     if leader:
         # once per save, by the rank that committed it, with the bytes of every rank

@@ -22,6 +22,10 @@ class SaveStatistics:
     includes other saves' loop work when saves overlap). This is what a save takes from
     training when no core is idle; it excludes the copy in ``save()`` (``staging_s``).
     ``cpu_s_per_gib`` relates it to the bytes written.
+    ``device_copy_s``: a state holding CUDA tensors: from the call to ``save()`` until the
+    device-to-host copies into the staging buffer had run (``save()`` returns once they are
+    queued on a side stream; the caller's stream waits for them before touching the tensors
+    again); 0.0 for a state without CUDA tensors.
     """
 
     wait_s: float = 0.0
@@ -34,6 +38,7 @@ class SaveStatistics:
     retries: int = 0
     direct_io: bool = False
     writer_cpu_s: float = 0.0
+    device_copy_s: float = 0.0
 
     @property
     def blocking_s(self) -> float:

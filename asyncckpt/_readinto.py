@@ -184,27 +184,54 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 class _Bounce:
-    """One thread's reused buffer (pinned when a CUDA target needs it and CUDA is there)."""
+    """One thread's reused buffers: a plain one, and for CUDA targets (when CUDA is there) two
+    pinned ones that alternate, so the next piece is read while the last one is still being
+    copied to the device on the thread's side stream."""
 
     def __init__(self) -> None:
         self.cpu: torch.Tensor | None = None
-        self.pinned: torch.Tensor | None = None
+        self.pinned: list[torch.Tensor | None] = [None, None]
+        self.copied: list[Any] = [None, None]  # per pinned buffer: the event of its last copy out
+        self.streams: dict[torch.device, Any] = {}
+        self.turn = 0
 
-    def get(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        size = max(nbytes, BOUNCE)
-        if pinned:
-            if self.pinned is None or self.pinned.numel() < nbytes:
-                self.pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            return self.pinned
+    def get(self, nbytes: int) -> torch.Tensor:
         if self.cpu is None or self.cpu.numel() < nbytes:
-            self.cpu = torch.empty(size, dtype=torch.uint8)
+            self.cpu = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8)
         return self.cpu
+
+    def next_pinned(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The pinned buffer to fill next, once the device copy out of it has finished."""
+        i = self.turn
+        self.turn ^= 1
+        ev = self.copied[i]
+        if ev is not None:
+            ev.synchronize()
+            self.copied[i] = None
+        buf = self.pinned[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.pinned[i] = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8, pin_memory=True)
+        return i, buf
+
+    def stream(self, device: torch.device) -> Any:
+        s = self.streams.get(device)
+        if s is None:
+            s = self.streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return s
+
+    def drain(self) -> None:
+        """Wait until every device copy out of the pinned buffers has finished (so the targets
+        hold their bytes when the read returns, and the buffers may be freed)."""
+        for i, ev in enumerate(self.copied):
+            if ev is not None:
+                ev.synchronize()
+                self.copied[i] = None
 
 
 def _read_skipped(fd: Source, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
     for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
         n = min(BOUNCE, d.offset + d.nbytes - pos)
-        view = _bytes_of(bounce.get(n, False)[:n])
+        view = _bytes_of(bounce.get(n)[:n])
         _pread_exact(fd, [view], pos, path)
         if crc is not None:
             crc = crc32c(view, crc)
@@ -218,21 +245,29 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
     rows = t.shape[0] if t.dim() else 1
     row_bytes = d.nbytes // rows if rows else 0
     per = max(1, BOUNCE // row_bytes) if row_bytes else rows
-    pinned = t.is_cuda and torch.cuda.is_available()
+    cuda = t.is_cuda and torch.cuda.is_available()
+    stream = bounce.stream(t.device) if cuda else None
     pos = d.offset
     with torch.no_grad():
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
             n = (r1 - r0) * row_bytes
-            buf = bounce.get(n, pinned)
+            i, buf = bounce.next_pinned(n) if cuda else (0, bounce.get(n))
             _pread_exact(fd, [_bytes_of(buf[:n])], pos, path)
             if crc is not None:
                 crc = crc32c(_bytes_of(buf[:n]), crc)
             src = buf[:n].view(t.dtype)
-            if t.dim():
-                t[r0:r1].copy_(src.view((r1 - r0, *t.shape[1:])))
+            dst = t[r0:r1] if t.dim() else t
+            src = src.view(dst.shape)
+            if stream is None:
+                dst.copy_(src)
             else:
-                t.copy_(src.view(()))
+                # host-to-device on the thread's side stream, overlapping the next read
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    ev.record(stream)
+                bounce.copied[i] = ev
             pos += n
     return crc
 
@@ -240,8 +275,15 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
 def _read_range(fd: Source, dests: list[Dest], path: str, checksum: bool) -> int:
     """Read one thread's destinations (sorted by offset); the CRC-32C of the bytes read, in
     order (0 if not asked: with ``checksum`` the destinations must be consecutive)."""
-    crc: int | None = 0 if checksum else None
     bounce = _Bounce()
+    try:
+        return _read_range_with(fd, dests, path, checksum, bounce)
+    finally:
+        bounce.drain()
+
+
+def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, bounce: _Bounce) -> int:
+    crc: int | None = 0 if checksum else None
     run: list[memoryview] = []
     run_start = run_bytes = 0
 
@@ -288,6 +330,8 @@ def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
     for d in dests:
         if isinstance(d, Direct) and d.nbytes > step:
             pieces.extend(Direct(d.offset + i, d.view[i : i + step]) for i in range(0, d.nbytes, step))
+        elif isinstance(d, Staged) and d.nbytes > step and d.target.dim() and d.target.shape[0] > 1:
+            pieces.extend(_cut_rows(d, step))
         elif isinstance(d, Skip) and d.nbytes > step:
             pieces.extend(Skip(d.offset + i, min(step, d.nbytes - i)) for i in range(0, d.nbytes, step))
         else:
@@ -300,6 +344,28 @@ def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
         groups[-1].append(d)
         acc += d.nbytes
     return groups
+
+
+def _cut_rows(d: Staged, step: int) -> list[Staged]:
+    """A staged target cut along its leading dimension into pieces of about ``step`` bytes
+    (whole rows), so a large CUDA or non-contiguous tensor is read by every thread too."""
+    rows = d.target.shape[0]
+    row_bytes = d.nbytes // rows
+    per = max(1, step // row_bytes) if row_bytes else rows
+    return [
+        Staged(d.offset + r0 * row_bytes, (min(rows, r0 + per) - r0) * row_bytes, d.target[r0 : r0 + per])
+        for r0 in range(0, rows, per)
+    ]
+
+
+def _settle_cuda_targets(dests: list[Dest]) -> None:
+    """Let the work already queued on the devices of CUDA targets finish before the reads
+    overwrite them from the I/O threads' own streams (a kernel of the caller's stream may
+    still read a target)."""
+    devices = {d.target.device for d in dests if isinstance(d, Staged) and d.target.is_cuda}
+    if devices and torch.cuda.is_available():
+        for dev in devices:
+            torch.cuda.synchronize(dev)
 
 
 def _parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> list[T]:
@@ -336,6 +402,7 @@ def read_into(fd: Source, path: str, dests: list[Dest], *, checksum: bool, threa
     CRC-32C then (else 0).
     """
     _advise_sequential(fd)
+    _settle_cuda_targets(dests)
     groups = _split(dests, threads or _threads_for([fd]))
     crcs = _parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
     if not checksum:
@@ -459,7 +526,7 @@ def _read_segments(blocks: list[Block]) -> None:
                     check(s, crc)
         else:
             total = sum(s.nbytes for s in batch)
-            buf = _bytes_of(bounce.get(total, False)[:total]) if total else memoryview(bytearray())
+            buf = _bytes_of(bounce.get(total)[:total]) if total else memoryview(bytearray())
             _pread_exact(first.fd, [buf], start, first.path)
             at = 0
             for s in batch:

@@ -479,6 +479,9 @@ class StagingPool:
             with torch.cuda.stream(stream):
                 for d, s in pairs:
                     d.copy_(s, non_blocking=arena.pinned)
+                    # a source freed by the caller right after save() returns is not reused
+                    # by the caching allocator before the copy out of it has run
+                    s.record_stream(stream)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
             # later training kernels that overwrite the sources run after the copy

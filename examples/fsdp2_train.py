@@ -39,6 +39,9 @@ import os
 import signal
 import sys
 
+# deterministic cuBLAS (torch.use_deterministic_algorithms below refuses CUDA matmuls without it)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 if os.environ.get("RANK", "0") == "0":
     # importing torch in several processes at once takes a while on a small machine: say so
     print(

@@ -304,10 +304,8 @@ def test_targets_and_fresh_tensors_in_one_shard(tmp_path: Path) -> None:
     assert all(torch.equal(m3.state_dict()[k], v) for k, v in pristine.items())
 
 
-def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
-    saved = {"big": torch.arange(1 << 18, dtype=torch.float32), "small": torch.arange(3.0)}
-    _save(tmp_path, 1, saved)
+def _ranges_read(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """Every thread's destinations of the reads to come (``_read_range`` spied on)."""
     seen: list[list[Any]] = []
     real = _readinto._read_range
 
@@ -316,6 +314,14 @@ def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: p
         return real(fd, dests, path, checksum)
 
     monkeypatch.setattr(_readinto, "_read_range", spy)
+    return seen
+
+
+def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    saved = {"big": torch.arange(1 << 18, dtype=torch.float32), "small": torch.arange(3.0)}
+    _save(tmp_path, 1, saved)
+    seen = _ranges_read(monkeypatch)
     target = {"big": torch.zeros(1 << 18), "small": torch.zeros(3)}
     load(tmp_path, 1, into=target)
     assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
@@ -325,6 +331,26 @@ def test_one_large_target_is_read_by_every_thread(tmp_path: Path, monkeypatch: p
     load(tmp_path, 1, into=target, verify_first=True)
     assert torch.equal(target["big"], saved["big"]) and torch.equal(target["small"], saved["small"])
     assert len(seen) == 2 * _readinto.THREADS  # both passes split across every thread
+
+
+def test_one_large_non_contiguous_target_is_cut_by_rows_for_every_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged target (non-contiguous here; CUDA targets take the same path) is cut along its
+    leading dimension, so every thread reads a part and the pieces land in the right rows."""
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    saved = {"t": torch.arange(512 * 300, dtype=torch.float32).reshape(512, 300)}
+    _save(tmp_path, 1, saved)
+    seen = _ranges_read(monkeypatch)
+    target = {"t": torch.zeros(300, 512).t()}
+    for verify_first in (False, True):
+        target["t"].zero_()
+        seen.clear()
+        load(tmp_path, 1, into=target, verify_first=verify_first)
+        assert torch.equal(target["t"], saved["t"])
+        staged = [d for g in seen for d in g if isinstance(d, _readinto.Staged)]
+        assert len({id(g) for g in seen}) >= _readinto.THREADS and len(staged) > _readinto.THREADS
+        assert sum(d.nbytes for d in staged) == 512 * 300 * 4
 
 
 def test_expanded_target_keeps_the_old_error(tmp_path: Path) -> None:
