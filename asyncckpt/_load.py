@@ -163,6 +163,8 @@ def read_shard_fd(
                 continue
             if t.device.type == "cpu" and t.is_contiguous():
                 into.append(_readinto.Direct(offset, byte_view(t)))
+            elif t.is_cuda and t.is_contiguous():
+                into.append(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))
             else:
                 into.append(_readinto.Staged(offset, nbytes, t))
             guard = expected_crc is not None and verify_first

@@ -92,6 +92,20 @@ class Staged:
 
 
 @dataclass(frozen=True)
+class Device:
+    """File bytes ``[offset, offset + dst.numel())`` land in ``dst``, the flat byte view of a
+    contiguous tensor on a CUDA device. Adjacent ones share one read into a pinned bounce
+    buffer and one checksum pass, then each gets its own host-to-device copy out of it."""
+
+    offset: int
+    dst: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dst.numel())
+
+
+@dataclass(frozen=True)
 class Skip:
     """File bytes ``[offset, offset + nbytes)`` are only checksummed (through the bounce buffer)."""
 
@@ -99,7 +113,7 @@ class Skip:
     nbytes: int
 
 
-Dest = Direct | Staged | Skip
+Dest = Direct | Device | Staged | Skip
 
 
 # ---------------------------------------------------------------------- CRC-32C combine
@@ -210,14 +224,28 @@ class _Bounce:
             self.copied[i] = None
         buf = self.pinned[i]
         if buf is None or buf.numel() < nbytes:
-            buf = self.pinned[i] = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8, pin_memory=True)
+            pin = torch.cuda.is_available()
+            buf = self.pinned[i] = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8, pin_memory=pin)
         return i, buf
 
-    def stream(self, device: torch.device) -> Any:
-        s = self.streams.get(device)
-        if s is None:
-            s = self.streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        return s
+    def copy_out(self, i: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair, ``src`` a piece of pinned buffer ``i``: on a CUDA
+        device, queued on this thread's side stream (overlapping the next read) and noted as
+        the buffer's last copy out; elsewhere at once."""
+        device = pairs[0][0].device
+        if device.type != "cuda":
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(stream)
+        self.copied[i] = ev
 
     def drain(self) -> None:
         """Wait until every device copy out of the pinned buffers has finished (so the targets
@@ -246,7 +274,6 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
     row_bytes = d.nbytes // rows if rows else 0
     per = max(1, BOUNCE // row_bytes) if row_bytes else rows
     cuda = t.is_cuda and torch.cuda.is_available()
-    stream = bounce.stream(t.device) if cuda else None
     pos = d.offset
     with torch.no_grad():
         for r0 in range(0, rows, per):
@@ -259,15 +286,10 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
             src = buf[:n].view(t.dtype)
             dst = t[r0:r1] if t.dim() else t
             src = src.view(dst.shape)
-            if stream is None:
-                dst.copy_(src)
+            if cuda:
+                bounce.copy_out(i, [(dst, src)])
             else:
-                # host-to-device on the thread's side stream, overlapping the next read
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(stream)
-                bounce.copied[i] = ev
+                dst.copy_(src)
             pos += n
     return crc
 
@@ -287,6 +309,9 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
     run: list[memoryview] = []
     run_start = run_bytes = 0
 
+    dev: list[Device] = []
+    dev_start = dev_bytes = 0
+
     def flush() -> None:
         nonlocal crc, run, run_bytes
         if run:
@@ -296,7 +321,37 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
                     crc = crc32c(v, crc)
         run, run_bytes = [], 0
 
+    def flush_dev() -> None:
+        nonlocal crc, dev, dev_bytes
+        if dev:
+            i, buf = bounce.next_pinned(dev_bytes)
+            _pread_exact(fd, [_bytes_of(buf[:dev_bytes])], dev_start, path)
+            if crc is not None:
+                crc = crc32c(_bytes_of(buf[:dev_bytes]), crc)
+            pairs, at = [], 0
+            for p in dev:
+                pairs.append((p.dst, buf[at : at + p.nbytes]))
+                at += p.nbytes
+            bounce.copy_out(i, pairs)
+        dev, dev_bytes = [], 0
+
     for d in dests:
+        if isinstance(d, Device):
+            flush()
+            for i in range(0, d.nbytes, BOUNCE):
+                piece = Device(d.offset + i, d.dst[i : i + BOUNCE])
+                if dev and (
+                    dev_start + dev_bytes != piece.offset
+                    or dev[0].dst.device != piece.dst.device
+                    or dev_bytes + piece.nbytes > BOUNCE
+                ):
+                    flush_dev()
+                if not dev:
+                    dev_start = piece.offset
+                dev.append(piece)
+                dev_bytes += piece.nbytes
+            continue
+        flush_dev()
         if isinstance(d, Staged):
             flush()
             crc = _read_staged(fd, d, bounce, path, crc)
@@ -316,6 +371,7 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             if run_bytes >= BOUNCE:
                 flush()
     flush()
+    flush_dev()
     return crc or 0
 
 
@@ -330,6 +386,8 @@ def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
     for d in dests:
         if isinstance(d, Direct) and d.nbytes > step:
             pieces.extend(Direct(d.offset + i, d.view[i : i + step]) for i in range(0, d.nbytes, step))
+        elif isinstance(d, Device) and d.nbytes > step:
+            pieces.extend(Device(d.offset + i, d.dst[i : i + step]) for i in range(0, d.nbytes, step))
         elif isinstance(d, Staged) and d.nbytes > step and d.target.dim() and d.target.shape[0] > 1:
             pieces.extend(_cut_rows(d, step))
         elif isinstance(d, Skip) and d.nbytes > step:
@@ -363,6 +421,7 @@ def _settle_cuda_targets(dests: list[Dest]) -> None:
     overwrite them from the I/O threads' own streams (a kernel of the caller's stream may
     still read a target)."""
     devices = {d.target.device for d in dests if isinstance(d, Staged) and d.target.is_cuda}
+    devices |= {d.dst.device for d in dests if isinstance(d, Device) and d.dst.is_cuda}
     if devices and torch.cuda.is_available():
         for dev in devices:
             torch.cuda.synchronize(dev)

@@ -476,9 +476,14 @@ class StagingPool:
                 stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             current = torch.cuda.current_stream(device)
             stream.wait_stream(current)  # copy what the training stream has computed so far
+            dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
             with torch.cuda.stream(stream):
-                for d, s in pairs:
-                    d.copy_(s, non_blocking=arena.pinned)
+                try:  # one call queues every copy (a Python loop of copy_ cost ~15 us a tensor)
+                    torch._foreach_copy_(dsts, srcs, non_blocking=arena.pinned)
+                except (RuntimeError, TypeError):  # a torch whose foreach copy refuses the mix
+                    for d, s in pairs:
+                        d.copy_(s, non_blocking=arena.pinned)
+                for s in srcs:
                     # a source freed by the caller right after save() returns is not reused
                     # by the caching allocator before the copy out of it has run
                     s.record_stream(stream)

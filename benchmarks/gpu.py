@@ -63,6 +63,7 @@ from restore import _parallel_read  # noqa: E402
 from states import StateSpec, build_state, checksums, copy_into, format_size, mutate, parse_size  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt import _readinto  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +75,9 @@ def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def save_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) -> dict[str, Any]:
+def save_cases(
+    spec: StateSpec, repeats: int, scratch: str, deadline: float, compare_cpu: bool = False
+) -> dict[str, Any]:
     device = torch.device(spec.device)
     state = build_state(spec)
     lim = Limits(state, os.path.join(scratch, "raw"))
@@ -110,6 +113,12 @@ def save_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) -> 
             "asyncckpt device_copy_s",
             "asyncckpt durable",
             "asyncckpt writer CPU",
+            "asyncckpt write_s",
+            "asyncckpt fsync_s",
+            "asyncckpt commit_s",
+            "asyncckpt direct_io",
+            "asyncckpt, CPU copy of the state: blocking",
+            "asyncckpt, CPU copy of the state: durable",
             "dcp blocking",
             "dcp durable",
             "raw write O_DIRECT",
@@ -134,6 +143,25 @@ def save_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) -> 
         samples["asyncckpt device_copy_s"].append(st.device_copy_s)
         samples["asyncckpt durable"].append(t3 - t0)
         samples["asyncckpt writer CPU"].append(st.writer_cpu_s)
+        samples["asyncckpt write_s"].append(st.write_s)
+        samples["asyncckpt fsync_s"].append(st.fsync_s)
+        samples["asyncckpt commit_s"].append(st.commit_s)
+        samples["asyncckpt direct_io"].append(float(st.direct_io))
+
+    cpu_state = build_state(StateSpec(spec.kind, spec.nbytes, spec.n_tensors, "cpu")) if compare_cpu else None
+    ck_cpu = asyncckpt.Checkpointer(os.path.join(scratch, "ack-cpu"), keep_last=1)
+    if cpu_state is not None:
+        ck_cpu.reserve(cpu_state)
+
+    def run_cpu_state() -> None:
+        """The same bytes from host memory: the file-system path without the device copy."""
+        step[0] += 1
+        t0 = time.perf_counter()
+        h = ck_cpu.save(step[0], cpu_state)
+        t1 = time.perf_counter()
+        h.result(600)
+        samples["asyncckpt, CPU copy of the state: blocking"].append(t1 - t0)
+        samples["asyncckpt, CPU copy of the state: durable"].append(time.perf_counter() - t0)
 
     def run_dcp() -> None:
         step[0] += 1
@@ -156,6 +184,7 @@ def save_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) -> 
         ("pinned D2H", lambda: samples["pinned D2H"].append(lim.memcpy())),
         ("pinned D2H, one buffer", lambda: samples["pinned D2H, one buffer"].append(one_buffer())),
         ("asyncckpt", run_asyncckpt),
+        *([("asyncckpt cpu state", run_cpu_state)] if cpu_state is not None else []),
         ("dcp", run_dcp),
         ("raw O_DIRECT", lambda: raw(True)),
         ("raw buffered", lambda: raw(False)),
@@ -192,6 +221,7 @@ def save_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) -> 
         verified = checksums(got) == want
     finally:
         ck.close()
+        ck_cpu.close()
         dcp.close()
     return {
         "state": {"spec": spec.to_json(), "name": spec.name, "nbytes": nbytes},
@@ -235,6 +265,19 @@ def restore_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) 
         asyncckpt.load(root, 1, into=state, verify=verify)
         _sync(device)
 
+    cpu_state = build_state(StateSpec(spec.kind, spec.nbytes, spec.n_tensors, "cpu"))
+
+    def load_cpu() -> None:
+        asyncckpt.load(root, 1, into=cpu_state)
+
+    def load_threads(n: int) -> None:
+        saved = _readinto.THREADS
+        _readinto.THREADS = n
+        try:
+            load(True)
+        finally:
+            _readinto.THREADS = saved
+
     def torch_load() -> None:
         copy_into(state, torch.load(pt, map_location=device, weights_only=True))
         _sync(device)
@@ -245,6 +288,8 @@ def restore_cases(spec: StateSpec, repeats: int, scratch: str, deadline: float) 
         "asyncckpt.load(into=)": ([step_dir], lambda: load(True)),
         "asyncckpt.load(into=, verify=False)": ([step_dir], lambda: load(False)),
         "torch.load(map_location) + copy_": ([pt], torch_load),
+        "asyncckpt.load(into=), 8 I/O threads": ([step_dir], lambda: load_threads(8)),
+        "asyncckpt.load(into=) into CPU targets": ([step_dir], load_cpu),
     }
     times: dict[str, dict[str, list[float]]] = {v: {"cold": [], "warm": []} for v in variants}
     notes: list[str] = []
@@ -325,7 +370,7 @@ def report(r: dict[str, Any]) -> str:
             if not v:
                 continue
             med = statistics.median(v)
-            rate = "" if "CPU" in k else f"{n / med / 1e9:.1f}" if med > 0 else ""
+            rate = "" if k.endswith(("CPU", "_s", "direct_io")) else f"{n / med / 1e9:.1f}" if med > 0 else ""
             lines.append(f"| {k} | {med:.4f} | {min(v):.4f}-{max(v):.4f} | {rate} |")
         lines += ["", f"state at the call restored after an immediate mutation: {s['verified_after_mutation']}"]
         lines += [f"- {x}" for x in s["notes"]] + [""]
@@ -356,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop repeating (keep >= 2) past this many seconds")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compare-cpu", action="store_true", help="save cases: also save a CPU copy of the state")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results", "gpu"))
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--report-only", default=None)
@@ -398,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             dump()
         for size in args.sizes.split(","):
             spec = StateSpec("transformer", parse_size(size), device=args.device)
-            result["save"].append(save_cases(spec, args.repeats, os.path.join(scratch, spec.name), deadline))
+            result["save"].append(
+                save_cases(spec, args.repeats, os.path.join(scratch, spec.name), deadline, args.compare_cpu)
+            )
             shutil.rmtree(os.path.join(scratch, spec.name), ignore_errors=True)
             dump()
     finally:

@@ -21,5 +21,5 @@ timeout "${TESTS_S:-200}" $PY -m pytest -q -p no:cacheprovider -rA --timeout 170
 echo "tests: exit $?" | tee -a "$OUT/machine.txt"
 tail -5 "$OUT/tests.log"
 timeout "${BENCH_S:-300}" $PY benchmarks/gpu.py --sizes "${SIZES:-1G,4G}" --restore-sizes "${RESTORE_SIZES:-1G}" \
-  --repeats 5 --budget-s "${BUDGET_S:-170}" --out "$OUT/bench" 2>"$OUT/bench.err"
+  --repeats 5 --budget-s "${BUDGET_S:-170}" ${BENCH_ARGS:-} --out "$OUT/bench" 2>"$OUT/bench.err"
 echo "bench: exit $?" | tee -a "$OUT/machine.txt"

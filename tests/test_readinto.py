@@ -353,6 +353,40 @@ def test_one_large_non_contiguous_target_is_cut_by_rows_for_every_thread(
         assert sum(d.nbytes for d in staged) == 512 * 300 * 4
 
 
+def test_device_destinations_share_reads_and_one_checksum_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adjacent device destinations (contiguous CUDA targets' bytes; CPU tensors stand in here,
+    copied at once instead of on a side stream) are read together into the bounce buffer and
+    checksummed there: reads per bounce buffer, not per tensor."""
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    data = bytes(torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    sizes = [7, 1, 300, 4096, 5000, *([13] * 200), 0]
+    sizes.append(len(data) - sum(sizes))
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    dests: list[_readinto.Dest] = []
+    at = 0
+    for t in dsts:
+        dests.append(_readinto.Device(at, t))
+        at += t.numel()
+    reads = [0]
+    real = os.preadv
+
+    def counting(fd: int, bufs: Any, off: int) -> int:
+        reads[0] += 1
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        crc = _readinto.read_into(fd, str(f), dests, checksum=True)
+    finally:
+        os.close(fd)
+    assert crc == _crc.crc32c(data)
+    assert b"".join(bytes(t.numpy()) for t in dsts) == data
+    assert reads[0] <= len(data) // 4096 + 2 * _readinto.THREADS  # 207 tensors, ~25 buffers' worth
+
+
 def test_expanded_target_keeps_the_old_error(tmp_path: Path) -> None:
     _save(tmp_path, 1, {"e": torch.arange(12.0).reshape(3, 4)})
     target = {"e": torch.zeros(1, 4).expand(3, 4)}  # one memory location per column
