@@ -230,4 +230,5 @@ class PosixBackend:
             by_commit_order=job.by_commit_order,
             lock=job.retention_lock,
             latest=job.step,
+            background=job.removals,
         )

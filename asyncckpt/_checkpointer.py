@@ -81,6 +81,8 @@ class _Runtime:
         self.backend: Backend | None = None  # where saves go (POSIX root or object store)
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
+        # retired checkpoints whose files are still being removed (tasks on the writer loop)
+        self.removals: set[asyncio.Task[None]] = set()
         self.staging = StagingPool(max_pending)
         pool: IOPool | None = None
         try:
@@ -135,6 +137,13 @@ class _Runtime:
             self.stop(timeout=_MARGIN_S)
 
         threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+
+
+async def _until_removed(tasks: set[asyncio.Task[None]]) -> None:
+    """On the writer loop: wait until ``tasks`` (removals of retired checkpoints) are done,
+    never cancelling them."""
+    while tasks:
+        await asyncio.wait(list(tasks))
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -664,6 +673,7 @@ class Checkpointer:
             failed_commits=self._failed_commits,
             dead=self._dead,
             retention_lock=self._rt.retention_lock,
+            removals=self._rt.removals,
             by_commit_order=self.allow_earlier_steps,
             ranks=self._ranks,
             dtensors=dtensors,
@@ -916,12 +926,29 @@ class Checkpointer:
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        removing = self._removals_future()
+        if removing is not None:
+            done, _ = concurrent.futures.wait([removing], None if end is None else max(0.0, end - time.monotonic()))
+            if not done:
+                removing.cancel()  # stops the waiting, not the removals
+                raise TimeoutError(f"removing retired checkpoints still running after {timeout}s")
         if self._uploads_to_wait_for(local_only):
             left = None if end is None else max(0.0, end - time.monotonic())
             _, not_done = concurrent.futures.wait(self._pending_futures(), left)
             if not_done:
                 raise TimeoutError(f"{len(not_done)} upload(s) to {self._mirror_url()} still running after {timeout}s")
         self._raise_failures_since_flush()
+
+    def _removals_future(self) -> concurrent.futures.Future[None] | None:
+        """A future that settles once the retired checkpoints' files are removed (``None`` if
+        none is being removed): retention leaves that removal running after the save."""
+        rt = self._rt
+        if not rt.removals or rt.stopped or rt.forked:  # every save settled: no new ones come
+            return None
+        try:
+            return rt.writer.submit(_until_removed(rt.removals))
+        except RuntimeError:  # writer stopped meanwhile
+            return None
 
     def _mirror_url(self) -> str:
         return "" if self._mirror is None else self._mirror.url
@@ -936,6 +963,14 @@ class Checkpointer:
             _, not_done = await asyncio.wait(futures, timeout=timeout)
             if not_done:
                 raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
+        removing = self._removals_future()
+        if removing is not None:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            waiting: asyncio.Future[None] = asyncio.wrap_future(removing)
+            _, still = await asyncio.wait([waiting], timeout=left)
+            if still:
+                removing.cancel()  # stops the waiting, not the removals
+                raise TimeoutError(f"removing retired checkpoints still running after {timeout}s")
         if await asyncio.to_thread(self._uploads_to_wait_for, local_only):
             uploads = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures()]
             if uploads:

@@ -80,6 +80,8 @@ class SaveJob:
     dead: set[str] = field(default_factory=set)
     # one per writer loop: overlapping saves apply retention one at a time
     retention_lock: asyncio.Lock | None = None
+    # one per writer loop: removals of retired checkpoints still running (flush() waits)
+    removals: set[asyncio.Task[None]] | None = None
     # retention keeps the latest committed rather than the highest steps
     by_commit_order: bool = False
     # global ranks of the writing group, in group-rank order (recorded in the manifest)

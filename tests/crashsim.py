@@ -352,6 +352,7 @@ def record_single(root: Path, drop: int | None = None) -> Recording:
         os.sync()
         ops.start(str(root))
         ck.save(2, single_state(2)).result(timeout=60)
+        ck.flush(60)  # the retired step's files are removed after the save settles
         ops.stop()
     return Recording(ops.root, ops.base, ops.log, {1: [single_state(1)], 2: [single_state(2)]})
 
@@ -420,6 +421,7 @@ def _rank_main(argv: list[str]) -> None:
         ops.start(root)  # every rank, before any of them starts step 2
         dist.barrier()
         ck.save(2, rank_state(rank, 2)).result(timeout=60)
+        ck.flush(60)  # the retired step's files are removed after the save settles
         dist.barrier()  # rank 0 has applied retention too
         ops.stop()
         dist.barrier()
