@@ -33,13 +33,12 @@ Torch-free.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._checksum import crc32c
+from ._checksum import crc32c, crc32c_append_zeros, crc32c_shift
 from ._header import ITEMSIZE
 
 INDEX = "index.json"
@@ -56,54 +55,18 @@ BLOCK = 1 << 20
 MAX_BLOCK = 1 << 30
 
 
-# ---------------------------------------------------------------------- CRC-32C combine
-_POLY = 0x82F63B78  # CRC-32C, reflected
-
-
-def _times(mat: tuple[int, ...], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """The operator ``a after b`` (GF(2) 32 x 32 matrices as 32 column words)."""
-    return tuple(_times(a, col) for col in b)
-
-
-@functools.lru_cache(maxsize=64)
-def _shift(nbytes: int) -> tuple[int, ...]:
-    """The operator that appends ``nbytes`` zero bytes to a CRC-32C register (zlib's method)."""
-    op = tuple(1 << i for i in range(32))  # identity
-    bit = (_POLY, *(1 << n for n in range(31)))  # one zero bit
-    byte = _compose(bit, bit)
-    byte = _compose(byte, byte)
-    byte = _compose(byte, byte)  # eight zero bits
-    while nbytes:
-        if nbytes & 1:
-            op = _compose(byte, op)
-        nbytes >>= 1
-        if nbytes:
-            byte = _compose(byte, byte)
-    return op
-
-
 def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
     """The CRC-32C of ``data`` and of each of its ``block``-byte blocks (the last one short).
 
-    One pass over the bytes: the whole CRC is combined from the blocks' (one cached shift
-    operator for every full block; the short last block is continued from the running CRC).
+    One pass over the bytes: the whole CRC is combined from the blocks' (one shift for
+    every full block; the short last block is continued from the running CRC).
     """
     n = len(data)
     crcs = [crc32c(data[i : i + block]) for i in range(0, n, block)]
-    whole, op = 0, _shift(block)
+    whole, shift = 0, crc32c_shift(block)
     full = n // block
     for c in crcs[:full]:
-        whole = _times(op, whole) ^ c
+        whole = crc32c_append_zeros(whole, shift) ^ c
     if full < len(crcs):
         whole = crc32c(data[full * block :], whole)
     return whole, crcs

@@ -50,7 +50,7 @@ import torch
 
 from . import _readinto
 from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
-from ._checksum import crc32c
+from ._checksum import crc32c, crc32c_combine
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
@@ -171,7 +171,7 @@ def read_shard_fd(
             first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
         crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
         if expected_crc is not None:
-            if _readinto.crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
+            if crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
                 raise CheckpointCorruptError("checksum mismatch", path)
             if into:  # verified: now the targets, from the page cache the first pass filled
                 _readinto.read_into(fd, path, into, checksum=False)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ._checksum import crc32c
+from ._checksum import crc32c, crc32c_combine
 from ._errors import CheckpointCorruptError
 from ._iopool import IOPool
 
@@ -40,7 +40,6 @@ THREADS = 4
 #: One thread's bounce buffer (verification, staged targets) and its largest ``preadv``.
 BOUNCE = 4 * 1024 * 1024
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-_POLY = 0x82F63B78  # CRC-32C, reflected
 T = TypeVar("T")
 
 
@@ -114,44 +113,6 @@ class Skip:
 
 
 Dest = Direct | Device | Staged | Skip
-
-
-# ---------------------------------------------------------------------- CRC-32C combine
-def _gf2_times(mat: Sequence[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: Sequence[int]) -> list[int]:
-    return [_gf2_times(mat, m) for m in mat]
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32C of ``A + B`` from ``crc1 = crc(A)``, ``crc2 = crc(B)`` and ``len(B)`` (zlib's method)."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # one zero bit
-    even = _gf2_square(odd)  # two
-    odd = _gf2_square(even)  # four
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
 
 
 # ---------------------------------------------------------------------- reads

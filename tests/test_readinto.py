@@ -17,6 +17,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, _readinto, load
+from asyncckpt._checksum import crc32c_combine
 
 SHARD = "rank00000.safetensors"
 
@@ -52,7 +53,7 @@ def _opt_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 def test_crc32c_combine_matches_the_whole(length: int) -> None:
     data = os.urandom(2 * length + 5)
     a, b = data[: length + 5], data[length + 5 :]
-    assert _readinto.crc32c_combine(_crc.crc32c(a), _crc.crc32c(b), len(b)) == _crc.crc32c(data)
+    assert crc32c_combine(_crc.crc32c(a), _crc.crc32c(b), len(b)) == _crc.crc32c(data)
 
 
 def test_module_and_optimizer_are_read_in_place(tmp_path: Path) -> None:
