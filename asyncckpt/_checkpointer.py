@@ -822,7 +822,9 @@ class Checkpointer:
                     interrupted = self._staging_record if self._interrupted_save else None
                     if final_save is not None:
                         final_save(self)
-                    self._flush(max(0.0, self._grace_end - time.monotonic()), skip=interrupted)
+                    # the removal of retired steps is left to run (or to the next start): a
+                    # slow deletion must not turn a good final save into a failed exit
+                    self._flush(max(0.0, self._grace_end - time.monotonic()), skip=interrupted, removals=False)
             except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
                 print(f"asyncckpt: final flush on SIGTERM failed: {_describe(e)}", file=sys.stderr)
                 sys.stdout.flush()
@@ -918,7 +920,9 @@ class Checkpointer:
         """
         self._flush(timeout, local_only=local_only)
 
-    def _flush(self, timeout: float | None, skip: SaveRecord | None = None, local_only: bool = False) -> None:
+    def _flush(
+        self, timeout: float | None, skip: SaveRecord | None = None, local_only: bool = False, removals: bool = True
+    ) -> None:
         self._check_not_in_writer()
         self._check_not_forked()
         end = None if timeout is None else time.monotonic() + timeout
@@ -926,7 +930,7 @@ class Checkpointer:
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} save(s) still running after {timeout}s")
-        removing = self._removals_future()
+        removing = self._removals_future() if removals else None
         if removing is not None:
             done, _ = concurrent.futures.wait([removing], None if end is None else max(0.0, end - time.monotonic()))
             if not done:
