@@ -101,11 +101,15 @@ def scenario_leader_killed(rank: int, world: int, root: str, result: dict[str, A
     ck.save(1, state_for(rank, 1)).result(timeout=60)
     if rank == 0:
         time.sleep(0.5)  # the followers' save of step 2 is waiting for rank 0 by now
-        marker.write_text(str(time.monotonic()))
+        # atomically: the followers wait for the file to exist and read it at once (a plain
+        # write_text let them read it empty, as time 0, once in a while under load)
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(str(time.monotonic()))
+        os.replace(tmp, marker)
         os.kill(os.getpid(), signal.SIGKILL)
     pending = ck.save(2, state_for(rank, 2))  # pending when rank 0 (the store host) dies
     wait_for_file(marker)
-    result["leader_died_at"] = float(marker.read_text() or 0)
+    result["leader_died_at"] = float(marker.read_text())
     _after_coordinator_died(ck, rank, result, pending)
 
 
