@@ -140,10 +140,12 @@ class _Runtime:
 
 
 async def _until_removed(tasks: set[asyncio.Task[None]]) -> None:
-    """On the writer loop: wait until ``tasks`` (removals of retired checkpoints) are done,
-    never cancelling them."""
-    while tasks:
-        await asyncio.wait(list(tasks))
+    """On the writer loop: wait until the removals of retired checkpoints running now (in
+    ``tasks``) are done, never cancelling them. Removals that saves add meanwhile are not
+    waited for: with another thread saving on, the set may never be empty."""
+    running = list(tasks)
+    if running:
+        await asyncio.wait(running)
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -944,8 +946,8 @@ class Checkpointer:
         self._raise_failures_since_flush()
 
     def _removals_future(self) -> concurrent.futures.Future[None] | None:
-        """A future that settles once the retired checkpoints' files are removed (``None`` if
-        none is being removed): retention leaves that removal running after the save."""
+        """A future that settles once the retired checkpoints' files being removed now are
+        removed (``None`` if none is): retention leaves that removal running after the save."""
         rt = self._rt
         if not rt.removals or rt.stopped or rt.forked:  # every save settled: no new ones come
             return None
