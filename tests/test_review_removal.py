@@ -5,9 +5,14 @@ produces)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from asyncckpt import Checkpointer
@@ -82,3 +87,89 @@ def test_flush_does_not_wait_for_removals_of_saves_started_after_it(tmp_path: Pa
         ops.release_all()
         ck.close()
     assert sorted(os.listdir(tmp_path)) == [".asyncckpt", "step_00000003"]
+
+
+def _run_job(tmp_path: Path, body: str, limit: float, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), *sys.path]))
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=limit, env=env)
+
+
+_SLOW_OPS = """
+    import os, sys, time, signal, torch
+    from asyncckpt import Checkpointer
+    from asyncckpt._storage import OsOps
+
+    class SlowUnlink(OsOps):  # a deletion that takes a while (a large shard, a slow file system)
+        def __init__(self, seconds):
+            self.seconds = seconds
+        def unlink_at(self, dir_fd, name):
+            time.sleep(self.seconds)
+            super().unlink_at(dir_fd, name)
+"""
+
+
+def _old_steps(root: Path, n: int) -> None:
+    with Checkpointer(root) as ck:
+        for s in range(1, n + 1):
+            ck.save(s, _state(s))
+
+
+def test_the_exit_hook_finishes_the_removal_of_retired_steps(tmp_path: Path) -> None:
+    """A job that saves and exits without close(): the exit hook finishes pending saves, and
+    the retired steps' files are part of what a save leaves to do (before the background
+    removal, the save itself deleted them)."""
+    root = tmp_path / "ck"
+    _old_steps(root, 4)
+    r = _run_job(tmp_path, _SLOW_OPS + """
+    ck = Checkpointer(sys.argv[1], keep_last=1, _ops=SlowUnlink(0.05))
+    ck.save(5, {"w": torch.full((1000,), 5.0)}).result(30)  # retires steps 1-4
+    """, 120, str(root))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(root)) == [".asyncckpt", "step_00000005"]
+
+
+def test_a_garbage_collected_checkpointer_finishes_the_removal_first(tmp_path: Path) -> None:
+    import gc
+    import time
+
+    root = tmp_path / "ck"
+    _old_steps(root, 4)
+
+    class SlowUnlink(OsOps):
+        def unlink_at(self, dir_fd: int, name: str) -> None:
+            time.sleep(0.05)
+            super().unlink_at(dir_fd, name)
+
+    ck = Checkpointer(root, keep_last=1, timeout=WAIT_S, _ops=SlowUnlink())
+    ck.save(5, _state(5)).result(WAIT_S)
+    del ck
+    gc.collect()
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end and sorted(os.listdir(root)) != [".asyncckpt", "step_00000005"]:
+        time.sleep(0.05)
+    assert sorted(os.listdir(root)) == [".asyncckpt", "step_00000005"]
+
+
+@pytest.mark.parametrize("previous", ["default", "sys.exit"])
+def test_sigterm_does_not_wait_for_the_removal(tmp_path: Path, previous: str) -> None:
+    """The SIGTERM path leaves a slow removal to the next start, whether the signal's default
+    action ends the process or a previous handler exits through the exit hook."""
+    import time
+
+    root = tmp_path / "ck"
+    _old_steps(root, 2)
+    t0 = time.monotonic()
+    r = _run_job(tmp_path, _SLOW_OPS + """
+    if sys.argv[2] == "sys.exit":
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    ck = Checkpointer(sys.argv[1], keep_last=1, _ops=SlowUnlink(60))
+    ck.install_sigterm_handler(grace_s=20)
+    ck.save(3, {"w": torch.full((1000,), 3.0)}).result(30)  # retires steps 1 and 2: held
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+    """, 120, str(root), previous)
+    assert time.monotonic() - t0 < 40, "the SIGTERM exit waited for the deletion"
+    assert r.returncode == (-signal.SIGTERM if previous == "default" else 0), r.stderr[-2000:]
+    assert "step_00000003" in os.listdir(root)
