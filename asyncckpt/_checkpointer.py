@@ -129,21 +129,37 @@ class _Runtime:
                 if self.ownership is not None:
                     self.ownership.release()  # the writer is gone: the root is free for the next job
 
+    def removals_future(self) -> concurrent.futures.Future[None] | None:
+        """A future that settles once the retired checkpoints' files being removed now are
+        removed (``None`` if none is): retention leaves that removal running after the save."""
+        if not self.removals or self.stopped or self.forked:
+            return None
+        try:
+            return self.writer.submit(_until_removed(self.removals))
+        except RuntimeError:  # writer stopped meanwhile
+            return None
+
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
         """Stop from a background thread once ``futures`` settle (used after GC)."""
 
         def wait_then_stop() -> None:
+            end = time.monotonic() + timeout
             concurrent.futures.wait(futures, timeout)
+            removing = self.removals_future()  # the files of the steps their retention retired
+            if removing is not None:
+                concurrent.futures.wait([removing], max(0.0, end - time.monotonic()))
             self.stop(timeout=_MARGIN_S)
 
         threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
 
 
 async def _until_removed(tasks: set[asyncio.Task[None]]) -> None:
-    """On the writer loop: wait until ``tasks`` (removals of retired checkpoints) are done,
-    never cancelling them."""
-    while tasks:
-        await asyncio.wait(list(tasks))
+    """On the writer loop: wait until the removals of retired checkpoints running now (in
+    ``tasks``) are done, never cancelling them. Removals that saves add meanwhile are not
+    waited for: with another thread saving on, the set may never be empty."""
+    running = list(tasks)
+    if running:
+        await asyncio.wait(running)
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -243,6 +259,9 @@ class Checkpointer:
     # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
     _grace_end: float | None = None
     _interrupted_save: bool = False
+    # set once the SIGTERM handler ran: the exit hook leaves retired steps' removal to the next
+    # start then (a slow deletion must not outlast the grace period)
+    _sigterm_seen: bool = False
 
     def __init__(
         self,
@@ -812,6 +831,7 @@ class Checkpointer:
             # one deadline for all of it (final save's slot wait, staging, flush): the process is
             # gone within grace_s, whatever it was doing when the signal came
             self._grace_end = time.monotonic() + grace_s
+            self._sigterm_seen = True
             # the signal may have landed inside save() on this thread, which holds (or waits for)
             # a staging slot it will not give back before this handler returns
             self._interrupted_save = _inside_save(frame, self)
@@ -944,15 +964,7 @@ class Checkpointer:
         self._raise_failures_since_flush()
 
     def _removals_future(self) -> concurrent.futures.Future[None] | None:
-        """A future that settles once the retired checkpoints' files are removed (``None`` if
-        none is being removed): retention leaves that removal running after the save."""
-        rt = self._rt
-        if not rt.removals or rt.stopped or rt.forked:  # every save settled: no new ones come
-            return None
-        try:
-            return rt.writer.submit(_until_removed(rt.removals))
-        except RuntimeError:  # writer stopped meanwhile
-            return None
+        return self._rt.removals_future()
 
     def _mirror_url(self) -> str:
         return "" if self._mirror is None else self._mirror.url
@@ -1629,6 +1641,12 @@ def _exit_hook() -> None:
                         concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
                 except Exception:  # noqa: BLE001 - the writer is gone: nothing more will upload
                     pass
+            if not ck._sigterm_seen:
+                # the files of the steps retention retired (a save settles before they are
+                # deleted): stopping the writer now would leave them for the next start
+                removing = ck._removals_future()
+                if removing is not None:
+                    concurrent.futures.wait([removing], ck.timeout + _MARGIN_S)
         failures = ck._unreported_failures()
         if not ck._closed:
             try:

@@ -33,10 +33,12 @@ def _mulmod(a: int, b: int) -> int:
 
 
 def _powers() -> list[int]:
-    """``x^(2^k) mod P`` for k in 0..63."""
+    """``x^(2^k) mod P`` for k in 0..30: the sequence repeats with period 31 for CRC-32C's P
+    (x^(2^31) = x mod P), so ``x^(2^k)`` is entry ``k % 31`` for every k."""
     out = [1 << 30]  # x^1
-    for _ in range(63):
+    for _ in range(30):
         out.append(_mulmod(out[-1], out[-1]))
+    assert _mulmod(out[-1], out[-1]) == out[0]
     return out
 
 
@@ -48,7 +50,7 @@ def crc32c_shift(nbytes: int) -> int:
     shift, k = 1 << 31, 3  # x^0; nbytes bytes = nbytes * 2^3 bits
     while nbytes > 0:
         if nbytes & 1:
-            shift = _mulmod(_X2K[k & 63], shift)
+            shift = _mulmod(_X2K[k % 31], shift)
         nbytes >>= 1
         k += 1
     return shift

@@ -63,6 +63,11 @@ class WriterThread:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._forked = False
+        # guards _closing: once set (the loop winding down), nothing more is handed to the loop,
+        # so everything handed over before is run (and cancelled) before the loop closes.
+        # Reentrant: a signal handler on the thread inside submit() may submit too
+        self._lock = threading.RLock()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         try:
             self._thread.start()
@@ -81,10 +86,18 @@ class WriterThread:
         try:
             self._loop.run_forever()
         finally:
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            if pending:
+            with self._lock:
+                self._closing = True
+            # a submit() that landed after the last iteration has a callback still queued: run
+            # it, then cancel every task, until none is left (a task may start another while
+            # it is cancelled); a future left pending past the close would never settle
+            for _ in range(10):
+                self._loop.run_until_complete(asyncio.sleep(0))
+                pending = asyncio.all_tasks(self._loop)
+                if not pending:
+                    break
+                for task in pending:
+                    task.cancel()
                 self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
@@ -112,10 +125,11 @@ class WriterThread:
         if self.in_writer():
             coro.close()
             raise RuntimeError("asyncckpt: cannot submit to the writer from its own thread")
-        if not self._thread.is_alive() or self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("asyncckpt writer thread is stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            if self._closing or not self._thread.is_alive() or self._loop.is_closed():
+                coro.close()
+                raise RuntimeError("asyncckpt writer thread is stopped")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def launch(self, make: Callable[[], Coroutine[Any, Any, T]], fut: Future[T], gate: StartGate) -> None:
         """Run ``make()`` on the loop and resolve ``fut`` (created by the caller, who has
@@ -130,8 +144,6 @@ class WriterThread:
             raise RuntimeError("asyncckpt writer is not usable in a forked child process")
         if self.in_writer():
             raise RuntimeError("asyncckpt: cannot submit to the writer from its own thread")
-        if not self._thread.is_alive() or self._loop.is_closed():
-            raise RuntimeError("asyncckpt writer thread is stopped")
 
         def copy_outcome(task: asyncio.Task[T]) -> None:
             if fut.done():
@@ -154,7 +166,10 @@ class WriterThread:
                 return
             task.add_done_callback(copy_outcome)
 
-        self._loop.call_soon_threadsafe(start)
+        with self._lock:
+            if self._closing or not self._thread.is_alive() or self._loop.is_closed():
+                raise RuntimeError("asyncckpt writer thread is stopped")
+            self._loop.call_soon_threadsafe(start)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (cancelling whatever still runs) and join the thread."""
