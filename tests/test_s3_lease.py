@@ -33,6 +33,7 @@ from s3fixtures import (
     only_committed,
     opts,
     proxy_fixture,
+    put,
     require_s3,
     server_fixture,
 )
@@ -42,6 +43,7 @@ from s3server import S3Server
 
 import asyncckpt
 from asyncckpt import Checkpointer, RootInUseError, SaveError
+from asyncckpt.cli import main as cli_main
 
 require_s3()
 
@@ -265,6 +267,49 @@ def test_renewals_failing_for_less_than_the_ttl_cost_a_healthy_job_nothing(
             ck.flush(timeout=30)  # the refused save, reported once more
     only_committed(s3.endpoint, url, steps)
     assert_same(asyncckpt.load(url, storage_options=o), state_for(step + 1))
+
+
+def test_gc_of_a_url_removes_dead_leftovers_under_the_lease_and_is_refused_while_a_job_holds_it(
+    s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    o = opts(s3.endpoint)
+    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    with Checkpointer(url, storage_options=o, lease_ttl=TTL) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state_for(s)).result(timeout=60)
+        # what dead jobs leave: a step prefix with no manifest, a loser's objects beside a
+        # commit, an incomplete upload, and a step whose manifest is garbage (never removed)
+        put(s3.endpoint, url, "step_00000005/a-0000000000000005/rank00000.safetensors", b"x" * 100)
+        put(s3.endpoint, url, "step_00000002/a-00000000000000aa/rank00000.json", b"{}")
+        leave_upload(s3, url, "step_00000009/a-0000000000000009/rank00000.safetensors")
+        put(s3.endpoint, url, "step_00000008/manifest.json", b"garbage")
+        capsys.readouterr()
+        assert cli_main(["gc", url, "--min-age", "0", *so]) == 1  # a live job holds the lease
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "asyncckpt gc: error:" in err and "already owned" in err, err
+        assert f"pid {os.getpid()}" in err and SECRET not in err
+        assert cli_main(["gc", url, "--min-age", "0", "--dry-run", "--json", *so]) == 0  # reads only: no lease
+        dry = json.loads(capsys.readouterr().out)
+        assert dry["dry_run"] and len(dry["removed"]) == 3, dry
+    before = keys(s3.endpoint, url)
+    assert "step_00000005/a-0000000000000005/rank00000.safetensors" in before and s3.pending_uploads(BUCKET)
+    assert cli_main(["gc", url, "--json", *so]) == 0  # the default --min-age keeps fresh leftovers
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["removed"] == [] and len(doc["kept"]) == 3 and keys(s3.endpoint, url) == before, doc
+    assert cli_main(["gc", url, "--keep-last", "2", "--min-age", "0", *so]) == 0
+    text = capsys.readouterr().out
+    assert "removed step_00000002/a-00000000000000aa/ (objects of an attempt that lost its step's commit" in text
+    assert "removed step_00000005/ (leftover of a save or push that never committed" in text
+    assert "removed step_00000009/a-0000000000000009/rank00000.safetensors (incomplete multipart upload" in text
+    assert "retired step 1" in text and "keeping 2 complete checkpoint(s): step 2, 3" in text, text
+    assert "left alone step_00000008/" in text
+    assert s3.pending_uploads(BUCKET) == []
+    assert keys(s3.endpoint, url) == sorted(
+        [k for k in before if k.startswith(("step_00000002/a-", "step_00000003/")) and "a-00000000000000aa" not in k]
+        + ["step_00000002/manifest.json", "step_00000008/manifest.json"]
+    ), keys(s3.endpoint, url)
+    assert owner(s3.endpoint, url)["released"] is True and owner(s3.endpoint, url)["role"] == "asyncckpt gc"
+    assert_same(asyncckpt.load(url, storage_options=o), state_for(3))
 
 
 @pytest.mark.parametrize("ttl", [0, 1.5, -1, True, "60", float("nan"), 10**6])
