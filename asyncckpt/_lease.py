@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -126,9 +127,9 @@ class Lease:
         self.renew_s = self.ttl / RENEWALS_PER_TTL
         self.token = uuid.uuid4().hex
         self.url = store.object_url(KEY)
-        self._ranks = list(ranks)
-        self._role = role
-        self._since = time.time()
+        # who holds it, as the record says (never a credential)
+        self._who = {"role": role, "host": socket.gethostname(), "pid": os.getpid(),
+                     "start_time": _process_start_time(), "ranks": list(ranks), "since": time.time()}
         self._seq = 0
         self._etag: str | None = None
         self._valid_until = 0.0  # time.monotonic(): the last good renewal's send time + ttl
@@ -167,11 +168,8 @@ class Lease:
             raise RootInUseError(f"asyncckpt: this job does not hold the lease of {self.store.url}")
 
     def _body(self, seq: int, released: bool = False) -> bytes:
-        return json.dumps({
-            "role": self._role, "host": socket.gethostname(), "pid": os.getpid(),
-            "start_time": _process_start_time(), "ranks": self._ranks, "since": self._since,
-            "ttl_s": self.ttl, "renew_s": self.renew_s, "token": self.token, "seq": seq, "released": released,
-        }, sort_keys=True).encode()
+        return json.dumps({**self._who, "ttl_s": self.ttl, "renew_s": self.renew_s, "token": self.token,
+                           "seq": seq, "released": released}, sort_keys=True).encode()
 
     def _describe(self, rec: dict[str, Any] | None) -> str:
         if rec is None:
@@ -208,8 +206,7 @@ class Lease:
                 age = (await self.store.server_time(deadline) - info.last_modified).total_seconds()
             if age is None or age > ttl + RESOLUTION_S:
                 sent = time.monotonic()
-                assert info.e_tag is not None
-                res = await self.store.replace_if(KEY, self._body(0), info.e_tag, deadline)
+                res = await self.store.replace_if(KEY, self._body(0), self._e_tag_of(info), deadline)
                 if res.won:
                     if age is not None:
                         log.warning("took over the lease of %s from %s: not renewed for %.0f s (its TTL: %g s)",
@@ -254,13 +251,18 @@ class Lease:
             "the CLI - needs no lease); a lease its holder stops renewing is taken over after its TTL"
         )
 
+    def _e_tag_of(self, info: ObjectInfo | None) -> str:
+        if info is None or not info.e_tag:
+            raise ObjectStoreError(errno.EIO, "the store returned no ETag for the lease: it cannot be renewed",
+                                   self.url)
+        return info.e_tag
+
     async def _taken(self, info: ObjectInfo | None, sent: float, deadline: float) -> None:
         """Ours from ``sent`` on: start renewing (or, if :meth:`release` ran meanwhile, give
         it back at once)."""
-        if info is None or not info.e_tag:
-            raise ObjectStoreError(5, "the store returned no ETag for the lease: it cannot be renewed", self.url)
+        e_tag = self._e_tag_of(info)
         with self._state:
-            self._etag = info.e_tag
+            self._etag = e_tag
             self._valid_until = sent + self.ttl
             released = self._released
             if not released:
@@ -271,9 +273,15 @@ class Lease:
 
     # -- hold ----------------------------------------------------------------------------------
 
+    def _one_at_a_time(self) -> asyncio.Lock:
+        """The lock that orders renewals and the release (made on the loop that first asks:
+        the lease loop, or the taker's when a release comes before any renewal)."""
+        if self._mutex is None:
+            self._mutex = asyncio.Lock()
+        return self._mutex
+
     async def _keep(self) -> None:
         """Renew every ``renew_s`` (sooner after a failure) until lost or cancelled."""
-        self._mutex = asyncio.Lock()
         ok = True
         while self._lost is None:
             await asyncio.sleep(self.renew_s if ok else max(0.2, self.renew_s / 4))
@@ -290,8 +298,7 @@ class Lease:
     async def _renew(self, until: float | None = None) -> None:
         """One renewal (on the lease loop), by ``until`` at the latest: extends the validity,
         or marks the lease lost."""
-        assert self._mutex is not None
-        async with self._mutex:
+        async with self._one_at_a_time():
             if not self.held:
                 return
             assert self._etag is not None
@@ -365,8 +372,7 @@ class Lease:
     async def _give_back(self, deadline: float) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
-        mutex = self._mutex or asyncio.Lock()
-        async with mutex:
+        async with self._one_at_a_time():
             if self._lost is not None or self._etag is None:
                 return
             res = await self.store.replace_if(KEY, self._body(self._seq + 1, released=True), self._etag, deadline)

@@ -27,7 +27,7 @@ from typing import Literal
 
 from ._errors import CheckpointCorruptError
 from ._layout import step_dir_name
-from ._objstore import ObjectStore
+from ._objstore import ObjectStore, ObjectStoreError
 from ._remote import candidate_steps, data_prefix, manifest_key, read_manifest
 
 log = logging.getLogger("asyncckpt")
@@ -47,6 +47,7 @@ class Leftover:
     modified: _dt.datetime | None
     keys: tuple[str, ...] = ()
     upload_id: str | None = None
+    step: int | None = None  # the step prefix it lies under (not set for uploads)
 
 
 @dataclass
@@ -96,7 +97,8 @@ async def survey(
         if found is None:
             if listed:
                 out.leftovers.append(Leftover("uncommitted", sd, sum(o.size for o in listed),
-                                              max(o.last_modified for o in listed), tuple(o.key for o in listed)))
+                                              max(o.last_modified for o in listed), tuple(o.key for o in listed),
+                                              step=step))
             continue
         m = found[0]
         mine = data_prefix(step, m.attempt)
@@ -120,9 +122,14 @@ async def survey(
             others.setdefault(sd + head, []).append((o.key, o.size, o.last_modified))
         for name, objs in sorted(others.items()):
             out.leftovers.append(Leftover("dead-attempt", name, sum(s for _, s, _ in objs),
-                                          max(t for _, _, t in objs), tuple(k for k, _, _ in objs)))
+                                          max(t for _, _, t in objs), tuple(k for k, _, _ in objs), step=step))
     if uploads and store.can_list_uploads:
-        for u in await store.list_uploads("", deadline):
+        try:
+            pending = await store.list_uploads("", deadline)
+        except ObjectStoreError as e:  # housekeeping: the bucket's lifecycle rule is the fallback
+            log.warning("could not list incomplete uploads under %s: %s", store.url, e)
+            pending = []
+        for u in pending:
             if any(u.key.startswith(p) for p in keep_prefixes):
                 continue
             out.leftovers.append(Leftover("upload", u.key, 0, _initiated(u.initiated), upload_id=u.upload_id))
@@ -142,12 +149,18 @@ async def remove(store: ObjectStore, leftovers: Sequence[Leftover], deadline: fl
 async def remove_dead(
     store: ObjectStore, deadline: float, *, skip_steps: Collection[int] = (), keep_prefixes: Sequence[str] = ()
 ) -> Survey:
-    """Survey, then remove every leftover found (the caller holds the lease); logged."""
+    """Survey, then remove every leftover found (the caller holds the lease); logged. A
+    removal that fails is logged, never raised: what is left is found again next time."""
     found = await survey(store, deadline, skip_steps=skip_steps, keep_prefixes=keep_prefixes)
     if found.leftovers:
-        await remove(store, found.leftovers, deadline)
-        log.info("removed %d leftover(s) under %s: %s", len(found.leftovers), store.url,
-                 ", ".join(x.name for x in found.leftovers[:10]))
+        try:
+            await remove(store, found.leftovers, deadline)
+        except ObjectStoreError as e:
+            log.warning("could not remove leftovers under %s: %s", store.url, e)
+            found.seen.difference_update(x.step for x in found.leftovers if x.step is not None)
+        else:
+            log.info("removed %d leftover(s) under %s: %s", len(found.leftovers), store.url,
+                     ", ".join(x.name for x in found.leftovers[:10]))
     for name, _, reason in found.left_alone:
         log.warning("left alone %s: %s", store.object_url(name), reason)
     return found

@@ -312,6 +312,23 @@ def test_gc_of_a_url_removes_dead_leftovers_under_the_lease_and_is_refused_while
     assert_same(asyncckpt.load(url, storage_options=o), state_for(3))
 
 
+def test_housekeeping_that_fails_never_fails_construction_or_a_save(
+    s3: S3Server, proxy: FaultProxy, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Listing incomplete uploads refused (a 403 for ListMultipartUploads, a 500 through every
+    retry): the lease and the saves go on, the bucket's lifecycle rule is the fallback."""
+    o = opts(proxy.endpoint)
+    refused = proxy.add(Rule("status", method="GET", query_has=("uploads",), status=403, code="AccessDenied",
+                             times=10**6))
+    with Checkpointer(url, storage_options=o, lease_ttl=TTL) as ck:
+        ck.save(1, state_for(1)).result(timeout=60)
+        refused.status, refused.code = 500, "InternalError"
+        ck.save(2, state_for(2)).result(timeout=60)
+    assert refused.hits >= 2
+    assert "could not list incomplete uploads" in caplog.text
+    only_committed(s3.endpoint, url, [1, 2])
+
+
 @pytest.mark.parametrize("ttl", [0, 1.5, -1, True, "60", float("nan"), 10**6])
 def test_a_bad_lease_ttl_raises_at_construction(url: str, ttl: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lease_ttl"):
