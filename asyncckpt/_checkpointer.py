@@ -1600,6 +1600,7 @@ def _is_int(v: Any) -> bool:
 def _exit_hook() -> None:
     """At exit: finish pending saves (bounded), print unseen failures, exit non-zero if any."""
     unseen: list[str] = []
+    settle = False
     for ck in list(_live):
         if ck._rt.forked:
             continue  # a forked child: the saves belong to the parent, which waits for them
@@ -1619,8 +1620,16 @@ def _exit_hook() -> None:
                 ck._rt.stop(_MARGIN_S)
             except BaseException:  # noqa: BLE001
                 pass
+            if ck._store is not None:
+                # its lease was just released through obstore, after obstore's own exit hook
+                # let the runtime settle: settle again before the interpreter is torn down
+                settle = True
         for r in failures:
             unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
+    if settle:
+        from ._objstore import _let_runtime_settle
+
+        _let_runtime_settle()
     if unseen:
         for line in unseen:
             print(line, file=sys.stderr)

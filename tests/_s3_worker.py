@@ -3,6 +3,7 @@
 ``python _s3_worker.py resume URL OPTIONS_JSON OUT``: load the newest step, write what it got.
 ``python _s3_worker.py save URL OPTIONS_JSON OUT STEP [LEASE_TTL]``: save STEP and wait (the test kills it).
 ``python _s3_worker.py try URL OPTIONS_JSON OUT``: construct a Checkpointer, write what it raised.
+``python _s3_worker.py exit URL OPTIONS_JSON OUT``: save step 1, then exit without close().
 ``python _s3_worker.py lease URL OPTIONS_JSON OUT RANK WORLD PORT``: one gloo rank (lease TTL 4 s)
 saving step 1, then, once the test creates ``OUT.go``, steps 2 and 3; writes how each went.
 ``python _s3_worker.py ranks URL OPTIONS_JSON OUT RANK WORLD PORT``: one gloo rank saving steps
@@ -49,6 +50,9 @@ def main() -> None:
             ck.save(int(sys.argv[5]), state_for(int(sys.argv[5])))
             print("staged", flush=True)
             time.sleep(600)  # killed by the test while the upload is held at the proxy
+        elif what == "exit":
+            Checkpointer(url, storage_options=opts, timeout=60, lease_ttl=4).save(1, state_for(1)).result(timeout=60)
+            res["saved"] = True  # the exit hook closes it: the lease is released on the way out
         elif what == "try":
             try:
                 Checkpointer(url, storage_options=opts, timeout=60, lease_ttl=4).close()

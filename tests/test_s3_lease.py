@@ -112,6 +112,18 @@ def test_a_second_writer_is_refused_naming_the_owner_and_a_released_lease_is_tak
     only_committed(s3.endpoint, url, [1, 2])
 
 
+def test_a_process_that_exits_without_close_releases_its_lease(s3: S3Server, url: str, tmp_path: Path) -> None:
+    o = opts(s3.endpoint)
+    out = tmp_path / "exit.json"
+    r = subprocess.run([sys.executable, WORKER, "exit", url, json.dumps(o), str(out)], timeout=120, env=env(),
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(out.read_text()) == {"saved": True}, r.stderr[-3000:]
+    assert owner(s3.endpoint, url)["released"] is True
+    t0 = time.monotonic()
+    with Checkpointer(url, storage_options=o, lease_ttl=TTL) as ck:
+        assert time.monotonic() - t0 < TTL and ck.steps() == [1]
+
+
 def test_a_sigkilled_owner_is_taken_over_after_its_ttl_and_its_leftovers_are_removed(
     s3: S3Server, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:
