@@ -22,9 +22,15 @@ The protocol beside POSIX's (``_backend.PosixBackend``):
    correct checkpoint, replaced by a retry of the step, see 1).
 4. L, failure: the attempt's objects deleted and its multipart uploads aborted (keys are
    attempt-unique, so no live writer can own them). Success: the objects of other attempts
-   of the step are deleted (they can never commit), stale uploads under the step aborted,
-   and ``keep_last`` applied (the manifest first, so a step stops being complete at once,
-   then its objects).
+   of the step are deleted (they can never commit), ``keep_last`` applied (the manifest
+   first, so a step stops being complete at once, then its objects), and, the root's lease
+   being ours, the leftovers of the root that are not our saves in flight removed
+   (``_remote_leftovers``: step prefixes without a manifest, incomplete uploads).
+
+The root's lease (``_lease``, rank 0's): a save of a job whose lease was taken over fails
+in 1 (``RootInUseError``, before anything is written) or, if that became known only later,
+right before the commit point in 3, which first makes sure the lease is ours for a while yet
+and bounds the create by it: such a job commits nothing.
 
 A step is complete iff its manifest decodes and one LIST of its attempt prefix shows exactly
 the manifest's names and sizes (``_remote.open_step``), which is how readers find it.
@@ -37,12 +43,14 @@ import errno
 import logging
 import pathlib
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._backend import check_deadline
 from ._errors import CheckpointCorruptError
 from ._info import CheckpointInfo
 from ._layout import step_dir_name
+from ._lease import Lease
 from ._manifest import decode
 from ._objstore import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
 from ._remote import (
@@ -53,6 +61,7 @@ from ._remote import (
     read_manifest,
     retire_remote,
 )
+from ._remote_leftovers import remove_dead
 from ._storage import Staged, WriteResult, until_staged
 
 if TYPE_CHECKING:
@@ -67,8 +76,14 @@ _CLEANUP_S = 20.0
 class ObjectBackend:
     """An ``s3://bucket/prefix`` root (module docstring). One per rank and Checkpointer."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, lease: Lease | None = None, known_steps: Iterable[int] = ()) -> None:
         self.store = store
+        self.lease = lease  # rank 0's (the others never commit nor remove)
+        # our saves between their prepare and their end: step -> attempt (never leftovers)
+        self._in_flight: dict[int, str] = {}
+        # step prefixes looked at (at construction, by a survey) or committed since: the
+        # sweep after a commit surveys only the others
+        self._known: set[int] = set(known_steps)
 
     def location(self, step: int, attempt: str) -> str:
         return data_prefix(step, attempt)
@@ -80,8 +95,11 @@ class ObjectBackend:
         )
 
     async def prepare(self, job: SaveJob, attempt: str) -> None:
+        if self.lease is not None:
+            self.lease.check()  # taken over: this job writes nothing more
         found = await read_manifest(self.store, job.step, job.deadline)
         if found is None:
+            self._in_flight[job.step] = attempt
             return
         m = found[0]
         if m.attempt not in job.failed_commits:
@@ -92,6 +110,7 @@ class ObjectBackend:
         await self.store.delete([manifest_key(job.step)], job.deadline)
         await self._remove_prefix(data_prefix(job.step, m.attempt), job.deadline)
         job.failed_commits.discard(m.attempt)
+        self._in_flight[job.step] = attempt
 
     async def join(self, job: SaveJob, loc: str) -> None:
         return None  # prefixes are implicit
@@ -129,6 +148,10 @@ class ObjectBackend:
         key = manifest_key(job.step)
         # keep time back: after an unknown outcome the caller still removes the attempt
         until = max(time.monotonic() + 0.5, job.deadline - min(_CLEANUP_S, 0.2 * job.timeout))
+        if self.lease is not None:
+            # the lease ours for a third of its TTL at least (renewed now if need be), and the
+            # create never sent after it could have been taken over
+            until = min(until, await self.lease.confirm(self.lease.ttl / 3))
         try:
             result = await self.store.create_once(key, manifest, until)
         except ObjectStoreTimeoutError as e:
@@ -147,6 +170,8 @@ class ObjectBackend:
             )
 
     async def abandon(self, job: SaveJob, loc: str) -> None:
+        self._in_flight.pop(job.step, None)
+        self._known.discard(job.step)  # what is not removed now, a later sweep finds
         # after the deadline too: a bounded clean-up of keys no live writer can own
         await self._remove_prefix(loc, max(job.deadline, time.monotonic() + _CLEANUP_S))
 
@@ -158,17 +183,30 @@ class ObjectBackend:
             await self.store.abort_uploads(prefix, deadline=deadline)
 
     async def retire(self, job: SaveJob) -> None:
+        self._in_flight.pop(job.step, None)
+        self._known.add(job.step)
+        if self.lease is not None and not self.lease.held:
+            log.warning("no clean-up or retention after step %d: the lease of %s is not ours", job.step,
+                        self.store.url)
+            return
         deadline = max(job.deadline, time.monotonic() + _CLEANUP_S)
         found = await read_manifest(self.store, job.step, deadline)
         if found is not None:
             try:
                 await _sweep_dead_attempts(self.store, found[0], deadline)
-                await _abort_stale_uploads(self.store, found[0], deadline)
+                if self.lease is None:
+                    await _abort_stale_uploads(self.store, found[0], deadline)
             except ObjectStoreError as e:
                 log.warning("could not remove dead attempts of step %d: %s", job.step, e)
-        if job.keep_last is None:
-            return
-        async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
-            removed = await retire_remote(self.store, job.keep_last, deadline)
-        if removed:
-            log.info("retired steps %s under %s", removed, self.store.url)
+        if job.keep_last is not None:
+            async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
+                removed = await retire_remote(self.store, job.keep_last, deadline)
+            if removed:
+                self._known.difference_update(removed)  # an interrupted retirement is a leftover
+                log.info("retired steps %s under %s", removed, self.store.url)
+        if self.lease is not None and self.lease.held:
+            # the lease is ours: what is not one of our saves in flight is dead
+            flying = dict(self._in_flight)
+            found_now = await remove_dead(self.store, deadline, skip_steps=self._known | set(flying),
+                                          keep_prefixes=[data_prefix(s, a) for s, a in flying.items()])
+            self._known |= found_now.seen

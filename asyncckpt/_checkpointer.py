@@ -56,6 +56,7 @@ from ._structure import TensorRef, flatten
 from ._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
+    from ._lease import Lease
     from ._remote import RemoteCheckpointInfo
 
 OnError = Literal["raise", "warn"]
@@ -77,6 +78,7 @@ class _Runtime:
         self.stopped = False
         self.pid = os.getpid()
         self.ownership: Ownership | None = None
+        self.lease: Lease | None = None  # an object-store root's (rank 0): released like ownership
         self.mirror: Mirror | None = None  # tier mode (mirror=): stopped before the writer
         self.backend: Backend | None = None  # where saves go (POSIX root or object store)
         # one per writer loop: overlapping saves apply retention one at a time
@@ -128,6 +130,8 @@ class _Runtime:
                 self.staging.close()
                 if self.ownership is not None:
                     self.ownership.release()  # the writer is gone: the root is free for the next job
+                if self.lease is not None:
+                    self.lease.release()
 
     def removals_future(self) -> concurrent.futures.Future[None] | None:
         """A future that settles once the retired checkpoints' files being removed now are
@@ -244,6 +248,9 @@ class Checkpointer:
         keep_last_remote: with ``mirror``, keep only the newest N complete steps on the store.
         storage_options: with ``mirror``, obstore S3 options (``endpoint``, ``region``, keys);
             missing ones come from the ``AWS_*`` environment. Never logged.
+        lease_ttl: for an ``s3://`` root: seconds the root's lease lives without renewal
+            (default 60; renewed every ``lease_ttl / 6``). A job killed without ``close()``
+            keeps the next one waiting (at construction) for at most about this long.
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -253,7 +260,11 @@ class Checkpointer:
     root - another process, job, process group, or Checkpointer - raises
     ``RootInUseError`` naming the owner. A root that cannot be written raises
     ``RootNotWritableError`` (a ``PermissionError``). Reading needs no Checkpointer:
-    ``asyncckpt.load()`` / ``find_latest()``.
+    ``asyncckpt.load()`` / ``find_latest()``. On an ``s3://`` root ownership is a lease
+    object renewed in the background (README "An object-store root"): construction waits
+    while a lease is there that is neither renewed (a live owner: ``RootInUseError``) nor
+    past its TTL (a dead one: taken over), and a job whose lease was taken over fails every
+    later save with ``RootInUseError`` on every rank, committing nothing.
     """
 
     # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
@@ -282,14 +293,20 @@ class Checkpointer:
         mirror: str | None = None,
         keep_last_remote: int | None = None,
         storage_options: Mapping[str, str] | None = None,
+        lease_ttl: float | None = None,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
         store = None
         if isinstance(root, str) and root.startswith("s3://"):
             store = _open_store_root(root, mirror, keep_last_remote, storage_options, direct_io, allow_earlier_steps)
+            from ._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
+
+            ttl = check_ttl(lease_ttl) if lease_ttl is not None else DEFAULT_TTL_S
         else:
             check_options(mirror, keep_last_remote, storage_options)  # tier mode: bad options raise here
+            if lease_ttl is not None:
+                raise ValueError("lease_ttl applies to an object-store root (s3://...); a local root is locked")
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path, not {type(root).__name__}")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
@@ -358,13 +375,15 @@ class Checkpointer:
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), the except below releases what was taken
         ownership = Ownership(self.root, None) if self.rank == 0 and store is None else None
+        lease = Lease(store, self._ranks, ttl=ttl) if self.rank == 0 and store is not None else None
         rt: _Runtime | None = None
         try:
             committed: list[int] = []
+            surveyed: set[int] = set()
             failure: BaseException | None = None
-            if store is not None and self.rank == 0:
-                try:  # no ownership lease on a store (yet): the conditional create guards each step
-                    committed = _remote_start(store, self.timeout)
+            if lease is not None:
+                try:
+                    committed, surveyed = _remote_start(lease, self.timeout)
                 except (CheckpointError, OSError, ValueError) as e:
                     failure = e
             elif ownership is not None:
@@ -380,10 +399,11 @@ class Checkpointer:
             self._committed = set(committed)
             rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
             rt.ownership = ownership
+            rt.lease = lease
             if store is not None:
                 from ._backend_s3 import ObjectBackend
 
-                rt.backend = ObjectBackend(store)
+                rt.backend = ObjectBackend(store, lease, surveyed)
             else:
                 rt.backend = PosixBackend(rt.storage, self.root)
             if self._dist is not None:
@@ -406,6 +426,8 @@ class Checkpointer:
                 rt.stop(5.0, collective=False)  # releases the ownership too
             if ownership is not None:
                 ownership.release()
+            if lease is not None:
+                lease.release()
             raise
 
     # ------------------------------------------------------------------ tier mode
@@ -1629,6 +1651,7 @@ def _is_int(v: Any) -> bool:
 def _exit_hook() -> None:
     """At exit: finish pending saves (bounded), print unseen failures, exit non-zero if any."""
     unseen: list[str] = []
+    settle = False
     for ck in list(_live):
         if ck._rt.forked:
             continue  # a forked child: the saves belong to the parent, which waits for them
@@ -1654,8 +1677,16 @@ def _exit_hook() -> None:
                 ck._rt.stop(_MARGIN_S)
             except BaseException:  # noqa: BLE001
                 pass
+            if ck._store is not None:
+                # its lease was just released through obstore, after obstore's own exit hook
+                # let the runtime settle: settle again before the interpreter is torn down
+                settle = True
         for r in failures:
             unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
+    if settle:
+        from ._objstore import _let_runtime_settle
+
+        _let_runtime_settle()
     if unseen:
         for line in unseen:
             print(line, file=sys.stderr)
@@ -1693,16 +1724,22 @@ def _open_store_root(
     return open_store(url, storage_options)
 
 
-def _remote_start(store: Any, timeout: float) -> list[int]:
+def _remote_start(lease: Lease, timeout: float) -> tuple[list[int], set[int]]:
     """Rank 0 at construction under an object-store root: check the store enforces
-    conditional creates (``ConditionalWriteUnsupportedError`` if not) and list the complete
-    steps."""
-    from ._remote import complete_steps, run_sync
+    conditional creates (``ConditionalWriteUnsupportedError`` if not), take the root's
+    lease (``RootInUseError`` naming a live owner), then remove the leftovers, dead now
+    that the root is ours. Returns the complete steps and every step prefix looked at."""
+    from ._remote import run_sync
+    from ._remote_leftovers import remove_dead
 
-    async def go() -> list[int]:
-        deadline = time.monotonic() + min(timeout, 120.0)
-        await store.probe(deadline)
-        return [m.step for m, _ in await complete_steps(store, deadline)]
+    async def go() -> tuple[list[int], set[int]]:
+        start = time.monotonic()
+        deadline = start + min(timeout, 120.0)
+        await lease.store.probe(deadline)
+        # a dead owner's lease is taken over once its TTL passed: wait up to that long
+        await lease.take(time.monotonic() + max(min(timeout, 120.0), min(timeout, 2 * lease.ttl + 10.0)))
+        found = await remove_dead(lease.store, time.monotonic() + min(timeout, 120.0))
+        return found.complete, found.seen
 
     return run_sync(go)
 

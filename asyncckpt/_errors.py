@@ -9,7 +9,9 @@
     ├── CheckpointNotFoundError          no complete checkpoint for that step / root
     │                                        (also a builtin FileNotFoundError)
     ├── CheckpointCorruptError           a marker, manifest, header or checksum is wrong
-    ├── RootInUseError                   another writer owns the root (at construction)
+    ├── RootInUseError                   another writer owns the root (at construction; on an
+    │                                        object-store root also in a save's failures once
+    │                                        its lease was taken over)
     └── RootNotWritableError             the root cannot be written (also a PermissionError)
 
 Bad arguments are not in the tree: they raise ``TypeError`` / ``ValueError`` at the call
@@ -158,7 +160,10 @@ class RootInUseError(CheckpointError):
     """Another writer owns the root: one root has one writing job at a time.
 
     Raised at construction of the second writing Checkpointer; the message names the owner
-    (host, pid, process start time, ranks). Reading needs no ownership.
+    (host, pid, process start time, ranks). Reading needs no ownership. On an ``s3://``
+    root a job whose lease was taken over (it stopped renewing it for longer than its TTL:
+    paused, cut off) commits nothing more: each later save fails with a ``SaveError`` whose
+    rank-0 failure is a ``RootInUseError``, on every rank.
     """
 
 

@@ -16,6 +16,8 @@ methods for the writer's event loop, each bounded by an absolute ``deadline``
 * :meth:`ObjectStore.create_once` - a conditional create (``If-None-Match: *``, one PUT) that
   tells who won even when the response was lost: after *every* outcome the object is read
   back and compared with our bytes (which carry our attempt id).
+* :meth:`ObjectStore.replace_if` - a compare-and-swap (``If-Match: <ETag>``, one PUT), read
+  back the same way: what the root lease (``_lease``) is renewed and taken over with.
 * :meth:`ObjectStore.get_range_into` - parallel ranged GETs into a caller's buffer.
 * :meth:`ObjectStore.list`, :meth:`ObjectStore.head`, :meth:`ObjectStore.delete`,
   :meth:`ObjectStore.list_uploads`, :meth:`ObjectStore.abort_uploads`.
@@ -170,12 +172,15 @@ class ObjectInfo:
 
 @dataclass(frozen=True)
 class CreateResult:
-    """Outcome of :meth:`ObjectStore.create_once`: ``won`` iff the stored bytes are ours;
-    ``stored`` is what the object holds (the winner's bytes when we lost)."""
+    """Outcome of :meth:`ObjectStore.create_once` / :meth:`ObjectStore.replace_if`: ``won``
+    iff the stored bytes are ours; ``stored`` is what the object holds (the winner's bytes
+    when we lost; ``b""`` when it is gone), ``info`` its ETag and modification time as read
+    back (``None`` when it is gone)."""
 
     won: bool
     stored: bytes
     attempts: int
+    info: ObjectInfo | None = None
 
 
 class _Transient(Exception):
@@ -455,13 +460,30 @@ class ObjectStore:
         else:
             failure = None
         finally:
-            try:
-                await self._bounded(obstore.delete_async(self._store, key), max(deadline, time.monotonic() + 5),
-                                    key, "probe clean-up")
-            except Exception as e:  # noqa: BLE001 - a stray probe object is harmless
-                log.debug("could not delete probe object %s: %s", key, self._scrub(str(e)))
+            await self._drop_scratch(key, deadline)
         if failure is not None:
             raise failure
+
+    async def server_time(self, deadline: float) -> _dt.datetime:
+        """The store's clock now: the ``last_modified`` of a fresh object written under the
+        prefix's metadata directory (then deleted). Compare it only with other
+        ``last_modified`` values of this store, never with local time; both have the store's
+        resolution (1 s on S3 and SeaweedFS)."""
+        key = f"{META_DIR}/clock-{uuid.uuid4().hex}"
+        try:
+            await self._retrying(deadline, key, "clock write",
+                                 lambda _b: obstore.put_async(self._store, key, b"clock", use_multipart=False))
+            return (await self.head(key, deadline)).last_modified
+        finally:
+            await self._drop_scratch(key, deadline)
+
+    async def _drop_scratch(self, key: str, deadline: float) -> None:
+        """Delete a probe or clock object, best effort (a stray one under ``.asyncckpt/`` is harmless)."""
+        try:
+            await self._bounded(obstore.delete_async(self._store, key), max(deadline, time.monotonic() + 5),
+                                key, "scratch clean-up")
+        except Exception as e:  # noqa: BLE001 - harmless, see above
+            log.debug("could not delete scratch object %s: %s", key, self._scrub(str(e)))
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -539,12 +561,34 @@ class ObjectStore:
         deadline. Raises :class:`ObjectStoreTimeoutError` with ``outcome_unknown`` if the
         deadline passes first.
         """
+        return await self._conditional_put(key, body, None, deadline)
+
+    async def replace_if(self, key: str, body: bytes, e_tag: str, deadline: float) -> CreateResult:
+        """Overwrite ``key`` with ``body`` only if it still has ETag ``e_tag`` (``If-Match``,
+        one PUT): a compare-and-swap. ``body`` must be unique to the caller and differ from
+        what the object holds.
+
+        Read back after every outcome, like :meth:`create_once`: our bytes mean we won (a
+        lost response included); the object unchanged (still ``e_tag``) means the update did
+        not land and it is tried again until the deadline; other bytes, or no object, mean
+        another writer changed it first (``won`` false). Raises
+        :class:`ObjectStoreTimeoutError` with ``outcome_unknown`` if the deadline passes first.
+        """
+        if not isinstance(e_tag, str) or not e_tag:
+            raise ValueError("e_tag must be a non-empty str")
+        return await self._conditional_put(key, body, e_tag, deadline)
+
+    async def _conditional_put(self, key: str, body: bytes, e_tag: str | None, deadline: float) -> CreateResult:
+        """One conditional PUT (``If-None-Match: *`` when ``e_tag`` is None, else ``If-Match``)
+        repeated until a read-back tells what the object holds (see the two callers)."""
         self._check_key(key)
         if not isinstance(body, bytes):
             raise TypeError("body must be bytes")
         _check_not_forked()
         if len(body) > MAX_SINGLE_PUT:
-            raise ValueError("a conditional create is one PUT: body must be <= 5 GiB")
+            raise ValueError("a conditional write is one PUT: body must be <= 5 GiB")
+        what = "conditional create" if e_tag is None else "conditional update"
+        mode: Any = "create" if e_tag is None else {"e_tag": e_tag}
         tries = 0
         delay = 0.1
         last: str = "no attempt made"
@@ -553,36 +597,43 @@ class ObjectStore:
             err: ObjectStoreError | None = None
             try:
                 await self._bounded(
-                    obstore.put_async(self._make_store(deadline - time.monotonic()), key, body, mode="create"),
-                    deadline, key, "conditional create",
+                    obstore.put_async(self._make_store(deadline - time.monotonic()), key, body, mode=mode),
+                    deadline, key, what,
                 )
-                last = "created"
+                last = "written"
             except ObjectStoreTimeoutError:
                 last = "timed out"
-            except (obx.AlreadyExistsError, obx.PreconditionError):
+            except obx.AlreadyExistsError:
                 last = "already exists"
+            except obx.PreconditionError:
+                last = "precondition failed"
             except Exception as e:  # noqa: BLE001 - ambiguous: the read-back below decides
-                err = self._translate(e, key, "conditional create")
+                err = self._translate(e, key, what)
                 last = str(err)
             if isinstance(err, ObjectStorePermissionError):
                 raise err
+            found: tuple[bytes, ObjectInfo] | None = None
+            gone = False
             try:
-                stored = await self.get_bytes(key, max(deadline, time.monotonic() + 0.001))
+                found = await self.get_object(key, max(deadline, time.monotonic() + 0.001))
             except ObjectNotFoundError:
-                stored = None
+                gone = True
             except ObjectStoreTimeoutError:
-                stored = None
                 last = "read-back timed out"
             except ObjectStoreError as e:
-                stored = None
                 last = str(e)
-            if stored is not None:
-                return CreateResult(won=stored == body, stored=stored, attempts=tries)
+            if found is not None:
+                stored, info = found
+                if stored == body or e_tag is None or info.e_tag != e_tag:
+                    return CreateResult(won=stored == body, stored=stored, attempts=tries, info=info)
+                # still the version we meant to replace: the update did not land, try again
+            elif gone and e_tag is not None:
+                return CreateResult(won=False, stored=b"", attempts=tries, info=None)
             pause = delay * (0.5 + random.random())
             if time.monotonic() + pause >= deadline:
                 err_t = ObjectStoreTimeoutError(
                     errno.ETIMEDOUT,
-                    f"conditional create: outcome unknown at the deadline after {tries} attempt(s) (last: {last}); "
+                    f"{what}: outcome unknown at the deadline after {tries} attempt(s) (last: {last}); "
                     "read the object to find out whether it landed",
                     self.object_url(key),
                 )
@@ -609,16 +660,21 @@ class ObjectStore:
 
     async def get_bytes(self, key: str, deadline: float, limit: int = 64 * MiB) -> bytes:
         """The whole of a small object (at most ``limit`` bytes)."""
+        return (await self.get_object(key, deadline, limit))[0]
+
+    async def get_object(self, key: str, deadline: float, limit: int = 64 * MiB) -> tuple[bytes, ObjectInfo]:
+        """The whole of a small object (at most ``limit`` bytes) and its ETag, size and time,
+        from one GET (so the ETag is that of these very bytes)."""
         self._check_key(key)
 
-        async def fetch(_b: float) -> bytes:
+        async def fetch(_b: float) -> tuple[bytes, ObjectInfo]:
             res = await obstore.get_async(self._store, key)
             if res.meta["size"] > limit:
                 raise ObjectIntegrityError(errno.EFBIG, f"object larger than {limit} bytes", self.object_url(key))
-            return bytes(await res.bytes_async())
+            return bytes(await res.bytes_async()), _info(res.meta, self.prefix)
 
-        data: bytes = await self._retrying(deadline, key, "get", fetch)
-        return data
+        got: tuple[bytes, ObjectInfo] = await self._retrying(deadline, key, "get", fetch)
+        return got
 
     async def get_range_into(self, key: str, offset: int, out: memoryview, deadline: float,
                              *, range_size: int | None = None) -> None:
@@ -758,19 +814,27 @@ class ObjectStore:
         """Abort incomplete uploads under ``prefix`` (only of key ``prefix`` if ``exact``);
         return how many. Call only for keys no live writer is uploading to."""
         ups = [u for u in await self.list_uploads(prefix, deadline) if not exact or u.key == prefix]
-        assert self._uploads is not None
         for u in ups:
-            failure: ObjectStoreError | None = None
-            try:
-                await self._bounded(self._in_thread(self._uploads.abort, self._full_key(u.key), u.upload_id),
-                                    deadline, u.key, "abort upload")
-            except ObjectStoreError:
-                raise
-            except (UploadsError, OSError) as e:
-                failure = ObjectStoreUnavailableError(errno.EIO, self._scrub(str(e)), self.object_url(u.key))
-            if failure is not None:
-                raise failure
+            await self.abort_upload(u.key, u.upload_id, deadline)
         return len(ups)
+
+    async def abort_upload(self, key: str, upload_id: str, deadline: float) -> None:
+        """Abort one incomplete upload of ``key`` (one already gone counts as aborted)."""
+        self._check_key(key)
+        _check_not_forked()
+        if self._uploads is None:
+            raise ObjectStoreError(errno.ENOTSUP, "aborting multipart uploads needs static credentials",
+                                   self.object_url(key))
+        failure: ObjectStoreError | None = None
+        try:
+            await self._bounded(self._in_thread(self._uploads.abort, self._full_key(key), upload_id),
+                                deadline, key, "abort upload")
+        except ObjectStoreError:
+            raise
+        except (UploadsError, OSError) as e:
+            failure = ObjectStoreUnavailableError(errno.EIO, self._scrub(str(e)), self.object_url(key))
+        if failure is not None:
+            raise failure
 
 
 async def gather_or_cancel(coros: list[Any]) -> None:

@@ -1,7 +1,11 @@
 """A process saving to an object-store root, for tests/test_s3_checkpointer.py.
 
 ``python _s3_worker.py resume URL OPTIONS_JSON OUT``: load the newest step, write what it got.
-``python _s3_worker.py save URL OPTIONS_JSON OUT STEP``: save STEP and wait (the test kills it).
+``python _s3_worker.py save URL OPTIONS_JSON OUT STEP [LEASE_TTL]``: save STEP and wait (the test kills it).
+``python _s3_worker.py try URL OPTIONS_JSON OUT``: construct a Checkpointer, write what it raised.
+``python _s3_worker.py exit URL OPTIONS_JSON OUT``: save step 1, then exit without close().
+``python _s3_worker.py lease URL OPTIONS_JSON OUT RANK WORLD PORT``: one gloo rank (lease TTL 4 s)
+saving step 1, then, once the test creates ``OUT.go``, steps 2 and 3; writes how each went.
 ``python _s3_worker.py ranks URL OPTIONS_JSON OUT RANK WORLD PORT``: one gloo rank saving steps
 1 and 2 (each rank its own state) to the shared prefix, then loading step 2 back.
 """
@@ -9,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -40,10 +45,47 @@ def main() -> None:
                 want = state_for(got["step"])
                 res["equal"] = bool(torch.equal(got["model"]["big"], want["model"]["big"]))
         elif what == "save":
-            ck = Checkpointer(url, storage_options=opts, timeout=120)
+            ttl = float(sys.argv[6]) if len(sys.argv) > 6 else None
+            ck = Checkpointer(url, storage_options=opts, timeout=120, lease_ttl=ttl)
             ck.save(int(sys.argv[5]), state_for(int(sys.argv[5])))
             print("staged", flush=True)
             time.sleep(600)  # killed by the test while the upload is held at the proxy
+        elif what == "exit":
+            Checkpointer(url, storage_options=opts, timeout=60, lease_ttl=4).save(1, state_for(1)).result(timeout=60)
+            res["saved"] = True  # the exit hook closes it: the lease is released on the way out
+        elif what == "try":
+            try:
+                Checkpointer(url, storage_options=opts, timeout=60, lease_ttl=4).close()
+                res["error_type"] = None
+            except Exception as e:  # noqa: BLE001 - the test checks the type
+                res["error_type"] = type(e).__name__
+                res["message"] = str(e)
+        elif what == "lease":
+            import torch.distributed as dist
+
+            rank, world, port = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+            ck = Checkpointer(url, storage_options=opts, timeout=30, lease_ttl=4)
+            ck.save(1, state_for(1, rank)).result(timeout=60)
+            with open(f"{out}.ready{rank}", "w"):
+                pass
+            end = time.monotonic() + 60
+            while not os.path.exists(f"{out}.go") and time.monotonic() < end:
+                time.sleep(0.05)
+            for step in (2, 3):
+                try:
+                    ck.save(step, state_for(step, rank)).result(timeout=60)
+                    res[str(step)] = "committed"
+                except SaveError as e:
+                    res[str(step)] = {r: f.exc_type for r, f in e.failures.items()}
+                    res[f"{step}-type"] = type(e).__name__
+                    res["message"] = str(e)
+            try:
+                ck.close()
+            except SaveError:
+                pass  # the failures above, not yet flushed
+            dist.destroy_process_group()
         elif what in ("save2", "fallback"):
             import torch.distributed as dist
 

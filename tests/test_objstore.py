@@ -270,6 +270,86 @@ def test_conditional_409_conflict_is_retried(s3: S3Server, proxy: FaultProxy, pr
     assert res.won  # type: ignore[attr-defined]
 
 
+# -- compare-and-swap (If-Match), what the root lease stands on ---------------------------------------
+
+
+def test_replace_if_swaps_only_the_version_it_names(s3: S3Server, prefix: str) -> None:
+    st = store(s3.endpoint, prefix)
+
+    async def go() -> None:
+        first = await st.create_once("lease", b"v0 holder-a", deadline(10))
+        assert first.won and first.info is not None and first.info.e_tag
+        e0 = first.info.e_tag
+        swapped = await st.replace_if("lease", b"v1 holder-a", e0, deadline(10))
+        assert swapped.won and swapped.info is not None and swapped.info.e_tag not in (None, e0)
+        # a stale ETag loses and leaves the object as it is, the holder's bytes told
+        stale = await st.replace_if("lease", b"v1 holder-b", e0, deadline(10))
+        assert not stale.won and stale.stored == b"v1 holder-a" and stale.info == swapped.info
+        assert await st.get_bytes("lease", deadline(10)) == b"v1 holder-a"
+        # a missing key is never created (SeaweedFS answers 412, AWS 404: both "not ours")
+        gone = await st.replace_if("nothing-here", b"x", e0, deadline(10))
+        assert not gone.won and gone.stored == b"" and gone.info is None
+        with pytest.raises(ObjectNotFoundError):
+            await st.head("nothing-here", deadline(10))
+
+    run(go())
+
+
+def test_exactly_one_of_eight_concurrent_swaps_wins(s3: S3Server, prefix: str) -> None:
+    racers = [store(s3.endpoint, prefix) for _ in range(8)]
+
+    async def go() -> None:
+        await racers[0].create_once("lease", b"stale holder", deadline(10))
+        for trial in range(5):
+            e_tag = (await racers[0].head("lease", deadline(10))).e_tag
+            assert e_tag is not None
+            bodies = [f"taker {j} of trial {trial} {uuid.uuid4().hex}".encode() for j in range(8)]
+            results = await asyncio.gather(*(r.replace_if("lease", b, e_tag, deadline(30))
+                                             for r, b in zip(racers, bodies, strict=True)))
+            winners = [j for j, res in enumerate(results) if res.won]
+            assert len(winners) == 1, [(r.won, r.attempts) for r in results]
+            assert await racers[0].get_bytes("lease", deadline(10)) == bodies[winners[0]]
+
+    run(go(), timeout=90)
+
+
+def test_swap_whose_response_is_lost_reports_won_and_a_503_is_retried(
+    s3: S3Server, proxy: FaultProxy, prefix: str
+) -> None:
+    st = store(proxy.endpoint, prefix)
+
+    async def go() -> None:
+        e0 = (await st.create_once("lease", b"v0", deadline(10))).info.e_tag  # type: ignore[union-attr]
+        drop = proxy.add(Rule("drop_response", method="PUT", path_contains="/lease", times=1))
+        res = await st.replace_if("lease", b"v1", e0, deadline(30))  # type: ignore[arg-type]
+        assert drop.hits == 1 and res.won and res.stored == b"v1"
+        busy = proxy.add(Rule("status", method="PUT", path_contains="/lease", status=503, times=3))
+        res2 = await st.replace_if("lease", b"v2", res.info.e_tag, deadline(30))  # type: ignore[union-attr, arg-type]
+        assert busy.hits == 3 and res2.won
+        proxy.add(Rule("status", method="PUT", path_contains="/lease", status=503, times=10**6))
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreTimeoutError) as ei:
+            await st.replace_if("lease", b"v3", res2.info.e_tag, deadline(3))  # type: ignore[union-attr, arg-type]
+        assert ei.value.outcome_unknown and time.monotonic() - t0 < 3 + 2
+        assert await store(s3.endpoint, prefix).get_bytes("lease", deadline(10)) == b"v2"
+
+    run(go())
+
+
+def test_server_time_is_the_stores_clock(s3: S3Server, prefix: str) -> None:
+    st = store(s3.endpoint, prefix)
+
+    async def go() -> None:
+        await st.put_file("before", memoryview(b"x"), deadline(10))
+        before = (await st.head("before", deadline(10))).last_modified
+        await asyncio.sleep(1.1)
+        now = await st.server_time(deadline(10))
+        assert (now - before).total_seconds() >= 1  # the resolution is whole seconds
+        assert [o.key for o in await st.list("", deadline(10))] == ["before"]  # the clock object is gone
+
+    run(go())
+
+
 def test_create_that_never_lands_times_out_with_outcome_unknown(
     s3: S3Server, proxy: FaultProxy, prefix: str
 ) -> None:

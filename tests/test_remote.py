@@ -403,7 +403,7 @@ def test_cli_export_of_a_url_writes_what_a_local_export_writes_and_leaves_nothin
 
 
 def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: str) -> None:
-    """push, ls and pull with URLs stay torch-free (the CLI's promise), in a real process."""
+    """push, ls, pull, verify, info and gc with URLs stay torch-free (the CLI's promise), in a real process."""
     import subprocess
 
     root = tmp_path / "ck"
@@ -418,6 +418,7 @@ def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: s
         f"assert main(['pull', {url!r}, {str(tmp_path / 'dest')!r}, *so]) == 0\n"
         f"assert main(['verify', {url!r}, *so]) == 0\n"
         f"assert main(['info', {url!r}, *so]) == 0\n"
+        f"assert main(['gc', {url!r}, '--min-age', '0', *so]) == 0\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))

@@ -64,10 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The commands that take an object-store URL for their ROOT (or source) today.
-_URL_COMMANDS = frozenset({"ls", "push", "pull", "verify", "info", "export"})
-
-
 def _error(command: str | None, message: str) -> None:
     print(safe(f"{PROG}{' ' + command if command else ''}: error: {message}"), file=sys.stderr)
 
@@ -97,11 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_status(e)
     command: str = args.command
     func: Callable[[argparse.Namespace], int] = args.func
-    root = getattr(args, "root", None)
-    if command not in _URL_COMMANDS and isinstance(root, str) and root.startswith("s3://"):
-        _error(command, f"{command} reads a local root; for {root}: asyncckpt pull it to a local root first "
-                        f"(every command but gc takes s3:// URLs)")
-        return EXIT_USAGE
     try:
         return func(args)
     except UsageError as e:

@@ -1,4 +1,5 @@
-"""``asyncckpt gc``: remove leftovers and, with ``--keep-last``, old complete checkpoints."""
+"""``asyncckpt gc``: remove leftovers and, with ``--keep-last``, old complete checkpoints
+(of a local root, or of an ``s3://`` root under its lease: ``_gc_remote``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .._storage import DEFAULT_OPS, Storage, remove_tree
 from ..reading import complete_checkpoints, scan, usage
 from ._args import command, positive_int, seconds
 from ._print import dump_json, human_age, human_bytes, say
+from ._remote_args import add_remote_arguments
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -30,8 +32,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "its files are deleted. Leftovers modified within --min-age are kept, because a running\n"
         "job may still be writing them. Incomplete directories with a committed name are only\n"
         "reported, never removed. Removing is writing: gc takes the root's ownership for its run\n"
-        "and refuses a root a Checkpointer owns (--dry-run needs no ownership).",
-        "  asyncckpt gc ckpt/ --dry-run\n  asyncckpt gc ckpt/ --keep-last 3\n  asyncckpt gc ckpt/ --min-age 0",
+        "and refuses a root a Checkpointer owns (--dry-run needs no ownership).\n\n"
+        "ROOT may be an s3:// URL: gc then takes the root's lease (refused while a live job\n"
+        "holds it; a lease its holder stopped renewing is taken over after its TTL) and removes\n"
+        "step prefixes without a manifest, objects of attempts that lost a commit and incomplete\n"
+        "multipart uploads older than --min-age (by the store's clock).",
+        "  asyncckpt gc ckpt/ --dry-run\n  asyncckpt gc ckpt/ --keep-last 3\n  asyncckpt gc ckpt/ --min-age 0\n"
+        "  asyncckpt gc s3://bucket/run1 --min-age 0 --storage-option endpoint=http://127.0.0.1:8333",
     )
     p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the newest N complete checkpoints")
     p.add_argument(
@@ -48,6 +55,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="only remove leftovers not modified for this long (default: 3600)",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    add_remote_arguments(p)
     return p
 
 
@@ -64,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     one writer at a time, and gc removes files. ``--dry-run`` reads only.
     """
     root: str = args.root
+    if root.startswith("s3://"):
+        from ._gc_remote import run_remote  # imports obstore: only for URLs
+
+        return run_remote(args)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     if args.dry_run:
@@ -75,12 +87,60 @@ def run(args: argparse.Namespace) -> int:
         own.release()
 
 
+class Report:
+    """What a gc run did, said as it goes (text) or as one JSON document at the end: the same
+    lines and shape for a local root and an ``s3://`` one."""
+
+    def __init__(self, root: str, dry: bool, text: bool, min_age: float) -> None:
+        self.dry, self.text, self.min_age = dry, text, min_age
+        self.doc: dict[str, Any] = {"root": root, "dry_run": dry, "removed": [], "kept": [], "retired": []}
+        self.freed = 0
+
+    def kept(self, name: str, age: float) -> None:
+        self.doc["kept"].append({"name": name, "age_s": round(age, 3)})
+        if self.text:
+            say(
+                f"kept {name}: modified {human_age(age)} ago, a save may still be writing it "
+                f"(--min-age {self.min_age:g}s; pass --min-age 0 to remove it)"
+            )
+
+    def removed(self, name: str, what: str, size: int) -> None:
+        self.doc["removed"].append({"name": name, "size": size})
+        if self.text:
+            say(f"{'would remove' if self.dry else 'removed'} {name} ({what}, {human_bytes(size)})")
+        self.freed += size
+
+    def retired(self, step: int, size: int) -> None:
+        self.doc["retired"].append({"step": step, "size": size})
+        if self.text:
+            say(f"{'would retire' if self.dry else 'retired'} step {step} ({human_bytes(size)})")
+        self.freed += size
+
+    def keeping(self, steps: list[int]) -> None:
+        self.doc["kept_steps"] = steps
+        if steps and self.text:
+            say(f"keeping {len(steps)} complete checkpoint(s): step {', '.join(map(str, steps))}")
+
+    def left_alone(self, name: str, problem: str | None, reason: str | None) -> None:
+        self.doc.setdefault("left_alone", []).append({"name": name, "problem": problem, "reason": reason})
+        if self.text:
+            say(f"left alone {name}: incomplete, {reason}; inspect it and remove it by hand if unwanted")
+
+    def finish(self) -> int:
+        self.doc.setdefault("kept_steps", [])
+        self.doc.setdefault("left_alone", [])
+        self.doc["freed"] = self.freed
+        if self.text:
+            say(f"{'would free' if self.dry else 'freed'} {human_bytes(self.freed)}")
+        else:
+            dump_json(self.doc)
+        return 0
+
+
 def _run(args: argparse.Namespace, root: str) -> int:
     dry: bool = args.dry_run
-    text = not args.json
     now = time.time()
-    doc: dict[str, Any] = {"root": os.path.abspath(root), "dry_run": dry, "removed": [], "kept": [], "retired": []}
-    freed = 0
+    out = Report(os.path.abspath(root), dry, not args.json, args.min_age)
     for path in leftovers(root):
         name = os.path.basename(path)
         try:
@@ -89,12 +149,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
             continue
         age = now - use.modified
         if age < args.min_age:
-            doc["kept"].append({"name": name, "age_s": round(age, 3)})
-            if text:
-                say(
-                    f"kept {name}: modified {human_age(age)} ago, a save may still be writing it "
-                    f"(--min-age {args.min_age:g}s; pass --min-age 0 to remove it)"
-                )
+            out.kept(name, age)
             continue
         what = "crashed save attempt" if ".tmp-" in name else "interrupted retirement"
         if not dry:
@@ -102,11 +157,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 remove_tree(path, DEFAULT_OPS)
             except FileNotFoundError:
                 pass  # removed concurrently (by the library's own clean-up): fine
-        doc["removed"].append({"name": name, "size": use.size})
-        if text:
-            say(f"{'would remove' if dry else 'removed'} {name} (leftover of a {what}, {human_bytes(use.size)})")
-        freed += use.size
-    kept_steps: list[int] = []
+        out.removed(name, f"leftover of a {what}", use.size)
     if args.keep_last is not None:
         infos = complete_checkpoints(root)
         sizes = {}
@@ -122,23 +173,9 @@ def _run(args: argparse.Namespace, root: str) -> int:
         else:
             victims = choose_victims([i.step for i in infos], args.keep_last)
         for step in victims:
-            doc["retired"].append({"step": step, "size": sizes.get(step, 0)})
-            if text:
-                say(f"{'would retire' if dry else 'retired'} step {step} ({human_bytes(sizes.get(step, 0))})")
-            freed += sizes.get(step, 0)
-        kept_steps = [i.step for i in infos if i.step not in victims]
-        if kept_steps and text:
-            say(f"keeping {len(kept_steps)} complete checkpoint(s): step {', '.join(map(str, kept_steps))}")
-    doc["kept_steps"] = kept_steps
-    doc["left_alone"] = []
+            out.retired(step, sizes.get(step, 0))
+        out.keeping([i.step for i in infos if i.step not in victims])
     for d in scan(root):
         if not d.complete and d.problem not in ("save-leftover", "retire-leftover"):
-            doc["left_alone"].append({"name": d.name, "problem": d.problem, "reason": d.reason})
-            if text:
-                say(f"left alone {d.name}: incomplete, {d.reason}; inspect it and remove it by hand if unwanted")
-    doc["freed"] = freed
-    if text:
-        say(f"{'would free' if dry else 'freed'} {human_bytes(freed)}")
-    else:
-        dump_json(doc)
-    return 0
+            out.left_alone(d.name, d.problem, d.reason)
+    return out.finish()

@@ -1,0 +1,167 @@
+"""Leftovers on an object-store root: what is dead, found with as few requests as it takes,
+and removed.
+
+The object-store counterpart of ``_retention.leftovers`` / ``remove_leftovers``. Three kinds:
+
+* ``dead-attempt``: objects under ``step_N/a-X/`` of a step whose manifest names another
+  attempt. X can never commit (its create loses), so they are dead whoever wrote them.
+* ``uncommitted``: a step prefix with no manifest (a save or push that failed, was killed,
+  or a retirement interrupted after its manifest was deleted).
+* ``upload``: an incomplete multipart upload (a writer killed mid-upload; the store keeps
+  it, billed and invisible to LIST, until it is aborted).
+
+The last two may belong to a live writer, so they are dead only while the root's lease
+(``_lease``) is ours and they are not one of our own saves in flight: callers survey and
+remove them only then (the Checkpointer at construction and after each commit, ``asyncckpt
+gc URL`` for its run). A step whose manifest is corrupt, or complete-named but not complete,
+is never removed (reported as left alone, as on a POSIX root).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ._errors import CheckpointCorruptError
+from ._layout import step_dir_name
+from ._objstore import ObjectStore, ObjectStoreError
+from ._remote import candidate_steps, data_prefix, manifest_key, read_manifest
+
+log = logging.getLogger("asyncckpt")
+
+Kind = Literal["dead-attempt", "uncommitted", "upload"]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One dead thing: ``name`` is a key prefix (``step_00000007/``, ``step_00000007/a-x/``)
+    or, for an upload, its key; ``modified`` the newest ``last_modified`` of its objects (an
+    upload's ``Initiated``), by the store's clock; ``size`` the bytes of its objects."""
+
+    kind: Kind
+    name: str
+    size: int
+    modified: _dt.datetime | None
+    keys: tuple[str, ...] = ()
+    upload_id: str | None = None
+    step: int | None = None  # the step prefix it lies under (not set for uploads)
+
+
+@dataclass
+class Survey:
+    """What :func:`survey` found: ``complete`` steps (newest first), the ``leftovers``, the
+    steps ``left_alone`` (name, problem: ``corrupt-manifest`` or ``incomplete``, reason), and
+    every step prefix it looked at (``seen``)."""
+
+    complete: list[int] = field(default_factory=list)
+    leftovers: list[Leftover] = field(default_factory=list)
+    left_alone: list[tuple[str, str, str]] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    nbytes: dict[int, int] = field(default_factory=dict)  # complete step -> bytes of its objects
+
+
+def _initiated(text: str) -> _dt.datetime | None:
+    try:
+        t = _dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=_dt.timezone.utc)
+
+
+async def survey(
+    store: ObjectStore,
+    deadline: float,
+    *,
+    skip_steps: Collection[int] = (),
+    keep_prefixes: Sequence[str] = (),
+    uploads: bool = True,
+) -> Survey:
+    """Every step prefix under the root but ``skip_steps`` (one GET of its manifest, one LIST
+    of the prefix), and (``uploads``, where the store can list them) every incomplete upload
+    not under ``keep_prefixes``."""
+    out = Survey()
+    for step in await candidate_steps(store, deadline):
+        if step in skip_steps:
+            continue
+        out.seen.add(step)
+        sd = step_dir_name(step) + "/"
+        try:
+            found = await read_manifest(store, step, deadline)
+        except CheckpointCorruptError as e:
+            out.left_alone.append((sd, "corrupt-manifest", str(e)))
+            continue
+        listed = await store.list(sd, deadline)
+        if found is None:
+            if listed:
+                out.leftovers.append(Leftover("uncommitted", sd, sum(o.size for o in listed),
+                                              max(o.last_modified for o in listed), tuple(o.key for o in listed),
+                                              step=step))
+            continue
+        m = found[0]
+        mine = data_prefix(step, m.attempt)
+        have = {o.key[len(mine):]: o.size for o in listed if o.key.startswith(mine)}
+        problem = next((f"{f.name} missing" for f in m.files if f.name not in have), None) or next(
+            (f"{f.name} has {have[f.name]} bytes, not {f.size}" for f in m.files if have[f.name] != f.size), None)
+        extra = sorted(set(have) - {f.name for f in m.files})
+        if problem is None and extra:
+            problem = f"unexpected objects {extra[:5]}"
+        if problem is None:
+            out.complete.append(step)
+            out.nbytes[step] = sum(f.size for f in m.files)
+        else:
+            out.left_alone.append((sd, "incomplete", f"committed but not complete: {problem}"))
+        others: dict[str, list[tuple[str, int, _dt.datetime]]] = {}
+        for o in listed:
+            if o.key == manifest_key(step) or o.key.startswith(mine):
+                continue
+            rest = o.key[len(sd):]
+            head = rest.split("/", 1)[0] + "/" if "/" in rest else rest
+            others.setdefault(sd + head, []).append((o.key, o.size, o.last_modified))
+        for name, objs in sorted(others.items()):
+            out.leftovers.append(Leftover("dead-attempt", name, sum(s for _, s, _ in objs),
+                                          max(t for _, _, t in objs), tuple(k for k, _, _ in objs), step=step))
+    if uploads and store.can_list_uploads:
+        try:
+            pending = await store.list_uploads("", deadline)
+        except ObjectStoreError as e:  # housekeeping: the bucket's lifecycle rule is the fallback
+            log.warning("could not list incomplete uploads under %s: %s", store.url, e)
+            pending = []
+        for u in pending:
+            if any(u.key.startswith(p) for p in keep_prefixes):
+                continue
+            out.leftovers.append(Leftover("upload", u.key, 0, _initiated(u.initiated), upload_id=u.upload_id))
+    return out
+
+
+async def remove(store: ObjectStore, leftovers: Sequence[Leftover], deadline: float) -> None:
+    """Remove ``leftovers`` (call only while they are provably dead: module docstring)."""
+    keys = [k for x in leftovers for k in x.keys]
+    if keys:
+        await store.delete(keys, deadline)
+    for x in leftovers:
+        if x.kind == "upload" and x.upload_id is not None:
+            await store.abort_upload(x.name, x.upload_id, deadline)
+
+
+async def remove_dead(
+    store: ObjectStore, deadline: float, *, skip_steps: Collection[int] = (), keep_prefixes: Sequence[str] = ()
+) -> Survey:
+    """Survey, then remove every leftover found (the caller holds the lease); logged. A
+    removal that fails is logged, never raised: what is left is found again next time."""
+    found = await survey(store, deadline, skip_steps=skip_steps, keep_prefixes=keep_prefixes)
+    if found.leftovers:
+        try:
+            await remove(store, found.leftovers, deadline)
+        except ObjectStoreError as e:
+            log.warning("could not remove leftovers under %s: %s", store.url, e)
+            found.seen.difference_update(x.step for x in found.leftovers if x.step is not None)
+        else:
+            log.info("removed %d leftover(s) under %s: %s", len(found.leftovers), store.url,
+                     ", ".join(x.name for x in found.leftovers[:10]))
+    for name, _, reason in found.left_alone:
+        log.warning("left alone %s: %s", store.object_url(name), reason)
+    return found
+
