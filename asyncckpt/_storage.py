@@ -317,8 +317,11 @@ class Storage:
     ``"off"``.
     """
 
-    def __init__(self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto") -> None:
+    def __init__(
+        self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto", compute: Executor | None = None
+    ) -> None:
         self._executor = executor
+        self._compute = compute if compute is not None else executor
         self.ops = ops
         self._direct = direct_io != "off" and bool(_DIRECT)
         self._direct_required = direct_io == "on"
@@ -330,6 +333,16 @@ class Storage:
         if meter is not None:
             fn = _metered(fn, meter)
         result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
+        return result
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, CPU work that does no I/O (hashes, checksums of a staged buffer), on
+        the compute thread: never queued behind the pieces of a write that hold the I/O
+        threads while the disk is slow. Metered as :meth:`run`."""
+        meter = current_meter.get()
+        if meter is not None:
+            fn = _metered(fn, meter)
+        result: T = await aiofiles.os.wrap(fn)(*args, executor=self._compute)
         return result
 
     async def _run_on(self, path: str, fn: Callable[..., T], *args: Any) -> T:
@@ -347,8 +360,28 @@ class Storage:
     async def fsync_dir(self, path: str) -> None:
         await self._run_on(path, self.ops.fsync_dir, path)
 
+    async def ensure_dir_durable(self, path: str, parent: str, deadline_s: float) -> None:
+        """:meth:`ensure_dir` then :meth:`fsync_dir` of ``parent``, in one call on the I/O pool."""
+
+        def run() -> None:
+            where = path
+            try:
+                ensure_dir(path, deadline_s=deadline_s, ops=self.ops)
+                where = parent
+                self.ops.fsync_dir(parent)
+            except OSError as e:
+                if e.filename is not None:
+                    raise
+                raise _with_path(e, where) from e
+
+        await self.run(run)
+
     async def rename(self, src: str, dst: str) -> None:
         await self._run_on(dst, self.ops.rename, src, dst)
+
+    async def remove(self, path: str) -> None:
+        """Unlink the file ``path``."""
+        await self._run_on(path, self.ops.unlink, path)
 
     async def listdir(self, path: str) -> list[str]:
         return await self._run_on(path, self.ops.listdir, path)
