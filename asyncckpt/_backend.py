@@ -83,6 +83,11 @@ class Backend(Protocol):
         """Store ``data`` as ``name``, durable when this returns."""
         ...
 
+    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+        """Remove this rank's file ``name`` (written, not yet committed) so that it may be
+        written again; the next :meth:`seal` makes the removal durable."""
+        ...
+
     async def seal(self, job: SaveJob, loc: str) -> None:
         """Every file of this rank is written: make their names durable."""
         ...
@@ -115,6 +120,11 @@ def _final_state(final: str, failed_attempts: set[str]) -> str:
     return "failed" if manifest.attempt in failed_attempts else "committed"
 
 
+def _survey(root: str, step: int, final: str, failed_attempts: set[str]) -> tuple[list[str], str]:
+    """The leftovers of ``step`` under ``root`` and the state of its final directory."""
+    return leftovers(root, step), _final_state(final, failed_attempts)
+
+
 def _check_committed(root: str, step: int, attempt: str) -> None:
     """Raise ``CheckpointCorruptError`` unless ``step_N`` is complete and holds ``attempt``."""
     step_dir, manifest = open_step(root, step)
@@ -138,7 +148,11 @@ class PosixBackend:
     async def prepare(self, job: SaveJob, attempt: str) -> None:
         storage, root = self.storage, job.root
         final = os.path.join(root, step_dir_name(job.step))
-        for old in await storage.run(leftovers, root, job.step):
+        # what lies in the way, in one call on the I/O pool (and the attempt made in one more):
+        # the followers wait for this, and on a busy machine each hop to a pool thread costs
+        # more than the calls themselves
+        olds, found = await storage.run(_survey, root, job.step, final, job.failed_commits)
+        for old in olds:
             name = os.path.basename(old)
             if name in job.dead:
                 await storage.remove_tree(old)
@@ -146,7 +160,6 @@ class PosixBackend:
             else:
                 # not provably dead: another writer's live attempt, say; never touch it
                 log.warning("leaving %s alone: not an attempt this Checkpointer knows to be dead", old)
-        found = await storage.run(_final_state, final, job.failed_commits)
         if found == "committed":
             raise FileExistsError(17, f"step {job.step} is already committed", final)
         if found == "uncommitted":
@@ -164,8 +177,7 @@ class PosixBackend:
             job.dead.add(os.path.basename(aside))
             await storage.remove_tree(aside)
             job.dead.discard(os.path.basename(aside))
-        await storage.ensure_dir(self.location(job.step, attempt), dir_deadline(job))
-        await storage.fsync_dir(root)
+        await storage.ensure_dir_durable(self.location(job.step, attempt), root, dir_deadline(job))
 
     async def join(self, job: SaveJob, loc: str) -> None:
         await self.storage.ensure_dir(loc, dir_deadline(job))
@@ -179,6 +191,9 @@ class PosixBackend:
 
     async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
         return await self.storage.write_bytes(os.path.join(loc, name), data)
+
+    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+        await self.storage.remove(os.path.join(loc, name))
 
     async def seal(self, job: SaveJob, loc: str) -> None:
         await self.storage.fsync_dir(loc)

@@ -140,6 +140,9 @@ class ObjectBackend:
         put = await self.store.put_file(loc + name, memoryview(data), self._until(job))
         return WriteResult(put.size, put.crc32c, False, time.perf_counter() - t0, 0.0)
 
+    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+        await self.store.delete([loc + name], self._until(job))
+
     async def seal(self, job: SaveJob, loc: str) -> None:
         return None  # each upload was durable when it returned
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _agree, _discovery, _distributed, _load, _load_global, _ownership, _resume
+from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _resume
 from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
@@ -41,8 +41,9 @@ from ._errors import (
     SaveTimeoutError,
     with_global_ranks,
 )
-from ._format import ShardLayout, plan_layout
+from ._format import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
 from ._handle import SaveHandle, SaveRecord
+from ._header import round_up
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
 from ._layout import check_step, step_dir_name
@@ -51,7 +52,7 @@ from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers, retire
 from ._staging import Arena, StageProgress, StagingPool
-from ._storage import DEFAULT_OPS, OsOps, Storage, ensure_dir
+from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter, ensure_dir
 from ._structure import TensorRef, flatten
 from ._writer import StartGate, WriterThread
 
@@ -86,14 +87,22 @@ class _Runtime:
         # retired checkpoints whose files are still being removed (tasks on the writer loop)
         self.removals: set[asyncio.Task[None]] = set()
         self.staging = StagingPool(max_pending)
+        # many ranks: the coordinator's blocking store calls (waits for the other ranks among
+        # them) run here, never on an I/O thread the save's writes and checksums need meanwhile
+        self.coord_pool: IOPool | None = None
         pool: IOPool | None = None
+        compute: IOPool | None = None
         try:
             pool = self.pool = IOPool(io_threads, "asyncckpt-io")
-            self.storage = Storage(self.pool, ops, direct_io)
+            # hashes and checksums of staged bytes (Storage.compute)
+            compute = self.compute_pool = IOPool(1, "asyncckpt-hash")
+            self.storage = Storage(self.pool, ops, direct_io, compute)
             self.writer = WriterThread()
         except BaseException:
             if pool is not None:
                 pool.shutdown(wait=True, timeout=10.0)
+            if compute is not None:
+                compute.shutdown(wait=True, timeout=10.0)
             raise
 
     @property
@@ -126,6 +135,9 @@ class _Runtime:
                     shutdown()
                 self.writer.stop(timeout=10.0)
                 self.pool.shutdown(wait=True, timeout=10.0)
+                self.compute_pool.shutdown(wait=True, timeout=10.0)
+                if self.coord_pool is not None:
+                    self.coord_pool.shutdown(wait=True, timeout=10.0)
             finally:
                 self.staging.close()
                 if self.ownership is not None:
@@ -142,6 +154,15 @@ class _Runtime:
             return self.writer.submit(_until_removed(self.removals))
         except RuntimeError:  # writer stopped meanwhile
             return None
+
+    async def run_coordination(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the coordination threads (the coordinator's ``run``); its CPU time
+        counts to the current save's meter, as the I/O threads' does (``Storage.run``)."""
+        assert self.coord_pool is not None
+        meter = current_meter.get()
+        if meter is not None:
+            fn = _metered(fn, meter)
+        return await asyncio.get_running_loop().run_in_executor(self.coord_pool, fn, *args)
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
         """Stop from a background thread once ``futures`` settle (used after GC)."""
@@ -366,6 +387,10 @@ class Checkpointer:
         self._layout_key: list[tuple[str, Any, Any]] | None = None
         self._layout: ShardLayout | None = None
         self._perm: list[int] = []
+        # with dedupe: the last round's plan, and the arena laid out for it (see _expected_file)
+        self._plan_hint = _dedupe.PlanHint()
+        self._split_key: tuple[Any, frozenset[str]] | None = None
+        self._split: tuple[ShardLayout, ShardLayout, list[int]] | None = None
 
         self._dist = _distributed.resolve(process_group, self.timeout)
         self.rank = self._dist.rank if self._dist else 0
@@ -407,7 +432,10 @@ class Checkpointer:
             else:
                 rt.backend = PosixBackend(rt.storage, self.root)
             if self._dist is not None:
-                rt.coord = StoreCoordinator(self._dist.connect, self.rank, self.world_size, namespace, rt.storage.run)
+                rt.coord_pool = IOPool(2, "asyncckpt-coord")
+                rt.coord = StoreCoordinator(
+                    self._dist.connect, self.rank, self.world_size, namespace, rt.run_coordination
+                )
             self._rt = rt
             if mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
                 rt.mirror = Mirror(self.root, mirror, storage_options, keep_last_remote=keep_last_remote,
@@ -531,6 +559,9 @@ class Checkpointer:
                 for d, (_, info, _) in zip(dtensors or (), found, strict=True):
                     d["mesh_key"] = _mesh_key(info)  # dedupe checks the ranks of a mesh agree
                 tied = n_tied[0] > 0
+                plan_key, file = layout, None
+                if self.dedupe and self.world_size > 1:
+                    layout, file, perm = self._expected_file(layout, perm, dtensors)
             except (TypeError, ValueError) as e:
                 if self._dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -540,13 +571,14 @@ class Checkpointer:
             sources = [refs[i].tensor for i in perm]
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
-                                             dtensors=dtensors, tied=tied, handed=handed)  # fmt: skip
+                                             dtensors=dtensors, tied=tied, handed=handed, file=file,
+                                             plan_key=plan_key)  # fmt: skip
             events = self._rt.staging.stage(arena, layout, sources)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
                 step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
-                dtensors=dtensors, tied=tied, handed=handed,
+                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key,
             )  # fmt: skip
         finally:
             if not handed[0] and arena is not None:
@@ -595,6 +627,8 @@ class Checkpointer:
         dtensors: list[dict[str, Any]] | None,
         tied: bool,
         handed: list[bool],
+        file: ShardLayout | None,
+        plan_key: ShardLayout,
     ) -> SaveHandle:
         """Hand the save to the writer first, then copy: the writer streams the staged prefix
         of the arena while the rest is copied. Returns once everything is staged.
@@ -610,6 +644,7 @@ class Checkpointer:
             handle = self._submit(
                 step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
                 dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
+                file=file, plan_key=plan_key,
             )  # fmt: skip
             self._staging_record = got[0]
             self._rt.staging.stage(arena, layout, sources, progress)
@@ -685,6 +720,8 @@ class Checkpointer:
         tied: bool = False,
         progress: StageProgress | None = None,
         record_out: list[SaveRecord] | None = None,
+        file: ShardLayout | None = None,
+        plan_key: ShardLayout | None = None,
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles.
 
@@ -703,7 +740,7 @@ class Checkpointer:
             layout=layout,
             tree=tree_bytes,
             cuda_events=events,
-            nbytes=layout.data_len if layout is not None else 0,
+            nbytes=(file or layout).data_len if layout is not None else 0,
             deadline=time.monotonic() + self.timeout,
             started=t_call,
             wait_s=waited,
@@ -721,6 +758,9 @@ class Checkpointer:
             dedupe=self.dedupe,
             tied=tied,
             progress=progress,
+            file=file,
+            plan_hint=self._plan_hint,
+            plan_key=plan_key,
         )
         holder: list[SaveRecord] = []
 
@@ -799,6 +839,48 @@ class Checkpointer:
             self._perm = [index[s.name] for s in layout.slots]
             self._layout, self._layout_key = layout, key
         return self._layout, self._perm, all_cpu
+
+    def _expected_file(
+        self, layout: ShardLayout, perm: list[int], dtensors: list[dict[str, Any]] | None
+    ) -> tuple[ShardLayout, ShardLayout | None, list[int]]:
+        """With dedupe on many ranks: the arena's layout, the file this rank writes before its
+        dedupe round ends (``SaveJob.file``; None: the round decides first) and the permutation
+        from the flattened tensors to the arena's slots.
+
+        A rank whose plain tensors are too few to pay for an image without them (FSDP2: step
+        counters next to its shard) writes its staged file whole, whatever the round decides.
+        Otherwise, once a round planned this structure, the next save expects the same plan:
+        the slots it gave this rank are laid out first, and that prefix of the arena is the
+        file (no copy to drop the others). The first save of a structure waits for the round.
+        """
+        skip = {d["name"] for d in dtensors or () if d["writer"]}
+        if not _dedupe.may_pay_for_an_image(layout.slots, skip):
+            return layout, layout, perm
+        writers = self._plan_hint.writers_for(layout)
+        if writers is None:
+            return layout, None, perm
+        keep = _dedupe.kept(layout.slots, writers, self.rank)
+        if len(keep) == len(layout.slots):
+            return layout, layout, perm
+        key = (layout, frozenset(s.name for s in keep))
+        if key != self._split_key:
+            names = key[1]
+            specs = [(s.name, ST_TO_DTYPE[s.dtype], s.shape) for s in layout.slots]
+            staging, file = plan_split_layout(
+                [x for x in specs if x[0] in names], [x for x in specs if x[0] not in names],
+                {"format": "pt", "writer": "asyncckpt"},
+            )  # fmt: skip
+            if round_up(staging.file_size) > round_up(layout.file_size):
+                # alignment padding would need a larger arena than the structure's (what
+                # reserve() allocated): let the round decide first instead
+                self._split = None
+            else:
+                at = {s.name: i for i, s in enumerate(layout.slots)}
+                self._split = (staging, file, [perm[at[s.name]] for s in staging.slots])
+            self._split_key = key
+        if self._split is None:
+            return layout, None, perm
+        return self._split
 
     def _settle(self, record: SaveRecord, ok: bool) -> None:
         info = record.future.result() if ok else None

@@ -97,6 +97,14 @@ class SaveJob:
     progress: StageProgress | None = None
     # CPU seconds of the I/O threads' calls for this save
     meter: CpuMeter = field(default_factory=CpuMeter)
+    # with dedupe: the file this rank writes before its dedupe round ends, whatever the round
+    # decides, a prefix of the arena (``layout`` itself, or the slots the previous round of
+    # this structure gave the rank, laid out first); None: the round decides first
+    file: ShardLayout | None = None
+    # the Checkpointer's record of its last dedupe plan, and the key (the state's layout, one
+    # object per structure) this save's plan is recorded under
+    plan_hint: _dedupe.PlanHint | None = None
+    plan_key: Any = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -137,7 +145,7 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
         data_start = job.layout.data_start
         for batch in _dedupe.batches(job.layout.slots, skip):
             await until_staged(job.progress, data_start + batch[-1].end, job.deadline)
-            records.update(await storage.run(_dedupe.digests, job.arena.buffer, data_start, batch, skip))
+            records.update(await storage.compute(_dedupe.digests, job.arena.buffer, data_start, batch, skip))
         meshes = _dedupe.mesh_digests(job.dtensors or [])
     except BaseException:
         await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
@@ -166,22 +174,24 @@ async def _write_files(
     assert job.arena is not None and job.layout is not None
     dedupe = job.dedupe and coord is not None and coord.world_size > 1
     buffer, layout = job.arena.buffer, job.layout
-    # with dedupe, a rank whose plain tensors are too few to pay for an image without them
-    # (FSDP: step counters next to its shard) writes its staged file whole whatever the round
-    # decides, so it streams the file while the round (and the staging) runs
-    early = dedupe and dedupe_round is not None and not _dedupe.may_pay_for_an_image(layout.slots, _dedupe_skip(job))
-    if not leader and (early or not dedupe):
+    # with dedupe, the file this rank writes before the round ends, whatever it decides: save()
+    # chose it (SaveJob.file); it streams while the staging and the round run
+    early = job.file if dedupe and dedupe_round is not None else None
+    if early is not None:
+        layout = early
+    if not leader and (early is not None or not dedupe):
         await backend.join(job, loc)
-    if job.cuda_events and (early or not dedupe):  # else the dedupe round waits for them itself
+    if job.cuda_events and (early is not None or not dedupe):  # else the dedupe round waits for them itself
         await _device_copies(storage, job)
     writers: dict[str, int] | None = None
     image_progress: StageProgress | None = None
     fill: asyncio.Future[None] | None = None
-    if dedupe and not early:
+    if dedupe and early is None:
         assert coord is not None
         writers = await (dedupe_round if dedupe_round is not None else _dedupe_round(storage, job, coord))
         if writers is None:
             return Report(rank=rank)  # a peer failed: nothing to write, its report fails the save
+        _remember_plan(job, writers)
         if not leader:  # after the round: a failure here cannot leave the others waiting in it
             await backend.join(job, loc)
         keep = _dedupe.kept(layout.slots, writers, rank)
@@ -198,46 +208,80 @@ async def _write_files(
                 writers = _dedupe.own_copies(writers, layout.slots, rank)
     # the arena, or the deduplicated image, may still be being copied into
     staged = job.progress if buffer is job.arena.buffer else image_progress
-    # the index part's checksums run beside the write (they read what it writes, once staged)
+    # the index part's checksums run beside the write (they read what it writes, once staged);
+    # an early file's part gets the round's writers once it ends
     part_task = (
         asyncio.ensure_future(_index_part(storage, job, buffer, layout, rank, staged, writers))
-        if job.dtensors is not None or writers
+        if job.dtensors is not None or writers or early is not None
         else None
     )
+    shard_name = _manifest.shard_name(rank)
+    write_s = 0.0
     try:
         if fill is not None:  # let it reach the pool first: the write's pieces wait for it there
             await asyncio.sleep(0)
-        shard = await backend.write_shard(job, loc, _manifest.shard_name(rank), buffer, layout.file_size, staged)
+        shard = await backend.write_shard(job, loc, shard_name, buffer, layout.file_size, staged)
         tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
         t0 = time.perf_counter()
         await backend.seal(job, loc)
         seal_s = time.perf_counter() - t0
-        if early:
+        if early is not None:
             assert dedupe_round is not None
             writers = await dedupe_round
             if writers is None:
                 return Report(rank=rank)  # a peer failed: its report fails the save
-            writers = _dedupe.own_copies(writers, layout.slots, rank)
+            _remember_plan(job, writers)
+            keep = _dedupe.kept(job.layout.slots, writers, rank)
+            lacking = _dedupe.missing(keep, layout.slots)
+            if lacking:
+                # the round gave this rank a tensor its early file lacks (one the plan it expected
+                # has another rank write is no longer identical on every rank): write the file
+                # again, holding what the round gives it
+                log.debug(
+                    "rank %d: step %d: the dedupe round gave this rank %d tensor(s) its file lacks (%s): "
+                    "writing it again", rank, job.step, len(lacking), ", ".join(lacking[:3]),
+                )  # fmt: skip
+                await _drop(part_task)
+                part_task = None
+                await until_staged(job.progress, job.layout.file_size, job.deadline)
+                buffer, layout = await storage.run(_dedupe.image, job.arena.buffer, job.layout, keep, job.arena)
+                write_s += shard.write_s
+                await backend.discard(job, loc, shard_name)
+                shard = await backend.write_shard(job, loc, shard_name, buffer, layout.file_size, None)
+                t0 = time.perf_counter()
+                await backend.seal(job, loc)
+                seal_s += time.perf_counter() - t0
+            else:
+                writers = _dedupe.own_copies(writers, layout.slots, rank)
         part = await part_task if part_task is not None else None
         if part is None and writers:  # no DTensors: only the round named plain tensors to index
             part = await _index_part(storage, job, buffer, layout, rank, None, writers)
         elif part is not None:
-            part["writers"] = dict(writers or {})
+            if job.dtensors is None and not writers:
+                part = None  # nothing was deduplicated: no index (the step keeps the plain format)
+            else:
+                part["writers"] = dict(writers or {})
     finally:
         await _drop(part_task)
         if fill is not None:  # never cancelled: the image buffer is reused once this save settles
             await asyncio.gather(fill, return_exceptions=True)
-        if early and dedupe_round is not None:
+        if early is not None and dedupe_round is not None:
             # not cancelled: the other ranks wait in the round for this rank's value
             dedupe_round.add_done_callback(_consume)
-    job.times["write"] = shard.write_s + tree.write_s
+    job.times["write"] = write_s + shard.write_s + tree.write_s
     job.times["fsync"] = shard.fsync_s + tree.fsync_s + seal_s
     job.direct = shard.direct
     files = [
-        {"name": _manifest.shard_name(rank), "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
+        {"name": shard_name, "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
     return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
+
+
+def _remember_plan(job: SaveJob, writers: dict[str, int]) -> None:
+    """Record the round's plan for the next save of this structure (``_dedupe.PlanHint``)."""
+    if job.plan_hint is not None:
+        job.plan_hint.record(job.plan_key, writers)
 
 
 def _dedupe_skip(job: SaveJob) -> set[str]:
@@ -255,10 +299,11 @@ async def _index_part(
     staged: StageProgress | None,
     writers: dict[str, int] | None,
 ) -> dict[str, Any]:
-    """This rank's index part (per-chunk CRCs of ``buffer``) once ``buffer`` is staged, on the I/O pool."""
-    await until_staged(staged, staged.total if staged is not None else 0, job.deadline)
+    """This rank's index part (per-chunk CRCs of ``buffer``) once the file ``layout`` describes
+    is staged in it (the arena may hold more after it), on the compute thread."""
+    await until_staged(staged, layout.file_size, job.deadline)
     name, dtensors = _manifest.shard_name(rank), job.dtensors or []
-    return await storage.run(_index.rank_part, buffer, layout.data_start, layout.slots, dtensors, name, writers)
+    return await storage.compute(_index.rank_part, buffer, layout.data_start, layout.slots, dtensors, name, writers)
 
 
 async def _commit(
@@ -284,9 +329,9 @@ async def _commit(
     return Verdict(committed=True, nbytes=nbytes, created=created)
 
 
-async def _drop(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a dedupe round nobody will use and collect its outcome (it is not this save's
-    failure: the reason it is dropped is)."""
+async def _drop(task: asyncio.Future[Any] | None) -> None:
+    """Cancel a task nobody will use (a dedupe round, an index part, a file write) and collect
+    its outcome (it is not this save's failure: the reason it is dropped is)."""
     if task is None:
         return
     task.cancel()

@@ -167,15 +167,16 @@ class StoreCoordinator:
     never be reused); ``check`` names exactly which ranks are missing; ``compare_set`` lets
     the leader and a follower that gave up agree on whether the commit happened; and no
     collective ordering is imposed, so nothing here can deadlock against training
-    collectives on the process group. Blocking store calls run on the I/O pool, never on
-    the event loop.
+    collectives on the process group. Blocking store calls run on the coordination threads
+    (``run``), never on the event loop, nor on the I/O threads: a wait for the other ranks
+    must not hold a thread the save's own writes need meanwhile.
 
     Keys live under ``asyncckpt/<namespace>/``; the namespace is chosen by the leader when
     the Checkpointer is built, so several Checkpointers in one job never mix their keys.
     """
 
     def __init__(self, connect: Any, rank: int, world_size: int, namespace: str, run: Any) -> None:
-        # One store client per I/O thread: a TCPStore client serves one request at a time, so a
+        # One store client per thread: a TCPStore client serves one request at a time, so a
         # blocking wait on a shared client would stall every other user of it (the training
         # thread's own store calls included) for the whole wait.
         self._connect = connect
@@ -183,7 +184,7 @@ class StoreCoordinator:
         self.rank = rank
         self.world_size = world_size
         self.ns = namespace
-        self._run = run  # coroutine function: await run(fn, *args) on the I/O pool
+        self._run = run  # coroutine function: await run(fn, *args) on a coordination thread
         self._last_seq = 0
         # leader: ranks that did not report in the last save (known dead or stopped): close()
         # does not wait for them

@@ -124,6 +124,35 @@ def may_pay_for_an_image(slots: Sequence[Any], skip: set[str]) -> bool:
     return candidates >= MIN_DROP_SHARE * (nbytes(slots) - candidates)
 
 
+class PlanHint:
+    """The writers the last dedupe round of a Checkpointer's saves chose, and the layout (the
+    structure of the state) they were chosen for. A later save of the same structure expects
+    the same plan: ``save()`` lays out its arena with the slots the rank expects to write
+    first, so it writes that file while the state is staged and the round runs (the round still
+    decides; a rank whose file lacks a slot the round gives it writes its file again).
+
+    Recorded on the writer thread, read by ``save()``: one attribute, replaced whole."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, dict[str, int]] | None = None
+
+    def record(self, layout: Any, writers: Mapping[str, int]) -> None:
+        """The round of a save of ``layout`` chose ``writers``."""
+        self._last = (layout, dict(writers))
+
+    def writers_for(self, layout: Any) -> dict[str, int] | None:
+        """The last writers chosen for ``layout`` (the same object), or None."""
+        last = self._last
+        return last[1] if last is not None and last[0] is layout else None
+
+
+def missing(keep: Sequence[Any], written: Sequence[Any]) -> list[str]:
+    """The names of ``keep`` (the slots the round gives this rank) that the file it wrote
+    before the round ended (``written``: that file's slots) lacks."""
+    have = {s.name for s in written}
+    return [s.name for s in keep if s.name not in have]
+
+
 def own_copies(writers: Mapping[str, int], slots: Sequence[Any], rank: int) -> dict[str, int]:
     """``writers`` as this rank reports them when it writes its staged file whole: its own
     copy of every tensor it holds (``_index.merge`` then points its entries at its file)."""

@@ -76,3 +76,27 @@ def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata:
     data_start = round_up(8 + len(body))
     padded = body + b" " * (data_start - 8 - len(body))
     return ShardLayout(struct.pack("<Q", len(padded)) + padded, tuple(slots), data_start, offset)
+
+
+def plan_split_layout(
+    first: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    rest: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    metadata: dict[str, str],
+) -> tuple[ShardLayout, ShardLayout]:
+    """A staging layout whose prefix is a shard of ``first`` alone: ``(staging, file)``.
+
+    ``file`` is the shard of ``first`` (:func:`plan_layout`). ``staging`` has its header, its
+    data start and its slots, followed by the slots of ``rest`` (each aligned to its element
+    size), so an arena staged by ``staging`` holds ``file`` as its first ``file.file_size``
+    bytes and the ``rest`` tensors after them. ``staging`` itself is not a valid shard (its
+    header lists ``first`` only): only the arena is laid out by it.
+    """
+    file = plan_layout(first, metadata)
+    slots = list(file.slots)
+    offset = file.data_len
+    for name, dtype, shape in sorted(rest, key=lambda s: (-s[1].itemsize, s[0])):
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots.append(TensorSlot(name, DTYPE_TO_ST[dtype], tuple(shape), offset, offset + nbytes))
+        offset += nbytes
+    return ShardLayout(file.header, tuple(slots), file.data_start, offset), file

@@ -27,7 +27,7 @@ import mmap
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class StageProgress:
         self._ends: list[int] = []
         self._done: set[int] = set()
         self._next = 0
+        self._wakers: list[tuple[int, Callable[[], None]]] = []
 
     @property
     def finished(self) -> bool:
@@ -73,6 +74,31 @@ class StageProgress:
             if pos > self._staged:
                 self._staged = pos
                 self._cond.notify_all()
+            due = self._due()
+        _wake(due)
+
+    def when_reached(self, pos: int, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` once offset ``pos`` is staged, or the copy failed, or the writer gave
+        the save up: now, or from the thread that gets there (the copying thread; ``wake``
+        must be quick and must not raise). The writer loop waits on this (``until_staged``)."""
+        with self._cond:
+            if self._staged < pos and self._error is None and not self._gone:
+                self._wakers.append((pos, wake))
+                return
+        wake()
+
+    def _due(self) -> list[Callable[[], None]]:
+        """Under the lock: take the wakers whose offset is staged (all of them once the copy
+        failed or was abandoned)."""
+        if not self._wakers:
+            return []
+        if self._error is not None or self._gone:
+            due, self._wakers = [w for _, w in self._wakers], []
+            return due
+        due = [w for p, w in self._wakers if p <= self._staged]
+        if due:
+            self._wakers = [(p, w) for p, w in self._wakers if p > self._staged]
+        return due
 
     def expect_groups(self, ends: Sequence[int]) -> None:
         """The copy will finish groups whose (file-order) end offsets are ``ends``."""
@@ -93,6 +119,8 @@ class StageProgress:
                 moved = True
             if moved:
                 self._cond.notify_all()
+            due = self._due()
+        _wake(due)
 
     def finish(self, staging_s: float) -> None:
         """Everything is staged (called by ``save()`` once the copy returned)."""
@@ -100,6 +128,8 @@ class StageProgress:
             self.staging_s = staging_s
             self._staged = self.total
             self._cond.notify_all()
+            due = self._due()
+        _wake(due)
 
     def fail(self, exc: BaseException) -> None:
         """The copy failed: every wait (now or later) raises :class:`StagingAborted`."""
@@ -107,12 +137,16 @@ class StageProgress:
             if self._error is None:
                 self._error = exc
             self._cond.notify_all()
+            due = self._due()
+        _wake(due)
 
     def abandon(self) -> None:
         """The writer gave the save up (failure, deadline): release its waiting threads."""
         with self._cond:
             self._gone = True
             self._cond.notify_all()
+            due = self._due()
+        _wake(due)
 
     def reached(self, pos: int) -> bool:
         """Whether offset ``pos`` is staged, without waiting; ``StagingAborted`` as :meth:`wait_for`."""
@@ -142,6 +176,11 @@ class StageProgress:
                 if left <= 0:
                     raise TimeoutError("the state was not staged before the save's deadline")
                 self._cond.wait(left)
+
+
+def _wake(due: list[Callable[[], None]]) -> None:
+    for wake in due:
+        wake()
 
 
 class _CopyPlan:

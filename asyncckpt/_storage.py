@@ -18,6 +18,7 @@ import contextvars
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import os
 import random
@@ -97,6 +98,8 @@ class Staged(Protocol):
     def wait_for(self, pos: int, deadline: float) -> None: ...
 
     def reached(self, pos: int) -> bool: ...
+
+    def when_reached(self, pos: int, wake: Callable[[], None]) -> None: ...
 
     def abandon(self) -> None: ...
 
@@ -317,8 +320,11 @@ class Storage:
     ``"off"``.
     """
 
-    def __init__(self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto") -> None:
+    def __init__(
+        self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto", compute: Executor | None = None
+    ) -> None:
         self._executor = executor
+        self._compute = compute if compute is not None else executor
         self.ops = ops
         self._direct = direct_io != "off" and bool(_DIRECT)
         self._direct_required = direct_io == "on"
@@ -330,6 +336,16 @@ class Storage:
         if meter is not None:
             fn = _metered(fn, meter)
         result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
+        return result
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, CPU work that does no I/O (hashes, checksums of a staged buffer), on
+        the compute thread: never queued behind the pieces of a write that hold the I/O
+        threads while the disk is slow. Metered as :meth:`run`."""
+        meter = current_meter.get()
+        if meter is not None:
+            fn = _metered(fn, meter)
+        result: T = await aiofiles.os.wrap(fn)(*args, executor=self._compute)
         return result
 
     async def _run_on(self, path: str, fn: Callable[..., T], *args: Any) -> T:
@@ -347,8 +363,28 @@ class Storage:
     async def fsync_dir(self, path: str) -> None:
         await self._run_on(path, self.ops.fsync_dir, path)
 
+    async def ensure_dir_durable(self, path: str, parent: str, deadline_s: float) -> None:
+        """:meth:`ensure_dir` then :meth:`fsync_dir` of ``parent``, in one call on the I/O pool."""
+
+        def run() -> None:
+            where = path
+            try:
+                ensure_dir(path, deadline_s=deadline_s, ops=self.ops)
+                where = parent
+                self.ops.fsync_dir(parent)
+            except OSError as e:
+                if e.filename is not None:
+                    raise
+                raise _with_path(e, where) from e
+
+        await self.run(run)
+
     async def rename(self, src: str, dst: str) -> None:
         await self._run_on(dst, self.ops.rename, src, dst)
+
+    async def remove(self, path: str) -> None:
+        """Unlink the file ``path``."""
+        await self._run_on(path, self.ops.unlink, path)
 
     async def listdir(self, path: str) -> list[str]:
         return await self._run_on(path, self.ops.listdir, path)
@@ -376,8 +412,12 @@ class Storage:
         The file is preallocated (where the file system can) and written in :data:`CHUNK`
         pieces, :data:`INFLIGHT` at a time on the I/O threads. With ``staged``, each piece
         is written only once ``staged.wait_for`` says its bytes are in ``buf`` (the caller
-        is still copying the rest), bounded by ``deadline`` (``time.monotonic()``); the
-        checksum runs in file order. With O_DIRECT, ``buf`` must be page-aligned and hold
+        is still copying the rest), bounded by ``deadline`` (``time.monotonic()``), and the
+        checksum waits until the whole of ``buf[:size]`` is staged (then runs on the compute
+        thread beside the last pieces): the copy is what the caller waits for, the checksum
+        is not, and on a busy machine they share the cores. Without ``staged`` (or once it
+        is all staged) each piece is checksummed, in file order, right before it is written.
+        With O_DIRECT, ``buf`` must be page-aligned and hold
         ``round_up(size)`` bytes; the padded tail is written and the file truncated to
         ``size``. Short writes are looped. Any error abandons the file (a failed fsync is
         never retried) and is raised with the path attached; the descriptor is closed only
@@ -388,6 +428,7 @@ class Storage:
         until = deadline if deadline is not None else time.monotonic() + 3600.0
         t0 = time.perf_counter()
         f: _OpenFile | None = None
+        later: asyncio.Future[int] | None = None  # the checksum, once everything is staged
         try:
             try:
                 fd = await self.run(self.ops.open, path, flags | (_DIRECT if use_direct else 0), 0o644)
@@ -409,12 +450,16 @@ class Storage:
                         raise
             pieces = [(off, min(off + CHUNK, size)) for off in range(0, size, CHUNK)]
             chain = _CrcChain(len(pieces))
+            if staged is not None and not staged.reached(size):
+                later = asyncio.ensure_future(self._checksum_once_staged(buf, size, staged, until))
             first = 0
             if use_direct and pieces:
                 # the first piece alone: a file system that took O_DIRECT at open may refuse the I/O
                 try:
                     await until_staged(staged, pieces[0][1], until)
-                    await self.run(_write_piece, f, chain, staged, buf, 0, *pieces[0], use_direct, until)
+                    await self.run(
+                        _write_piece, f, chain, staged, buf, 0, *pieces[0], use_direct, until, later is None
+                    )
                 except OSError as e:
                     if e.errno != errno.EINVAL or self._direct_required:
                         raise
@@ -424,7 +469,7 @@ class Storage:
                     chain = _CrcChain(len(pieces))
                 else:
                     first = 1
-            await self._write_pieces(f, chain, staged, buf, pieces, first, use_direct, until)
+            await self._write_pieces(f, chain, staged, buf, pieces, first, use_direct, until, later is None)
             if use_direct and size % ALIGN:
                 await self.run(self.ops.ftruncate, fd, size)
             t1 = time.perf_counter()
@@ -432,8 +477,14 @@ class Storage:
             t2 = time.perf_counter()
             closing, f = f, None
             await self.run(closing.close)
-            crc = chain.value(len(pieces) - 1) if pieces else 0
+            if later is not None:
+                crc = await later
+            else:
+                crc = chain.value(len(pieces) - 1) if pieces else 0
         except BaseException as e:
+            if later is not None:
+                later.cancel()
+                await asyncio.gather(later, return_exceptions=True)
             if staged is not None:
                 staged.abandon()
             if isinstance(e, OSError) and e.filename is None:
@@ -447,6 +498,15 @@ class Storage:
                     pass
         return WriteResult(size, crc, use_direct, t1 - t0, t2 - t1)
 
+    async def _checksum_once_staged(self, buf: memoryview, size: int, staged: Staged, until: float) -> int:
+        """The CRC-32C of ``buf[:size]`` once it is all staged, in :data:`CHUNK` calls on the
+        compute thread."""
+        await until_staged(staged, size, until)
+        crc = 0
+        for off in range(0, size, CHUNK):
+            crc = await self.compute(crc32c, buf[off : min(off + CHUNK, size)], crc)
+        return crc
+
     async def _piece(
         self,
         f: _OpenFile,
@@ -457,9 +517,10 @@ class Storage:
         piece: tuple[int, int],
         direct: bool,
         until: float,
+        checksum: bool,
     ) -> None:
         await until_staged(staged, piece[1], until)
-        await self.run(_write_piece, f, chain, staged, buf, i, *piece, direct, until)
+        await self.run(_write_piece, f, chain, staged, buf, i, *piece, direct, until, checksum)
 
     async def _write_pieces(
         self,
@@ -471,6 +532,7 @@ class Storage:
         first: int,
         direct: bool,
         until: float,
+        checksum: bool = True,
     ) -> None:
         """Pieces ``first:`` with up to :data:`INFLIGHT` in flight; the first error (in file
         order) is raised once every piece started has stopped."""
@@ -490,7 +552,9 @@ class Storage:
                     break
                 while len(window) >= INFLIGHT:
                     await settle(window.pop(0))
-                window.append(asyncio.ensure_future(self._piece(f, chain, staged, buf, i, pieces[i], direct, until)))
+                window.append(
+                    asyncio.ensure_future(self._piece(f, chain, staged, buf, i, pieces[i], direct, until, checksum))
+                )
             while window:
                 await settle(window.pop(0))
         finally:
@@ -605,15 +669,34 @@ class _CrcChain:
 async def until_staged(staged: Staged | None, pos: int, until: float) -> None:
     """Wait on the writer loop, not on an I/O thread, until ``pos`` is staged: a copy paused
     (a signal handler running on the saving thread, which may itself save and flush) must not
-    hold the I/O pool, or every other save's I/O would queue behind it."""
+    hold the I/O pool, or every other save's I/O would queue behind it. The copying thread
+    wakes the loop when it gets there (``Staged.when_reached``): no polling."""
     if staged is None:
         return
-    pause = 0.0002
-    while not staged.reached(pos):
-        if time.monotonic() >= until:
+    loop = asyncio.get_running_loop()
+    while not staged.reached(pos):  # raises StagingAborted once the copy failed or was given up
+        left = until - time.monotonic()
+        if left <= 0:
             raise TimeoutError("the state was not staged before the save's deadline")
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.005)
+        woken: asyncio.Future[None] = loop.create_future()
+        staged.when_reached(pos, functools.partial(_wake_soon, loop, woken))
+        try:
+            await asyncio.wait_for(woken, left)
+        except TimeoutError:
+            pass  # checked again above
+
+
+def _wake_soon(loop: asyncio.AbstractEventLoop, woken: asyncio.Future[None]) -> None:
+    """From the copying thread: resolve ``woken`` on its loop (a loop already closed: nobody waits)."""
+    try:
+        loop.call_soon_threadsafe(_resolve, woken)
+    except RuntimeError:
+        pass
+
+
+def _resolve(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def _write_piece(
@@ -626,13 +709,15 @@ def _write_piece(
     end: int,
     direct: bool,
     until: float,
+    checksum: bool = True,
 ) -> None:
-    """Wait until ``buf[off:end]`` is staged, checksum it in file order, write it at ``off``
-    (padded to ALIGN under O_DIRECT)."""
+    """Wait until ``buf[off:end]`` is staged, checksum it in file order (with ``checksum``),
+    write it at ``off`` (padded to ALIGN under O_DIRECT)."""
     try:
         if staged is not None:
             staged.wait_for(end, until)
-        chain.extend(i, buf[off:end], until)
+        if checksum:
+            chain.extend(i, buf[off:end], until)
     except BaseException:
         chain.fail()
         raise

@@ -309,5 +309,110 @@ def scenario_phase(rank: int, world: int, root: str, result: dict[str, Any]) -> 
         pass
 
 
+def early_state(rank: int, step: int) -> dict[str, Any]:
+    """Three tensors identical on every rank and a per-rank RNG state. In step 3 ``a`` differs
+    on rank 1 (so it is per-rank there: every rank writes its own), in the other steps it is
+    identical again."""
+    g = torch.Generator().manual_seed(step)
+    model = {name: torch.randn(65536, generator=g) for name in ("a", "b", "c")}
+    if step == 3 and rank == 1:
+        model["a"] = model["a"] + 1.0
+    return {"model": model, "rng": torch.full((1000,), rank * 10 + step, dtype=torch.uint8)}
+
+
+class ShardFaultOps(OsOps):
+    """Fails one OS call on this rank's shard in one step with ``err``: ``unlink`` (the early
+    file removed to write it again), ``open2`` (the second open of the shard: the rewrite) or
+    ``pwrite`` (a write of the shard: the early file, while the dedupe round runs). Once: the
+    retry of the step succeeds."""
+
+    def __init__(self, op: str, step: int, err: int, rank: int) -> None:
+        self.op, self.err = op, err
+        self.fired = False
+        self.where = f"step_{step:08d}.tmp-"
+        self.shard = f"rank{rank:05d}.safetensors"
+        self.opens = 0
+        self._paths: dict[int, str] = {}
+
+    def _mine(self, path: str) -> bool:
+        return self.where in path and path.endswith(self.shard)
+
+    def _fire(self, op: str, path: str) -> None:
+        if op == self.op and not self.fired:
+            self.fired = True
+            raise OSError(self.err, os.strerror(self.err), *([path] if op == "unlink" else []))
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if self._mine(path):
+            self.opens += 1
+            if self.opens == 2:
+                self._fire("open2", path)
+        fd = super().open(path, flags, mode)
+        self._paths[fd] = path
+        return fd
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        if self._mine(self._paths.get(fd, "")):
+            self._fire("pwrite", "")
+        return super().pwrite(fd, data, offset)
+
+    def unlink(self, path: str) -> None:
+        if self._mine(path):
+            self._fire("unlink", path)
+        super().unlink(path)
+
+
+def scenario_dedupe_early(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
+    """Saves of one structure whose plan changes: step 1 plans (the round first), step 2 writes
+    the slots that plan gave each rank while the round runs, step 3 (``a`` differs on rank 1)
+    makes ranks whose early file lacks a tensor the round gives them write it again, step 4
+    (``a`` identical again) leaves the ranks that wrote ``a`` in step 3 their own copies. With
+    ``FAULT=op:step:victim``, that rank's ``ShardFaultOps`` fails the call (EIO)."""
+    import errno
+    import logging
+
+    fault = os.environ.get("FAULT")
+    ops: OsOps = OsOps()
+    if fault:
+        op, fstep, victim = fault.split(":")
+        if rank == int(victim):
+            ops = ShardFaultOps(op, int(fstep), errno.EIO, rank)
+    rewrites: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "writing it again" in record.getMessage():
+                rewrites.append(record.getMessage())
+
+    logger = logging.getLogger("asyncckpt")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Seen())
+    result["steps"] = {}
+    with Checkpointer(root, timeout=20, _ops=ops) as ck:
+        for step in (1, 2, 3, 4, 5):
+            before = len(rewrites)
+            t0 = time.monotonic()
+            h = ck.save(step, early_state(rank, step))
+            err = h.exception(timeout=60)
+            got: dict[str, Any] = {"error": describe(err), "elapsed": time.monotonic() - t0}
+            if err is not None:
+                try:
+                    ck.flush()
+                except SaveError as e:
+                    got["flush_error"] = describe(e)
+                latest = ck.latest()
+                got["latest_after_failure"] = latest.step if latest else None
+                got["retry"] = ck.save(step, early_state(rank, step)).result(timeout=60).step
+            got["rewrote"] = len(rewrites) > before
+            got["nbytes"] = ck.latest().nbytes  # type: ignore[union-attr]
+            loaded = ck.load(step)
+            want = early_state(rank, step)
+            got["equal"] = all(torch.equal(loaded["model"][k], want["model"][k]) for k in want["model"]) and bool(
+                torch.equal(loaded["rng"], want["rng"])
+            )
+            result["steps"][str(step)] = got
+        result["all_steps"] = ck.steps()
+
+
 if __name__ == "__main__":
     main()

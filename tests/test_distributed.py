@@ -212,3 +212,76 @@ def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim
     root = tmp_path / "ck"
     assert find_latest(root).step == 1  # type: ignore[union-attr]
     assert not (root / "step_00000002").exists(), "a stopped rank committed late"
+
+
+def _verify(root: Path, step: int) -> list[Any]:
+    """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
+    from asyncckpt import _discovery, reading
+
+    step_dir, manifest = _discovery.open_step(str(root), step)
+    return reading.verify_step(str(root), step_dir, manifest, record=False)
+
+
+def _dedupe_early_on_disk(root: Path, step: int) -> int:
+    return sum(p.stat().st_size for p in (root / f"step_{step:08d}").glob("rank*.safetensors"))
+
+
+@pytest.mark.timeout(150)
+def test_dedupe_writes_the_expected_plan_early_and_rewrites_when_the_plan_changes(tmp_path: Path) -> None:
+    # step 2 writes the slots step 1's plan gave each rank while its round runs; step 3 (a
+    # tensor no longer identical on every rank) makes ranks whose early file lacks what the
+    # round gives them write it again; every step loads exactly on every rank
+    res = run_ranks(tmp_path, "dedupe_early", 3)
+    tensor, rng = 65536 * 4, 1000
+    root = tmp_path / "ck"
+    for r in res.values():
+        steps = r["steps"]
+        for s, got in steps.items():
+            assert got["error"] is None and got["equal"], (s, got)
+        assert not steps["1"]["rewrote"] and not steps["2"]["rewrote"], r  # step 1: the round first
+        assert steps["3"]["rewrote"], r  # every rank's early file lacked a tensor the round gave it
+        assert not steps["5"]["rewrote"], r  # step 4's plan held again: nothing to write twice
+        assert r["all_steps"] == [1, 2, 3, 4, 5]
+    # step 4 (`a` identical again) expected step 3's plan (every rank writes its `a`): a rank
+    # whose early file holds more than the round gives it keeps it (its own copies), a rank whose
+    # file lacks a tensor writes it again
+    assert [res[r]["steps"]["4"]["rewrote"] for r in range(3)] == [False, True, True]
+    nbytes = {s: res[0]["steps"][s]["nbytes"] for s in res[0]["steps"]}
+    # written once: the three shared tensors in all and every rank's RNG state
+    assert nbytes["1"] == nbytes["2"] == nbytes["5"] == 3 * tensor + 3 * rng, nbytes
+    assert nbytes["3"] == 3 * tensor + 2 * tensor + 3 * rng, nbytes  # `a` per rank
+    assert nbytes["4"] == 4 * tensor + 3 * rng, nbytes  # rank 0's own copy of `b` beside `a`
+    for s in (2, 3, 5):
+        on_disk = _dedupe_early_on_disk(root, s)
+        assert nbytes[str(s)] <= on_disk <= nbytes[str(s)] + 3 * 16384, (s, on_disk)
+        assert _verify(root, s) == []
+    assert load(root, 3, rank=1)["model"]["a"][0] != load(root, 3, rank=0)["model"]["a"][0]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "pwrite:2:1",  # the early file, while the dedupe round runs
+        "unlink:3:2",  # removing the early file to write it again
+        "open2:3:0",  # creating it again (on the leader)
+    ],
+)
+def test_dedupe_early_write_failure_fails_every_rank_the_same(tmp_path: Path, fault: str) -> None:
+    import errno
+
+    _, fstep, victim = fault.split(":")
+    res = run_ranks(tmp_path, "dedupe_early", 3, extra_env={"FAULT": fault})
+    for r in res.values():
+        got = r["steps"][fstep]
+        err = got["error"]
+        assert err is not None and err["type"] == "SaveError" and list(err["failures"]) == [victim], err
+        f = err["failures"][victim]
+        assert f["errno"] == errno.EIO and f["path"] and f"rank{int(victim):05d}.safetensors" in f["path"], f
+        assert got["elapsed"] < 15, got  # nobody waited for the save's timeout (20 s)
+        assert got["flush_error"]["failures"] == err["failures"]
+        assert got["latest_after_failure"] == int(fstep) - 1  # nothing of the failed attempt counts
+        assert got["retry"] == int(fstep) and got["equal"], got
+        assert r["all_steps"] == [1, 2, 3, 4, 5]
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step_"))
+    assert names == [f"step_{s:08d}" for s in (1, 2, 3, 4, 5)]  # the failed attempt left nothing behind
