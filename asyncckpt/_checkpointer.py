@@ -90,19 +90,21 @@ class _Runtime:
         # many ranks: the coordinator's blocking store calls (waits for the other ranks among
         # them) run here, never on an I/O thread the save's writes and checksums need meanwhile
         self.coord_pool: IOPool | None = None
-        pool: IOPool | None = None
-        compute: IOPool | None = None
+        pools: list[IOPool] = []
         try:
-            pool = self.pool = IOPool(io_threads, "asyncckpt-io")
-            # hashes and checksums of staged bytes (Storage.compute)
-            compute = self.compute_pool = IOPool(1, "asyncckpt-hash")
-            self.storage = Storage(self.pool, ops, direct_io, compute)
+            self.pool = IOPool(io_threads, "asyncckpt-io")
+            pools.append(self.pool)
+            # checksums of staged bytes (Storage.compute) and the dedupe round's hashes
+            # (Storage.digest), each on a thread of its own
+            self.compute_pool = IOPool(1, "asyncckpt-crc")
+            pools.append(self.compute_pool)
+            self.digest_pool = IOPool(1, "asyncckpt-hash")
+            pools.append(self.digest_pool)
+            self.storage = Storage(self.pool, ops, direct_io, self.compute_pool, self.digest_pool)
             self.writer = WriterThread()
         except BaseException:
-            if pool is not None:
-                pool.shutdown(wait=True, timeout=10.0)
-            if compute is not None:
-                compute.shutdown(wait=True, timeout=10.0)
+            for p in pools:
+                p.shutdown(wait=True, timeout=10.0)
             raise
 
     @property
@@ -136,6 +138,7 @@ class _Runtime:
                 self.writer.stop(timeout=10.0)
                 self.pool.shutdown(wait=True, timeout=10.0)
                 self.compute_pool.shutdown(wait=True, timeout=10.0)
+                self.digest_pool.shutdown(wait=True, timeout=10.0)
                 if self.coord_pool is not None:
                     self.coord_pool.shutdown(wait=True, timeout=10.0)
             finally:

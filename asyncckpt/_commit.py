@@ -145,7 +145,7 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
         data_start = job.layout.data_start
         for batch in _dedupe.batches(job.layout.slots, skip):
             await until_staged(job.progress, data_start + batch[-1].end, job.deadline)
-            records.update(await storage.compute(_dedupe.digests, job.arena.buffer, data_start, batch, skip))
+            records.update(await storage.digest(_dedupe.digests, job.arena.buffer, data_start, batch, skip))
         meshes = _dedupe.mesh_digests(job.dtensors or [])
     except BaseException:
         await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)

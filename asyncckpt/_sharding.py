@@ -281,11 +281,22 @@ def describe(key: str, dt: Any) -> ShardInfo:
     return ShardInfo(key, global_shape, dt.dtype, layout, local, rank, box, replicas, ranks, writer)
 
 
+#: the mesh _memo_of was last asked for (weakly) and its memo: a state's DTensors mostly share
+#: one mesh, and this skips the weak dictionary's lookup for all but the first
+_LAST_MEMO: tuple[Any, dict[tuple[Any, ...], tuple[Any, ...]]] | None = None
+
+
 def _memo_of(mesh: Any) -> dict[tuple[Any, ...], tuple[Any, ...]] | None:
+    global _LAST_MEMO
+    last = _LAST_MEMO
+    if last is not None and last[0]() is mesh:
+        return last[1]
     try:
-        return _DESCRIBED.setdefault(mesh, {})
+        memo = _DESCRIBED.setdefault(mesh, {})
     except TypeError:
         return None  # not weak-referenceable or unhashable: derive every time
+    _LAST_MEMO = (weakref.ref(mesh), memo)
+    return memo
 
 
 def _derive(key: str, mesh: Any, global_shape: tuple[int, ...], placements: tuple[Any, ...]) -> tuple[Any, ...]:

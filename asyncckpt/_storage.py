@@ -321,10 +321,16 @@ class Storage:
     """
 
     def __init__(
-        self, executor: Executor, ops: OsOps = DEFAULT_OPS, direct_io: str = "auto", compute: Executor | None = None
+        self,
+        executor: Executor,
+        ops: OsOps = DEFAULT_OPS,
+        direct_io: str = "auto",
+        compute: Executor | None = None,
+        digests: Executor | None = None,
     ) -> None:
         self._executor = executor
         self._compute = compute if compute is not None else executor
+        self._digests = digests if digests is not None else self._compute
         self.ops = ops
         self._direct = direct_io != "off" and bool(_DIRECT)
         self._direct_required = direct_io == "on"
@@ -339,13 +345,22 @@ class Storage:
         return result
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``, CPU work that does no I/O (hashes, checksums of a staged buffer), on
-        the compute thread: never queued behind the pieces of a write that hold the I/O
-        threads while the disk is slow. Metered as :meth:`run`."""
+        """``fn(*args)``, CPU work that does no I/O (checksums of a staged buffer), on the
+        compute thread: never queued behind the pieces of a write that hold the I/O threads
+        while the disk is slow. Metered as :meth:`run`."""
+        return await self._on(self._compute, fn, *args)
+
+    async def digest(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`compute` for the dedupe round's hashes, on a thread of their own: the round
+        waits for them (and every rank for the round), so they never queue behind the
+        checksums, which are needed only at the end of the save."""
+        return await self._on(self._digests, fn, *args)
+
+    async def _on(self, executor: Executor, fn: Callable[..., T], *args: Any) -> T:
         meter = current_meter.get()
         if meter is not None:
             fn = _metered(fn, meter)
-        result: T = await aiofiles.os.wrap(fn)(*args, executor=self._compute)
+        result: T = await aiofiles.os.wrap(fn)(*args, executor=executor)
         return result
 
     async def _run_on(self, path: str, fn: Callable[..., T], *args: Any) -> T:

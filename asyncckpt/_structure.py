@@ -300,11 +300,16 @@ def flatten(
         used.add(name)
         return name
 
+    sharding: list[Any] = []  # the _sharding module, imported at the first tensor subclass met
+
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
         nonlocal n_tied
         if dtensors is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-            from . import _sharding  # imported only when a state may hold DTensors
+            if not sharding:
+                from . import _sharding as imported  # only when a state may hold DTensors
 
+                sharding.append(imported)
+            _sharding = sharding[0]
             if _sharding.is_dtensor(t):
                 # named first either way: a rank that cannot see the tie names it the same
                 name = unique(path)
