@@ -90,16 +90,16 @@ class _Runtime:
         # many ranks: the coordinator's blocking store calls (waits for the other ranks among
         # them) run here, never on an I/O thread the save's writes and checksums need meanwhile
         self.coord_pool: IOPool | None = None
+        # each pool is registered in the statement that starts it: an interrupt between two
+        # lines leaves none running outside the list the except below stops
         pools: list[IOPool] = []
         try:
-            self.pool = IOPool(io_threads, "asyncckpt-io")
-            pools.append(self.pool)
+            pools.append(IOPool(io_threads, "asyncckpt-io"))
             # checksums of staged bytes (Storage.compute) and the dedupe round's hashes
             # (Storage.digest), each on a thread of its own
-            self.compute_pool = IOPool(1, "asyncckpt-crc")
-            pools.append(self.compute_pool)
-            self.digest_pool = IOPool(1, "asyncckpt-hash")
-            pools.append(self.digest_pool)
+            pools.append(IOPool(1, "asyncckpt-crc"))
+            pools.append(IOPool(1, "asyncckpt-hash"))
+            self.pool, self.compute_pool, self.digest_pool = pools
             self.storage = Storage(self.pool, ops, direct_io, self.compute_pool, self.digest_pool)
             self.writer = WriterThread()
         except BaseException:
