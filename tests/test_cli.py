@@ -284,6 +284,27 @@ def test_verify_usage_errors_exit_2(root: Path, capsys: pytest.CaptureFixture[st
     assert "error:" in err and "Traceback" not in err
 
 
+_OPTION = ["--storage-option", "endpoint=http://127.0.0.1:1"]
+_DEADLINE = ["--deadline", "5"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [(c, _OPTION) for c in ("verify", "info", "export", "gc", "ls")]
+    + [(c, _DEADLINE) for c in ("verify", "info", "export", "gc")],  # ls has no --deadline
+)
+def test_store_only_flags_on_a_local_root_are_a_usage_error_not_ignored(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str]
+) -> None:
+    extra = ["--to", str(tmp_path / "out.safetensors")] if command == "export" else []
+    before = sorted(p.name for p in root.iterdir())
+    code, out, err = cli(capsys, command, root, *extra, *flags)
+    assert code == 2 and out == "", (code, out, err)
+    assert f"{flags[0]} apply to s3:// URLs only" in err and "Traceback" not in err
+    assert "127.0.0.1:1" not in err  # an option's value is never printed
+    assert sorted(p.name for p in root.iterdir()) == before and not (tmp_path / "out.safetensors").exists()
+
+
 def test_verify_progress_bar_on_a_terminal(
     root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

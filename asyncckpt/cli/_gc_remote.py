@@ -12,7 +12,7 @@ from .._lease import Lease, held
 from .._remote import open_store, retire_remote, run_sync
 from .._remote_leftovers import remove, survey
 from ._args import UsageError
-from ._remote_args import storage_options
+from ._remote_args import deadline_s, storage_options
 from .gc import Report
 
 _WHAT = {
@@ -29,7 +29,7 @@ def run_remote(args: argparse.Namespace) -> int:
     if args.by_commit_order:
         raise UsageError("--by-commit-order applies to local roots (an object-store root keeps the highest steps)")
     store = open_store(args.root, storage_options(args))
-    deadline = time.monotonic() + args.deadline
+    deadline = time.monotonic() + deadline_s(args)
     if args.dry_run:
         return run_sync(lambda: _run(store, args, deadline, None))
 

@@ -7,11 +7,30 @@ import argparse
 
 from ._args import UsageError
 
+DEFAULT_DEADLINE_S = 3600.0
+
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """``--deadline`` and ``--storage-option`` (push, pull)."""
-    p.add_argument("--deadline", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
+    p.add_argument(
+        "--deadline", type=float, default=None, metavar="S", help="s3:// only: give up after S seconds (default 3600)"
+    )
     add_storage_options(p)
+
+
+def deadline_s(args: argparse.Namespace) -> float:
+    """``--deadline`` in seconds (3600 when not given)."""
+    value: float | None = getattr(args, "deadline", None)
+    return DEFAULT_DEADLINE_S if value is None else value
+
+
+def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
+    """A usage error when ``--storage-option`` or ``--deadline`` is given for a local ``root``:
+    they mean something only for ``s3://`` URLs, and a flag that is silently ignored misleads."""
+    given = [flag for flag, dest in (("--storage-option", "storage_option"), ("--deadline", "deadline"))
+             if getattr(args, dest, None)]  # fmt: skip
+    if given:
+        raise UsageError(f"{' and '.join(given)} apply to s3:// URLs only, not to the local root {root!r}")
 
 
 def check_url(url: str) -> str:

@@ -13,7 +13,7 @@ from .._manifest import Manifest
 from .._remote import candidate_steps, newest_complete, open_store, run_sync
 from .._remote_verify import open_for_verify, verify_remote_step
 from ._print import PROG, Progress, say
-from ._remote_args import storage_options
+from ._remote_args import deadline_s, storage_options
 from .verify import report, summarize
 
 
@@ -22,7 +22,7 @@ def run_remote(args: argparse.Namespace) -> int:
     (nothing is recorded on the store: verify never writes there)."""
     url: str = args.root
     store = open_store(url, storage_options(args))
-    deadline = time.monotonic() + args.deadline
+    deadline = time.monotonic() + deadline_s(args)
     return run_sync(lambda: _run(store, url, args, deadline))
 
 

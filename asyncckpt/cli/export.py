@@ -25,7 +25,7 @@ from .._storage import DEFAULT_OPS
 from ..reading import resolve_step
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
-from ._remote_args import add_remote_arguments, storage_options
+from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
     if args.root.startswith("s3://"):
         return _run_remote(args)
+    refuse_remote_options(args, args.root)
     parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
     inside = os.path.basename(parent)
     if os.path.dirname(parent) == os.path.realpath(args.root) and (
@@ -212,7 +213,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     opts = storage_options(args)
     # the manifest first: a rank the step lacks is refused before anything is downloaded
     store = open_store(url, opts)
-    deadline = time.monotonic() + args.deadline
+    deadline = time.monotonic() + deadline_s(args)
     manifest = run_sync(lambda: resolve_remote_step(store, args.step, deadline))
     if args.rank >= manifest.world_size:
         raise DataError(

@@ -17,7 +17,7 @@ from .._storage import DEFAULT_OPS, Storage, remove_tree
 from ..reading import complete_checkpoints, scan, usage
 from ._args import command, positive_int, seconds
 from ._print import dump_json, human_age, human_bytes, say
-from ._remote_args import add_remote_arguments
+from ._remote_args import add_remote_arguments, refuse_remote_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         from ._gc_remote import run_remote  # imports obstore: only for URLs
 
         return run_remote(args)
+    refuse_remote_options(args, root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     if args.dry_run:

@@ -13,7 +13,7 @@ from .._manifest import Manifest
 from ..reading import Entry, local_time, read_rank_outline, resolve_step, timestamp
 from ._args import add_step, command, non_negative_int
 from ._print import dump_json, human_age, human_bytes, say
-from ._remote_args import add_remote_arguments, storage_options
+from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
 
 #: Containers of plain values longer than this are shown on one abbreviated line (``--full``: all).
 SHOWN_ITEMS = 8
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the saved keys of one rank of one step: tensors with dtype/shape/bytes, other values as saved."""
     if args.root.startswith("s3://"):
         return _run_remote(args)
+    refuse_remote_options(args, args.root)
     step_dir, manifest = resolve_step(args.root, args.step)
     entries, slots = read_rank_outline(step_dir, manifest, args.rank)
     return _show(args, manifest, os.path.abspath(step_dir), entries, slots)
@@ -123,7 +124,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     from .._remote_info import remote_rank_outline, resolve_remote_step
 
     store = open_store(args.root, storage_options(args))
-    deadline = time.monotonic() + args.deadline
+    deadline = time.monotonic() + deadline_s(args)
 
     async def read() -> tuple[Manifest, list[Entry], dict[str, TensorSlot]]:
         m = await resolve_remote_step(store, args.step, deadline)

@@ -10,7 +10,7 @@ from typing import Any
 from ..reading import scan
 from ._args import command
 from ._print import PROG, dump_json, human_age, human_bytes, say, table
-from ._remote_args import add_storage_options
+from ._remote_args import add_storage_options, refuse_remote_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         from ._ls_remote import run_remote  # imports obstore: only for URLs
 
         return run_remote(args)
+    refuse_remote_options(args, root)
     dirs = scan(root)
     now = time.time()
     if args.json:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ._args import Formatter, non_negative_int
 from ._print import dump_json, say
-from ._remote_args import add_remote_arguments, check_url, storage_options
+from ._remote_args import add_remote_arguments, check_url, deadline_s, storage_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_url(args.url)
     step, status = pull(args.url, args.root, step=args.step, storage_options=storage_options(args),
-                        deadline_s=args.deadline)
+                        deadline_s=deadline_s(args))
     if args.json:
         dump_json({"step": step, "status": status, "root": args.root})
     else:

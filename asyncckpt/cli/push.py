@@ -7,7 +7,7 @@ from typing import Any
 
 from ._args import command, non_negative_int, positive_int
 from ._print import dump_json, human_bytes, say
-from ._remote_args import add_remote_arguments, check_url, storage_options
+from ._remote_args import add_remote_arguments, check_url, deadline_s, storage_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     check_url(args.url)
     steps: Any = "latest" if args.latest else args.step
     results = push(args.root, args.url, steps=steps, storage_options=storage_options(args), keep_last=args.keep_last,
-                   deadline_s=args.deadline)
+                   deadline_s=deadline_s(args))
     if args.json:
         dump_json([{"step": r.step, "status": r.status, "url": r.url, "bytes": r.nbytes, "seconds": r.seconds}
                    for r in results])

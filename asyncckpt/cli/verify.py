@@ -13,7 +13,7 @@ from .._manifest import Manifest
 from ..reading import Problem, candidate_steps, find_latest, open_step, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
-from ._remote_args import add_remote_arguments
+from ._remote_args import add_remote_arguments, refuse_remote_options
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         from ._verify_remote import run_remote
 
         return run_remote(args)
+    refuse_remote_options(args, root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     steps = _steps(root, args)
