@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 import uuid
@@ -220,9 +221,42 @@ def _run_remote(args: argparse.Namespace) -> int:
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
         )
     parent = os.path.dirname(os.path.abspath(args.to))
-    with tempfile.TemporaryDirectory(prefix=".asyncckpt-export-", dir=parent) as tmp:
+    _remove_dead_exports(parent)
+    prefix = f"{_TMP_PREFIX}{os.getpid()}@{socket.gethostname()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as tmp:
         step, _ = pull(url, tmp, step=manifest.step, storage_options=opts, deadline_s=deadline - time.monotonic())
-        return run(argparse.Namespace(**{**vars(args), "root": tmp, "step": step}))
+        local = {**vars(args), "root": tmp, "step": step, "storage_option": [], "deadline": None}
+        return run(argparse.Namespace(**local))
+
+
+_TMP_PREFIX = ".asyncckpt-export-"
+
+
+def _remove_dead_exports(parent: str) -> None:
+    """Remove the temporary roots beside OUT that remote exports killed on this host left (named
+    ``.asyncckpt-export-PID@HOST-XXXX``): only those of this host whose process is gone; a
+    live one (or one whose PID was reused) is left alone. Best effort: a failure is ignored."""
+    import shutil
+
+    host = socket.gethostname()
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_TMP_PREFIX):
+            continue
+        pid_text, at, rest = name[len(_TMP_PREFIX) :].partition("@")
+        if not at or not pid_text.isdigit() or rest.rpartition("-")[0] != host:
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (ours or not): not a leftover
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # EPERM: a live process of another user
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def _export_nbytes(src: Any) -> int:
