@@ -174,7 +174,10 @@ def read_shard_fd(
             if crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
                 raise CheckpointCorruptError("checksum mismatch", path)
             if into:  # verified: now the targets, from the page cache the first pass filled
-                _readinto.read_into(fd, path, into, checksum=False)
+                try:
+                    _readinto.read_into(fd, path, into, checksum=False)
+                except OSError as e:
+                    raise _noted(unreadable(e, "shard", path), AFTER_VERIFY_NOTE) from None
         tensors.update(targets)
         meta = header.get("__metadata__", {})
         return tensors, meta
@@ -284,6 +287,19 @@ def load_files(
     else:
         tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first)
     return _rebuild(tree, tensors, tree_path, shard_path)
+
+
+AFTER_VERIFY_NOTE = (
+    " (verify_first: the shard verified, then reading it into the targets failed:"
+    " they may be partly overwritten)"
+)
+
+
+def _noted(exc: CheckpointError, note: str) -> CheckpointError:
+    """``exc`` with ``note`` appended to its message (when it is a single string)."""
+    if len(exc.args) == 1 and isinstance(exc.args[0], str) and note not in exc.args[0]:
+        exc.args = (f"{exc.args[0]}{note}",)
+    return exc
 
 
 PARTIAL_TARGETS_NOTE = (

@@ -192,6 +192,43 @@ def test_a_failed_fallback_after_a_one_pass_read_says_the_targets_are_dirty(tmp_
     assert "partly overwritten" not in str(en.value)
 
 
+def test_an_io_error_after_verify_first_verified_says_the_targets_may_be_dirty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # EIO from the disk during the second pass only (after the whole shard verified): a fault
+    # the OS cannot produce on demand here, so os.preadv stands in for it, armed by the phase
+    import errno
+
+    _save(tmp_path, 1, {"w": torch.arange(4.0)})
+    _save(tmp_path, 2, {"w": torch.arange(4.0) + 1, "b": torch.full((1 << 12,), 2.0)})
+    real_read_into, real_preadv = _readinto.read_into, os.preadv
+    armed = [False]
+
+    def read_into(fd: Any, path: str, dests: Any, checksum: bool = True, **kw: Any) -> Any:
+        armed[0] = not checksum  # the second pass reads without a checksum
+        try:
+            return real_read_into(fd, path, dests, checksum=checksum, **kw)
+        finally:
+            armed[0] = False
+
+    def preadv(fd: int, bufs: Any, offset: int) -> int:
+        if armed[0]:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(_readinto, "read_into", read_into)
+    monkeypatch.setattr(os, "preadv", preadv)
+    b = torch.full((1 << 12,), 7.0)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(tmp_path, 2, into={"w": torch.zeros(4), "b": b}, verify_first=True)
+    assert "Input/output error" in str(ei.value) and SHARD in str(ei.value)
+    assert "the shard verified, then reading it into the targets failed" in str(ei.value)
+    # the first pass alone writes no target: without the fault the same load restores step 2
+    monkeypatch.undo()
+    got = load(tmp_path, 2, into={"w": torch.zeros(4), "b": b}, verify_first=True)
+    assert torch.equal(got["b"], torch.full((1 << 12,), 2.0)) and got["b"] is b
+
+
 def test_verify_first_must_be_a_bool(tmp_path: Path) -> None:
     _save(tmp_path, 1, {"w": torch.zeros(4)})
     with pytest.raises(TypeError, match="verify_first must be a bool"):
