@@ -274,7 +274,11 @@ class Checkpointer:
             missing ones come from the ``AWS_*`` environment. Never logged.
         lease_ttl: for an ``s3://`` root: seconds the root's lease lives without renewal
             (default 60; renewed every ``lease_ttl / 6``). A job killed without ``close()``
-            keeps the next one waiting (at construction) for at most about this long.
+            keeps the next one waiting (at construction) for at most about this long. With
+            ``mirror``: the same for the mirror prefix's lease, which rank 0 takes at its first
+            upload (a second job mirroring to that prefix fails its uploads with
+            ``RootInUseError``; a job killed without ``close()`` delays the next job's first
+            upload, not its construction).
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
@@ -330,7 +334,13 @@ class Checkpointer:
         else:
             check_options(mirror, keep_last_remote, storage_options)  # tier mode: bad options raise here
             if lease_ttl is not None:
-                raise ValueError("lease_ttl applies to an object-store root (s3://...); a local root is locked")
+                if mirror is None:
+                    raise ValueError(
+                        "lease_ttl applies to an object-store root (s3://...) or a mirror=; a local root is locked"
+                    )
+                from ._lease import check_ttl  # obstore: only for tier mode
+
+                lease_ttl = check_ttl(lease_ttl)  # the mirror's lease (taken at its first upload)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path, not {type(root).__name__}")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
@@ -443,7 +453,7 @@ class Checkpointer:
             if mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
                 rt.mirror = Mirror(self.root, mirror, storage_options, keep_last_remote=keep_last_remote,
                                    timeout=self.timeout, retire_local=self._local_retention(rt),
-                                   uploads=self.rank == 0)
+                                   uploads=self.rank == 0, ranks=self._ranks, lease_ttl=lease_ttl)
             self._mirror = rt.mirror
             if self._mirror is not None and self.rank == 0 and committed:
                 # a local commit the last job may not have uploaded: push it (a no-op if it is there)
@@ -1762,7 +1772,7 @@ def _exit_hook() -> None:
                 ck._rt.stop(_MARGIN_S)
             except BaseException:  # noqa: BLE001
                 pass
-            if ck._store is not None:
+            if ck._store is not None or ck._mirror is not None:
                 # its lease was just released through obstore, after obstore's own exit hook
                 # let the runtime settle: settle again before the interpreter is torn down
                 settle = True

@@ -30,7 +30,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import RankFailure, SaveError
@@ -40,6 +40,7 @@ from ._iopool import IOPool
 from ._writer import WriterThread
 
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
+    from ._lease import Lease
     from ._objstore import ObjectStore
     from ._remote import RemoteCheckpointInfo
 
@@ -96,6 +97,8 @@ class Mirror:
         timeout: float,
         retire_local: RetireLocal | None,
         uploads: bool = True,
+        ranks: Sequence[int] = (0,),
+        lease_ttl: float | None = None,
     ) -> None:
         from ._remote import open_store
 
@@ -124,6 +127,11 @@ class Mirror:
         self._stopped = False
         self._unsettled: dict[concurrent.futures.Future[CheckpointInfo], int] = {}  # future -> step
         self._thread: WriterThread | None = None
+        # the prefix's lease (one writing job per prefix, as for an s3:// root), taken at the
+        # first upload: a store that is down at construction never stops training
+        self._lease: Lease | None = None
+        self._ranks = list(ranks)
+        self._lease_ttl = lease_ttl
         if uploads:
             try:
                 self._thread = WriterThread("asyncckpt-mirror")
@@ -220,15 +228,38 @@ class Mirror:
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
-        result = await push_step(self.store, self.root, info.step, deadline)
+        lease = await self._hold_lease(deadline)
+        result = await push_step(self.store, self.root, info.step, deadline, lease)
         log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.url, time.monotonic() - t0, result.status)
         if self.keep_last_remote is not None:
             try:
-                removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout)
+                removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout,
+                                              lease)
                 if removed:
                     log.info("retired remote steps %s under %s", removed, self.url)
             except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
                 log.warning("remote retention under %s failed: %s", self.url, e)
+
+    async def _hold_lease(self, deadline: float) -> Lease:
+        """The prefix's lease, taken now if this job does not hold it yet: ``RootInUseError``
+        naming the holder while another live job writes the prefix (this upload fails, the next
+        commit's tries again); once taken over, final: every later upload fails with it."""
+        from ._lease import DEFAULT_TTL_S, Lease
+
+        lease = self._lease
+        if lease is not None:
+            if not lease.held:
+                lease.check()  # taken over (or released at stop): RootInUseError
+            return lease
+        lease = self._lease = Lease(self.store, self._ranks, "Checkpointer (mirror)",
+                                    self._lease_ttl if self._lease_ttl is not None else DEFAULT_TTL_S)
+        try:
+            await lease.take(deadline)
+        except BaseException:
+            self._lease = None
+            await lease.arelease()
+            raise
+        return lease
 
     def _failure(self, step: int, e: BaseException) -> SaveError:
         err = SaveError(step, {0: RankFailure.from_exception(0, e)},
@@ -276,6 +307,9 @@ class Mirror:
             self._thread.stop(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=True, timeout=timeout)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release(timeout=min(timeout, 5.0))  # the next job takes the prefix at once
         with self._lock:
             left = list(self._unsettled.items())
         for f, step in left:  # a loop that did not get to cancel its task: no waiter may hang

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _ownership
 from ._bounds import MAX_MANIFEST_BYTES
@@ -43,6 +43,9 @@ from ._layout import check_step, parse_step_dir, step_dir_name, tmp_dir_name
 from ._manifest import MANIFEST, Manifest, decode
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError, gather_or_cancel
 from ._storage import remove_tree
+
+if TYPE_CHECKING:
+    from ._lease import Lease
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -349,9 +352,17 @@ async def _abort_stale_uploads(store: ObjectStore, m: Manifest, deadline: float)
         log.info("aborted %d stale multipart upload(s) under %s", n, store.object_url(sd))
 
 
-async def push_step(store: ObjectStore, root: str, step: int, deadline: float) -> PushResult:
-    """Upload committed local ``step`` and commit it on the store (see the module docstring)."""
+async def push_step(
+    store: ObjectStore, root: str, step: int, deadline: float, lease: Lease | None = None
+) -> PushResult:
+    """Upload committed local ``step`` and commit it on the store (see the module docstring).
+
+    With ``lease`` (the prefix's, held by the caller): ``RootInUseError`` once it was taken
+    over, checked before anything is written or removed; the commit is sent only while the
+    lease is ours (as a Checkpointer's on an ``s3://`` root)."""
     t0 = time.monotonic()
+    if lease is not None:
+        lease.check()
     with pin_step(root, step) as pinned:
         m = pinned.manifest
         assert m is not None
@@ -391,7 +402,10 @@ async def push_step(store: ObjectStore, root: str, step: int, deadline: float) -
             for o in opened.values():
                 o.close()
         if status == "pushed":
-            result = await store.create_once(mkey, raw, deadline)
+            until = deadline
+            if lease is not None:  # ours for a third of its TTL at least, or no commit
+                until = min(deadline, await lease.confirm(lease.ttl / 3))
+            result = await store.create_once(mkey, raw, until)
             if not result.won:
                 try:
                     other = decode(result.stored, store.object_url(mkey)).attempt
@@ -401,18 +415,23 @@ async def push_step(store: ObjectStore, root: str, step: int, deadline: float) -
                     f"step {step} was committed at {store.object_url(mkey)} by another attempt ({other}) "
                     "while this push ran: not overwritten"
                 )
+        if lease is not None:
+            lease.check()  # removals only while the prefix is ours
         await _sweep_dead_attempts(store, m, deadline)
         await _abort_stale_uploads(store, m, deadline)
     return PushResult(step, status, store.object_url(step_dir_name(step)), sum(f.size for f in m.files),
                       time.monotonic() - t0)
 
 
-async def retire_remote(store: ObjectStore, keep_last: int, deadline: float) -> list[int]:
+async def retire_remote(store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None) -> list[int]:
     """Keep the newest ``keep_last`` complete remote steps; retire older complete ones:
-    the manifest first (the step stops being complete at once), then its objects."""
+    the manifest first (the step stops being complete at once), then its objects. With
+    ``lease``: nothing is removed once it was taken over (``RootInUseError``)."""
     complete = await complete_steps(store, deadline)
     removed = []
     for m, _ in complete[keep_last:]:
+        if lease is not None:
+            lease.check()
         await store.delete([manifest_key(m.step)], deadline)
         rest = [o.key for o in await store.list(step_dir_name(m.step) + "/", deadline)]
         if rest:
@@ -447,13 +466,16 @@ def push(
     store = open_store(url, storage_options, **kwargs)
 
     async def go() -> list[PushResult]:
+        from ._lease import held  # the prefix's lease: no push into a prefix a live job writes
+
         deadline = time.monotonic() + deadline_s
         await store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
-        out = [await push_step(store, root_s, s, deadline) for s in chosen]
-        if keep_last is not None:
-            removed = await retire_remote(store, keep_last, deadline)
-            if removed:
-                log.info("retired remote steps %s under %s", removed, store.url)
+        async with held(store, "asyncckpt push", deadline) as lease:
+            out = [await push_step(store, root_s, s, deadline, lease) for s in chosen]
+            if keep_last is not None:
+                removed = await retire_remote(store, keep_last, deadline, lease)
+                if removed:
+                    log.info("retired remote steps %s under %s", removed, store.url)
         return out
 
     return run_sync(go)

@@ -524,3 +524,55 @@ def test_sigterm_final_flush_waits_for_the_upload_within_the_grace(
     else:
         assert r.returncode == -15, (r.returncode, r.stderr[-2000:])  # the default action, after the upload
         assert remote_steps(url, o) == [1]
+
+
+def test_a_second_job_mirroring_to_the_same_prefix_is_refused_until_the_first_releases_it(
+    tmp_path: Path, s3: S3Server, url: str
+) -> None:
+    """One writing job per prefix in tier mode too: the mirror takes the prefix's lease at its
+    first upload. A second job's uploads fail with RootInUseError naming the holder (its local
+    commits stand); push and an s3:// root Checkpointer on the prefix are refused the same way;
+    once the first job closes (releasing the lease), the second job's next commit uploads."""
+    from asyncckpt import RootInUseError
+
+    o = opts(s3.endpoint)
+    a = Checkpointer(tmp_path / "a", mirror=url, storage_options=o, lease_ttl=6)
+    try:
+        a.save(1, state_for(1))
+        a.flush(timeout=60)
+        with Checkpointer(tmp_path / "b", mirror=url, storage_options=o, lease_ttl=6) as b:
+            b.save(5, state_for(5))
+            with pytest.raises(SaveError) as ei:
+                b.flush(timeout=60)
+            failure = ei.value.failures[0]
+            assert failure.exc_type == "RootInUseError", failure
+            assert f"pid {os.getpid()}" in str(ei.value) or str(os.getpid()) in str(ei.value)
+            assert SECRET not in str(ei.value)
+            assert local_steps(tmp_path / "b") == [5]  # the local commit stands
+            assert remote_steps(url, o) == [1]  # nothing of b's reached the prefix
+            with pytest.raises(RootInUseError):
+                remote.push(tmp_path / "b", url, storage_options=o, deadline_s=30)
+            with pytest.raises(RootInUseError):
+                Checkpointer(url, storage_options=o, timeout=30)
+            a.save(2, state_for(2))
+            a.flush(timeout=60)  # the holder goes on uploading
+            assert remote_steps(url, o) == [1, 2]
+            a.close()  # releases the prefix's lease
+            b.save(6, state_for(6))
+            b.flush(timeout=60)  # taken at once: released, not waited out
+        assert remote_steps(url, o) == [1, 2, 6]
+        assert_same(asyncckpt.load(url, storage_options=o), state_for(6))
+        # nobody holds it now: a push takes it for its run, and gives it back
+        assert remote.push(tmp_path / "b", url, steps=5, storage_options=o, deadline_s=60)[0].status == "pushed"
+        assert remote_steps(url, o) == [1, 2, 5, 6]
+        owner = json.loads(get(s3.endpoint, url, ".asyncckpt/owner"))
+        assert owner["released"] is True and owner["role"] == "asyncckpt push"
+    finally:
+        a.close()
+
+
+def test_lease_ttl_without_a_mirror_or_store_root_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lease_ttl applies"):
+        Checkpointer(tmp_path / "ck", lease_ttl=10)
+    with pytest.raises(ValueError):
+        Checkpointer(tmp_path / "ck", mirror="s3://b/p", lease_ttl=0.5)  # below the minimum TTL
