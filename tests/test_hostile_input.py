@@ -578,8 +578,24 @@ def _hostile_shards() -> dict[str, tuple[bytes, list[str], bool]]:
         "lying shape": (shard({"w": {"dtype": "F32", "shape": [2**30], "data_offsets": [0, 16]}}, bytes(16)),
                         ["w"], True),
         "5000 nested arrays": (shard(b'{"w":' + b"[" * 5000 + b"]" * 5000 + b"}", bytes(16)), ["w"], True),
+        "a tensor named twice": (shard(b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+                                       b'"w":{"dtype":"U8","shape":[16],"data_offsets":[0,16]}}', bytes(16)),
+                                 ["w"], True),
         "5000 empty tensors (valid)": (shard(many), list(many), False),
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_a_duplicate_key_in_a_shard_header_is_refused_by_name(where: str) -> None:
+    from asyncckpt._header import parse_header
+
+    entry = '{"dtype":"F32","shape":[4],"data_offsets":[0,16]}'
+    text = (f'{{"w":{entry},"w":{entry}}}' if where == "top"
+            else '{"w":{"dtype":"F32","shape":[4],"shape":[2],"data_offsets":[0,16]}}').encode()
+    blob = struct.pack("<Q", len(text)) + text + bytes(16)
+    dup = "'w'" if where == "top" else "'shape'"
+    with pytest.raises(ValueError, match=f"duplicate key {dup} in header"):
+        parse_header(blob, len(blob))
 
 
 def test_huge_declared_sizes_fail_fast_within_an_address_space_limit(pristine: Path) -> None:
