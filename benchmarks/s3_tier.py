@@ -56,7 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     size = args.size_mib * MiB
     work = Path(tempfile.mkdtemp(prefix="s3tier-"))
-    server = S3Server(volumes=64)
+    # SeaweedFS reclaims deleted space only when it vacuums: size it for every step of every mode
+    # (at 1 GiB, 64 volumes of 256 MiB filled up and the server answered 500 InternalError)
+    server = S3Server(volumes=max(64, 3 * 2 * (args.repeats + 2) * args.size_mib // 256 + 16))
     rows: dict[str, dict[str, list[float]]] = {
         "local": {"blocking": [], "local durable": []},
         "tier": {"blocking": [], "local durable": [], "remote durable": []},
