@@ -179,9 +179,13 @@ def test_forked_child_exits_promptly_and_never_writes(tmp_path: Path) -> None:
 def test_ctrl_c_during_close_leaves_old_or_new_checkpoint_and_says_which(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     p = _spawn(tmp_path, f"""
-        import time, torch
+        import signal, time, torch
         from asyncckpt import Checkpointer
         from asyncckpt._storage import OsOps
+
+        # a user's Python raises KeyboardInterrupt on Ctrl-C; a test run launched in the background
+        # by a non-interactive shell ignores SIGINT, and children inherit that: restore Python's own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         class SlowFsync(OsOps):
             def fsync(self, fd):
