@@ -43,7 +43,7 @@ import mmap as _mmap
 import os
 import stat
 from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -289,14 +289,16 @@ def load_files(
     return _rebuild(tree, tensors, tree_path, shard_path)
 
 
+_E = TypeVar("_E", bound=BaseException)
+
 AFTER_VERIFY_NOTE = (
     " (verify_first: the shard verified, then reading it into the targets failed:"
     " they may be partly overwritten)"
 )
 
 
-def _noted(exc: CheckpointError, note: str) -> CheckpointError:
-    """``exc`` with ``note`` appended to its message (when it is a single string)."""
+def _noted(exc: _E, note: str) -> _E:
+    """``exc`` with ``note`` appended to its message (when it is a single string, once)."""
     if len(exc.args) == 1 and isinstance(exc.args[0], str) and note not in exc.args[0]:
         exc.args = (f"{exc.args[0]}{note}",)
     return exc
@@ -317,9 +319,8 @@ def noting_partial_targets(reader: Any) -> Iterator[None]:
     try:
         yield
     except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-        one = len(exc.args) == 1 and isinstance(exc.args[0], str)
-        if reader.touched and one and PARTIAL_TARGETS_NOTE not in exc.args[0]:
-            exc.args = (f"{exc.args[0]}{PARTIAL_TARGETS_NOTE}",)
+        if reader.touched:
+            _noted(exc, PARTIAL_TARGETS_NOTE)
         raise
 
 

@@ -286,12 +286,14 @@ def test_verify_usage_errors_exit_2(root: Path, capsys: pytest.CaptureFixture[st
 
 _OPTION = ["--storage-option", "endpoint=http://127.0.0.1:1"]
 _DEADLINE = ["--deadline", "5"]
+_DEADLINE_0 = ["--deadline", "0"]  # given, though falsy
 
 
 @pytest.mark.parametrize(
     ("command", "flags"),
     [(c, _OPTION) for c in ("verify", "info", "export", "gc", "ls")]
-    + [(c, _DEADLINE) for c in ("verify", "info", "export", "gc")],  # ls has no --deadline
+    + [(c, _DEADLINE) for c in ("verify", "info", "export", "gc")]  # ls has no --deadline
+    + [("verify", _DEADLINE_0)],
 )
 def test_store_only_flags_on_a_local_root_are_a_usage_error_not_ignored(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str]

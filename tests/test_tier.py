@@ -546,7 +546,7 @@ def test_a_second_job_mirroring_to_the_same_prefix_is_refused_until_the_first_re
                 b.flush(timeout=60)
             failure = ei.value.failures[0]
             assert failure.exc_type == "RootInUseError", failure
-            assert f"pid {os.getpid()}" in str(ei.value) or str(os.getpid()) in str(ei.value)
+            assert str(os.getpid()) in str(ei.value)  # the holder (this process) is named
             assert SECRET not in str(ei.value)
             assert local_steps(tmp_path / "b") == [5]  # the local commit stands
             assert remote_steps(url, o) == [1]  # nothing of b's reached the prefix

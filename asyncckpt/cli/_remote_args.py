@@ -27,8 +27,9 @@ def deadline_s(args: argparse.Namespace) -> float:
 def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
     """A usage error when ``--storage-option`` or ``--deadline`` is given for a local ``root``:
     they mean something only for ``s3://`` URLs, and a flag that is silently ignored misleads."""
+    # "given" is not None and not empty: --deadline 0 is given too
     given = [flag for flag, dest in (("--storage-option", "storage_option"), ("--deadline", "deadline"))
-             if getattr(args, dest, None)]  # fmt: skip
+             if getattr(args, dest, None) not in (None, [])]  # fmt: skip
     if given:
         raise UsageError(f"{' and '.join(given)} apply to s3:// URLs only, not to the local root {root!r}")
 
