@@ -70,7 +70,7 @@ from typing import Any
 
 from ._errors import RootInUseError
 from ._layout import META_DIR
-from ._objstore import ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ._objstore import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._ownership import _process_start_time, describe_owner
 from ._writer import WriterThread
 
@@ -311,13 +311,9 @@ class Lease:
                 self._etag = res.info.e_tag
                 self._valid_until = sent + self.ttl
                 return
+            if self._follow_own(res):
+                return  # our own record under another ETag: followed, validity unchanged
             rec = _record(res.stored) if res.info is not None else None
-            if rec is not None and rec.get("token") == self.token and not rec.get("released"):
-                # our own record under another ETag: follow it, validity unchanged
-                seq = rec.get("seq")
-                self._etag = res.info.e_tag if res.info is not None else self._etag
-                self._seq = seq if isinstance(seq, int) else self._seq
-                return
             self._lost = self._describe(rec) if res.info is not None else "nobody (its lease object was deleted)"
 
     async def confirm(self, need: float) -> float:
@@ -375,9 +371,28 @@ class Lease:
         async with self._one_at_a_time():
             if self._lost is not None or self._etag is None:
                 return
-            res = await self.store.replace_if(KEY, self._body(self._seq + 1, released=True), self._etag, deadline)
+            # a renewal of ours cancelled in flight (or whose outcome was unknown) may land first
+            # and move the ETag: follow our own record and try again, as a renewal does
+            for _ in range(3):
+                res = await self.store.replace_if(
+                    KEY, self._body(self._seq + 1, released=True), self._etag, deadline
+                )
+                if res.won or not self._follow_own(res):
+                    break
             if not res.won:
                 log.warning("the lease of %s was no longer ours at release", self.store.url)
+
+    def _follow_own(self, res: CreateResult) -> bool:
+        """After a conditional update that lost: if what is stored is still our own live record
+        (another ETag, from an earlier write of ours that landed), take its ETag and counter
+        and return True; False when another holder's record (or none) is there."""
+        rec = _record(res.stored) if res.info is not None else None
+        if res.info is None or rec is None or rec.get("token") != self.token or rec.get("released"):
+            return False
+        seq = rec.get("seq")
+        self._etag = res.info.e_tag or self._etag
+        self._seq = seq if isinstance(seq, int) else self._seq
+        return True
 
 
 @contextlib.asynccontextmanager

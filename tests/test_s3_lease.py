@@ -112,6 +112,25 @@ def test_a_second_writer_is_refused_naming_the_owner_and_a_released_lease_is_tak
     only_committed(s3.endpoint, url, [1, 2])
 
 
+def test_release_follows_a_renewal_of_its_own_that_landed_meanwhile(s3: S3Server, url: str) -> None:
+    """A renewal cancelled in flight (or whose outcome was unknown) can still land at the
+    store and move the lease's ETag under its holder: the release that follows must see its
+    own record there, take its ETag and mark it released, not give up as "no longer ours"."""
+    o = opts(s3.endpoint)
+    ck = Checkpointer(url, storage_options=o, lease_ttl=TTL)
+    try:
+        rec = owner(s3.endpoint, url)
+        rec["seq"] += 1  # what our own renewal would have written: same token, a new ETag
+        put(s3.endpoint, url, OWNER, json.dumps(rec, sort_keys=True).encode())
+    finally:
+        ck.close()
+    after = owner(s3.endpoint, url)
+    assert after["released"] is True and after["token"] == rec["token"], after
+    t0 = time.monotonic()
+    with Checkpointer(url, storage_options=o, lease_ttl=TTL):  # taken at once: released, not waited out
+        assert time.monotonic() - t0 < TTL
+
+
 def test_a_process_that_exits_without_close_releases_its_lease(s3: S3Server, url: str, tmp_path: Path) -> None:
     o = opts(s3.endpoint)
     out = tmp_path / "exit.json"
