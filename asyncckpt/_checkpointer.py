@@ -14,7 +14,6 @@ import atexit
 import concurrent.futures
 import errno
 import gc
-import json
 import logging
 import os
 import signal
@@ -53,7 +52,7 @@ from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers, retire
 from ._staging import Arena, StageProgress, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter, ensure_dir
-from ._structure import TensorRef, flatten
+from ._structure import TensorRef, flatten, tree_json
 from ._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
@@ -563,7 +562,7 @@ class Checkpointer:
                     )
                     if found and self.dedupe and self.world_size > 1:
                         found, refs = _spread_replica_writes(found, refs)
-                    tree_bytes = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+                    tree_bytes = tree_json(tree)
                     layout, perm, all_cpu = self._plan(refs)
                 finally:
                     if gc_was_on:
@@ -845,7 +844,7 @@ class Checkpointer:
         hangs on the layout object) is reused while names, dtypes and shapes stay exactly
         the same; any difference in one of them, or in their order, plans anew."""
         key = [(r.name, r.tensor.dtype, r.tensor.shape) for r in refs]
-        all_cpu = all(r.tensor.device.type == "cpu" for r in refs)
+        all_cpu = all(r.tensor.is_cpu for r in refs)
         if key != self._layout_key or self._layout is None:
             layout = plan_layout([(n, d, tuple(s)) for n, d, s in key], {"format": "pt", "writer": "asyncckpt"})
             index = {r.name: i for i, r in enumerate(refs)}

@@ -172,3 +172,31 @@ def test_cycle_is_a_value_error(tmp_path: Path) -> None:
     cyc["self"] = cyc
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(ValueError, match="cycle"):
         ck.save(0, cyc)
+
+
+def test_one_address_ties_only_the_identical_view(tmp_path: Path) -> None:
+    # tie detection looks at the full key only where an address repeats: every tensor here
+    # starts at base's first element, and only the second `base` is the same tensor
+    base = torch.arange(12, dtype=torch.float32)
+    grad = torch.arange(6, dtype=torch.float32).reshape(2, 3).requires_grad_()
+    state = {
+        "base": base,
+        "ints": base.view(torch.int32),
+        "empty": base[:0],
+        "grid": base.view(3, 4),
+        "strided": base.view(3, 4).t(),
+        "again": base,
+        "grad_t": grad.t(),  # requires grad, not contiguous: staged through torch's copy
+        "grad_leaf": grad,
+    }
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    with safe_open(str(tmp_path / "step_00000001" / "rank00000.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    assert names == sorted(k for k in state if k != "again")
+    out = load(tmp_path)
+    assert out["again"] is out["base"]
+    for k, v in state.items():
+        assert torch.equal(out[k], v.detach()), k
+        assert not out[k].requires_grad, k
+    assert grad.grad_fn is None and grad.grad is None  # the save recorded no autograd graph
