@@ -585,7 +585,7 @@ class Checkpointer:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
                                              plan_key=plan_key)  # fmt: skip
-            events = self._rt.staging.stage(arena, layout, sources)
+            events = self._rt.staging.stage(arena, layout, sources, all_cpu=False)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
@@ -659,7 +659,7 @@ class Checkpointer:
                 file=file, plan_key=plan_key,
             )  # fmt: skip
             self._staging_record = got[0]
-            self._rt.staging.stage(arena, layout, sources, progress)
+            self._rt.staging.stage(arena, layout, sources, progress, all_cpu=True)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             progress.finish(time.perf_counter() - t_call - waited)
             return handle

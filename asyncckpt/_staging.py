@@ -419,7 +419,7 @@ class StagingPool:
         """True when every source is a CPU tensor: the copy is then complete group by group,
         as it happens, and the writer may stream the staged prefix (CUDA copies complete
         only at their event)."""
-        return all(s.device.type == "cpu" for s in sources)
+        return all(s.is_cpu for s in sources)
 
     def _helper_loop(self) -> None:
         while True:
@@ -445,8 +445,11 @@ class StagingPool:
         layout: ShardLayout,
         sources: Sequence[torch.Tensor],
         progress: StageProgress | None = None,
+        *,
+        all_cpu: bool | None = None,
     ) -> Any:
-        """Copy ``sources`` (in ``layout.slots`` order) into ``arena``.
+        """Copy ``sources`` (in ``layout.slots`` order) into ``arena``. ``all_cpu``: what
+        :meth:`can_stream` says of ``sources``, when the caller knows it already.
 
         Returns ``None`` when the copy is complete on return, or CUDA events the writer must
         synchronize before reading the arena. With ``progress`` (CPU sources only, see
@@ -457,7 +460,7 @@ class StagingPool:
         arena.buffer[: len(layout.header)] = layout.header
         if progress is not None:
             progress.advance(len(layout.header))
-        if self.can_stream(sources):
+        if all_cpu if all_cpu is not None else self.can_stream(sources):
             self._stage_cpu(arena, layout, sources, progress)
             return None
         dsts = arena.views(layout)
