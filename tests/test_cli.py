@@ -286,14 +286,14 @@ def test_verify_usage_errors_exit_2(root: Path, capsys: pytest.CaptureFixture[st
 
 _OPTION = ["--storage-option", "endpoint=http://127.0.0.1:1"]
 _DEADLINE = ["--deadline", "5"]
-_DEADLINE_0 = ["--deadline", "0"]  # given, though falsy
+_DEADLINE_SMALL = ["--deadline", "0.001"]
 
 
 @pytest.mark.parametrize(
     ("command", "flags"),
     [(c, _OPTION) for c in ("verify", "info", "export", "gc", "ls")]
     + [(c, _DEADLINE) for c in ("verify", "info", "export", "gc")]  # ls has no --deadline
-    + [("verify", _DEADLINE_0)],
+    + [("verify", _DEADLINE_SMALL)],
 )
 def test_store_only_flags_on_a_local_root_are_a_usage_error_not_ignored(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str]
@@ -305,6 +305,20 @@ def test_store_only_flags_on_a_local_root_are_a_usage_error_not_ignored(
     assert f"{flags[0]} apply to s3:// URLs only" in err and "Traceback" not in err
     assert "127.0.0.1:1" not in err  # an option's value is never printed
     assert sorted(p.name for p in root.iterdir()) == before and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+@pytest.mark.parametrize("command", ["verify", "push", "pull"])
+def test_a_deadline_that_is_not_a_positive_number_is_a_usage_error(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, value: str
+) -> None:
+    # refused by the parser, before anything is opened: a local root and a URL alike
+    url = "s3://bucket/prefix"
+    argv = {"verify": [url], "push": [root, url], "pull": [url, tmp_path / "into"]}[command]
+    code, out, err = cli(capsys, command, *argv, "--deadline", value)
+    assert code == 2 and out == "", (code, out, err)
+    assert "--deadline" in err and repr(value) in err and "Traceback" not in err
+    assert not (tmp_path / "into").exists()
 
 
 def test_verify_progress_bar_on_a_terminal(

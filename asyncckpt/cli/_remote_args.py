@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from ._args import UsageError
 
@@ -13,9 +14,21 @@ DEFAULT_DEADLINE_S = 3600.0
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """``--deadline`` and ``--storage-option`` (push, pull)."""
     p.add_argument(
-        "--deadline", type=float, default=None, metavar="S", help="s3:// only: give up after S seconds (default 3600)"
-    )
+        "--deadline", type=_seconds, default=None, metavar="S",
+        help="s3:// only: give up after S seconds (default 3600)",
+    )  # fmt: skip
     add_storage_options(p)
+
+
+def _seconds(text: str) -> float:
+    """A deadline: a finite number of seconds above zero (argparse turns the error into exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, not {text!r}")
+    return value
 
 
 def deadline_s(args: argparse.Namespace) -> float:
@@ -27,7 +40,7 @@ def deadline_s(args: argparse.Namespace) -> float:
 def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
     """A usage error when ``--storage-option`` or ``--deadline`` is given for a local ``root``:
     they mean something only for ``s3://`` URLs, and a flag that is silently ignored misleads."""
-    # "given" is not None and not empty: --deadline 0 is given too
+    # "given" is not None and not empty (a value argparse accepted is given, whatever it is)
     given = [flag for flag, dest in (("--storage-option", "storage_option"), ("--deadline", "deadline"))
              if getattr(args, dest, None) not in (None, [])]  # fmt: skip
     if given:
