@@ -205,8 +205,10 @@ junk = st.one_of(
     st.sampled_from([2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64, 10**30, 10**400, -(2**63)]),
     st.integers(0, 600).map(lambda e: 10**e),  # beyond int64 and beyond float range
     st.text(max_size=4),
-    st.just([]),
-    st.just({}),
+    # fresh containers each draw: st.just([]) hands out one shared object, which a mutation
+    # below could then put inside itself (json.dumps: "Circular reference detected")
+    st.builds(list),
+    st.builds(dict),
     st.lists(st.integers(-3, 3), max_size=3),
 )
 dims = st.one_of(st.integers(0, 6), st.integers(0, 2**70), st.integers(-3, -1), junk)
