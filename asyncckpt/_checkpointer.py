@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import errno
-import gc
 import logging
 import os
 import signal
@@ -41,6 +40,7 @@ from ._errors import (
     with_global_ranks,
 )
 from ._format import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
+from ._gcpause import paused_gc
 from ._handle import SaveHandle, SaveRecord
 from ._header import round_up
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
@@ -551,12 +551,7 @@ class Checkpointer:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
-                # the walk allocates tens of thousands of small containers for a state of many
-                # tensors, and the cyclic GC they trigger (traversing every live object,
-                # tensors included) was 70 % of the walk's time for 10,000 tensors: pause it
-                gc_was_on = gc.isenabled()
-                gc.disable()
-                try:
+                with paused_gc():  # the walk allocates a small container or more per tensor
                     tree, refs = flatten(
                         state, self.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
                     )
@@ -564,9 +559,6 @@ class Checkpointer:
                         found, refs = _spread_replica_writes(found, refs)
                     tree_bytes = tree_json(tree)
                     layout, perm, all_cpu = self._plan(refs)
-                finally:
-                    if gc_was_on:
-                        gc.enable()
                 dtensors = _load_global.describe_for_index(found, aliases) if found else None
                 for d, (_, info, _) in zip(dtensors or (), found, strict=True):
                     d["mesh_key"] = _mesh_key(info)  # dedupe checks the ranks of a mesh agree
@@ -1333,7 +1325,7 @@ class Checkpointer:
         reader = _load_global.Reader(
             self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer, verify_first
         )
-        with _load.noting_partial_targets(reader):
+        with _load.noting_partial_targets(reader), paused_gc():  # parse, pair, rebuild: many objects
             return self._load(step, shard, verify, mmap, expect, reader)
 
     def _load(
@@ -1664,7 +1656,7 @@ def load(
     reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
     kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
-    with _load.noting_partial_targets(reader):
+    with _load.noting_partial_targets(reader), paused_gc():  # parse, pair, rebuild: many objects
         if step is None:
             _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
         else:

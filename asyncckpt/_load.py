@@ -60,12 +60,22 @@ from ._stepfiles import StepFiles
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: dtypes whose tensors ``Tensor.numpy()`` converts
+_NUMPY_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+    torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+})  # fmt: skip
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
     if t.numel() == 0:
         return memoryview(bytearray())
+    if not t.requires_grad and t.dtype in _NUMPY_DTYPES:
+        # numpy's own view: half the cost of the generic path (~2 us of a 10,000-tensor load's
+        # per-tensor work); bf16 and the float8s have no numpy dtype
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -161,7 +171,7 @@ def read_shard_fd(
             if t is None:
                 first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
                 continue
-            if t.device.type == "cpu" and t.is_contiguous():
+            if t.is_cpu and t.is_contiguous():
                 into.append(_readinto.Direct(offset, byte_view(t)))
             elif t.is_cuda and t.is_contiguous():
                 into.append(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))
@@ -442,34 +452,41 @@ def _pair(
 def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether ``t`` can take the saved bytes as they are: a plain strided tensor on the CPU
     (or CUDA, through a bounce buffer) of the saved dtype and shape."""
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.layout == torch.strided
+    if not (
+        type(t) in _PLAIN
+        and t.layout is torch.strided
         and t.dtype == dtype
-        and tuple(t.shape) == tuple(shape)
-        and (t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.is_available()))
+        and t.shape == tuple(shape)
+        and (t.is_cpu or (t.is_cuda and torch.cuda.is_available()))
         and not t.is_conj()
         and not t.is_neg()
         and not t.is_inference()
-        and all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride(), strict=True))  # no expand()ed dims
-    )
+    ):
+        return False
+    strides = t.stride()
+    # no expand()ed dims (a stride of 0 over more than one element)
+    return 0 not in strides or all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
 
 
-def _span(t: torch.Tensor) -> tuple[str, int, int]:
-    """The device and byte range of the memory ``t`` can touch."""
-    if t.numel() == 0:
-        return str(t.device), 0, 0
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """The device (``get_device()``: -1 for the CPU) and byte range of the memory ``t`` can
+    touch. (The first element's address: torch has no negative strides.)"""
+    numel = t.numel()
+    if numel == 0:
+        return t.get_device(), 0, 0
     size = t.element_size()
+    begin = t.data_ptr()
+    if t.is_contiguous():
+        return t.get_device(), begin, begin + numel * size
     extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(), strict=True))
-    begin = t.untyped_storage().data_ptr() + int(t.storage_offset()) * size
-    return str(t.device), begin, begin + extent * size
+    return t.get_device(), begin, begin + extent * size
 
 
 def _without_overlaps(targets: dict[str, torch.Tensor], slot_of: Mapping[str, TensorSlot]) -> dict[str, torch.Tensor]:
     """Drop every target whose memory overlaps another kept one (tied weights, views)."""
     spans = sorted((*_span(t), slot_of[n].begin, n) for n, t in targets.items())
     dropped: set[str] = set()
-    end_of: dict[str, int] = {}  # per device: the end of the memory taken so far
+    end_of: dict[int, int] = {}  # per device: the end of the memory taken so far
     for dev, begin, end, _, name in spans:
         if begin == end:
             continue
@@ -495,6 +512,8 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
     loaded tensor (read in place) is left as it is.
     """
     where = path or "<root>"
+    if target is loaded:
+        return  # read in place (plan_targets): already holds the checkpoint's bytes
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a tensor")
