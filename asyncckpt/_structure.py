@@ -115,6 +115,19 @@ def _describe(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
 
+def _check_utf8(name: str) -> None:
+    """A tensor's name goes into the shard's UTF-8 header: a key holding a lone surrogate
+    (``"\\ud800"``, from ``surrogateescape``-decoded bytes) is refused here, naming the key path,
+    instead of failing in the header's encoder."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"tensor at {name!r}: its key path is not valid UTF-8 (a lone surrogate), and tensor "
+            "names are stored as UTF-8; rename the key (other values may hold such strings)"
+        ) from None
+
+
 def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
     # the common case in one expression (this runs once per tensor per save); quantized
     # dtypes are not in DTYPE_TO_ST, so they fall through to the messages below
@@ -294,6 +307,8 @@ def flatten(
 
     def unique(path: tuple[str, ...]) -> str:
         base = ".".join(path) if path else "_"
+        if not base.isascii():
+            _check_utf8(base)
         name, n = base, 1
         while name in used:
             n += 1

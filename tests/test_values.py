@@ -358,6 +358,19 @@ def test_dict_key_subclasses_are_refused(tmp_path: Path) -> None:
         flatten({np.int64(1): 1})
 
 
+def test_a_tensor_under_a_key_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    # tensor names go into the shard's UTF-8 header; other values may hold any str
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(ValueError, match=r"tensor at 'a\.\\udc80x'.*not valid UTF-8"):
+            ck.save(1, {"a": {"\udc80x": torch.ones(2)}})
+        with pytest.raises(ValueError, match="not valid UTF-8"):
+            ck.reserve({"\ud800": torch.ones(2)})
+        assert ck.steps() == []
+        state = {"t": torch.ones(2), "s": "\udcff", "k": {"\ud800": 1.5}}
+        ck.save(2, state).result(timeout=60)
+        same(ck.load(2), state)
+
+
 def test_ordered_dict_with_other_attributes_is_refused() -> None:
     od: Any = collections.OrderedDict(a=1)
     od.extra = 5
