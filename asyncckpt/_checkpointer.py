@@ -1325,7 +1325,7 @@ class Checkpointer:
         reader = _load_global.Reader(
             self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer, verify_first
         )
-        with _load.noting_partial_targets(reader), paused_gc():  # parse, pair, rebuild: many objects
+        with _load.noting_partial_targets(reader):
             return self._load(step, shard, verify, mmap, expect, reader)
 
     def _load(
@@ -1656,7 +1656,7 @@ def load(
     reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
     kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
-    with _load.noting_partial_targets(reader), paused_gc():  # parse, pair, rebuild: many objects
+    with _load.noting_partial_targets(reader):
         if step is None:
             _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
         else:

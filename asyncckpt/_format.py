@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._header import ITEMSIZE, TORCH_NAME, TensorSlot, round_up
+from ._header import ITEMSIZE, MAX_DIMS, TORCH_NAME, TensorSlot, round_up
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -58,6 +58,9 @@ class ShardLayout:
 
 def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> ShardLayout:
     """Lay out tensors ``(name, dtype, shape)`` into one safetensors shard."""
+    for name, _, shape in specs:
+        if len(shape) > MAX_DIMS:  # (once per structure: layouts are cached)
+            raise ValueError(f"tensor {name!r} has {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}")
     order = sorted(specs, key=lambda s: (-s[1].itemsize, s[0]))
     slots: list[TensorSlot] = []
     offset = 0

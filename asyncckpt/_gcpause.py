@@ -2,26 +2,40 @@
 
 A save's structure walk and a load's parse, pairing and rebuild allocate tens of thousands
 of containers for a state of many tensors; each allocation burst triggers collections that
-traverse every live object, tensors included (70 % of the save's walk for 10,000 tensors).
-None of that work creates garbage cycles, so nothing is lost by deferring the collector.
+traverse every live object, tensors included (70 % of the save's walk for 10,000 tensors,
+~0.15 s of a 10,000-tensor load). None of that work creates garbage cycles, so nothing is
+lost by deferring the collector for those milliseconds. The pauses cover CPU work only,
+never I/O: the collector is process-wide, and other threads run on during a load's reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
+
+_lock = threading.Lock()
+_depth = 0  # pauses in progress, on any thread
+_resume = False  # whether the last pause to end turns the collector back on
 
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
-    """Disable the cyclic GC for the block and re-enable it after, only if it was on (a GC the
-    caller switched off stays off; another thread's pause that ends first may re-enable it
-    early, which costs time, never correctness)."""
-    was_on = gc.isenabled()
-    gc.disable()
+    """Disable the cyclic GC for the block. Pauses nest and overlap across threads: the
+    collector comes back on when the last one ends, and only if it was on when the first
+    began (a GC the caller switched off stays off). A ``gc.disable()`` made by another thread
+    *during* a pause is undone when the pause ends: the window is the block's CPU time."""
+    global _depth, _resume
+    with _lock:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _depth += 1
     try:
         yield
     finally:
-        if was_on:
-            gc.enable()
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _resume:
+                gc.enable()

@@ -19,6 +19,8 @@ ALIGN = 4096
 MAX_HEADER = 100 * 1024 * 1024
 #: Readers reject shards declaring more tensors than this (counted before parsing).
 MAX_TENSORS = 2**19
+#: Readers reject tensors of more dimensions than this (writers refuse to save them).
+MAX_DIMS = 64
 #: JSON items one header entry may take (dict, dtype, shape dims, offsets) before parsing.
 _ITEMS_PER_TENSOR = 80
 
@@ -151,7 +153,7 @@ def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
         if size is None:
             raise ValueError(f"unknown dtype {dtype!r} for {name!r}")
         # type() is int: bool and int subclasses are not dimensions
-        if type(shape) is not list or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"malformed shape for {name!r}")
         if math.prod([d or 1 for d in shape]) * size >= 2**63:
             raise ValueError(f"shape of {name!r} is too large")  # even when one dim is 0

@@ -54,6 +54,7 @@ from ._checksum import crc32c, crc32c_combine
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import ST_TO_DTYPE
+from ._gcpause import paused_gc
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._stepfiles import StepFiles
@@ -162,23 +163,10 @@ def read_shard_fd(
         head, data_start, slots, header = parsed or read_header(fd, path, size)
         ordered: list[TensorSlot] = sorted(slots, key=lambda s: s.begin)
         fresh = [s for s in ordered if s.name not in targets]
-        tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
-        first: list[_readinto.Dest] = []  # everything; the targets' bytes only checksummed
-        into: list[_readinto.Dest] = []  # the targets' bytes, once the whole file verified
-        for s in ordered:
-            offset, nbytes = data_start + s.begin, s.end - s.begin
-            t = targets.get(s.name)
-            if t is None:
-                first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
-                continue
-            if t.is_cpu and t.is_contiguous():
-                into.append(_readinto.Direct(offset, byte_view(t)))
-            elif t.is_cuda and t.is_contiguous():
-                into.append(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))
-            else:
-                into.append(_readinto.Staged(offset, nbytes, t))
+        with paused_gc():  # a tensor, a view and a destination per saved tensor
+            tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
             guard = expected_crc is not None and verify_first
-            first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
+            first, into = _destinations(ordered, data_start, tensors, targets, guard)
         crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
         if expected_crc is not None:
             if crc32c_combine(crc32c(head), crc, size - data_start) != expected_crc:
@@ -195,6 +183,33 @@ def read_shard_fd(
         raise unreadable(e, "shard", path) from None
     except MemoryError:
         raise CheckpointError(f"not enough memory to read the shard: {path}") from None
+
+
+def _destinations(
+    ordered: list[TensorSlot],
+    data_start: int,
+    tensors: Mapping[str, torch.Tensor],
+    targets: Mapping[str, torch.Tensor],
+    guard: bool,
+) -> tuple[list[_readinto.Dest], list[_readinto.Dest]]:
+    """Where each slot's bytes go: ``first`` covers the file (fresh tensors, the targets, or
+    with ``guard`` only a checksum of the targets' bytes), ``into`` the targets' second pass."""
+    first: list[_readinto.Dest] = []  # everything; with guard, the targets' bytes only checksummed
+    into: list[_readinto.Dest] = []  # the targets' bytes, once the whole file verified
+    for s in ordered:
+        offset, nbytes = data_start + s.begin, s.end - s.begin
+        t = targets.get(s.name)
+        if t is None:
+            first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
+            continue
+        if t.is_cpu and t.is_contiguous():
+            into.append(_readinto.Direct(offset, byte_view(t)))
+        elif t.is_cuda and t.is_contiguous():
+            into.append(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))
+        else:
+            into.append(_readinto.Staged(offset, nbytes, t))
+        first.append(_readinto.Skip(offset, nbytes) if guard else into.pop())
+    return first, into
 
 
 def _check_tree_size(path: str, size: int) -> None:
@@ -214,9 +229,10 @@ def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
 
 def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str) -> Any:
     try:
-        if sorted(set(tensor_names(tree))) != sorted(tensors):  # tied tensors are named twice
-            raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
-        return unflatten(tree, tensors)
+        with paused_gc():  # the state's containers, rebuilt: many small objects
+            if sorted(set(tensor_names(tree))) != sorted(tensors):  # tied tensors are named twice
+                raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+            return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     except MemoryError:
@@ -280,16 +296,17 @@ def load_files(
         raw = files.read(tree_name_, None)
     except OSError as e:
         raise unreadable(e, "structure", tree_path) from None
-    tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
-    del raw
     targets: dict[str, torch.Tensor] = {}
     parsed: Header | None = None
-    if into is not None:
-        try:
-            parsed = read_header(shard_fd, shard_path, shard_size)
-        except OSError as e:
-            raise unreadable(e, "shard", shard_path) from None
-        targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
+    with paused_gc():  # parsing and pairing: many small objects
+        tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
+        del raw
+        if into is not None:
+            try:
+                parsed = read_header(shard_fd, shard_path, shard_size)
+            except OSError as e:
+                raise unreadable(e, "shard", shard_path) from None
+            targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
     expected = shard_crc if verify else None
     if mmap:
         assert isinstance(shard_fd, int)

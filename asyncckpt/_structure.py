@@ -115,6 +115,18 @@ def _describe(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
 
+def _check_int_digits(value: int, path: tuple[str, ...]) -> None:
+    """An int the JSON writer could not turn into digits (``sys.set_int_max_str_digits``) is
+    refused here, naming its key path, instead of failing in the writer without one."""
+    try:
+        str(value)
+    except ValueError:
+        raise ValueError(
+            f"int at {_describe(path)!r} has more digits than this interpreter converts to text "
+            "(sys.get_int_max_str_digits()); save it as bytes (value.to_bytes(...)) instead"
+        ) from None
+
+
 def _check_utf8(name: str) -> None:
     """A tensor's name goes into the shard's UTF-8 header: a key holding a lone surrogate
     (``"\\ud800"``, from ``surrogateescape``-decoded bytes) is refused here, naming the key path,
@@ -152,8 +164,9 @@ def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     without data, whose storages may all sit at address 0."""
     if t.numel() == 0:
         return None
-    # the first element's address stands for storage + offset (cheaper than untyped_storage())
-    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)
+    # the first element's address stands for storage + offset (cheaper than untyped_storage());
+    # a conj or neg view reads other values from the same memory
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def _dtensor_tie_key(dt: Any) -> tuple[Any, ...] | None:
@@ -298,11 +311,15 @@ def flatten(
     prefixes = tuple(strip_prefixes)
     n_tied = 0
     tensors: list[TensorRef] = []
-    used: set[str] = set()
+    # "__metadata__" is the safetensors header's own entry: a tensor saved under that key path
+    # is named "__metadata__~2" (the tree maps the key to whatever name its tensor got)
+    used: set[str] = {"__metadata__"}
     active: set[int] = set()
-    # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view; the
-    # tensors named so far by their first element's address, compared in full on a repeat
-    at_ptr: dict[int, list[tuple[torch.Tensor, str]]] = {}
+    # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view. The
+    # tensors named so far by their first element's address: the first one as (tensor, name),
+    # turned into {full key: name} once the address repeats (the full key costs ~1 us a
+    # tensor: computed only where an address repeats, and once per tensor)
+    at_ptr: dict[int, Any] = {}
     dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
 
     def unique(path: tuple[str, ...]) -> str:
@@ -348,22 +365,24 @@ def flatten(
                 return {"$dtensor": name}
         _check_tensor(t, path)
         ptr = t.data_ptr()
-        same_ptr = at_ptr.get(ptr)
-        if same_ptr is not None:
-            # the full key only where an address repeats (it costs ~1 us a tensor)
+        seen = at_ptr.get(ptr)
+        tied = None
+        if seen is not None:
+            if type(seen) is tuple:  # the address repeats: from here on, by full key
+                first, first_name = seen
+                key = _tie_key(first)
+                seen = at_ptr[ptr] = {} if key is None else {key: first_name}
             tied = _tie_key(t)
-            if tied is not None:
-                for other, other_name in same_ptr:
-                    if _tie_key(other) == tied:
-                        n_tied += 1
-                        return {"$tensor": other_name}  # the same storage, shape and strides: stored once
+            if tied is not None and tied in seen:
+                n_tied += 1
+                return {"$tensor": seen[tied]}  # the same storage view and dtype: stored once
         name = unique(path)
         # detached only where autograd would track the copy (state_dict() values are not)
         tensors.append(TensorRef(name, t.detach() if t.requires_grad else t))
-        if same_ptr is None:
-            at_ptr[ptr] = [(t, name)]
-        else:
-            same_ptr.append((t, name))
+        if seen is None:
+            at_ptr[ptr] = (t, name)
+        elif tied is not None:
+            seen[tied] = name
         return {"$tensor": name}
 
     def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:
@@ -392,6 +411,8 @@ def flatten(
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
+            if obj.bit_length() > 14_000:  # near Python's default 4,300-digit str() limit
+                _check_int_digits(obj, path)
             return obj
         if t is float:
             return _enc_float(obj)

@@ -200,3 +200,65 @@ def test_one_address_ties_only_the_identical_view(tmp_path: Path) -> None:
         assert torch.equal(out[k], v.detach()), k
         assert not out[k].requires_grad, k
     assert grad.grad_fn is None and grad.grad is None  # the save recorded no autograd graph
+
+
+def test_conj_and_neg_views_are_not_tied_to_their_base(tmp_path: Path) -> None:
+    # same address, shape, strides and dtype: the conj/neg bit is what tells them apart
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    x = torch.arange(5.0)
+    state = {"z": z, "zc": z.conj(), "x": x, "xn": torch._neg_view(x)}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    out = load(tmp_path)
+    assert torch.equal(out["zc"], z.conj().resolve_conj()) and torch.equal(out["z"], z)
+    assert torch.equal(out["xn"], -x) and torch.equal(out["x"], x)
+
+
+def test_many_views_at_one_address_each_stored(tmp_path: Path) -> None:
+    # every view starts at the same address; none is the same tensor as another
+    base = torch.arange(400, dtype=torch.float32)
+    state = {f"v{i}": base[: i + 1] for i in range(400)} | {"again": base[:7]}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    out = load(tmp_path)
+    for i in range(400):
+        assert torch.equal(out[f"v{i}"], base[: i + 1])
+    assert out["again"] is out["v6"]
+
+
+def test_a_tensor_keyed_like_the_header_metadata_round_trips(tmp_path: Path) -> None:
+    # "__metadata__" is the safetensors header's own entry: the tensor gets another name
+    state = {"__metadata__": torch.ones(3), "__metadata__~2": torch.zeros(2), "m": {"__metadata__": 1}}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+        assert ck.steps() == [1]
+    out = load(tmp_path)
+    assert torch.equal(out["__metadata__"], torch.ones(3)) and torch.equal(out["__metadata__~2"], torch.zeros(2))
+    assert out["m"] == {"__metadata__": 1}
+
+
+def test_a_tensor_of_more_dimensions_than_a_reader_takes_is_refused_at_save(tmp_path: Path) -> None:
+    ok = torch.ones([1] * 64)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ValueError, match=r"'deep' has 65 dimensions; a checkpoint holds at most 64"):
+            ck.save(1, {"ok": ok, "deep": torch.ones([1] * 65)})
+        with pytest.raises(ValueError, match="65 dimensions"):
+            ck.reserve({"deep": torch.ones([1] * 65)})
+        assert ck.steps() == []
+        ck.save(2, {"ok": ok}).result(timeout=60)
+    assert load(tmp_path)["ok"].shape == ok.shape
+
+
+def test_an_int_too_long_for_text_is_refused_naming_its_key(tmp_path: Path) -> None:
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    if limit == 0:
+        pytest.skip("this interpreter converts ints of any length")
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ValueError, match=r"int at 'a\.big' has more digits"):
+            ck.save(1, {"a": {"big": 10 ** (limit + 10)}, "t": torch.ones(1)})
+        assert ck.steps() == []
+        big = 10 ** (limit - 10)  # below the limit: saved exactly
+        ck.save(2, {"big": big, "t": torch.ones(1)}).result(timeout=60)
+    assert load(tmp_path)["big"] == big
