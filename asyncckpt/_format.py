@@ -20,6 +20,10 @@ import torch
 
 from ._header import ITEMSIZE, MAX_DIMS, TORCH_NAME, TensorSlot, round_up
 
+#: The tensor types whose bytes are saved and restored as they are (no subclass: a subclass
+#: may hold its data elsewhere or mean something else by it).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.uint8: "U8",

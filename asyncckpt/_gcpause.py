@@ -12,12 +12,27 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0  # pauses in progress, on any thread
 _resume = False  # whether the last pause to end turns the collector back on
+
+
+def _after_fork_in_child() -> None:
+    # the threads whose pauses were in progress do not exist in the child: without this its
+    # collector would stay off for good (and the lock could be held by a thread that is gone)
+    global _lock, _depth, _resume
+    _lock = threading.Lock()
+    if _depth and _resume:
+        gc.enable()
+    _depth, _resume = 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

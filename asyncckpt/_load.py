@@ -53,7 +53,7 @@ from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
 from ._checksum import crc32c, crc32c_combine
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
-from ._format import ST_TO_DTYPE
+from ._format import PLAIN_TENSORS, ST_TO_DTYPE
 from ._gcpause import paused_gc
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
@@ -66,7 +66,6 @@ _NUMPY_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
 })  # fmt: skip
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -470,7 +469,7 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether ``t`` can take the saved bytes as they are: a plain strided tensor on the CPU
     (or CUDA, through a bounce buffer) of the saved dtype and shape."""
     if not (
-        type(t) in _PLAIN
+        type(t) in PLAIN_TENSORS
         and t.layout is torch.strided
         and t.dtype == dtype
         and t.shape == tuple(shape)

@@ -41,7 +41,7 @@ import torch
 from . import _index, _readinto
 from ._bounds import check_memory, parse_structure
 from ._errors import CheckpointCorruptError, CheckpointError
-from ._format import DTYPE_TO_ST, ST_TO_DTYPE
+from ._format import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
 from ._load import _check_tree_size, byte_view, read_shard_fd
 from ._manifest import Manifest, shard_name, tree_name
 from ._reshard import Box, plan_reads
@@ -319,7 +319,7 @@ def _dtensor(files: StepFiles, name: str, meta: dict[str, Any], target: Any, ver
 def _in_place(t: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
     """Whether the local shard ``t`` takes the saved bytes as they are (read straight into)."""
     return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
+        type(t) in PLAIN_TENSORS
         and t.device.type == "cpu"
         and t.layout == torch.strided
         and t.dtype == dtype

@@ -32,13 +32,12 @@ from typing import Any
 
 import torch
 
-from ._format import ST_TO_DTYPE, ShardLayout
+from ._format import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
 from ._header import round_up
 
 #: Bytes per staging group: the unit the copy hands to the writer (and to the helper thread).
 GROUP = 8 * 1024 * 1024
 _memmove = ctypes.memmove
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STOP = object()
 
 
@@ -230,7 +229,7 @@ class _CopyRun:
                 return
             for i in range(plan.starts[g], plan.bounds[g]):
                 s = sources[i]
-                if type(s) in _PLAIN and s.is_contiguous() and not s.is_conj() and not s.is_neg():
+                if type(s) in PLAIN_TENSORS and s.is_contiguous() and not s.is_conj() and not s.is_neg():
                     _memmove(plan.dst[i], s.data_ptr(), plan.nbytes[i])
                 else:  # strided, conjugated or wrapped tensors: torch knows how to read them
                     plan.views[i].copy_(s)

@@ -56,7 +56,7 @@ import numpy as np
 import orjson
 import torch
 
-from ._format import DTYPE_TO_ST
+from ._format import DTYPE_TO_ST, PLAIN_TENSORS
 
 #: Decoding refuses trees deeper than this (hostile files must not exhaust the stack).
 MAX_DEPTH = 200
@@ -108,9 +108,6 @@ class TensorRef(NamedTuple):
     tensor: torch.Tensor
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _describe(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
@@ -143,10 +140,11 @@ def _check_utf8(name: str) -> None:
 def _check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:
     # the common case in one expression (this runs once per tensor per save); quantized
     # dtypes are not in DTYPE_TO_ST, so they fall through to the messages below
-    if type(t) in _PLAIN and t.dtype in DTYPE_TO_ST and t.layout is torch.strided and not t.is_meta and not t.is_nested:
+    plain = type(t) in PLAIN_TENSORS and t.dtype in DTYPE_TO_ST and t.layout is torch.strided
+    if plain and not t.is_meta and not t.is_nested:
         return
     where = _describe(path)
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) not in PLAIN_TENSORS:
         raise TypeError(f"unsupported tensor subclass {type(t).__name__} at {where!r}")
     if t.layout != torch.strided:
         raise TypeError(f"unsupported tensor layout {t.layout} at {where!r} (only dense tensors)")
@@ -337,7 +335,7 @@ def flatten(
 
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
         nonlocal n_tied
-        if dtensors is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if dtensors is not None and type(t) not in PLAIN_TENSORS:
             if not sharding:
                 from . import _sharding as imported  # only when a state may hold DTensors
 
@@ -411,7 +409,7 @@ def flatten(
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
-            if obj.bit_length() > 14_000:  # near Python's default 4,300-digit str() limit
+            if obj.bit_length() > 2_000:  # ~600 digits: below the least str() limit Python allows (640)
                 _check_int_digits(obj, path)
             return obj
         if t is float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,21 +43,33 @@ def test_a_collector_the_caller_switched_off_stays_off(tmp_path: Path) -> None:
         assert gc.isenabled()
 
 
-def test_overlapping_pauses_on_two_threads_end_with_the_collector_on() -> None:
-    inside, leave = threading.Event(), threading.Event()
+class _OtherThreadsPause:
+    """A pause held by another thread from ``start()`` until ``end()``."""
 
-    def other() -> None:
+    def __init__(self) -> None:
+        self.inside, self.leave = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
         with paused_gc():
-            inside.set()
-            assert leave.wait(30)
+            self.inside.set()
+            assert self.leave.wait(30)
 
-    t = threading.Thread(target=other)
+    def start(self) -> None:
+        self.thread.start()
+        assert self.inside.wait(30)
+
+    def end(self) -> None:
+        self.leave.set()
+        self.thread.join(30)
+
+
+def test_overlapping_pauses_on_two_threads_end_with_the_collector_on() -> None:
+    other = _OtherThreadsPause()
     with paused_gc():
-        t.start()
-        assert inside.wait(30)
+        other.start()
     assert not gc.isenabled()  # the other thread's pause still runs
-    leave.set()
-    t.join(30)
+    other.end()
     assert gc.isenabled()
     with paused_gc(), paused_gc():  # nested on one thread
         assert not gc.isenabled()
@@ -79,3 +92,22 @@ def test_reads_run_with_the_collector_as_the_caller_left_it(tmp_path: Path, monk
     load(tmp_path, 1, into=_state())
     load(tmp_path, 1)
     assert seen and all(seen)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_another_threads_pause_gets_its_collector_back() -> None:
+    other = _OtherThreadsPause()
+    other.start()
+    try:
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # the child: the pausing thread is not here
+            ok = gc.isenabled()
+            with paused_gc():
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        other.end()
+    assert gc.isenabled()

@@ -262,3 +262,17 @@ def test_an_int_too_long_for_text_is_refused_naming_its_key(tmp_path: Path) -> N
         big = 10 ** (limit - 10)  # below the limit: saved exactly
         ck.save(2, {"big": big, "t": torch.ones(1)}).result(timeout=60)
     assert load(tmp_path)["big"] == big
+
+
+def test_an_int_over_a_lowered_digit_limit_is_refused_naming_its_key(tmp_path: Path) -> None:
+    import sys
+
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)  # the least Python allows
+    try:
+        with Checkpointer(tmp_path) as ck:
+            with pytest.raises(ValueError, match=r"int at 'n' has more digits"):
+                ck.save(1, {"n": 10**650, "t": torch.ones(1)})
+            assert ck.steps() == []
+    finally:
+        sys.set_int_max_str_digits(before)
