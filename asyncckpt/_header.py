@@ -8,10 +8,8 @@ header's own names (``"F32"``, ``"BF16"``, ...) so that tools reading checkpoint
 from __future__ import annotations
 
 import json
-import math
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Alignment of the data section (and of O_DIRECT I/O).
 ALIGN = 4096
@@ -23,6 +21,8 @@ MAX_TENSORS = 2**19
 MAX_DIMS = 64
 #: JSON items one header entry may take (dict, dtype, shape dims, offsets) before parsing.
 _ITEMS_PER_TENSOR = 80
+#: A tensor's byte size must stay below this (with its 0 dims counted as 1).
+_TOO_LARGE = 2**63
 
 #: Bytes per element of every safetensors dtype asyncckpt writes.
 ITEMSIZE: dict[str, int] = {
@@ -70,11 +70,11 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
-@dataclass(frozen=True)
-class TensorSlot:
+class TensorSlot(NamedTuple):
     """Where one tensor lives in a shard: offsets are relative to the data section.
 
     ``dtype`` is the safetensors name (``"F32"``); ``_format.ST_TO_DTYPE`` maps it to torch.
+    (A tuple: one is made per tensor of every shard read, ~4x cheaper than a frozen dataclass.)
     """
 
     name: str
@@ -142,36 +142,52 @@ def validate_header(header: dict[str, Any], data_len: int) -> list[TensorSlot]:
         raise ValueError(f"header declares more than {MAX_TENSORS} tensors")
     slots: list[TensorSlot] = []
     keys = _ENTRY_KEYS
+    # this loop runs once per tensor of every shard read (10,000 for a state of many small
+    # tensors): plain loops over the few dims, no generator or dataclass per entry
+    pos, in_order = 0, True
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if type(entry) is not dict or entry.keys() != keys:
             raise ValueError(f"malformed header entry for {name!r}")
         dtype = entry["dtype"]
-        shape, offs = entry["shape"], entry["data_offsets"]
         size = ITEMSIZE.get(dtype) if type(dtype) is str else None
         if size is None:
             raise ValueError(f"unknown dtype {dtype!r} for {name!r}")
-        # type() is int: bool and int subclasses are not dimensions
-        if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
+        shape = entry["shape"]
+        if type(shape) is not list or len(shape) > MAX_DIMS:
             raise ValueError(f"malformed shape for {name!r}")
-        if math.prod([d or 1 for d in shape]) * size >= 2**63:
+        numel, nonzero = 1, size  # nonzero: the byte size with every 0 dim counted as 1
+        for d in shape:
+            if type(d) is not int or d < 0:  # type() is int: bool and int subclasses are not dims
+                raise ValueError(f"malformed shape for {name!r}")
+            numel *= d
+            if d:
+                nonzero *= d
+        if nonzero >= _TOO_LARGE:
             raise ValueError(f"shape of {name!r} is too large")  # even when one dim is 0
-        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int and o >= 0 for o in offs):
+        offs = entry["data_offsets"]
+        if type(offs) is not list or len(offs) != 2:
             raise ValueError(f"malformed data_offsets for {name!r}")
         begin, end = offs
+        if type(begin) is not int or type(end) is not int or begin < 0 or end < 0:
+            raise ValueError(f"malformed data_offsets for {name!r}")
         if not begin <= end <= data_len:
             raise ValueError(f"offsets of {name!r} fall outside the data section")
-        if math.prod(shape) * size != end - begin:
+        if numel * size != end - begin:
             raise ValueError(f"size of {name!r} does not match its shape and dtype")
         if begin % size:
             raise ValueError(f"{name!r} is not aligned to its element size")
+        if begin != pos:
+            in_order = False
+        pos = end
         slots.append(TensorSlot(name, dtype, tuple(shape), begin, end))
-    pos = 0
-    for s in sorted(slots, key=lambda s: (s.begin, s.end)):
-        if s.begin != pos:
-            raise ValueError(f"tensor {s.name!r} overlaps or leaves a gap at offset {pos}")
-        pos = s.end
+    if not in_order:  # (files asyncckpt writes list their tensors in file order)
+        pos = 0
+        for s in sorted(slots, key=lambda s: (s.begin, s.end)):
+            if s.begin != pos:
+                raise ValueError(f"tensor {s.name!r} overlaps or leaves a gap at offset {pos}")
+            pos = s.end
     if pos != data_len:
         raise ValueError(f"tensors cover {pos} bytes of a {data_len}-byte data section")
     return slots

@@ -226,10 +226,15 @@ def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
     return parse_structure(raw, path, size, expected_crc)
 
 
-def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str) -> Any:
+def _rebuild(
+    tree: Any, tensors: dict[str, torch.Tensor], tree_path: str, shard_path: str, names_checked: bool = False
+) -> Any:
+    """The state of ``tree`` over ``tensors`` (one per name of the shard). ``names_checked``:
+    :func:`plan_targets` already compared the tree's tensor names with the shard's."""
     try:
         with paused_gc():  # the state's containers, rebuilt: many small objects
-            if sorted(set(tensor_names(tree))) != sorted(tensors):  # tied tensors are named twice
+            # (a set: tied tensors are named twice)
+            if not names_checked and set(tensor_names(tree)) != tensors.keys():
                 raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
             return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
@@ -312,7 +317,8 @@ def load_files(
         tensors = map_shard(shard_fd, shard_path, shard_size, expected)
     else:
         tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first)
-    return _rebuild(tree, tensors, tree_path, shard_path)
+    # with into=, plan_targets compared the names with the header's; the tensors are the header's
+    return _rebuild(tree, tensors, tree_path, shard_path, names_checked=parsed is not None)
 
 
 _E = TypeVar("_E", bound=BaseException)
@@ -472,7 +478,7 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         type(t) in PLAIN_TENSORS
         and t.layout is torch.strided
         and t.dtype == dtype
-        and t.shape == tuple(shape)
+        and t.shape == shape
         and (t.is_cpu or (t.is_cuda and torch.cuda.is_available()))
         and not t.is_conj()
         and not t.is_neg()
