@@ -307,9 +307,9 @@ def test_store_only_flags_on_a_local_root_are_a_usage_error_not_ignored(
     assert sorted(p.name for p in root.iterdir()) == before and not (tmp_path / "out.safetensors").exists()
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon", "1e-320", "0.0009"])
 @pytest.mark.parametrize("command", ["verify", "push", "pull"])
-def test_a_deadline_that_is_not_a_positive_number_is_a_usage_error(
+def test_a_deadline_that_is_not_a_number_of_seconds_from_1_ms_is_a_usage_error(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, value: str
 ) -> None:
     # refused by the parser, before anything is opened: a local root and a URL alike

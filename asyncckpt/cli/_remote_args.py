@@ -20,14 +20,22 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     add_storage_options(p)
 
 
+#: The least ``--deadline``: below a millisecond no request could finish (``1e-320`` would
+#: pass a plain "> 0" and give up at once).
+MIN_DEADLINE_S = 0.001
+
+
 def _seconds(text: str) -> float:
-    """A deadline: a finite number of seconds above zero (argparse turns the error into exit 2)."""
+    """A deadline: a finite number of seconds, at least :data:`MIN_DEADLINE_S` (argparse turns
+    the error into exit 2)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, not {text!r}")
+    if not math.isfinite(value) or value < MIN_DEADLINE_S:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds, at least {MIN_DEADLINE_S:g}, not {text!r}"
+        )
     return value
 
 
