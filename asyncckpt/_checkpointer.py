@@ -71,7 +71,9 @@ _MAX_LOAD_ROUNDS = 64
 class _Runtime:
     """The threads and resources of one Checkpointer; holds no reference back to it."""
 
-    def __init__(self, io_threads: int, ops: OsOps, direct_io: str, max_pending: int, coord: Coordinator) -> None:
+    def __init__(
+        self, io_threads: int, ops: OsOps, direct_io: str, max_pending: int, coord: Coordinator, huge_pages: bool
+    ) -> None:
         # plain attributes first, threads last, each thread stopped again if anything after
         # it fails: no thread may outlive a construction that failed (even by Ctrl-C)
         self.coord = coord
@@ -85,7 +87,7 @@ class _Runtime:
         self.retention_lock = asyncio.Lock()
         # retired checkpoints whose files are still being removed (tasks on the writer loop)
         self.removals: set[asyncio.Task[None]] = set()
-        self.staging = StagingPool(max_pending)
+        self.staging = StagingPool(max_pending, huge_pages)
         # many ranks: the coordinator's blocking store calls (waits for the other ranks among
         # them) run here, never on an I/O thread the save's writes and checksums need meanwhile
         self.coord_pool: IOPool | None = None
@@ -281,6 +283,13 @@ class Checkpointer:
         allow_earlier_steps: by default ``save()`` refuses a step lower than the newest
             committed (or in-flight) one with ``ValueError``; ``True`` allows it, and
             ``keep_last`` then keeps the most recently *committed* checkpoints.
+        huge_pages: back the staging buffers with transparent huge pages (Linux,
+            ``madvise(MADV_HUGEPAGE)``; where the kernel has none to give, 4 KiB pages as
+            without). The writer's O_DIRECT writes then pin 512x fewer pages: on our 2-core VM
+            its CPU per GiB fell from ~0.14 to ~0.10 s and saves blocked and became durable a
+            few percent sooner. The price is paid once, when a buffer is allocated (the first
+            save, or ``reserve()``): the kernel may have to compact memory for the huge
+            pages, which took 3-16 s per GiB on that VM (0.3 s without). Off by default.
 
     One root has one writing job: the Checkpointer (rank 0 of its group) takes ownership of
     ``root`` at construction and holds it until ``close()``; a second writer on the same
@@ -321,6 +330,7 @@ class Checkpointer:
         keep_last_remote: int | None = None,
         storage_options: Mapping[str, str] | None = None,
         lease_ttl: float | None = None,
+        huge_pages: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         self.strip_prefixes = _prefixes(strip_prefixes)
@@ -382,6 +392,8 @@ class Checkpointer:
             raise ValueError("mirror= does not support allow_earlier_steps=True yet")
         if not isinstance(dedupe, bool):
             raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
+        if not isinstance(huge_pages, bool):
+            raise TypeError(f"huge_pages must be a bool, not {huge_pages!r}")
         self.dedupe = dedupe
         self._failed_commits: set[str] = set()
         self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
@@ -434,7 +446,7 @@ class Checkpointer:
             elif failure is not None:
                 raise failure
             self._committed = set(committed)
-            rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator())
+            rt = _Runtime(io_threads, _ops, direct_io, max_pending, LocalCoordinator(), huge_pages)
             rt.ownership = ownership
             rt.lease = lease
             if store is not None:

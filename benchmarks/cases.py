@@ -93,11 +93,12 @@ def run_limits(spec: StateSpec, cfg: Config) -> dict[str, Any]:
         best = min(variants, key=lambda k: variants[k]["median"])
         out["memcpy"] = {**variants[best], "threads": int(best)}
         out["memcpy_by_threads"] = variants
-        for key, direct in (("write_direct", True), ("write", False)):
+        for key, direct, huge in (("write_direct", True, False), ("write_direct_huge", True, True),
+                                  ("write", False, False)):  # fmt: skip
             log(f"limits {spec.name}: {key}")
             try:
-                lim.write(direct)
-                out[key] = summary(lim.write(direct) for _ in range(cfg.repeats))
+                lim.write(direct, huge)
+                out[key] = summary(lim.write(direct, huge) for _ in range(cfg.repeats))
             except OSError as e:
                 out[key] = {"error": f"{type(e).__name__}: {e}"}
         log(f"limits {spec.name}: read")
@@ -315,6 +316,8 @@ def _fallback_restore(m: Method) -> str:
     # methods whose restore variants are measured elsewhere (same format) still load for the check
     if m.family == "dcp":
         return "dcp.load"
+    if m.family == "asyncckpt":
+        return "asyncckpt.load"
     raise Unsupported(f"{m.name} has no restore path")
 
 

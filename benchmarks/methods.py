@@ -320,16 +320,17 @@ def _leaves(state: Any) -> list[Any]:
 
 # ---------------------------------------------------------------------- asyncckpt
 class Asyncckpt(Method):
-    """``asyncckpt.Checkpointer`` with its defaults."""
+    """``asyncckpt.Checkpointer`` with its defaults, or with ``huge_pages=True``."""
 
-    def __init__(self) -> None:
+    def __init__(self, huge_pages: bool = False) -> None:
         super().__init__(
-            "asyncckpt",
-            "asyncckpt (defaults)",
+            "asyncckpt[huge]" if huge_pages else "asyncckpt",
+            "asyncckpt (huge_pages=True)" if huge_pages else "asyncckpt (defaults)",
             "asyncckpt",
             is_async=True,
-            restores=("asyncckpt.load", "asyncckpt.load(verify=False)"),
+            restores=() if huge_pages else ("asyncckpt.load", "asyncckpt.load(verify=False)"),
         )
+        self.huge_pages = huge_pages
         self._ck: Any = None
 
     def path(self, step: int) -> str:
@@ -339,7 +340,7 @@ class Asyncckpt(Method):
         super().open(root, state)
         from asyncckpt import Checkpointer
 
-        self._ck = Checkpointer(root)
+        self._ck = Checkpointer(root, huge_pages=self.huge_pages)
 
     def save(self, step: int, state: Any) -> Any:
         return self._ck.save(step, state)
@@ -393,6 +394,7 @@ def all_methods(cuda_state: bool = False) -> list[Method]:
         DcpAsync("stager-cached"),
         DcpAsync("stager-bg"),
         Asyncckpt(),
+        Asyncckpt(huge_pages=True),
         DcpAsync("process"),
         DcpAsync("process-gloo"),
     ]

@@ -1,0 +1,93 @@
+"""``Checkpointer(huge_pages=True)``: staging buffers advised ``MADV_HUGEPAGE``.
+
+Whether the kernel then gives huge pages depends on its free memory, so the tests check what
+the library controls and the kernel reports deterministically: the buffer's mapping is
+eligible for transparent huge pages (``THPeligible`` in ``/proc/self/smaps``) exactly when
+asked for (under THP's ``madvise`` mode), its size is whole huge pages, and saves through it
+load back bit-exactly, mutations after ``save()`` returned included.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same
+
+from asyncckpt import Checkpointer, load
+from asyncckpt._staging import HUGE_PAGE
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """The bracketed mode of THP (``always``/``madvise``/``never``), None without THP."""
+    try:
+        text = _THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """``THPeligible`` of the mapping holding ``address`` (None when smaps does not say)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+def state_of(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    # 3 MiB + change: not a whole number of huge pages
+    return {"model": {"w": torch.randn(786_433, generator=g), "b": torch.arange(7)}, "step": seed}
+
+
+def test_huge_pages_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="huge_pages must be a bool"):
+        Checkpointer(tmp_path, huge_pages=1)  # type: ignore[arg-type]
+    assert not (tmp_path / ".asyncckpt").exists() or not any((tmp_path / ".asyncckpt").iterdir())
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_saves_through_huge_page_buffers_load_back_exactly(tmp_path: Path, huge: bool) -> None:
+    state = state_of(1)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 1}
+    with Checkpointer(tmp_path, huge_pages=huge) as ck:
+        handle = ck.save(1, state)
+        state["model"]["w"].add_(1.0)  # mutated right after save() returned: the save keeps the old values
+        handle.result(timeout=60)
+        ck.save(2, state).result(timeout=60)  # the same buffer again
+        (arena,) = [a for a in ck._rt.staging._free if a is not None]
+        assert arena.huge_pages is huge
+        assert arena.capacity % (HUGE_PAGE if huge else 4096) == 0
+        if huge:
+            assert arena.capacity % HUGE_PAGE == 0 and arena.capacity >= HUGE_PAGE
+        assert ck._rt.staging.allocations == 1
+        eligible = _thp_eligible(arena.tensor.data_ptr()) if sys.platform == "linux" else None
+        mode = _thp_mode()
+        if eligible is not None and mode == "madvise":
+            assert eligible is huge  # advised exactly when asked for
+        elif eligible is not None and mode == "never":
+            assert eligible is False
+    assert_same(load(tmp_path, 1), expected)
+    assert_same(load(tmp_path, 2), state)
+
+
+def test_reserve_with_huge_pages_sizes_the_buffer_in_whole_huge_pages(tmp_path: Path) -> None:
+    state = state_of(2)
+    with Checkpointer(tmp_path, huge_pages=True) as ck:
+        ck.reserve(state)
+        (arena,) = ck._rt.staging._free
+        assert arena is not None and arena.capacity % HUGE_PAGE == 0
+        ck.save(1, state).result(timeout=60)
+        assert ck._rt.staging.allocations == 1  # the reserved buffer took the save
+    assert_same(load(tmp_path, 1), state)
