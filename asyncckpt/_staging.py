@@ -22,6 +22,7 @@ helper longer than the one group it is copying.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import mmap
 import queue
@@ -284,8 +285,10 @@ def _new_mapping(capacity: int, huge_pages: bool = False) -> mmap.mmap:
             pass  # THP not built in: 4 KiB pages, as without huge_pages
         try:
             m.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # before Linux 5.14: write the pages to fault them in
-            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(m)), 0, capacity)
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # before Linux 5.14: write the pages to fault them in
+                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(m)), 0, capacity)
+            # else (ENOMEM, ...) the pages fault in at the copy, as a failed MAP_POPULATE leaves them
     except BaseException:
         m.close()
         raise
