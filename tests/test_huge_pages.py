@@ -91,3 +91,20 @@ def test_reserve_with_huge_pages_sizes_the_buffer_in_whole_huge_pages(tmp_path: 
         ck.save(1, state).result(timeout=60)
         assert ck._rt.staging.allocations == 1  # the reserved buffer took the save
     assert_same(load(tmp_path, 1), state)
+
+
+def test_the_spare_buffer_of_a_sigterm_save_is_never_on_huge_pages() -> None:
+    # the final save of a SIGTERM handler runs against a grace period: no multi-second allocation
+    from asyncckpt._staging import StagingPool
+
+    pool = StagingPool(1, huge_pages=True)
+    try:
+        spare = pool.spare(3 * HUGE_PAGE + 5)
+        assert spare.spare and not spare.huge_pages and spare.capacity % 4096 == 0
+        pooled, _ = pool.acquire(3 * HUGE_PAGE + 5, 1.0)
+        assert pooled.huge_pages and pooled.capacity == 4 * HUGE_PAGE
+        pool.give_back(pooled)
+        pool.give_back(spare)  # released, not pooled
+        assert pool._free == [pooled]
+    finally:
+        pool.close()
