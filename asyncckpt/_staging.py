@@ -263,21 +263,38 @@ class _CopyRun:
 
 #: The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
 HUGE_PAGE = 2 * 1024 * 1024
-# madvise(2) advice values (Linux); Python 3.11's mmap module has no MADV_POPULATE_WRITE
+# madvise(2) advice values (Linux); Python 3.11's mmap module lacks the last two
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_WIPEONFORK = 18  # Linux 4.14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
+def _wipe_on_fork(m: mmap.mmap) -> None:
+    """A child forked from this process gets zero pages here instead of sharing ours. Shared
+    pages are copy-on-write: with a child alive (a DataLoader worker started by fork), the
+    next save's copy faulted on every 4 KiB page, 0.70 s instead of 0.025 s for 256 MiB here,
+    and split huge pages for good. No child uses the staging buffers (a forked Checkpointer
+    refuses to save)."""
+    try:
+        m.madvise(_MADV_WIPEONFORK)
+    except (OSError, ValueError, AttributeError):
+        pass  # before Linux 4.14, or not Linux: shared copy-on-write, as without
+
+
 def _new_mapping(capacity: int, huge_pages: bool = False) -> mmap.mmap:
-    """An anonymous mapping of ``capacity`` bytes with every page faulted in. With
-    ``huge_pages`` (Linux) it is advised ``MADV_HUGEPAGE`` before the faults, so the kernel
-    backs it with transparent huge pages where it can (else 4 KiB pages, silently)."""
+    """An anonymous mapping of ``capacity`` bytes with every page faulted in, wiped in forked
+    children (:func:`_wipe_on_fork`). With ``huge_pages`` (Linux) it is advised
+    ``MADV_HUGEPAGE`` before the faults, so the kernel backs it with transparent huge pages
+    where it can (else 4 KiB pages, silently)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if not huge_pages or not hasattr(mmap, "MADV_HUGEPAGE"):
         # pre-fault the pages in one go: copying into fresh pages one fault at a time is ~2x slower
         flags |= getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(-1, capacity, flags=flags)
+        m = mmap.mmap(-1, capacity, flags=flags)
+        _wipe_on_fork(m)
+        return m
     m = mmap.mmap(-1, capacity, flags=flags)  # not MAP_POPULATE: the advice must come first
+    _wipe_on_fork(m)
     try:
         try:
             m.madvise(_MADV_HUGEPAGE)

@@ -9,6 +9,7 @@ load back bit-exactly, mutations after ``save()`` returned included.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,16 +21,35 @@ from conftest import assert_same
 from asyncckpt import Checkpointer, load
 from asyncckpt._staging import HUGE_PAGE
 
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
-def _thp_mode() -> str | None:
-    """The bracketed mode of THP (``always``/``madvise``/``never``), None without THP."""
+def _bracketed(path: Path) -> str | None:
     try:
-        text = _THP.read_text()
+        text = path.read_text()
     except OSError:
         return None
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _plain_madvise_thp() -> bool:
+    """Whether ``THPeligible`` says exactly "advised MADV_HUGEPAGE" for an anonymous
+    mapping: THP in ``madvise`` mode for 2 MiB pages (directly, or inherited) and for no
+    other size ``always`` (a multi-size THP setting would make every mapping eligible), 4 KiB
+    base pages (2 MiB is the huge page), and THP not disabled for this process (prctl)."""
+    if _bracketed(_THP / "enabled") != "madvise" or os.sysconf("SC_PAGE_SIZE") != 4096:
+        return False
+    try:
+        if int((_THP / "hpage_pmd_size").read_text()) != HUGE_PAGE:
+            return False
+    except (OSError, ValueError):
+        return False
+    for size in _THP.glob("hugepages-*kB"):
+        mode = _bracketed(size / "enabled")
+        if mode == "always" or (size.name == "hugepages-2048kB" and mode not in ("inherit", "madvise")):
+            return False
+    status = Path("/proc/self/status").read_text()
+    return "THP_enabled:\t0" not in status
 
 
 def _thp_eligible(address: int) -> bool | None:
@@ -66,18 +86,15 @@ def test_saves_through_huge_page_buffers_load_back_exactly(tmp_path: Path, huge:
         state["model"]["w"].add_(1.0)  # mutated right after save() returned: the save keeps the old values
         handle.result(timeout=60)
         ck.save(2, state).result(timeout=60)  # the same buffer again
-        (arena,) = [a for a in ck._rt.staging._free if a is not None]
-        assert arena.huge_pages is huge
-        assert arena.capacity % (HUGE_PAGE if huge else 4096) == 0
-        if huge:
-            assert arena.capacity % HUGE_PAGE == 0 and arena.capacity >= HUGE_PAGE
-        assert ck._rt.staging.allocations == 1
-        eligible = _thp_eligible(arena.tensor.data_ptr()) if sys.platform == "linux" else None
-        mode = _thp_mode()
-        if eligible is not None and mode == "madvise":
-            assert eligible is huge  # advised exactly when asked for
-        elif eligible is not None and mode == "never":
-            assert eligible is False
+        arena = ck._rt.staging.acquire(1, 10.0)[0]  # the buffer the saves used, once it is back
+        try:
+            assert arena.huge_pages is huge
+            assert arena.capacity % (HUGE_PAGE if huge else 4096) == 0 and arena.capacity >= 4096
+            assert ck._rt.staging.allocations == 1
+            if sys.platform == "linux" and _plain_madvise_thp():
+                assert _thp_eligible(arena.tensor.data_ptr()) is huge  # advised exactly when asked for
+        finally:
+            ck._rt.staging.give_back(arena)
     assert_same(load(tmp_path, 1), expected)
     assert_same(load(tmp_path, 2), state)
 
