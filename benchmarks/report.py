@@ -79,17 +79,24 @@ def direct_write_limit(lim: dict[str, Any]) -> tuple[float | None, str]:
     if not cands:
         return write_limit(lim)
     v, k = min(cands)
-    return v, ("raw O_DIRECT write+fsync" + (" (huge pages)" if k == "write_direct_huge" else ""))
+    return v, _WRITE_NAMES[k]
+
+
+_WRITE_NAMES = {
+    "write": "raw write+fsync",
+    "write_direct": "raw O_DIRECT write+fsync",
+    "write_direct_huge": "raw O_DIRECT write+fsync (huge pages)",
+}
 
 
 def write_limit(lim: dict[str, Any]) -> tuple[float | None, str]:
-    """The physical write+fsync limit: the faster of the buffered and O_DIRECT raw writes."""
-    cands = [(_med(lim.get(k)), k) for k in ("write", "write_direct")]
-    cands = [(v, k) for v, k in cands if v is not None]
+    """The physical write+fsync limit: the fastest of the buffered and O_DIRECT raw writes
+    (O_DIRECT from a 4 KiB-page and from a huge-page buffer)."""
+    cands = [(v, k) for k in _WRITE_NAMES if (v := _med(lim.get(k))) is not None]
     if not cands:
         return None, "-"
     v, k = min(cands)
-    return v, ("raw O_DIRECT write+fsync" if k == "write_direct" else "raw write+fsync")
+    return v, _WRITE_NAMES[k]
 
 
 def _states(data: dict[str, Any]) -> list[str]:
