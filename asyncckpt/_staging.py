@@ -388,8 +388,8 @@ class StagingPool:
         #: arenas allocated so far (tests and ``reserve()`` check that saves reuse them)
         self.allocations = 0
 
-    def _new_arena(self, nbytes: int) -> Arena:
-        arena = Arena(nbytes, self.huge_pages)
+    def _new_arena(self, nbytes: int, huge_pages: bool | None = None) -> Arena:
+        arena = Arena(nbytes, self.huge_pages if huge_pages is None else huge_pages)
         self.allocations += 1
         return arena
 
@@ -436,8 +436,7 @@ class StagingPool:
         """A fresh arena outside the slots, for a save that must not wait for one (the final
         save of a SIGTERM handler that interrupted a save holding the slot). Never on huge
         pages: their allocation can take seconds, and this save runs against a grace period."""
-        arena = Arena(nbytes)
-        self.allocations += 1
+        arena = self._new_arena(nbytes, huge_pages=False)
         arena.spare = True
         return arena
 

@@ -13,22 +13,20 @@ table of medians and writes ``results.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for p in (HERE, REPO):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
 import torch  # noqa: E402
+from measure import report_medians  # noqa: E402
 
 from asyncckpt import Checkpointer  # noqa: E402
 
@@ -72,22 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                     handle.result()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"{args.mib} MiB in 64 tensors, huge_pages={args.huge}, median of {args.repeats}\n")
-    print("| save() blocking | median s | × no child |")
-    print("|---|---|---|")
-    for k, v in med.items():
-        print(f"| {k} | {v:.4f} | {v / med['no child']:.2f}× |")
-    result: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "args": vars(args),
-        "median_s": med,
-        "samples_s": samples,
-    }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    report_medians("save() blocking", samples, "no child", args, args.out)
     return 0
 
 

@@ -306,3 +306,33 @@ def interference_once(
         "baseline_before_s": statistics.median(before),
         "baseline_after_s": statistics.median(after),
     }
+
+
+# ---------------------------------------------------------------------- small side-by-side scripts
+def report_medians(
+    what: str, samples: dict[str, list[float]], base: str, args: Any, out: str | None
+) -> dict[str, Any]:
+    """Print a markdown table of the medians of ``samples`` (seconds, in order), each against
+    ``samples[base]``'s, and write ``results.json`` (machine, args, medians, ratios, samples)
+    to ``out`` when given; returns that record."""
+    import json
+    import platform
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    ratio = {k: v / med[base] for k, v in med.items()}
+    print(f"| {what} | median s | × {base} |")
+    print("|---|---|---|")
+    for k in med:
+        print(f"| {k} | {med[k]:.4f} | {ratio[k]:.2f}× |")
+    result = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "args": vars(args),
+        "median_s": med,
+        f"ratio_to_{base.replace(' ', '_')}": ratio,
+        "samples_s": samples,
+    }
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -23,11 +23,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import json
 import mmap
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import threading
@@ -35,6 +32,7 @@ import time
 from typing import Any
 
 import torch
+from measure import report_medians
 
 GROUP = 8 << 20  # the library's staging group
 PIECE = 16 << 20  # the library's write piece
@@ -148,24 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 samples[m].append(bench.once(m))
     finally:
         bench.close()
-    med = {m: statistics.median(v) for m, v in samples.items()}
-    base = med["copy alone"]
     print(f"{args.mib} MiB in {args.tensors} tensors, 2 copy threads, median of {args.repeats}\n")
-    print("| staging copy | median s | × copy alone |")
-    print("|---|---|---|")
-    for m in MODES:
-        print(f"| {m} | {med[m]:.4f} | {med[m] / base:.2f}× |")
-    result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "args": vars(args),
-        "median_s": med,
-        "ratio_to_copy_alone": {m: med[m] / base for m in MODES},
-        "samples_s": samples,
-    }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    report_medians("staging copy", samples, "copy alone", args, args.out)
     return 0
 
 
