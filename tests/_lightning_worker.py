@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from asyncckpt.lightning import AsyncckptCheckpointIO
+from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
 
 BATCHES_PER_EPOCH = 4
 

@@ -26,7 +26,7 @@ from .._storage import remove_tree
 
 log = logging.getLogger("asyncckpt")
 
-_Job = tuple[SaveHandle | None, Callable[..., None]]
+_Job = tuple[SaveHandle | None, Callable[..., None], str]
 
 
 def fsync_dir(path: str) -> None:
@@ -101,11 +101,12 @@ class Publisher:
 
     def after_commit(self, handle: SaveHandle, fn: Callable[[CheckpointInfo], None]) -> None:
         """Run ``fn(info)`` on the publisher thread once ``handle``'s save committed."""
-        self._put((handle, fn))
+        self._put((handle, fn, ""))
 
-    def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` after every job submitted so far, unless a save among them failed."""
-        self._put((None, fn))
+    def then(self, fn: Callable[[], None], what: str) -> None:
+        """Run ``fn()`` after every job submitted so far, unless a save among them failed
+        (then log that ``what``, e.g. "removing x.ckpt", was skipped)."""
+        self._put((None, fn, what))
 
     def drain(self) -> None:
         """Wait until every job submitted so far ran (or was skipped)."""
@@ -151,7 +152,7 @@ class Publisher:
             try:
                 if job is None:
                     return
-                handle, fn = job
+                handle, fn, what = job
                 if handle is not None:
                     try:
                         info = handle.result(timeout=self._timeout)
@@ -161,7 +162,7 @@ class Publisher:
                         continue
                     fn(info)
                 elif blocked:
-                    log.warning("asyncckpt: skipping %s: an earlier save failed", getattr(fn, "__name__", fn))
+                    log.warning("asyncckpt: not %s: an earlier save failed", what)
                 else:
                     fn()
             except BaseException as e:  # noqa: BLE001 - raised by raise_failure()
