@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -203,3 +204,18 @@ def test_the_old_import_path_is_the_same_plugin() -> None:
     for name in old.__all__:
         assert getattr(old, name) is getattr(new, name), name
     assert set(old.__all__) == set(new.__all__)
+
+
+def test_a_pointer_into_another_directory_never_removes_anything_there(tmp_path: Path) -> None:
+    io = AsyncckptCheckpointIO()
+    io.save_checkpoint(big_state(10), tmp_path / "victim" / "x.ckpt")
+    io.teardown()
+    (tmp_path / "run").mkdir()
+    copied = tmp_path / "run" / "copied.ckpt"  # e.g. copied over from another run's directory
+    root, step = read_pointer(str(tmp_path / "victim" / "x.ckpt"))
+    copied.write_text(json.dumps({"format": "asyncckpt-lightning/1", "root": os.path.relpath(root, copied.parent),
+                                  "step": step}))  # fmt: skip
+    io.remove_checkpoint(copied)
+    io.teardown()
+    assert not copied.exists()
+    assert load_checkpoint(tmp_path / "victim" / "x.ckpt")["global_step"] == 1

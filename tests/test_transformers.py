@@ -193,9 +193,12 @@ def test_a_failed_save_stops_training_and_keeps_the_older_checkpoints(tmp_path: 
     with pytest.raises(SaveError) as e:
         t.train()
     assert e.value.__cause__ is None or isinstance(e.value.__cause__, OSError)
-    # raised at the save after the failed one (step 20), never later; rotation removed nothing after it
-    assert t.state.global_step == 20
-    assert names(tmp_path) == {"checkpoint-10"} and root_steps(tmp_path) == {10}
+    # raised at the next save (step 20), or, when step 15 was still being written then, at the one
+    # after (max_pending=1: save 20 waited for 15's outcome); no checkpoint was removed for a
+    # save that did not commit
+    assert t.state.global_step in (20, 25)
+    kept = 10 if t.state.global_step == 20 else 20
+    assert names(tmp_path) == {f"checkpoint-{kept}"} and root_steps(tmp_path) == {kept}
     t2, _ = w.trainer(str(tmp_path), "async", STEPS, limit=1, record=False)
     t2.train(resume_from_checkpoint=True)
     assert names(tmp_path) == {"checkpoint-40"}
@@ -237,10 +240,26 @@ def test_leftovers_of_a_crash_are_cleaned_and_hostile_pointers_refused(tmp_path:
     w.run(str(tmp_path), "async", 10, record=False)
     (tmp_path / ".checkpoint-15.tmp-0123456789abcdef").mkdir()  # killed while publishing
     os.rename(tmp_path / "checkpoint-5", tmp_path / ".checkpoint-5.removing-0123456789abcdef")  # ... while removing
-    assert sorted(os.path.basename(p) for p in folders.remove_leftovers(str(tmp_path))) == [
+    done = folders.remove_leftovers(str(tmp_path), str(tmp_path / folders.ROOT_NAME))
+    assert sorted(os.path.basename(p) for p in done) == [
         ".checkpoint-15.tmp-0123456789abcdef", ".checkpoint-5.removing-0123456789abcdef"
     ]
     assert root_steps(tmp_path) == {10}
     (tmp_path / "checkpoint-10" / folders.POINTER_NAME).write_text(json.dumps({"format": folders.FORMAT, "step": -1}))
     with pytest.raises(CheckpointError, match="not an asyncckpt pointer"):
         folders.read_pointer(str(tmp_path / "checkpoint-10"))
+
+
+def test_a_pointer_into_another_directory_never_removes_anything_there(tmp_path: Path) -> None:
+    victim = tmp_path / "elsewhere"
+    w.run(str(victim), "async", 5, record=False)  # another run's root with its step 5
+    out = tmp_path / "run"
+    out.mkdir()
+    hostile = out / "checkpoint-1"
+    hostile.mkdir()
+    rel = os.path.relpath(victim / folders.ROOT_NAME, hostile)
+    doc = {"format": folders.FORMAT, "root": rel, "step": 5, "global_step": 1}
+    (hostile / folders.POINTER_NAME).write_text(json.dumps(doc))
+    w.run(str(out), "async", 15, limit=1, record=False)  # rotation removes checkpoint-1 first
+    assert names(out) == {"checkpoint-15"}
+    assert root_steps(victim) == {5}

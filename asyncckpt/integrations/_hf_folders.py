@@ -122,21 +122,22 @@ def publish(run_dir: str, root: str, step: int, global_step: int, trainer_state:
         raise
     fsync_dir(run_dir)
     if old is not None:
-        _remove_moved(old, keep=(root, step))
+        _remove_moved(old, root, keep=step)
     return folder
 
 
-def remove_folder(folder: str) -> None:
-    """Remove a ``checkpoint-N`` folder; for one of ours, the step it points at too.
+def remove_folder(folder: str, root: str) -> None:
+    """Remove a ``checkpoint-N`` folder; for one pointing into ``root``, that step too.
 
     The folder stops being a checkpoint at once (renamed to a hidden name, fsynced), then
-    its step and its files go.
+    its step and its files go. A pointer into any other directory (copied from elsewhere, or
+    hostile) loses its folder only: nothing outside ``root`` is ever removed.
     """
     if os.path.lexists(folder):
-        _remove_moved(_move_aside(folder))
+        _remove_moved(_move_aside(folder), root)
 
 
-def rotate(run_dir: str, limit: int | None, newest: str, best: str | None) -> list[str]:
+def rotate(run_dir: str, root: str, limit: int | None, newest: str, best: str | None) -> list[str]:
     """Keep at most ``limit`` checkpoint folders, as the Trainer's ``save_total_limit`` does;
     return the folders removed.
 
@@ -165,7 +166,7 @@ def rotate(run_dir: str, limit: int | None, newest: str, best: str | None) -> li
         if remaining <= keep:
             break
         if os.path.abspath(path) not in protected:
-            remove_folder(path)
+            remove_folder(path, root)
             removed.append(path)
             remaining -= 1
     return removed
@@ -178,7 +179,7 @@ def _move_aside(folder: str) -> str:
     return aside
 
 
-def remove_leftovers(run_dir: str) -> list[str]:
+def remove_leftovers(run_dir: str, root: str) -> list[str]:
     """Finish what a crash interrupted in ``run_dir``: remove half-written folders and the
     folders (with their steps) that were being removed; return them.
 
@@ -195,21 +196,24 @@ def remove_leftovers(run_dir: str) -> list[str]:
             continue
         path = os.path.join(run_dir, name)
         if m.group(1) == "removing":
-            _remove_moved(path)
+            _remove_moved(path, root)
         else:
             remove_tree(path)
         done.append(path)
     return done
 
 
-def _remove_moved(aside: str, keep: tuple[str, int] | None = None) -> None:
-    """Remove a folder already renamed aside, and the step it pointed at if it was ours
-    (unless that step is ``keep``, the one a new pointer of that name names)."""
+def _remove_moved(aside: str, root: str, keep: int | None = None) -> None:
+    """Remove a folder already renamed aside, and the step of ``root`` it pointed at (unless
+    that step is ``keep``, the one a new pointer of that name names)."""
     fsync_dir(os.path.dirname(aside))
     try:
         p = read_pointer(aside)
     except CheckpointError:
         p = None
-    if p is not None and (p.root, p.step) != keep:
-        drop_step(p.root, p.step)
+    if p is not None and p.step != keep:
+        if os.path.realpath(p.root) == os.path.realpath(root):
+            drop_step(root, p.step)
+        else:
+            log.warning("asyncckpt: %s pointed outside %s; its step %d is left alone", aside, root, p.step)
     remove_tree(aside)

@@ -26,6 +26,7 @@ directory. Needs ``pip install "asyncckpt[lightning]"``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from typing import Any
@@ -39,6 +40,8 @@ from .._info import CheckpointInfo
 from ._publish import Publisher, drop_step, fsync_dir, write_durably
 
 __all__ = ["ROOT_NAME", "AsyncckptCheckpointIO", "load_checkpoint", "read_pointer"]
+
+log = logging.getLogger("asyncckpt")
 
 #: The asyncckpt root next to Lightning's checkpoint files.
 ROOT_NAME = ".asyncckpt-lightning"
@@ -236,7 +239,7 @@ def _point(path: str, info: CheckpointInfo) -> None:
     root = str(info.path.parent)
     _write_pointer(path, root, info.step)
     if previous is not None and previous != (root, info.step):
-        drop_step(*previous)
+        _drop(path, *previous)
 
 
 def _remove(path: str) -> None:
@@ -248,7 +251,17 @@ def _remove(path: str) -> None:
         return
     os.unlink(path)
     fsync_dir(os.path.dirname(path))
-    drop_step(*previous)
+    _drop(path, *previous)
+
+
+def _drop(path: str, root: str, step: int) -> None:
+    """Drop the step a pointer at ``path`` named, if it lies in the root beside ``path`` (a
+    pointer file copied from elsewhere, or a hostile one, never removes anything outside it)."""
+    ours = os.path.join(os.path.dirname(path), ROOT_NAME)
+    if os.path.realpath(root) == os.path.realpath(ours):
+        drop_step(ours, step)
+    else:
+        log.warning("asyncckpt: %s pointed outside %s; its step %d is left alone", path, ours, step)
 
 
 def _pointed(path: str) -> tuple[str, int] | None:

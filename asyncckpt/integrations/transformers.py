@@ -232,8 +232,8 @@ class AsyncckptTrainerMixin:
             self._asyncckpt_finish(raise_failure=True)  # another trial's output directory
             ck = None
         if ck is None:
-            folders.remove_leftovers(run_dir)
             ck = Checkpointer(root, **self._asyncckpt_options)
+            folders.remove_leftovers(run_dir, ck.root)
             steps = ck.steps()
             self._asyncckpt_next = steps[-1] + 1 if steps else 0
             self._asyncckpt_ck = ck
@@ -341,8 +341,9 @@ def _publish(
     limit: int | None, best: str | None,
 ) -> None:  # fmt: skip
     """On the publisher thread, once the step committed: the folder, then ``save_total_limit``."""
-    folder = folders.publish(run_dir, str(info.path.parent), info.step, global_step, trainer_state)
-    folders.rotate(run_dir, limit, folder, best)
+    root = str(info.path.parent)
+    folder = folders.publish(run_dir, root, info.step, global_step, trainer_state)
+    folders.rotate(run_dir, root, limit, folder, best)
 
 
 def _restore_trainer_state_file(folder: str, state: dict[str, Any]) -> None:
