@@ -16,9 +16,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	@echo "set-up: installing $(TORCH)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download; pip is quiet meanwhile)"
 	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	@echo "set-up: installing asyncckpt (editable) with its test and dev tools and the Lightning extra"
+	@echo "set-up: installing asyncckpt (editable) with its test and dev tools and the Lightning and transformers extras"
 	# the torch pin again, so that no extra's dependency can swap the build installed above
-	$(BIN)/pip install -q -e ".[test,dev,lightning]" "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q -e ".[test,dev,lightning,transformers]" "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	@$(BIN)/python -c "import torch; print('set-up: done, torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU-only build)')"
 	touch $@
 

@@ -1,0 +1,1 @@
+"""Integrations of asyncckpt with training frameworks (each needs its framework installed)."""
