@@ -255,8 +255,10 @@ def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
     return "unreadable", "the files do not match the manifest"
 
 
-def _mark_json(mark: Mark | None) -> dict[str, object] | None:
-    return None if mark is None else {"path": mark.path, "reason": mark.reason, "time": mark.time}
+def _mark_json(mark: Mark | None, step: int, attempt: str | None) -> dict[str, object] | None:
+    if mark is None:
+        return None
+    return {"step": step, "attempt": attempt, "path": mark.path, "reason": mark.reason, "time": mark.time}
 
 
 def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, str], Mark]) -> StepDir:
@@ -321,7 +323,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         created=timestamp(created),
         modified=use.modified,
         attempt=attempt,
-        bad=_mark_json(mark) if problem is None else None,
+        bad=_mark_json(mark, step, attempt) if problem is None else None,
         state=state,
     )
 
@@ -348,7 +350,7 @@ def _examine_aside(root: str, name: str, step: int, token: str, known: dict[tupl
     if mark is not None:
         reason += f"; verification failed: {mark}"
     return StepDir(step, name, path, False, "set-aside", reason, use.size, use.files, use.ranks, None, use.modified,
-                   token, _mark_json(mark), "aside")
+                   token, _mark_json(mark, step, token), "aside")
 
 
 def _examine(root: str, name: str, known: dict[tuple[int, str], Mark]) -> StepDir | None:
