@@ -407,6 +407,7 @@ class Checkpointer:
         self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
         self._staging_record: SaveRecord | None = None  # the save whose copy is running in save()
         self._committed: set[int] = set()
+        self._commits = 0  # commits added to _committed (a generation: see _reserve)
         self._seq = 0
         self._layout_key: list[tuple[str, Any, Any]] | None = None
         self._layout: ShardLayout | None = None
@@ -699,10 +700,12 @@ class Checkpointer:
         with self._lock:
             self._settle_reserved()
             blockers = sorted(s for s in self._committed if s == step or (s > step and not self.allow_earlier_steps))
+            generation = self._commits
         if blockers:
             gone = self._not_resumable(blockers)
             with self._lock:
-                self._committed.difference_update(gone)
+                if self._commits == generation:  # else a save committed meanwhile (of that very step?): keep all
+                    self._committed.difference_update(gone)
         with self._lock:
             self._settle_reserved()
             if step in self._committed:
@@ -734,6 +737,7 @@ class Checkpointer:
                 del self._reserved[s]
                 if not rec.future.cancelled() and rec.future.exception() is None:
                     self._committed.add(s)
+                    self._commits += 1
 
     def _not_resumable(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (committed by this job or found at start) are not resumable now
@@ -941,6 +945,7 @@ class Checkpointer:
                 return
             if ok:
                 self._committed.add(record.step)
+                self._commits += 1
                 if record in self._records:
                     self._records.remove(record)
             else:
@@ -1468,12 +1473,26 @@ class Checkpointer:
                 if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
                     return None
                 return step
-            far = self._mirror.latest()
+            far = self._mirror_newest()
             near = _discovery.find_latest(self.root)
-            return far.step if far is not None and (near is None or far.step > near.step) else None
+            return far if far is not None and (near is None or far > near.step) else None
 
         chosen: int | None = self._decided_by_leader(pick)
         return chosen
+
+    def _mirror_newest(self) -> int | None:
+        """Tier mode: the newest resumable step on the store; a newer one passed over (corrupt,
+        known bad) is logged as a WARNING, as a local load(step=None) logs it."""
+        from ._remote import run_sync
+        from ._remote_steps import newest_resumable
+
+        assert self._mirror is not None
+        store, url, timeout = self._mirror.store, self._mirror.url, self.timeout
+        passed: list[tuple[int, CheckpointCorruptError]] = []
+        found = run_sync(lambda: newest_resumable(store, time.monotonic() + timeout, passed=passed))
+        for s, e in passed:
+            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, url, e)
+        return None if found is None else found[0].step
 
     def _load_remote(
         self, step: int, fall_back: bool, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader

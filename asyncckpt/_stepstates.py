@@ -145,23 +145,12 @@ class Steps:
         """The committed-named entries known bad, ascending by step."""
         return sorted((e.seen for e in self.entries if e.state == "bad"), key=lambda s: s.step)
 
-    def passed_over(self) -> list[Seen]:
-        """The known-bad steps newer than the newest resumable one (newest first): what a
-        tool that takes "the newest" says it skipped."""
-        newest = self.newest()
-        return sorted((s for s in self.bad() if newest is None or s.step > newest.step),
-                      key=lambda s: s.step, reverse=True)  # fmt: skip
-
     def state(self, step: int) -> State | None:
         """The state of ``step``'s committed-named entry, ``None`` if it has none."""
         for e in self.entries:
             if e.seen.kind == "committed" and e.seen.step == step:
                 return e.state
         return None
-
-    def of(self, state: State) -> list[Seen]:
-        """The entries in ``state``, ascending by step then name."""
-        return sorted((e.seen for e in self.entries if e.state == state), key=lambda s: (s.step, s.name))
 
 
 def decide(seen: Iterable[Seen]) -> Steps:

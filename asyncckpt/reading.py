@@ -426,7 +426,8 @@ def resolve_step_noting(root: str, step: int | None) -> tuple[str, Manifest, lis
         passed = passed_over(skipped)
         if info is None:
             raise CheckpointNotFoundError(f"no complete checkpoint under {root}" + (
-                f" (passed over: {'; '.join(f'step {s}: {w}' for s, w in passed[:5])})" if passed else ""))
+                f" (passed over: {'; '.join(f'step {s}: {w}' for s, w in passed[:5])}; --step N reads one anyway)"
+                if passed else ""))  # fmt: skip
         step = info.step
     step_dir, manifest = open_step(root, step)
     return step_dir, manifest, passed

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._layout import parse_leftover, parse_step_dir
+from .._layout import parse_aside, parse_leftover, parse_step_dir
 from .._storage import DEFAULT_OPS
 from ..reading import resolve_step_noting
 from ._args import DataError, UsageError, add_step, command, non_negative_int
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
     inside = os.path.basename(parent)
     if os.path.dirname(parent) == os.path.realpath(args.root) and (
-        parse_step_dir(inside) is not None or parse_leftover(inside) is not None
+        parse_step_dir(inside) is not None or parse_leftover(inside) is not None or parse_aside(inside) is not None
     ):
         raise UsageError(f"refusing to write into {inside}: an extra file there makes the checkpoint incomplete")
     _, manifest, passed = resolve_step_noting(args.root, args.step)
