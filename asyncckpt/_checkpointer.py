@@ -1473,26 +1473,17 @@ class Checkpointer:
                 if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
                     return None
                 return step
-            far = self._mirror_newest()
+            from ._remote import run_sync
+            from ._remote_steps import newest_step
+
+            # a newer remote step passed over (corrupt, known bad) is a WARNING, as a local load's
+            store, timeout = self._mirror.store, self.timeout
+            far = run_sync(lambda: newest_step(store, time.monotonic() + timeout, warn=True))
             near = _discovery.find_latest(self.root)
             return far if far is not None and (near is None or far > near.step) else None
 
         chosen: int | None = self._decided_by_leader(pick)
         return chosen
-
-    def _mirror_newest(self) -> int | None:
-        """Tier mode: the newest resumable step on the store; a newer one passed over (corrupt,
-        known bad) is logged as a WARNING, as a local load(step=None) logs it."""
-        from ._remote import run_sync
-        from ._remote_steps import newest_resumable
-
-        assert self._mirror is not None
-        store, url, timeout = self._mirror.store, self._mirror.url, self.timeout
-        passed: list[tuple[int, CheckpointCorruptError]] = []
-        found = run_sync(lambda: newest_resumable(store, time.monotonic() + timeout, passed=passed))
-        for s, e in passed:
-            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, url, e)
-        return None if found is None else found[0].step
 
     def _load_remote(
         self, step: int, fall_back: bool, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader

@@ -219,6 +219,16 @@ async def newest_resumable(
     return None
 
 
+async def newest_step(store: ObjectStore, deadline: float, *, warn: bool = False) -> int | None:
+    """The newest resumable step; with ``warn``, each newer step passed over (corrupt, known
+    bad) is logged as a WARNING, as a load that falls back logs it."""
+    passed: list[tuple[int, CheckpointCorruptError]] = []
+    found = await newest_resumable(store, deadline, passed=passed)
+    for s, e in passed if warn else ():
+        log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, store.url, e)
+    return None if found is None else found[0].step
+
+
 async def resumable(store: ObjectStore, deadline: float) -> list[tuple[Manifest, bytes]]:
     """Every resumable step, newest first."""
     out = []
