@@ -22,11 +22,12 @@ import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _manifest
-from ._discovery import open_step, read_manifest
+from ._discovery import observe_step, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._info import CheckpointInfo
 from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
-from ._retention import leftovers, retire
+from ._retention import leftovers, retire, set_aside
+from ._stepstates import save_action, state_of
 from ._storage import Staged, Storage, WriteResult
 
 if TYPE_CHECKING:
@@ -110,19 +111,23 @@ class Backend(Protocol):
 # ---------------------------------------------------------------------------------- POSIX
 
 
-def _final_state(final: str, failed_attempts: set[str]) -> str:
+def _final_state(root: str, step: int, final: str, failed_attempts: set[str]) -> tuple[str, str | None]:
+    """What lies at ``final``: ``failed`` (our commit reported failed), else the step rule's
+    ``save_action`` (``proceed``, ``committed``, ``set-aside``, ``refuse``); and its attempt."""
     if not os.path.lexists(final):
-        return "absent"
+        return "proceed", None
     try:
-        manifest = read_manifest(final)
+        if read_manifest(final).attempt in failed_attempts:
+            return "failed", None
     except (CheckpointNotFoundError, CheckpointCorruptError):
-        return "uncommitted"
-    return "failed" if manifest.attempt in failed_attempts else "committed"
+        pass
+    seen = observe_step(root, step)
+    return save_action(None if seen is None else state_of(seen)), None if seen is None else seen.attempt
 
 
-def _survey(root: str, step: int, final: str, failed_attempts: set[str]) -> tuple[list[str], str]:
-    """The leftovers of ``step`` under ``root`` and the state of its final directory."""
-    return leftovers(root, step), _final_state(final, failed_attempts)
+def _survey(root: str, step: int, final: str, failed_attempts: set[str]) -> tuple[list[str], tuple[str, str | None]]:
+    """The leftovers of ``step`` under ``root`` and what lies at its final directory."""
+    return leftovers(root, step), _final_state(root, step, final, failed_attempts)
 
 
 def _check_committed(root: str, step: int, attempt: str) -> None:
@@ -151,7 +156,7 @@ class PosixBackend:
         # what lies in the way, in one call on the I/O pool (and the attempt made in one more):
         # the followers wait for this, and on a busy machine each hop to a pool thread costs
         # more than the calls themselves
-        olds, found = await storage.run(_survey, root, job.step, final, job.failed_commits)
+        olds, (found, bad_attempt) = await storage.run(_survey, root, job.step, final, job.failed_commits)
         for old in olds:
             name = os.path.basename(old)
             if name in job.dead:
@@ -162,7 +167,10 @@ class PosixBackend:
                 log.warning("leaving %s alone: not an attempt this Checkpointer knows to be dead", old)
         if found == "committed":
             raise FileExistsError(17, f"step {job.step} is already committed", final)
-        if found == "uncommitted":
+        if found == "set-aside":
+            # known bad (_stepstates): renamed out of the way, kept for inspection
+            await set_aside(storage, root, job.step, bad_attempt)
+        if found == "refuse":
             # not a checkpoint, and not provably ours: never remove it (it may hold anyone's files)
             raise FileExistsError(
                 errno.EEXIST,

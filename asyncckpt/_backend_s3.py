@@ -10,7 +10,9 @@ The protocol beside POSIX's (``_backend.PosixBackend``):
 
 1. L: the step's manifest exists and names another attempt → refused (``FileExistsError``),
    unless it is an attempt of ours whose commit was reported failed (its create's outcome
-   was unknown and it landed late): then that manifest and its objects are deleted first.
+   was unknown and it landed late): then that manifest and its objects are deleted first;
+   or unless that commit is known bad (``_stepstates``): then it is set aside
+   (``_remote_steps.set_aside``: kept for inspection) and the step saved again.
    Nothing to create: prefixes are implicit.
 2. every rank: the shard and the tree uploaded from the staging arena (no copy: multipart,
    parts in parallel, CRC-32C computed alongside, the stored size checked by a HEAD); a
@@ -62,6 +64,8 @@ from ._remote import (
     retire_remote,
 )
 from ._remote_leftovers import remove_dead
+from ._remote_steps import observe_step, set_aside
+from ._stepstates import save_action, state_of
 from ._storage import Staged, WriteResult, until_staged
 
 if TYPE_CHECKING:
@@ -97,19 +101,32 @@ class ObjectBackend:
     async def prepare(self, job: SaveJob, attempt: str) -> None:
         if self.lease is not None:
             self.lease.check()  # taken over: this job writes nothing more
-        found = await read_manifest(self.store, job.step, job.deadline)
-        if found is None:
+        try:
+            found = await read_manifest(self.store, job.step, job.deadline)
+        except CheckpointCorruptError:
+            found = None
+        else:
+            if found is None:  # the common case: one GET, nothing there
+                self._in_flight[job.step] = attempt
+                return
+        if found is not None and found[0].attempt in job.failed_commits:
+            # our own commit reported failed that landed late: replace it (manifest first)
+            await self.store.delete([manifest_key(job.step)], job.deadline)
+            await self._remove_prefix(data_prefix(job.step, found[0].attempt), job.deadline)
+            job.failed_commits.discard(found[0].attempt)
             self._in_flight[job.step] = attempt
             return
-        m = found[0]
-        if m.attempt not in job.failed_commits:
+        # a commit is there: the step rule says whether it stands in the way (_stepstates)
+        p = await observe_step(self.store, job.step, job.deadline)
+        action = "proceed" if p.committed is None else save_action(state_of(p.committed))
+        if action == "set-aside":
+            if self.lease is not None:
+                self.lease.check()
+            await set_aside(self.store, p, job.deadline)
+        elif action != "proceed":
             raise FileExistsError(
                 errno.EEXIST, f"step {job.step} is already committed", self.store.object_url(manifest_key(job.step))
             )
-        # our own commit reported failed that landed late: replace it (manifest first)
-        await self.store.delete([manifest_key(job.step)], job.deadline)
-        await self._remove_prefix(data_prefix(job.step, m.attempt), job.deadline)
-        job.failed_commits.discard(m.attempt)
         self._in_flight[job.step] = attempt
 
     async def join(self, job: SaveJob, loc: str) -> None:

@@ -1,10 +1,22 @@
-"""Verdicts of verification, remembered beside the checkpoints (torch-free).
+"""Verdicts of verification, remembered beside the checkpoints (torch-free; obstore only
+for an object-store root, imported when one is used).
 
-When a reader (``load``, ``verify``) finds a committed checkpoint whose data fails its
-checksums, it records that under ``ROOT/.asyncckpt/bad/`` so that ``asyncckpt ls`` can mark
-the step without re-reading it. A mark names the attempt id of the manifest it judged, so a
-mark never applies to a different checkpoint that later takes the same step. Recording is
-best effort: a read-only reader simply leaves no mark.
+When a reader (``load``, ``verify``, ``export``) proves a content fault in a committed
+checkpoint (a checksum mismatch, a malformed file) it records a *bad mark*, and from then
+on that step is known bad (``_stepstates``): ``latest()`` passes over it, retention never
+counts it, and saving the step again sets the bad attempt aside. A mark names the attempt
+id of the manifest it judged, so it never applies to a different checkpoint that later
+takes the same step, and it is dropped (:func:`clear`) when a later full verification of
+that same attempt passes. Where marks live:
+
+* a local root: ``ROOT/.asyncckpt/bad/step_N.<attempt>.json`` (one file per judged attempt;
+  the single ``step_N.json`` of earlier versions is still read);
+* an object-store root: ``P/.asyncckpt/bad/step_N.<attempt>.json`` on the store itself, so
+  every node and every later job sees it.
+
+``<attempt>`` is ``_layout.token_of`` the attempt id. A mark holds the file (an absolute
+path or a URL, named once) and the reason. Recording is best effort: a read-only reader
+(or one whose store credentials cannot write) simply leaves no mark.
 """
 
 from __future__ import annotations
@@ -12,18 +24,80 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
 
-from ._layout import META_DIR, step_dir_name
+from ._layout import META_DIR, step_dir_name, token_of
+from ._stepstates import Mark
+
+if TYPE_CHECKING:
+    from ._objstore import ObjectStore
 
 _BAD = "bad"
 #: A mark file larger than this is ignored (it is ours and tiny; anything else is hostile).
 _MAX_MARK_BYTES = 64 * 1024
+#: Marks read from one root at most (a hostile directory must not make a listing unbounded).
+_MAX_MARKS = 10_000
+_NAME = re.compile(r"^step_(\d{8,19})\.([0-9a-f]{1,64})\.json$")
+_LEGACY = re.compile(r"^step_(\d{8,19})\.json$")
+#: Where the marks of an object-store root lie (relative to its prefix).
+STORE_PREFIX = f"{META_DIR}/{_BAD}/"
 
 
 def _bad_dir(root: str) -> str:
     return os.path.join(root, META_DIR, _BAD)
+
+
+def mark_name(step: int, attempt: str) -> str:
+    """The file (or key, under :data:`STORE_PREFIX`) of the mark of ``attempt`` of ``step``."""
+    return f"{step_dir_name(step)}.{token_of(attempt)}.json"
+
+
+def note(path: str, reason: str) -> tuple[str, str]:
+    """``(path, reason)`` as a mark keeps them: a local path made absolute, and a reason that
+    does not repeat it (``CheckpointCorruptError`` messages end in ``: PATH``)."""
+    if path and "://" not in path:
+        absolute = os.path.abspath(path)
+        for p in (path, absolute):
+            if reason.endswith(f": {p}"):
+                reason = reason[: -len(p) - 2]
+        path = absolute
+    elif path and reason.endswith(f": {path}"):
+        reason = reason[: -len(path) - 2]
+    return path, reason
+
+
+def _body(step: int, attempt: str, path: str, reason: str) -> bytes:
+    path, reason = note(path, reason)
+    doc = {"step": step, "attempt": attempt, "path": path, "reason": reason, "time": time.time()}
+    return json.dumps(doc).encode()
+
+
+def _parse(raw: bytes, step: int, attempt: str | None) -> dict[str, Any] | None:
+    """A mark's JSON if it is one for ``step`` (and ``attempt``, unless ``None``)."""
+    if len(raw) > _MAX_MARK_BYTES:
+        return None
+    try:
+        mark = json.loads(raw, parse_constant=lambda _c: math.nan)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(mark, dict) or mark.get("step") != step or not isinstance(mark.get("attempt"), str):
+        return None
+    if attempt is not None and mark["attempt"] != attempt:
+        return None
+    return mark
+
+
+def as_mark(mark: dict[str, Any]) -> Mark:
+    """The :class:`~asyncckpt._stepstates.Mark` of a mark's JSON."""
+    t = mark.get("time")
+    return Mark(str(mark.get("path") or ""), str(mark.get("reason") or "failed verification"),
+                float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ a local root
 
 
 def record_bad(root: str | os.PathLike[str], step: int, attempt: str, path: str, reason: str) -> bool:
@@ -32,45 +106,131 @@ def record_bad(root: str | os.PathLike[str], step: int, attempt: str, path: str,
     Returns whether the mark was written (False when the root is not writable).
     """
     d = _bad_dir(os.fspath(root))
-    body = json.dumps({"step": step, "attempt": attempt, "path": path, "reason": reason, "time": time.time()})
     try:
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(body)
-        os.replace(tmp, os.path.join(d, step_dir_name(step) + ".json"))
+        with open(tmp, "wb") as f:
+            f.write(_body(step, attempt, path, reason))
+        os.replace(tmp, os.path.join(d, mark_name(step, attempt)))
     except OSError:
         return False
     return True
 
 
-def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str, object] | None:
-    """The mark recorded for ``step`` if it judged this very ``attempt``, else ``None``."""
-    p = os.path.join(_bad_dir(os.fspath(root)), step_dir_name(step) + ".json")
+def _read(path: str) -> bytes | None:
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        raw = os.read(fd, _MAX_MARK_BYTES + 1)
+        return os.read(fd, _MAX_MARK_BYTES + 1)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) > _MAX_MARK_BYTES:
-        return None
-    try:
-        mark = json.loads(raw, parse_constant=lambda _c: math.nan)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(mark, dict) or mark.get("step") != step or mark.get("attempt") != attempt:
-        return None
-    return mark
 
 
-def clear_bad(root: str | os.PathLike[str], step: int) -> None:
-    """Forget any mark of ``step`` (called when the step is retired)."""
+def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str, Any] | None:
+    """The mark recorded for ``step`` if it judged this very ``attempt``, else ``None``."""
+    d = _bad_dir(os.fspath(root))
+    for name in (mark_name(step, attempt), step_dir_name(step) + ".json"):
+        raw = _read(os.path.join(d, name))
+        found = None if raw is None else _parse(raw, step, attempt)
+        if found is not None:
+            return found
+    return None
+
+
+def marks(root: str | os.PathLike[str]) -> dict[tuple[int, str], Mark]:
+    """Every mark under ``root``: (step, ``token_of(attempt)``) -> mark. An unreadable or
+    foreign file is ignored (a mark is a hint, never needed to load)."""
+    d = _bad_dir(os.fspath(root))
     try:
-        os.unlink(os.path.join(_bad_dir(os.fspath(root)), step_dir_name(step) + ".json"))
+        names = os.listdir(d)
     except OSError:
-        pass
+        return {}
+    out: dict[tuple[int, str], Mark] = {}
+    for name in sorted(names)[:_MAX_MARKS]:
+        m = _NAME.match(name) or _LEGACY.match(name)
+        if m is None:
+            continue
+        step = int(m.group(1))
+        raw = _read(os.path.join(d, name))
+        mark = None if raw is None else _parse(raw, step, None)
+        if mark is None:
+            continue
+        token = token_of(mark["attempt"])
+        if m.re is _NAME and m.group(2) != token:
+            continue  # renamed by hand: it names another attempt than its name says
+        out.setdefault((step, token), as_mark(mark))
+    return out
+
+
+def clear(root: str | os.PathLike[str], step: int, attempt: str) -> bool:
+    """Drop the mark of ``attempt`` of ``step`` (a full verification of it passed); returns
+    whether one was dropped. Best effort, like recording."""
+    d = _bad_dir(os.fspath(root))
+    dropped = False
+    for name in (mark_name(step, attempt), step_dir_name(step) + ".json"):
+        path = os.path.join(d, name)
+        raw = _read(path)
+        if raw is None or _parse(raw, step, attempt) is None:
+            continue
+        try:
+            os.unlink(path)
+            dropped = True
+        except OSError:
+            pass
+    return dropped
+
+
+# ------------------------------------------------------------------------ an object-store root
+
+
+async def record_on_store(
+    store: ObjectStore, step: int, attempt: str, url: str, reason: str, deadline: float
+) -> bool:
+    """Remember on the store that ``step`` (manifest ``attempt``) failed verification at
+    ``url``. Returns whether the mark was written (False: the store refused or failed)."""
+    from ._objstore import ObjectStoreError
+
+    try:
+        await store.put_file(STORE_PREFIX + mark_name(step, attempt), memoryview(_body(step, attempt, url, reason)),
+                             deadline)  # fmt: skip
+    except ObjectStoreError:
+        return False
+    return True
+
+
+async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, str], Mark]:
+    """Every mark on the store: (step, ``token_of(attempt)``) -> mark (one LIST, and one GET
+    per mark). A store failure propagates; a mark gone meanwhile or malformed is ignored."""
+    from ._objstore import ObjectIntegrityError, ObjectNotFoundError
+
+    out: dict[tuple[int, str], Mark] = {}
+    listed = sorted(o.key for o in await store.list(STORE_PREFIX, deadline))
+    for key in listed[:_MAX_MARKS]:
+        m = _NAME.match(key[len(STORE_PREFIX):])
+        if m is None:
+            continue
+        step = int(m.group(1))
+        try:
+            raw = await store.get_bytes(key, deadline, limit=_MAX_MARK_BYTES)
+        except (ObjectNotFoundError, ObjectIntegrityError):
+            continue
+        mark = _parse(raw, step, None)
+        if mark is not None and token_of(mark["attempt"]) == m.group(2):
+            out[(step, m.group(2))] = as_mark(mark)
+    return out
+
+
+async def clear_on_store(store: ObjectStore, step: int, attempt: str, deadline: float) -> bool:
+    """Drop the store's mark of ``attempt`` of ``step``; returns whether a delete was sent
+    without error (deleting an absent key is not an error on S3)."""
+    from ._objstore import ObjectStoreError
+
+    try:
+        await store.delete([STORE_PREFIX + mark_name(step, attempt)], deadline)
+    except ObjectStoreError:
+        return False
+    return True

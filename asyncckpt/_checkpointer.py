@@ -407,6 +407,7 @@ class Checkpointer:
         self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
         self._staging_record: SaveRecord | None = None  # the save whose copy is running in save()
         self._committed: set[int] = set()
+        self._commits = 0  # commits added to _committed (a generation: see _reserve)
         self._seq = 0
         self._layout_key: list[tuple[str, Any, Any]] | None = None
         self._layout: ShardLayout | None = None
@@ -691,15 +692,22 @@ class Checkpointer:
 
     def _reserve(self, step: int) -> None:
         """Check ``step`` may be saved and reserve it, in one step under the lock, so two
-        threads saving the same step cannot both pass: the second raises ``ValueError``."""
+        threads saving the same step cannot both pass: the second raises ``ValueError``.
+
+        A committed step at or above ``step`` that is no longer resumable (known bad: a load
+        fell back past it, or a verification failed; or gone) does not count: it is looked up
+        (collective: rank 0 decides) only then, so a save of a new, higher step costs nothing."""
         with self._lock:
-            for s, rec in list(self._reserved.items()):
-                # settled saves free their step (a done future counts at once, even before
-                # its done-callback ran: the caller may have seen the result already)
-                if rec is not None and rec.future.done():
-                    del self._reserved[s]
-                    if not rec.future.cancelled() and rec.future.exception() is None:
-                        self._committed.add(s)
+            self._settle_reserved()
+            blockers = sorted(s for s in self._committed if s == step or (s > step and not self.allow_earlier_steps))
+            generation = self._commits
+        if blockers:
+            gone = self._not_resumable(blockers)
+            with self._lock:
+                if self._commits == generation:  # else a save committed meanwhile (of that very step?): keep all
+                    self._committed.difference_update(gone)
+        with self._lock:
+            self._settle_reserved()
             if step in self._committed:
                 raise ValueError(f"step {step} is already committed under {self.root}")
             if step in self._reserved:
@@ -719,6 +727,35 @@ class Checkpointer:
                         "increase; pass allow_earlier_steps=True to save earlier steps anyway"
                     )
             self._reserved[step] = None
+
+    def _settle_reserved(self) -> None:
+        """Free the steps of settled saves (under the lock); a committed one joins ``_committed``."""
+        for s, rec in list(self._reserved.items()):
+            # a done future counts at once, even before its done-callback ran: the caller may
+            # have seen the result already
+            if rec is not None and rec.future.done():
+                del self._reserved[s]
+                if not rec.future.cancelled() and rec.future.exception() is None:
+                    self._committed.add(s)
+                    self._commits += 1
+
+    def _not_resumable(self, steps: list[int]) -> list[int]:
+        """Which of ``steps`` (committed by this job or found at start) are not resumable now
+        (``_stepstates``: known bad, or gone), as rank 0 sees the root; every rank gets its answer."""
+
+        def look() -> list[int]:
+            if self._store is not None:
+                from ._remote import run_sync
+                from ._remote_steps import step_states
+
+                store, timeout = self._store, self.timeout
+                states = run_sync(lambda: step_states(store, time.monotonic() + timeout))
+            else:
+                states = _discovery.step_states(self.root)
+            return [s for s in steps if states.state(s) != "complete"]
+
+        gone: list[int] = self._decided_by_leader(look)
+        return gone
 
     def _submit(
         self,
@@ -908,6 +945,7 @@ class Checkpointer:
                 return
             if ok:
                 self._committed.add(record.step)
+                self._commits += 1
                 if record in self._records:
                     self._records.remove(record)
             else:
@@ -1435,9 +1473,14 @@ class Checkpointer:
                 if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
                     return None
                 return step
-            far = self._mirror.latest()
+            from ._remote import run_sync
+            from ._remote_steps import newest_step
+
+            # a newer remote step passed over (corrupt, known bad) is a WARNING, as a local load's
+            store, timeout = self._mirror.store, self.timeout
+            far = run_sync(lambda: newest_step(store, time.monotonic() + timeout, warn=True))
             near = _discovery.find_latest(self.root)
-            return far.step if far is not None and (near is None or far.step > near.step) else None
+            return far if far is not None and (near is None or far > near.step) else None
 
         chosen: int | None = self._decided_by_leader(pick)
         return chosen

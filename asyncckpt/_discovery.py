@@ -3,7 +3,11 @@
 A step is complete when its directory has the committed name, its manifest parses and
 passes its own checksum, and the directory holds exactly the files the manifest names,
 each a regular file of the recorded size. Checksums of the data are verified by the
-loader (and by ``verify``), not here, so listing stays cheap.
+loader (and by ``verify``), not here, so listing stays cheap. This module is the local
+listing adapter of ``_stepstates``: it describes what it finds (:func:`observe`) and that
+module's rule decides; what it calls complete (:func:`complete_checkpoints`,
+:func:`newest_complete`, :func:`find_latest`) is *resumable*: complete and not known bad
+(a bad mark on its attempt passes it over, as a corrupt one is).
 
 Readers race the writer's retention (rename to ``.deleting-``, then removal) and need no
 lock for it:
@@ -30,11 +34,13 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from ._badmarks import marks
 from ._bounds import MAX_MANIFEST_BYTES
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._info import CheckpointInfo
-from ._layout import parse_leftover, parse_step_dir, step_dir_name
+from ._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
 from ._manifest import MANIFEST, Manifest, decode
+from ._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 
 if TYPE_CHECKING:
     from ._remote import RemoteCheckpointInfo
@@ -49,6 +55,15 @@ _MIN_ROUNDS = 3
 
 class Vanished(CheckpointNotFoundError):
     """A checkpoint went away while it was being read (retired or replaced): not corrupt."""
+
+
+class Unreadable(CheckpointCorruptError):
+    """A step could not be listed, opened or read (an I/O error): no verdict on its content,
+    so it is never known bad (``_stepstates``), only not loadable now."""
+
+
+class KnownBad(CheckpointCorruptError):
+    """A complete-looking step passed over because it is known bad (a bad mark on its attempt)."""
 
 
 def _read_fd(fd: int, path: str, limit: int) -> bytes:
@@ -84,6 +99,14 @@ def read_regular_file(path: str, limit: int, *, dir_fd: int | None = None, name:
         os.close(fd)
 
 
+def _unreadable(e: OSError, what: str, path: str) -> CheckpointCorruptError:
+    """An ``OSError`` of opening a file as the verdict it is: a link where a file must be
+    (ELOOP) is content; anything else is an I/O error (:class:`Unreadable`)."""
+    if e.errno == errno.ELOOP:
+        return CheckpointCorruptError(f"{what} ({e.strerror})", path)
+    return Unreadable(f"{what} ({e.strerror})", path)
+
+
 def read_manifest(step_dir: str) -> Manifest:
     """The manifest of ``step_dir``.
 
@@ -97,7 +120,7 @@ def read_manifest(step_dir: str) -> Manifest:
         raise CheckpointNotFoundError(f"{step_dir} has no completion marker") from None
     except OSError as e:
         # ELOOP: the marker is a symlink; anything else: unreadable
-        raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", path) from None
+        raise _unreadable(e, "manifest unreadable", path) from None
     return decode(raw, path)
 
 
@@ -139,7 +162,7 @@ class PinnedStep:
         except FileNotFoundError:
             raise self.missing(name, f"it was being read ({name} is gone)") from None
         except OSError as e:
-            raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+            raise _unreadable(e, "cannot open", path) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -169,7 +192,7 @@ class PinnedStep:
                 raise self.gone("its manifest was being read") from None
             raise CheckpointNotFoundError(f"{self.path} has no completion marker") from None
         except OSError as e:
-            raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", path) from None
+            raise _unreadable(e, "manifest unreadable", path) from None
         manifest = decode(raw, path)
         if manifest.step != self.step:
             raise CheckpointCorruptError(f"manifest is for step {manifest.step}", self.path)
@@ -179,7 +202,7 @@ class PinnedStep:
         try:
             present = set(os.listdir(self.fd))
         except OSError as e:
-            raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", self.path) from None
+            raise Unreadable(f"cannot list checkpoint ({e.strerror})", self.path) from None
         expected = {f.name for f in manifest.files} | {MANIFEST}
         lacking = expected - present
         if lacking and not self.still_there():
@@ -194,7 +217,7 @@ class PinnedStep:
             except FileNotFoundError:
                 raise self.missing(f.name, "its files were being checked") from None
             except OSError as e:
-                raise CheckpointCorruptError(f"cannot stat ({e.strerror})", path) from None
+                raise Unreadable(f"cannot stat ({e.strerror})", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorruptError("not a regular file", path)
             if st.st_size != f.size:
@@ -216,7 +239,7 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlinked or non-directory step is not ours
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}") from None
-        raise CheckpointCorruptError(f"cannot open checkpoint directory ({e.strerror})", path) from None
+        raise Unreadable(f"cannot open checkpoint directory ({e.strerror})", path) from None
     pinned = PinnedStep(root_s, step, path, fd)
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -235,7 +258,7 @@ def check_files(step_dir: str, manifest: Manifest) -> None:
     try:
         fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", step_dir) from None
+        raise Unreadable(f"cannot list checkpoint ({e.strerror})", step_dir) from None
     pinned = PinnedStep(os.path.dirname(step_dir), manifest.step, step_dir, fd)
     with pinned:
         pinned._check_files(manifest)
@@ -281,18 +304,92 @@ def candidate_steps(root: str | os.PathLike[str]) -> list[int]:
     return _committed_steps(_list_root(os.fspath(root)))
 
 
+def _message(e: CheckpointError) -> str:
+    """The message of ``e`` without the trailing ``: path`` of a ``CheckpointCorruptError``."""
+    msg, path = str(e), getattr(e, "path", None)
+    return msg[: -len(path) - 2] if path and msg.endswith(f": {path}") else msg
+
+
+def observe_committed(
+    root: str, step: int, known: dict[tuple[int, str], Mark]
+) -> tuple[Seen, CheckpointInfo | None, CheckpointError | None]:
+    """What ``step_N`` is (``_stepstates.Seen``), its info when it is complete, and the error
+    that says why it is not resumable (``None`` when it is). Raises :class:`Vanished` when it
+    was retired or replaced while being looked at."""
+    name = step_dir_name(step)
+    try:
+        with pin_step(root, step) as pinned:
+            manifest = pinned.manifest
+            assert manifest is not None
+            info = info_for(pinned.path, manifest)
+    except Vanished:
+        raise
+    except CheckpointNotFoundError as e:
+        return Seen(step, name, "committed", fault=Fault("no-marker", str(e))), None, e
+    except CheckpointCorruptError as e:
+        proven = not isinstance(e, Unreadable)
+        fault = Fault("corrupt" if proven else "unreadable", _message(e), e.path, proven)
+        return Seen(step, name, "committed", fault=fault), None, e
+    mark = known.get((step, token_of(manifest.attempt)))
+    seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark)
+    if mark is None:
+        return seen, info, None
+    return seen, info, KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)
+
+
+def observe(root: str | os.PathLike[str]) -> list[Seen]:
+    """Every step-like entry under ``root`` as ``_stepstates`` sees it (one listing; an entry
+    retired while it was looked at is left out). ``CheckpointError`` if ``root`` cannot be
+    listed; an absent root has no entries."""
+    root_s = os.fspath(root)
+    known = marks(root_s)
+    out: list[Seen] = []
+    for name in sorted(_list_root(root_s)):
+        step = parse_step_dir(name)
+        if step is not None and name == step_dir_name(step):
+            try:
+                out.append(observe_committed(root_s, step, known)[0])
+            except Vanished:
+                continue
+            continue
+        step = parse_leftover(name)
+        if step is not None:
+            out.append(Seen(step, name, "save" if ".tmp-" in name else "retire"))
+            continue
+        aside = parse_aside(name)
+        if aside is not None:
+            out.append(Seen(aside[0], name, "aside", aside[1], mark=known.get(aside)))
+    return out
+
+
+def observe_step(root: str | os.PathLike[str], step: int) -> Seen | None:
+    """What ``step_N`` under ``root`` is (``None``: nothing has that name)."""
+    root_s = os.fspath(root)
+    if not os.path.lexists(os.path.join(root_s, step_dir_name(step))):
+        return None
+    try:
+        return observe_committed(root_s, step, marks(root_s))[0]
+    except Vanished:
+        return None
+
+
+def step_states(root: str | os.PathLike[str]) -> Steps:
+    """The state of every entry under ``root`` (``_stepstates.decide`` of :func:`observe`)."""
+    return decide(observe(root))
+
+
 def _scan(
     root: str,
     newest_only: bool,
     exclude: frozenset[int] = frozenset(),
     skipped: dict[int, CheckpointCorruptError] | None = None,
 ) -> list[CheckpointInfo]:
-    """Complete checkpoints, newest first (only the newest with ``newest_only``).
+    """Resumable checkpoints, newest first (only the newest with ``newest_only``).
 
     Lists again whenever a candidate vanished while it was checked, and answers "none" only
     from two identical listings, so a checkpoint that existed throughout is never missed
-    because retention replaced another one under the scan. Corrupt step directories passed
-    over on the way are put in ``skipped``.
+    because retention replaced another one under the scan. Corrupt, unreadable and known-bad
+    step directories passed over on the way are put in ``skipped``.
     """
     previous: frozenset[str] | None = None
     deadline = time.monotonic() + _SETTLE_S
@@ -300,6 +397,7 @@ def _scan(
     while True:
         rounds += 1
         names = _list_root(root)
+        known = marks(root)
         listing = frozenset(n for n in names if parse_step_dir(n) is not None or parse_leftover(n) is not None)
         found: list[CheckpointInfo] = []
         vanished = False
@@ -307,20 +405,16 @@ def _scan(
             if step in exclude:
                 continue
             try:
-                with pin_step(root, step) as pinned:
-                    assert pinned.manifest is not None
-                    found.append(info_for(pinned.path, pinned.manifest))
+                seen, info, err = observe_committed(root, step, known)
             except Vanished:
                 vanished = True
                 break  # the listing is stale: whatever replaced it is newer
-            except CheckpointNotFoundError:
-                continue
-            except CheckpointCorruptError as e:
-                if skipped is not None:
-                    skipped[step] = e
-                continue
-            if newest_only:
-                return found
+            if state_of(seen) == "complete" and info is not None:
+                found.append(info)
+                if newest_only:
+                    return found
+            elif skipped is not None and isinstance(err, CheckpointCorruptError):
+                skipped[step] = err
         settled = not vanished and (bool(found) or listing == previous)
         if settled or (rounds >= _MIN_ROUNDS and time.monotonic() > deadline):
             return found
@@ -328,7 +422,7 @@ def _scan(
 
 
 def complete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Every complete checkpoint under ``root``, ascending by step."""
+    """Every resumable checkpoint under ``root`` (complete, not known bad), ascending by step."""
     return list(reversed(_scan(os.fspath(root), newest_only=False)))
 
 
@@ -337,9 +431,10 @@ def newest_complete(
     exclude: frozenset[int] = frozenset(),
     skipped: dict[int, CheckpointCorruptError] | None = None,
 ) -> CheckpointInfo | None:
-    """The newest complete checkpoint whose step is not in ``exclude``, or ``None``.
+    """The newest resumable checkpoint whose step is not in ``exclude``, or ``None``.
 
-    Corrupt step directories newer than the answer are put in ``skipped``.
+    Corrupt and known-bad step directories newer than the answer are put in ``skipped``
+    (a :class:`KnownBad` for a step passed over for its bad mark).
     """
     found = _scan(os.fspath(root), newest_only=True, exclude=exclude, skipped=skipped)
     return found[0] if found else None
@@ -348,9 +443,10 @@ def newest_complete(
 def find_latest(
     root: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None
 ) -> CheckpointInfo | RemoteCheckpointInfo | None:
-    """The newest complete checkpoint under ``root``, or ``None`` if there is none.
+    """The newest resumable checkpoint under ``root``, or ``None`` if there is none.
 
-    Incomplete, corrupt-looking and leftover directories are skipped. Safe against a
+    Incomplete, corrupt-looking and leftover directories are skipped, and so is a step known
+    bad (a verification or a load found its data corrupt: ``asyncckpt ls`` shows why). Safe against a
     writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
     across a stable listing. Raises ``CheckpointError`` only for a root it cannot list.
     ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;

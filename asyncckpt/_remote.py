@@ -18,7 +18,9 @@ data were complete and verified before the create was sent, so a late-landing ma
 correct checkpoint.
 
 A remote step is complete iff its manifest decodes (checksum, canonical form, its step) and
-ONE LIST of ``step_N/a-<attempt>/`` shows exactly the manifest's names with their sizes.
+ONE LIST of ``step_N/a-<attempt>/`` shows exactly the manifest's names with their sizes; it is
+resumable unless it is also known bad. Discovery and retention are ``_remote_steps``'s (the
+store's adapter of the one rule in ``_stepstates``); this module re-exports them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import asyncio
 import logging
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -39,9 +40,23 @@ from ._bounds import MAX_MANIFEST_BYTES
 from ._checksum import crc32c
 from ._discovery import complete_checkpoints, pin_step, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._layout import check_step, parse_step_dir, step_dir_name, tmp_dir_name
+from ._layout import aside_key, check_step, step_dir_name, tmp_dir_name
+from ._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
+from ._layout import manifest_key as manifest_key
 from ._manifest import MANIFEST, Manifest, decode
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError, gather_or_cancel
+from ._objstore import ObjectStore, ObjectStoreError, gather_or_cancel
+from ._remote_steps import (  # "as": re-exported, for the modules that import them from here
+    aside_keys,
+    check_attempt,
+    newest_resumable,
+    observe,
+    resumable,
+)
+from ._remote_steps import candidate_steps as candidate_steps
+from ._remote_steps import check_objects as check_objects
+from ._remote_steps import open_step as open_step
+from ._remote_steps import read_manifest as read_manifest
+from ._remote_steps import retire as _retire_steps
 from ._storage import remove_tree
 
 if TYPE_CHECKING:
@@ -52,7 +67,6 @@ T = TypeVar("T")
 
 #: Default deadline of one push, pull or load call (seconds).
 DEFAULT_DEADLINE_S = 3600.0
-_ATTEMPT = re.compile(r"^[0-9a-f]{1,64}$")
 #: Files of one step uploaded or downloaded at a time (each with its own parallel parts).
 _FILES_IN_FLIGHT = 2
 
@@ -119,99 +133,20 @@ def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     return result
 
 
-def _check_attempt(m: Manifest, where: str) -> str:
-    if not _ATTEMPT.match(m.attempt):
-        raise CheckpointCorruptError(f"manifest attempt id {m.attempt[:80]!r} is not a hex token", where)
-    return m.attempt
-
-
-def manifest_key(step: int) -> str:
-    return f"{step_dir_name(step)}/{MANIFEST}"
-
-
-def data_prefix(step: int, attempt: str) -> str:
-    return f"{step_dir_name(step)}/a-{attempt}/"
-
-
 # ------------------------------------------------------------------------------ discovery
 
 
-async def candidate_steps(store: ObjectStore, deadline: float) -> list[int]:
-    """Steps with a ``step_N/`` prefix on the store, newest first (numeric order)."""
-    names = await store.list_dirs("", deadline)
-    return sorted({s for n in names if (s := parse_step_dir(n)) is not None}, reverse=True)
-
-
-async def read_manifest(store: ObjectStore, step: int, deadline: float) -> tuple[Manifest, bytes] | None:
-    """The decoded manifest of ``step`` and its bytes, ``None`` if there is none."""
-    key = manifest_key(step)
-    url = store.object_url(key)
-    try:
-        raw = await store.get_bytes(key, deadline, limit=MAX_MANIFEST_BYTES)
-    except ObjectNotFoundError:
-        return None
-    except ObjectIntegrityError:
-        raise CheckpointCorruptError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", url) from None
-    m = decode(raw, url)
-    if m.step != step:
-        raise CheckpointCorruptError(f"manifest is for step {m.step}", url)
-    _check_attempt(m, url)
-    return m, raw
-
-
-async def check_objects(store: ObjectStore, m: Manifest, deadline: float) -> None:
-    """One LIST of the attempt prefix must show exactly the manifest's names and sizes."""
-    prefix = data_prefix(m.step, m.attempt)
-    listed = await store.list(prefix, deadline)
-    have = {o.key[len(prefix) :]: o.size for o in listed}
-    for f in m.files:
-        if f.name not in have:
-            raise CheckpointCorruptError("object listed in the manifest is missing", store.object_url(prefix + f.name))
-        if have[f.name] != f.size:
-            raise CheckpointCorruptError(f"size {have[f.name]} != {f.size} recorded in the manifest",
-                                         store.object_url(prefix + f.name))
-    extra = sorted(set(have) - {f.name for f in m.files})
-    if extra:
-        raise CheckpointCorruptError(f"unexpected objects {extra[:5]}", store.object_url(prefix))
-
-
-async def open_step(store: ObjectStore, step: int, deadline: float) -> tuple[Manifest, bytes]:
-    """The manifest (and its bytes) of complete ``step``; ``CheckpointNotFoundError`` if it has
-    no manifest, ``CheckpointCorruptError`` (naming the URL) if it is not complete."""
-    found = await read_manifest(store, step, deadline)
-    if found is None:
-        raise CheckpointNotFoundError(f"no checkpoint for step {step} under {store.url}")
-    await check_objects(store, found[0], deadline)
-    return found
-
-
 async def complete_steps(store: ObjectStore, deadline: float) -> list[tuple[Manifest, bytes]]:
-    """Every complete step, newest first; incomplete or corrupt ones are skipped (logged)."""
-    out = []
-    for step in await candidate_steps(store, deadline):
-        try:
-            out.append(await open_step(store, step, deadline))
-        except CheckpointNotFoundError:
-            continue
-        except CheckpointCorruptError as e:
-            log.info("skipping remote step %d: %s", step, e)
-    return out
+    """Every resumable step, newest first (``_remote_steps.resumable``)."""
+    return await resumable(store, deadline)
 
 
 async def newest_complete(
     store: ObjectStore, deadline: float, skip: frozenset[int] = frozenset()
 ) -> tuple[Manifest, bytes] | None:
-    """The newest complete step not in ``skip`` (corrupt ones are logged and passed over)."""
-    for step in await candidate_steps(store, deadline):
-        if step in skip:
-            continue
-        try:
-            return await open_step(store, step, deadline)
-        except CheckpointNotFoundError:
-            continue
-        except CheckpointCorruptError as e:
-            log.warning("skipping remote step %d: %s", step, e)
-    return None
+    """The newest resumable step not in ``skip``; corrupt and known-bad ones are logged and
+    passed over (``_remote_steps.newest_resumable``)."""
+    return await newest_resumable(store, deadline, skip)
 
 
 def info_of(store: ObjectStore, m: Manifest) -> RemoteCheckpointInfo:
@@ -233,7 +168,10 @@ def find_latest(url: str, *, storage_options: Mapping[str, str] | None = None,
 
 @dataclass(frozen=True)
 class RemoteStep:
-    """One ``step_N/`` prefix on the store, complete or not (for ``asyncckpt ls``)."""
+    """One entry under a store root (for ``asyncckpt ls``): a ``step_N/`` commit, complete or
+    not, or an attempt set aside (``status`` is the ``_stepstates`` state: ``complete``,
+    ``bad``, ``incomplete``, ``aside``; ``complete`` is true only for a complete commit; a
+    ``bad`` one may be complete but known bad). ``name`` is its key prefix or record."""
 
     step: int
     complete: bool
@@ -243,31 +181,47 @@ class RemoteStep:
     world_size: int | None
     created: float | None
     attempt: str | None
+    status: str = "complete"
+    name: str = ""
+
+
+def _rows(p: Any) -> list[RemoteStep]:
+    """The ``ls`` rows of one observed step prefix (``_remote_steps.StepPrefix``)."""
+    from ._stepstates import state_of, why_bad
+
+    out = []
+    sd = step_dir_name(p.step)
+    for seen in p.seen:
+        state = state_of(seen)
+        if seen.kind == "aside":
+            size = sum(o.size for o in p.listed if seen.attempt and (
+                o.key.startswith(data_prefix(p.step, seen.attempt)) or o.key == aside_key(p.step, seen.attempt)))
+            why = "bad attempt set aside when the step was saved again, kept for inspection (gc --remove-bad)"
+            if seen.mark is not None:
+                why += f"; verification failed: {seen.mark}"
+            out.append(RemoteStep(p.step, False, why, size, 0, None, None, seen.attempt, "aside", seen.name + ".json"))
+            continue
+        m = p.manifest
+        complete = seen.fault is None
+        reason = why_bad(seen) if state == "bad" else ""
+        nbytes = sum(f.size for f in m.files) if m is not None and complete else 0
+        out.append(RemoteStep(p.step, complete, reason, nbytes, len(m.files) + 1 if m is not None and complete else 0,
+                              m.world_size if m is not None else None, m.created if m is not None else None,
+                              m.attempt if m is not None else None, state, sd + "/"))  # fmt: skip
+    stray = [o for o in p.listed if o.key not in p.owned]
+    if stray and p.committed is None:
+        out.append(RemoteStep(p.step, False, "no manifest (a save or push in progress or interrupted)",
+                              sum(o.size for o in stray), len(stray), None, None, None, "incomplete", sd + "/"))
+    return out
 
 
 def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline_s: float = 300.0) -> list[RemoteStep]:
-    """Every step prefix under ``url``, oldest first, with whether it is complete and why not."""
+    """Every entry under ``url``, oldest step first: each step prefix (complete, known bad,
+    without a manifest) and each attempt set aside, with why it is not resumable."""
     store = open_store(url, storage_options)
 
     async def go() -> list[RemoteStep]:
-        deadline = time.monotonic() + deadline_s
-        out = []
-        for step in sorted(await candidate_steps(store, deadline)):
-            try:
-                found = await read_manifest(store, step, deadline)
-                if found is None:
-                    if not await store.list(step_dir_name(step) + "/", deadline):
-                        continue  # an empty "directory" some stores keep after a deletion
-                    out.append(RemoteStep(step, False, "no manifest (a push in progress or interrupted)", 0, 0,
-                                          None, None, None))
-                    continue
-                m = found[0]
-                await check_objects(store, m, deadline)
-                out.append(RemoteStep(step, True, "", sum(f.size for f in m.files), len(m.files) + 1, m.world_size,
-                                      m.created, m.attempt))
-            except CheckpointCorruptError as e:
-                out.append(RemoteStep(step, False, str(e), 0, 0, None, None, None))
-        return out
+        return [row for p in await observe(store, time.monotonic() + deadline_s) for row in _rows(p)]
 
     return run_sync(go)
 
@@ -326,11 +280,13 @@ async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, 
 
 async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float) -> None:
     """Delete objects under ``step_N/`` of attempts the committed manifest does not name: they
-    can never commit (their create_once loses), so they are dead whoever wrote them."""
+    can never commit (their create_once loses), so they are dead whoever wrote them (but for
+    attempts set aside as bad, kept for inspection)."""
     sd = step_dir_name(m.step) + "/"
     keep = data_prefix(m.step, m.attempt)
-    dead = [o.key for o in await store.list(sd, deadline) if o.key != manifest_key(m.step) and
-            not o.key.startswith(keep)]
+    listed = [o.key for o in await store.list(sd, deadline)]
+    aside = aside_keys(m.step, listed)  # attempts set aside: kept for inspection
+    dead = [k for k in listed if k != manifest_key(m.step) and not k.startswith(keep) and k not in aside]
     if dead:
         await store.delete(dead, deadline)
         log.info("removed %d object(s) of dead attempts under %s", len(dead), store.object_url(sd))
@@ -373,7 +329,7 @@ async def push_step(
             raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", mpath) from None
         if decode(raw, mpath) != m:
             raise CheckpointCorruptError("manifest changed while being pushed", mpath)
-        _check_attempt(m, mpath)
+        check_attempt(m, mpath)
         mkey = manifest_key(step)
         remote = await read_manifest(store, step, deadline)
         names: list[str] = [f.name for f in m.files]
@@ -424,20 +380,11 @@ async def push_step(
 
 
 async def retire_remote(store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None) -> list[int]:
-    """Keep the newest ``keep_last`` complete remote steps; retire older complete ones:
-    the manifest first (the step stops being complete at once), then its objects. With
-    ``lease``: nothing is removed once it was taken over (``RootInUseError``)."""
-    complete = await complete_steps(store, deadline)
-    removed = []
-    for m, _ in complete[keep_last:]:
-        if lease is not None:
-            lease.check()
-        await store.delete([manifest_key(m.step)], deadline)
-        rest = [o.key for o in await store.list(step_dir_name(m.step) + "/", deadline)]
-        if rest:
-            await store.delete(rest, deadline)
-        removed.append(m.step)
-    return sorted(removed)
+    """Keep the newest ``keep_last`` resumable remote steps; retire older resumable ones (the
+    manifest first, then its objects; ``_remote_steps.retire``: known-bad steps neither count
+    nor go, the newest resumable one never goes). With ``lease``: nothing is removed once it
+    was taken over (``RootInUseError``)."""
+    return await _retire_steps(store, keep_last, deadline, lease)
 
 
 def push(

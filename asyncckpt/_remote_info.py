@@ -9,13 +9,13 @@ one. Every defect is ``CheckpointCorruptError`` naming the object's URL.
 from __future__ import annotations
 
 from ._bounds import parse_structure
-from ._errors import CheckpointCorruptError
+from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._header import TensorSlot
 from ._index import INDEX, MAX_INDEX_BYTES
-from ._layout import step_dir_name
+from ._layout import data_prefix, step_dir_name
 from ._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from ._objstore import ObjectIntegrityError, ObjectStore
-from ._remote import _remote_step, data_prefix
+from ._remote_steps import newest_resumable, open_step
 from .reading import (
     MAX_STRUCTURE_BYTES,
     Entry,
@@ -27,9 +27,18 @@ from .reading import (
 )
 
 
-async def resolve_remote_step(store: ObjectStore, step: int | None, deadline: float) -> Manifest:
-    """The manifest of complete remote ``step`` (newest complete when ``None``): pull's choice."""
-    return (await _remote_step(store, step, deadline))[0]
+async def resolve_remote_step(
+    store: ObjectStore, step: int | None, deadline: float,
+    passed: list[tuple[int, CheckpointCorruptError]] | None = None,
+) -> Manifest:
+    """The manifest of complete remote ``step`` (the newest resumable when ``None``: pull's
+    choice); steps newer than that one passed over as corrupt or known bad are put in ``passed``."""
+    if step is not None:
+        return (await open_step(store, step, deadline))[0]
+    found = await newest_resumable(store, deadline, passed=passed)
+    if found is None:
+        raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
+    return found[0]
 
 
 async def remote_rank_outline(

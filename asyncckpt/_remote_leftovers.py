@@ -13,8 +13,10 @@ The object-store counterpart of ``_retention.leftovers`` / ``remove_leftovers``.
 The last two may belong to a live writer, so they are dead only while the root's lease
 (``_lease``) is ours and they are not one of our own saves in flight: callers survey and
 remove them only then (the Checkpointer at construction and after each commit, ``asyncckpt
-gc URL`` for its run). A step whose manifest is corrupt, or complete-named but not complete,
-is never removed (reported as left alone, as on a POSIX root).
+gc URL`` for its run). A step known bad (``_stepstates``: a manifest that does not decode, a
+commit whose objects do not match it, a bad mark) is never removed here (reported as left
+alone, as on a POSIX root), and neither are attempts set aside (``step_N/bad-<attempt>.json``
+and their objects): ``asyncckpt gc --remove-bad`` removes those.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._errors import CheckpointCorruptError
+from ._badmarks import store_marks
 from ._layout import step_dir_name
 from ._objstore import ObjectStore, ObjectStoreError
-from ._remote import candidate_steps, data_prefix, manifest_key, read_manifest
+from ._remote_steps import StepPrefix, candidate_steps, observe_step
+from ._stepstates import state_of, why_bad
 
 log = logging.getLogger("asyncckpt")
 
@@ -52,15 +55,16 @@ class Leftover:
 
 @dataclass
 class Survey:
-    """What :func:`survey` found: ``complete`` steps (newest first), the ``leftovers``, the
-    steps ``left_alone`` (name, problem: ``corrupt-manifest`` or ``incomplete``, reason), and
-    every step prefix it looked at (``seen``)."""
+    """What :func:`survey` found: ``complete`` (resumable) steps, newest first, the
+    ``leftovers``, the steps ``left_alone`` (name, problem: ``corrupt-manifest``,
+    ``incomplete`` or ``bad``, reason), and every step prefix it looked at (``seen``)."""
 
     complete: list[int] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)
     left_alone: list[tuple[str, str, str]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     nbytes: dict[int, int] = field(default_factory=dict)  # complete step -> bytes of its objects
+    bad: dict[int, StepPrefix] = field(default_factory=dict)  # steps with a known-bad commit or an attempt set aside
 
 
 def _initiated(text: str) -> _dt.datetime | None:
@@ -83,40 +87,36 @@ async def survey(
     of the prefix), and (``uploads``, where the store can list them) every incomplete upload
     not under ``keep_prefixes``."""
     out = Survey()
+    known = await store_marks(store, deadline)
     for step in await candidate_steps(store, deadline):
         if step in skip_steps:
             continue
         out.seen.add(step)
         sd = step_dir_name(step) + "/"
-        try:
-            found = await read_manifest(store, step, deadline)
-        except CheckpointCorruptError as e:
-            out.left_alone.append((sd, "corrupt-manifest", str(e)))
+        p = await observe_step(store, step, deadline, known)
+        committed = p.committed
+        if any(state_of(x) in ("bad", "aside") for x in p.seen):
+            out.bad[step] = p
+        if committed is not None:
+            state = state_of(committed)
+            if state == "complete":
+                out.complete.append(step)
+                out.nbytes[step] = sum(f.size for f in p.manifest.files) if p.manifest is not None else 0
+            elif p.manifest is None:
+                out.left_alone.append((sd, "corrupt-manifest", why_bad(committed)))
+            elif committed.fault is not None:
+                out.left_alone.append((sd, "incomplete", f"committed but not complete: {why_bad(committed)}"))
+            else:
+                out.left_alone.append((sd, "bad", f"known bad: {why_bad(committed)}"))
+        stray = [o for o in p.listed if o.key not in p.owned]
+        if not stray:
             continue
-        listed = await store.list(sd, deadline)
-        if found is None:
-            if listed:
-                out.leftovers.append(Leftover("uncommitted", sd, sum(o.size for o in listed),
-                                              max(o.last_modified for o in listed), tuple(o.key for o in listed),
-                                              step=step))
+        if committed is None:
+            out.leftovers.append(Leftover("uncommitted", sd, sum(o.size for o in stray),
+                                          max(o.last_modified for o in stray), tuple(o.key for o in stray), step=step))
             continue
-        m = found[0]
-        mine = data_prefix(step, m.attempt)
-        have = {o.key[len(mine):]: o.size for o in listed if o.key.startswith(mine)}
-        problem = next((f"{f.name} missing" for f in m.files if f.name not in have), None) or next(
-            (f"{f.name} has {have[f.name]} bytes, not {f.size}" for f in m.files if have[f.name] != f.size), None)
-        extra = sorted(set(have) - {f.name for f in m.files})
-        if problem is None and extra:
-            problem = f"unexpected objects {extra[:5]}"
-        if problem is None:
-            out.complete.append(step)
-            out.nbytes[step] = sum(f.size for f in m.files)
-        else:
-            out.left_alone.append((sd, "incomplete", f"committed but not complete: {problem}"))
         others: dict[str, list[tuple[str, int, _dt.datetime]]] = {}
-        for o in listed:
-            if o.key == manifest_key(step) or o.key.startswith(mine):
-                continue
+        for o in stray:
             rest = o.key[len(sd):]
             head = rest.split("/", 1)[0] + "/" if "/" in rest else rest
             others.setdefault(sd + head, []).append((o.key, o.size, o.last_modified))

@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 import torch
 
 from . import _load
+from ._badmarks import record_on_store, store_marks
+from ._discovery import KnownBad
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ._layout import check_step
+from ._layout import check_step, token_of
 from ._load_global import PER_RANK, PerRank, Reader
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
@@ -179,10 +181,20 @@ def load(
     store = open_store(url, storage_options)
     deadline = time.monotonic() + deadline_s
 
-    def attempt(s: int) -> Any:
+    def attempt(s: int, known: dict[tuple[int, str], Any] | None = None) -> Any:
         m, _ = run_sync(lambda: open_step(store, s, deadline))
-        return load_step(store, m, shard, verify, deadline, world_size=world_size, into=into,
-                         strip_prefixes=prefixes, reader=reader)
+        mark = None if known is None else known.get((s, token_of(m.attempt)))
+        if mark is not None:  # known bad (_stepstates): passed over, as discovery does
+            raise KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)
+        try:
+            return load_step(store, m, shard, verify, deadline, world_size=world_size, into=into,
+                             strip_prefixes=prefixes, reader=reader)
+        except KnownBad:
+            raise
+        except CheckpointCorruptError as e:  # a proven content fault: remembered on the store (best effort)
+            where, why = e.path or "", str(e)
+            run_sync(lambda: record_on_store(store, s, m.attempt, where, why, deadline))
+            raise
 
     def go() -> Any:
         from ._resume import NoSuchShard
@@ -197,9 +209,10 @@ def load(
                 raise CheckpointNotFoundError(msg) from None
         for _ in range(_LIST_ROUNDS):
             vanished = False
+            known = run_sync(lambda: store_marks(store, deadline))
             for s in run_sync(lambda: candidate_steps(store, deadline)):
                 try:
-                    return attempt(s)
+                    return attempt(s, known)
                 except NoSuchShard as e:
                     raise CheckpointNotFoundError(str(e)) from None
                 except CheckpointNotFoundError:

@@ -6,16 +6,21 @@ objects with their sizes (the completeness rule of :mod:`asyncckpt._remote`), an
 object's CRC-32C, recomputed from ranged GETs, is the manifest's. The per-rank structure
 check that a local verify adds (tree against shard header) needs the headers only; it is not
 run remotely: a step whose every byte matches the CRC its writer recorded loads as it was saved.
+A failure is remembered on the store as a bad mark (``_badmarks``: the step is then known
+bad), and a pass drops the mark of that very attempt; best effort (read-only credentials
+simply keep no mark).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._badmarks import clear_on_store, record_on_store
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._layout import data_prefix, manifest_key
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
-from ._remote import check_objects, data_prefix, manifest_key, read_manifest
+from ._remote_steps import check_objects, read_manifest
 from .reading import Problem, _short
 
 
@@ -29,7 +34,8 @@ async def open_for_verify(store: ObjectStore, step: int, deadline: float) -> Man
 
 
 async def verify_remote_step(
-    store: ObjectStore, m: Manifest, deadline: float, advance: Callable[[int], None] | None = None
+    store: ObjectStore, m: Manifest, deadline: float, advance: Callable[[int], None] | None = None,
+    *, record: bool = True,
 ) -> list[Problem]:
     """Every problem of remote step ``m``, each naming the object's URL (empty: it is complete and every byte verified).
     Memory stays at two parts' worth of scratch (``ObjectStore.crc32c_of``); ``advance(n)``
@@ -58,6 +64,10 @@ async def verify_remote_step(
         # retired or replaced while we read it: that is not damage
         url = store.object_url(manifest_key(m.step))
         return [Problem(url, f"step {m.step} was retired or replaced while being verified", vanished=True)]
+    if record and problems:
+        await record_on_store(store, m.step, m.attempt, problems[0].path, problems[0].reason, deadline)
+    elif record:
+        await clear_on_store(store, m.step, m.attempt, deadline)  # every byte verified
     return problems
 
 

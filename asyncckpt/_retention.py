@@ -1,12 +1,14 @@
 """Retention and clean-up: retire old checkpoints, remove leftovers of failed attempts.
 
-Retention runs only after a commit is durable, counts only complete checkpoints, and never
-touches the newest one. A checkpoint is retired by renaming it to a ``.deleting-`` name
-first (atomic: it stops being complete at once) and removing the files afterwards, so a
-crash half-way through never leaves a half-deleted directory that looks complete. A save's
-retention may leave that removal running in the background (deleting a 1 GiB shard took
-0.2 s, which the save's caller has no reason to wait for): ``Checkpointer.flush()`` waits
-for it, and a process that dies first leaves ``.deleting-`` leftovers for the next start.
+Retention runs only after a commit is durable, counts only resumable checkpoints (complete
+and not known bad: ``_stepstates``), retires only those, and never the newest one; a step
+known bad is left alone (set aside when its step is saved again: :func:`set_aside`). A
+checkpoint is retired by renaming it to a ``.deleting-`` name first (atomic: it stops being
+complete at once) and removing the files afterwards, so a crash half-way through never
+leaves a half-deleted directory that looks complete. A save's retention may leave that
+removal running in the background (deleting a 1 GiB shard took 0.2 s, which the save's
+caller has no reason to wait for): ``Checkpointer.flush()`` waits for it, and a process that
+dies first leaves ``.deleting-`` leftovers for the next start.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import uuid
 
 from ._discovery import complete_checkpoints
 from ._info import CheckpointInfo
-from ._layout import deleting_dir_name, parse_leftover, step_dir_name
+from ._layout import aside_dir_name, deleting_dir_name, parse_leftover, step_dir_name
+from ._stepstates import victims as _victims
 from ._storage import DEFAULT_OPS, OsOps, Storage, remove_tree
 
 log = logging.getLogger("asyncckpt")
@@ -50,25 +53,30 @@ def remove_leftovers(root: str, ops: OsOps = DEFAULT_OPS) -> list[str]:
     return removed
 
 
-def choose_victims(steps: list[int], keep_last: int) -> list[int]:
-    """Which of the complete ``steps`` (any order) to retire to keep the newest ``keep_last``."""
-    if keep_last < 1:
-        raise ValueError("keep_last must be >= 1")
-    ordered = sorted(steps)
-    return ordered[:-keep_last] if len(ordered) > keep_last else []
+def choose_victims(infos: list[CheckpointInfo], keep_last: int, *, by_commit_order: bool = False,
+                   latest: int | None = None, protect: frozenset[int] = frozenset()) -> list[int]:
+    """Which of the resumable checkpoints ``infos`` to retire (``_stepstates.victims``): keep
+    the newest ``keep_last`` by step or, with ``by_commit_order``, the most recently
+    committed (``latest``, the step this process just committed, counting as the most recent
+    whatever the clocks say); never one in ``protect``."""
+    return _victims([(i.step, i.created) for i in infos], keep_last, by_commit_order=by_commit_order,
+                    latest=latest, protect=protect)  # fmt: skip
 
 
-def choose_by_commit_order(infos: list[CheckpointInfo], keep_last: int, latest: int | None = None) -> list[int]:
-    """Which steps to retire to keep the ``keep_last`` most recently committed (manifest
-    ``created`` time, then step): retention of a root that allows earlier steps.
-
-    ``latest``, the step this process just committed, counts as the most recent whatever
-    the clocks say (an earlier job's clock may have run ahead), so it is never retired.
-    """
-    if keep_last < 1:
-        raise ValueError("keep_last must be >= 1")
-    ordered = sorted(infos, key=lambda i: (i.step == latest, i.created, i.step))
-    return sorted(i.step for i in ordered[:-keep_last]) if len(ordered) > keep_last else []
+async def set_aside(storage: Storage, root: str, step: int, attempt: str | None) -> str:
+    """Rename known-bad ``step_N`` out of the way, to ``step_N.bad-<attempt>`` (kept for
+    inspection; never a leftover, never retired: ``asyncckpt gc --remove-bad`` removes it),
+    and fsync the root; return the new path. ``attempt``: its manifest's attempt id (``None``
+    when the manifest does not decode: a random token stands in)."""
+    src = os.path.join(root, step_dir_name(step))
+    dst = os.path.join(root, aside_dir_name(step, attempt if attempt is not None else uuid.uuid4().hex[:16]))
+    if await storage.run(os.path.lexists, dst):  # the same attempt set aside before (a pulled copy of it, say)
+        dst = os.path.join(root, aside_dir_name(step, uuid.uuid4().hex[:16]))
+    await storage.rename(src, dst)
+    await storage.fsync_dir(root)
+    log.warning("asyncckpt: step %d under %s is known bad; set aside as %s (kept for inspection) to save it again",
+                step, root, os.path.basename(dst))  # fmt: skip
+    return dst
 
 
 async def retire(
@@ -82,7 +90,7 @@ async def retire(
     protect: frozenset[int] = frozenset(),
     background: set[asyncio.Task[None]] | None = None,
 ) -> list[int]:
-    """Retire complete checkpoints beyond the newest ``keep_last``; return their steps.
+    """Retire resumable checkpoints beyond the newest ``keep_last``; return their steps.
 
     Steps in ``protect`` are kept besides (tier mode: uploads pending or in flight).
     With ``background``, the retired directories' files are removed by a task added to it
@@ -111,12 +119,8 @@ async def _retire(
     storage: Storage, root: str, keep_last: int, by_commit_order: bool, latest: int | None,
     protect: frozenset[int] = frozenset(), background: set[asyncio.Task[None]] | None = None,
 ) -> list[int]:
-    infos = await storage.run(complete_checkpoints, root)
-    if by_commit_order:
-        victims = choose_by_commit_order(infos, keep_last, latest)
-    else:
-        victims = choose_victims([i.step for i in infos], keep_last)
-    victims = [s for s in victims if s not in protect]
+    infos = await storage.run(complete_checkpoints, root)  # resumable ones only
+    victims = choose_victims(infos, keep_last, by_commit_order=by_commit_order, latest=latest, protect=protect)
     moved = []
     for step in victims:
         src = os.path.join(root, step_dir_name(step))

@@ -26,14 +26,27 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import _index
-from ._badmarks import bad_mark, record_bad
+from ._badmarks import clear, marks, record_bad
 from ._bounds import parse_structure
 from ._checksum import crc32c
-from ._discovery import candidate_steps, check_files, complete_checkpoints, find_latest, open_step, read_manifest
+from ._discovery import (
+    KnownBad,
+    Unreadable,
+    Vanished,
+    candidate_steps,
+    check_files,
+    complete_checkpoints,
+    find_latest,
+    newest_complete,
+    observe_committed,
+    open_step,
+    read_manifest,
+)
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._header import MAX_HEADER, TORCH_NAME, TensorSlot, parse_header, validate_header
-from ._layout import META_DIR, parse_leftover, parse_step_dir, step_dir_name
+from ._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._stepstates import Mark, Seen, State, state_of
 
 __all__ = [
     "Entry",
@@ -45,13 +58,16 @@ __all__ = [
     "file_crc",
     "find_latest",
     "local_time",
+    "newest_complete",
     "open_step",
     "outline",
+    "passed_over",
     "read_manifest",
     "read_rank_outline",
     "read_shard_slots",
     "read_structure",
     "resolve_step",
+    "resolve_step_noting",
     "scan",
     "step_bytes",
     "timestamp",
@@ -78,7 +94,11 @@ _VALUE_TAGS = frozenset(
     "$np $complex $bytearray $size $dtype $device $generator $path $date $timedelta $datetime".split()
 )
 
-Status = Literal["complete", "incomplete", "bad"]
+Status = Literal["complete", "incomplete", "bad", "aside"]
+#: Problems that prove a content fault of the checkpoint (its step is then known bad).
+_PROVEN = frozenset(
+    {"corrupt-manifest", "step-mismatch", "unexpected-file", "missing-file", "not-regular-file", "size-mismatch"}
+)
 
 
 def timestamp(value: float | None) -> float | None:
@@ -95,15 +115,19 @@ def timestamp(value: float | None) -> float | None:
 class StepDir:
     """One step-like directory under a root.
 
-    ``complete`` is true exactly when the library would load the step; ``bad`` then holds
-    the verification mark (``path``, ``reason``, ``time``) if someone found its checksums
-    wrong. ``problem`` is a stable code (``no-marker``, ``corrupt-manifest``,
-    ``step-mismatch``, ``unexpected-file``, ``missing-file``, ``not-regular-file``,
-    ``size-mismatch``, ``not-a-directory``, ``non-canonical-name``, ``save-leftover``,
-    ``retire-leftover``, ``unreadable``) and ``reason`` its explanation; both ``None`` for
-    complete steps. ``files`` counts the files in the directory (the manifest included) and
-    ``size`` their bytes; ``ranks`` comes from the manifest, else from the rank file names.
-    ``created`` is ``None`` when unknown or implausible; ``modified`` is the newest mtime.
+    ``state`` is the library's one rule (``_stepstates``): ``complete`` (resumable: what
+    ``latest()`` and ``load()`` take), ``bad`` (known bad), ``incomplete``, ``leftover``,
+    ``retiring`` or ``aside`` (a bad attempt set aside when its step was saved again).
+    ``complete`` is true when the directory is a complete checkpoint (``load(step=N)`` reads
+    it); ``bad`` then holds the verification mark (``path``, ``reason``, ``time``) if someone
+    found its checksums wrong. ``problem`` is a stable code (``no-marker``,
+    ``corrupt-manifest``, ``step-mismatch``, ``unexpected-file``, ``missing-file``,
+    ``not-regular-file``, ``size-mismatch``, ``not-a-directory``, ``non-canonical-name``,
+    ``save-leftover``, ``retire-leftover``, ``set-aside``, ``unreadable``) and ``reason`` its
+    explanation; both ``None`` for complete steps. ``files`` counts the files in the
+    directory (the manifest included) and ``size`` their bytes; ``ranks`` comes from the
+    manifest, else from the rank file names. ``created`` is ``None`` when unknown or
+    implausible; ``modified`` is the newest mtime.
     """
 
     step: int
@@ -119,13 +143,20 @@ class StepDir:
     modified: float
     attempt: str | None = None
     bad: dict[str, object] | None = None
+    state: State = "incomplete"
 
     @property
     def status(self) -> Status:
-        """``complete``, ``incomplete``, or ``bad`` (complete, but marked bad by a verification)."""
-        if not self.complete:
-            return "incomplete"
-        return "bad" if self.bad is not None else "complete"
+        """``complete`` (resumable), ``bad`` (known bad: a verification failed, or the files
+        prove it damaged), ``aside`` (a bad attempt set aside), or ``incomplete``."""
+        if self.state in ("complete", "bad", "aside"):
+            return self.state
+        return "incomplete"
+
+    @property
+    def resumable(self) -> bool:
+        """Whether ``latest()`` / ``load(step=None)`` may take this step."""
+        return self.state == "complete"
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The row as a JSON-ready dict (``age_s`` measured from ``now``)."""
@@ -135,6 +166,8 @@ class StepDir:
             "name": self.name,
             "path": os.path.abspath(self.path),
             "status": self.status,
+            "state": self.state,
+            "resumable": self.resumable,
             "complete": self.complete,
             "problem": self.problem,
             "reason": self.reason,
@@ -222,13 +255,22 @@ def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
     return "unreadable", "the files do not match the manifest"
 
 
-def _examine_committed(root: str, name: str, step: int) -> StepDir:
-    """Classify a directory with a committed-looking name; the verdict is ``open_step``'s."""
+def _mark_json(mark: Mark | None, step: int, attempt: str | None) -> dict[str, object] | None:
+    if mark is None:
+        return None
+    return {"step": step, "attempt": attempt, "path": mark.path, "reason": mark.reason, "time": mark.time}
+
+
+def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, str], Mark]) -> StepDir:
+    """Classify a directory with a committed-looking name: the state is the library's rule
+    (``_discovery.observe_committed``); the problem code says what is wrong in detail."""
     path = os.path.join(root, name)
     use = usage(path)
     manifest: Manifest | None = None
     problem: str | None = None
     reason: str | None = None
+    mark: Mark | None = None
+    ranks: int | None = None
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         problem, reason = "not-a-directory", "a symbolic link (the library never follows one)"
@@ -238,10 +280,16 @@ def _examine_committed(root: str, name: str, step: int) -> StepDir:
         problem, reason = "non-canonical-name", f"not the canonical name {step_dir_name(step)}; the library ignores it"
     else:
         try:
-            _, manifest = open_step(root, step)
-        except CheckpointNotFoundError:
+            seen, info, err = observe_committed(root, step, known)
+        except Vanished:
+            raise FileNotFoundError(path) from None
+        mark = seen.mark
+        ranks = info.world_size if info is not None else None
+        if isinstance(err, CheckpointNotFoundError):
             problem, reason = "no-marker", "no completion marker (manifest.json is missing)"
-        except CheckpointCorruptError as e:
+        elif isinstance(err, Unreadable):
+            problem, reason = "unreadable", _short(err)
+        elif isinstance(err, CheckpointCorruptError) and not isinstance(err, KnownBad):
             try:
                 manifest = read_manifest(path)
             except CheckpointError as me:
@@ -252,8 +300,16 @@ def _examine_committed(root: str, name: str, step: int) -> StepDir:
                 else:
                     problem, reason = _diagnose_files(path, manifest)
                     if problem == "unreadable":
-                        reason = _short(e)
-    mark = bad_mark(root, step, manifest.attempt) if manifest is not None and problem is None else None
+                        reason = _short(err)
+    state: State = state_of(Seen(step, name, "committed", mark=mark)) if problem is None else (
+        "bad" if problem in _PROVEN else "incomplete")
+    created: float | None
+    if problem is None:
+        created, attempt = seen.created, seen.attempt
+    else:
+        created = manifest.created if manifest is not None else None
+        attempt = manifest.attempt if manifest is not None else None
+        ranks = manifest.world_size if manifest is not None else use.ranks
     return StepDir(
         step=step,
         name=name,
@@ -263,11 +319,12 @@ def _examine_committed(root: str, name: str, step: int) -> StepDir:
         reason=reason,
         size=use.size,
         files=use.files,
-        ranks=manifest.world_size if manifest is not None else use.ranks,
-        created=timestamp(manifest.created) if manifest is not None else None,
+        ranks=ranks,
+        created=timestamp(created),
         modified=use.modified,
-        attempt=manifest.attempt if manifest is not None else None,
-        bad=mark,
+        attempt=attempt,
+        bad=_mark_json(mark, step, attempt) if problem is None else None,
+        state=state,
     )
 
 
@@ -276,19 +333,36 @@ def _examine_leftover(root: str, name: str, step: int) -> StepDir:
     path = os.path.join(root, name)
     use = usage(path)
     if ".tmp-" in name:
-        problem, reason = "save-leftover", "leftover of a crashed save attempt (or a save still in progress)"
+        problem, reason, state = "save-leftover", "leftover of a crashed save attempt (or a save still in progress)", \
+            "leftover"
     else:
-        problem, reason = "retire-leftover", "leftover of an interrupted retirement (being deleted)"
-    return StepDir(step, name, path, False, problem, reason, use.size, use.files, use.ranks, None, use.modified)
+        problem, reason, state = "retire-leftover", "leftover of an interrupted retirement (being deleted)", "retiring"
+    return StepDir(step, name, path, False, problem, reason, use.size, use.files, use.ranks, None, use.modified,
+                   state=state)  # type: ignore[arg-type]
 
 
-def _examine(root: str, name: str) -> StepDir | None:
+def _examine_aside(root: str, name: str, step: int, token: str, known: dict[tuple[int, str], Mark]) -> StepDir:
+    """Describe a bad attempt set aside (``step_N.bad-<attempt>``) when its step was saved again."""
+    path = os.path.join(root, name)
+    use = usage(path)
+    mark = known.get((step, token))
+    reason = f"bad attempt set aside when step {step} was saved again; kept for inspection (gc --remove-bad)"
+    if mark is not None:
+        reason += f"; verification failed: {mark}"
+    return StepDir(step, name, path, False, "set-aside", reason, use.size, use.files, use.ranks, None, use.modified,
+                   token, _mark_json(mark, step, token), "aside")
+
+
+def _examine(root: str, name: str, known: dict[tuple[int, str], Mark]) -> StepDir | None:
     step = parse_step_dir(name)
     if step is not None:
-        return _examine_committed(root, name, step)
+        return _examine_committed(root, name, step, known)
     step = parse_leftover(name)
     if step is not None:
         return _examine_leftover(root, name, step)
+    aside = parse_aside(name)
+    if aside is not None:
+        return _examine_aside(root, name, aside[0], aside[1], known)
     return None
 
 
@@ -307,16 +381,19 @@ def scan(root: str) -> list[StepDir]:
     except OSError as e:
         raise CheckpointError(f"cannot list {root} ({e.strerror})") from None
     out: list[StepDir] = []
+    known = marks(root)
     for name in names:
         if name == META_DIR:
             continue
         try:
-            d = _examine(root, name)
+            d = _examine(root, name, known)
         except FileNotFoundError:
             continue  # removed while we looked
         except (OSError, CheckpointError, ValueError, OverflowError, RecursionError, MemoryError) as e:
             step = parse_step_dir(name)
             step = parse_leftover(name) if step is None else step
+            aside = parse_aside(name)
+            step = aside[0] if step is None and aside is not None else step
             if step is None:
                 continue
             d = StepDir(step, name, os.path.join(root, name), False, "unreadable", f"cannot examine ({e})", 0, 0, None,
@@ -328,18 +405,45 @@ def scan(root: str) -> list[StepDir]:
 
 
 def resolve_step(root: str, step: int | None) -> tuple[str, Manifest]:
-    """The directory and manifest of complete ``step``, or of the newest complete one when ``None``.
+    """The directory and manifest of complete ``step``, or of the newest resumable one when ``None``.
 
     Raises ``CheckpointNotFoundError`` when there is no such (or no) complete checkpoint.
     """
+    step_dir, manifest, _ = resolve_step_noting(root, step)
+    return step_dir, manifest
+
+
+def resolve_step_noting(root: str, step: int | None) -> tuple[str, Manifest, list[tuple[int, str]]]:
+    """:func:`resolve_step`, and the steps newer than the newest resumable one that were passed
+    over (newest first, each with why: known bad, corrupt, unreadable) when ``step`` is ``None``:
+    what a tool taking "the newest" says it skipped."""
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
+    passed: list[tuple[int, str]] = []
     if step is None:
-        info = find_latest(root)
+        skipped: dict[int, CheckpointCorruptError] = {}
+        info = newest_complete(root, skipped=skipped)
+        passed = passed_over(skipped)
         if info is None:
-            raise CheckpointNotFoundError(f"no complete checkpoint under {root}")
+            raise CheckpointNotFoundError(f"no complete checkpoint under {root}" + (
+                f" (passed over: {'; '.join(f'step {s}: {w}' for s, w in passed[:5])}; --step N reads one anyway)"
+                if passed else ""))  # fmt: skip
         step = info.step
-    return open_step(root, step)
+    step_dir, manifest = open_step(root, step)
+    return step_dir, manifest, passed
+
+
+def passed_over(skipped: dict[int, CheckpointCorruptError]) -> list[tuple[int, str]]:
+    """``skipped`` (of ``newest_complete``) as (step, why) pairs, newest first."""
+    return [(s, _why(e)) for s, e in sorted(skipped.items(), reverse=True)]
+
+
+def _why(e: CheckpointCorruptError) -> str:
+    if isinstance(e, KnownBad):
+        return str(e)
+    if isinstance(e, Unreadable):
+        return f"unreadable: {e}"
+    return f"known bad: {e}"
 
 
 # ---------------------------------------------------------------------------- files of one step
@@ -760,8 +864,8 @@ def verify_step(
     The manifest was already checked against its own checksum when it was opened. Tensor
     data is streamed, never held in memory; ``advance(n)`` reports bytes read. Returns the
     problems found (empty: every rank of this step would load). With ``record``, a failure is
-    remembered for ``asyncckpt ls`` (``_badmarks.record_bad``; best effort, a read-only root
-    simply keeps no mark).
+    remembered (``_badmarks.record_bad``: the step is then known bad) and a pass drops the mark
+    of this very attempt (``_badmarks.clear``); best effort, a read-only root keeps no mark.
     """
     problems: list[Problem] = []
     if advance is not None:
@@ -789,6 +893,8 @@ def verify_step(
         return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified", vanished=True)]
     if problems and record:
         record_bad(root, manifest.step, manifest.attempt, problems[0].path, problems[0].reason)
+    elif record:
+        clear(root, manifest.step, manifest.attempt)  # every byte verified: an earlier verdict was wrong
     return problems
 
 

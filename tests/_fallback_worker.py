@@ -3,7 +3,8 @@
 Every rank saves steps 1 and 2; then rank ``BAD_RANK`` (env) flips one byte of its own step-2
 shard, and every rank loads: ``load()`` must agree on step 1 everywhere, ``load(into=)`` must
 restore step 1 everywhere, and ``load(step=2)`` must raise ``CheckpointCorruptError`` on every
-rank without touching the targets.
+rank without touching the targets. With ``RESAVE=1`` (env) every rank then saves step 2 again
+and step 3: both must commit everywhere (issue 26).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def main() -> None:
                 result["explicit"] = type(e).__name__
                 result["explicit_msg"] = str(e)
             result["untouched"] = [untouched["step"], float(untouched["w"].abs().sum())]
+            if os.environ.get("RESAVE"):  # issue 26: the run goes on past the bad step 2
+                resaved: dict[str, Any] = {"latest_after_fallback": ck.latest().step}  # type: ignore[union-attr]
+                infos = [ck.save(s, state_for(rank, s)).result(timeout=60) for s in (2, 3)]
+                resaved["committed"] = [i.step for i in infos]
+                resaved["latest"] = ck.latest().step  # type: ignore[union-attr]
+                got = ck.load(2)
+                resaved["step2"] = [got["step"], got["rank"], float(got["w"][0])]
+                result["resaved"] = resaved
     except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
         result["crash"] = "".join(traceback.format_exception(e))
     with open(f"{out}.{rank}.json", "w") as f:

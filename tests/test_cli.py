@@ -118,8 +118,10 @@ def test_ls_reports_complete_incomplete_and_leftovers(root: Path, capsys: pytest
     assert "crashed save attempt" in by_dir["step_00000004.tmp-0123abcd"]
     assert "interrupted retirement" in by_dir["step_00000001.deleting-beef"]
     for name in by_dir:
-        if name != "step_00000001":
+        if name not in ("step_00000001", "step_00000003"):
             assert by_dir[name].split()[1] == "incomplete", name
+    # a size mismatch proves the checkpoint damaged: known bad (_stepstates), not merely incomplete
+    assert by_dir["step_00000003"].split()[1] == "bad"
 
     code, out, err = cli(capsys, "ls", root, "--json")
     assert code == 0 and err == ""

@@ -155,8 +155,11 @@ def test_corrupt_chunk_is_named_and_nothing_is_published(
     assert (root / ".asyncckpt" / "bad").is_dir()  # remembered, as a load would
     with pytest.raises(asyncckpt.CheckpointCorruptError):
         asyncckpt.load(root, 1, per_rank="rank0")
-    # a key whose bytes are all intact still exports
+    # the step is known bad now: without --step there is nothing resumable (issue 26), but a
+    # key whose bytes are all intact still exports from it by name
     code, err = export(capsys, root, tmp_path / "model.safetensors", "--key", "model")
+    assert code == 1 and "passed over: step 1: known bad" in err, err
+    code, err = export(capsys, root, tmp_path / "model.safetensors", "--key", "model", "--step", "1")
     assert code == 0, err
 
 
@@ -275,7 +278,7 @@ def test_corrupt_plain_value_of_an_indexed_step_and_a_truncated_shard(
     code, err = export(capsys, root, tmp_path / "r0.safetensors")
     assert code == 1 and "checksum mismatch in 'rng'" in err and "rank00000.safetensors" in err
     assert not (tmp_path / "r0.safetensors").exists()
-    code, err = export(capsys, root, tmp_path / "r1.safetensors", "--rank", "1")
+    code, err = export(capsys, root, tmp_path / "r1.safetensors", "--rank", "1", "--step", "1")  # known bad now
     assert code == 0 and equal(load_file(str(tmp_path / "r1.safetensors"))["rng"], torch.ones(3)), err
     # a shard shorter than the manifest says: the step is not complete, nothing is written
     other = root / STEP / "rank00003.safetensors"

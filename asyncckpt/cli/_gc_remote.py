@@ -8,9 +8,12 @@ import math
 import time
 from typing import Any
 
+from .._layout import aside_key, data_prefix
 from .._lease import Lease, held
 from .._remote import open_store, retire_remote, run_sync
 from .._remote_leftovers import remove, survey
+from .._remote_steps import remove_bad
+from .._stepstates import state_of, victims, why_bad
 from ._args import UsageError
 from ._remote_args import deadline_s, storage_options
 from .gc import Report
@@ -59,13 +62,33 @@ async def _run(store: Any, args: argparse.Namespace, deadline: float, lease: Lea
     for x in doomed:
         out.removed(x.name, _WHAT[x.kind], x.size)
     if args.keep_last is not None:
-        victims = found.complete[args.keep_last:]
+        # the library's rule (_stepstates.victims): resumable steps only, never the newest
+        retired = victims([(s, 0.0) for s in found.complete], args.keep_last)
         if lease is not None:
             lease.check()
-            victims = await retire_remote(store, args.keep_last, deadline)
-        for step in sorted(victims):
+            retired = await retire_remote(store, args.keep_last, deadline, lease)
+        for step in sorted(retired):
             out.retired(step, found.nbytes.get(step, 0))
-        out.keeping(sorted(s for s in found.complete if s not in victims))
+        out.keeping(sorted(s for s in found.complete if s not in retired))
+    bad_steps = [s for s, p in found.bad.items() if p.committed is not None and state_of(p.committed) == "bad"]
+    if bad_steps and max(bad_steps) > max(found.complete, default=-1):
+        out.newest_bad(max(bad_steps), max(found.complete, default=None))
+    for step, p in sorted(found.bad.items()):
+        if args.remove_bad and lease is not None:
+            await remove_bad(store, p, deadline, lease)
+        for seen in p.seen:
+            state = state_of(seen)
+            if state == "bad":
+                size = sum(o.size for o in p.listed)
+                out.bad(seen.name + "/", step, "bad", why_bad(seen), size, args.remove_bad)
+            elif state == "aside":
+                a = seen.attempt or ""
+                mine = data_prefix(step, a)
+                size = sum(o.size for o in p.listed if o.key == aside_key(step, a) or o.key.startswith(mine))
+                reason = "set aside when the step was saved again" + (
+                    f"; verification failed: {seen.mark}" if seen.mark is not None else "")
+                out.bad(seen.name + ".json", step, "aside", reason, size, args.remove_bad)
     for name, problem, reason in found.left_alone:
-        out.left_alone(name, problem, reason)
+        if int(name[len("step_"):].rstrip("/")) not in found.bad:
+            out.left_alone(name, problem, reason)
     return out.finish()

@@ -16,16 +16,17 @@ def run_remote(args: argparse.Namespace) -> int:
     steps = scan(url, storage_options=storage_options(args))
     now = time.time()
     if args.json:
-        dump_json([{"step": s.step, "complete": s.complete, "status": "complete" if s.complete else "incomplete",
-                    "reason": s.reason or None, "size": s.nbytes, "files": s.files, "ranks": s.world_size,
-                    "created": s.created, "attempt": s.attempt} for s in steps])
+        dump_json([{"step": s.step, "name": s.name, "complete": s.complete, "status": s.status,
+                    "resumable": s.status == "complete", "reason": s.reason or None, "size": s.nbytes,
+                    "files": s.files, "ranks": s.world_size, "created": s.created, "attempt": s.attempt}
+                   for s in steps])  # fmt: skip
         return 0
     if not steps:
         say(f"{PROG}: no step prefixes under {url}", sys.stderr)
         return 0
-    rows = [[str(s.step), "complete" if s.complete else "incomplete", human_bytes(s.nbytes), str(s.files),
+    rows = [[str(s.step), s.status, human_bytes(s.nbytes), str(s.files),
              "?" if s.world_size is None else str(s.world_size),
-             "?" if s.created is None else human_age(now - s.created), f"step_{s.step:08d}/", s.reason]
+             "?" if s.created is None else human_age(now - s.created), s.name or f"step_{s.step:08d}/", s.reason]
             for s in steps]
     for line in table(["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "PREFIX", "NOTE"], rows):
         say(line)

@@ -7,19 +7,21 @@ import sys
 import time
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
-from .._remote import candidate_steps, newest_complete, open_store, run_sync
+from .._remote import candidate_steps, open_store, run_sync
+from .._remote_steps import newest_resumable
 from .._remote_verify import open_for_verify, verify_remote_step
 from ._print import PROG, Progress, say
 from ._remote_args import deadline_s, storage_options
+from .info import note_passed_over
 from .verify import report, summarize
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    """Verify the chosen remote steps: same lines, JSON and exit status as a local verify
-    (nothing is recorded on the store: verify never writes there)."""
+    """Verify the chosen remote steps: same lines, JSON and exit status as a local verify;
+    a failure is remembered on the store as a bad mark, a pass drops it (best effort)."""
     url: str = args.root
     store = open_store(url, storage_options(args))
     deadline = time.monotonic() + deadline_s(args)
@@ -34,9 +36,11 @@ async def _steps(store: Any, args: argparse.Namespace, deadline: float) -> list[
         return steps
     if args.step is not None:
         return [args.step]
-    found = await newest_complete(store, deadline)
+    passed: list[tuple[int, CheckpointCorruptError]] = []
+    found = await newest_resumable(store, deadline, passed=passed)
     if found is None:
         raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
+    note_passed_over([(s, str(e)) for s, e in passed], found[0].step, "verifying")
     return [found[0].step]
 
 

@@ -21,12 +21,13 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._layout import parse_leftover, parse_step_dir
+from .._layout import parse_aside, parse_leftover, parse_step_dir
 from .._storage import DEFAULT_OPS
-from ..reading import resolve_step
+from ..reading import resolve_step_noting
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
+from .info import note_passed_over
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "export",
         "write one rank's tensors to a single .safetensors or .pt file",
-        "Write the tensors of one rank (default 0) of a step (default: the newest complete) as\n"
+        "Write the tensors of one rank (default 0) of a step (default: the newest resumable) as\n"
         "one flat name->tensor file for other tools: .safetensors (read by\n"
         "safetensors.torch.load_file/load_model and Hugging Face from_pretrained) or .pt/.pth (a\n"
         "torch.save of the dict, loadable with torch.load(weights_only=True)). Names are the dotted\n"
@@ -160,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
     parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
     inside = os.path.basename(parent)
     if os.path.dirname(parent) == os.path.realpath(args.root) and (
-        parse_step_dir(inside) is not None or parse_leftover(inside) is not None
+        parse_step_dir(inside) is not None or parse_leftover(inside) is not None or parse_aside(inside) is not None
     ):
         raise UsageError(f"refusing to write into {inside}: an extra file there makes the checkpoint incomplete")
-    _, manifest = resolve_step(args.root, args.step)
+    _, manifest, passed = resolve_step_noting(args.root, args.step)
+    note_passed_over(passed, manifest.step, "exporting")
     if args.rank >= manifest.world_size:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
@@ -215,7 +217,9 @@ def _run_remote(args: argparse.Namespace) -> int:
     # the manifest first: a rank the step lacks is refused before anything is downloaded
     store = open_store(url, opts)
     deadline = time.monotonic() + deadline_s(args)
-    manifest = run_sync(lambda: resolve_remote_step(store, args.step, deadline))
+    passed: list[tuple[int, Any]] = []
+    manifest = run_sync(lambda: resolve_remote_step(store, args.step, deadline, passed))
+    note_passed_over([(s, str(e)) for s, e in passed], manifest.step, "exporting")
     if args.rank >= manifest.world_size:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"

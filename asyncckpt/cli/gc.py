@@ -7,16 +7,20 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+import sys
 import time
+import uuid
 from typing import Any
 
 from .. import _ownership
+from .._badmarks import clear
 from .._errors import CheckpointNotFoundError
-from .._retention import choose_by_commit_order, choose_victims, leftovers, retire
+from .._layout import deleting_dir_name
+from .._retention import choose_victims, leftovers, retire
 from .._storage import DEFAULT_OPS, Storage, remove_tree
 from ..reading import complete_checkpoints, scan, usage
 from ._args import command, positive_int, seconds
-from ._print import dump_json, human_age, human_bytes, say
+from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
 
 
@@ -26,13 +30,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "gc",
         "remove leftovers and old checkpoints",
         "Remove leftovers of crashed save attempts and interrupted retirements and, with\n"
-        "--keep-last N, retire complete checkpoints beyond the newest N, under the library's own\n"
-        "retention rules: only complete checkpoints count, the newest complete one is never\n"
-        "removed, and a checkpoint is renamed out of the way (atomically, root fsynced) before\n"
-        "its files are deleted. Leftovers modified within --min-age are kept, because a running\n"
-        "job may still be writing them. Incomplete directories with a committed name are only\n"
-        "reported, never removed. Removing is writing: gc takes the root's ownership for its run\n"
-        "and refuses a root a Checkpointer owns (--dry-run needs no ownership).\n\n"
+        "--keep-last N, retire resumable checkpoints beyond the newest N, under the library's own\n"
+        "retention rules: only resumable checkpoints count (complete, not known bad), the newest\n"
+        "resumable one is never removed, and a checkpoint is renamed out of the way (atomically,\n"
+        "root fsynced) before its files are deleted. Leftovers modified within --min-age are kept,\n"
+        "because a running job may still be writing them. Steps known bad (a verification or a\n"
+        "load found them corrupt) and bad attempts set aside are reported and kept for inspection\n"
+        "unless --remove-bad; incomplete directories with a committed name are only reported.\n"
+        "Removing is writing: gc takes the root's ownership for its run and refuses a root a\n"
+        "Checkpointer owns (--dry-run needs no ownership).\n\n"
         "ROOT may be an s3:// URL: gc then takes the root's lease (refused while a live job\n"
         "holds it; a lease its holder stopped renewing is taken over after its TTL) and removes\n"
         "step prefixes without a manifest, objects of attempts that lost a commit and incomplete\n"
@@ -40,7 +46,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "  asyncckpt gc ckpt/ --dry-run\n  asyncckpt gc ckpt/ --keep-last 3\n  asyncckpt gc ckpt/ --min-age 0\n"
         "  asyncckpt gc s3://bucket/run1 --min-age 0 --storage-option endpoint=http://127.0.0.1:8333",
     )
-    p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the newest N complete checkpoints")
+    p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the newest N resumable checkpoints")
+    p.add_argument(
+        "--remove-bad",
+        action="store_true",
+        help="also remove the steps known bad and the bad attempts set aside (never a resumable step)",
+    )
     p.add_argument(
         "--by-commit-order",
         action="store_true",
@@ -127,15 +138,55 @@ class Report:
         if self.text:
             say(f"left alone {name}: incomplete, {reason}; inspect it and remove it by hand if unwanted")
 
+    def bad(self, name: str, step: int, what: str, reason: str, size: int, removed: bool) -> None:
+        """A known-bad step (``what="bad"``) or a bad attempt set aside (``"aside"``): removed
+        (``--remove-bad``) or kept for inspection, never counted by ``--keep-last``."""
+        self.doc.setdefault("bad", []).append(
+            {"name": name, "step": step, "kind": what, "reason": reason, "size": size, "removed": removed})
+        if removed:
+            self.freed += size
+        if not self.text:
+            return
+        label = "known bad" if what == "bad" else "bad attempt set aside"
+        if removed:
+            say(f"{'would remove' if self.dry else 'removed'} {name} ({label}: {reason}, {human_bytes(size)})")
+        else:
+            say(f"kept {name}: {label}, {reason}; never counted by --keep-last, load() passes over it "
+                "(--remove-bad removes it)")
+
+    def newest_bad(self, step: int, newest: int | None) -> None:
+        """The highest step is known bad: say what resumes instead."""
+        self.doc["newest_known_bad"] = step
+        if self.text:
+            instead = f"step {newest} is the newest resumable one" if newest is not None else "nothing is resumable"
+            say(f"{PROG}: warning: step {step}, the highest, is known bad; {instead}", sys.stderr)
+
     def finish(self) -> int:
         self.doc.setdefault("kept_steps", [])
         self.doc.setdefault("left_alone", [])
+        self.doc.setdefault("bad", [])
         self.doc["freed"] = self.freed
         if self.text:
             say(f"{'would free' if self.dry else 'freed'} {human_bytes(self.freed)}")
         else:
             dump_json(self.doc)
         return 0
+
+
+def _remove_bad(root: str, name: str, step: int, attempt: str | None) -> None:
+    """Remove a known-bad step directory or a bad attempt set aside: renamed to a
+    ``.deleting-`` name first (a crash leaves a leftover, never a half-removed step), the
+    root fsynced, then its files removed and its bad mark dropped."""
+    src = os.path.join(root, name)
+    dst = os.path.join(root, deleting_dir_name(step, uuid.uuid4().hex[:16]))
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return  # removed meanwhile
+    DEFAULT_OPS.fsync_dir(root)
+    remove_tree(dst, DEFAULT_OPS)
+    if attempt is not None:
+        clear(root, step, attempt)
 
 
 def _run(args: argparse.Namespace, root: str) -> int:
@@ -160,7 +211,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 pass  # removed concurrently (by the library's own clean-up): fine
         out.removed(name, f"leftover of a {what}", use.size)
     if args.keep_last is not None:
-        infos = complete_checkpoints(root)
+        infos = complete_checkpoints(root)  # resumable ones: the same rule as the library's retention
         sizes = {}
         for i in infos:
             try:
@@ -169,14 +220,22 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 sizes[i.step] = 0
         if not dry:
             victims = _retire(root, args.keep_last, args.by_commit_order)
-        elif args.by_commit_order:
-            victims = choose_by_commit_order(infos, args.keep_last)
         else:
-            victims = choose_victims([i.step for i in infos], args.keep_last)
+            victims = choose_victims(infos, args.keep_last, by_commit_order=args.by_commit_order)
         for step in victims:
             out.retired(step, sizes.get(step, 0))
         out.keeping([i.step for i in infos if i.step not in victims])
-    for d in scan(root):
-        if not d.complete and d.problem not in ("save-leftover", "retire-leftover"):
+    dirs = scan(root)
+    resumable = [d.step for d in dirs if d.resumable]
+    bad = [d for d in dirs if d.state == "bad"]
+    if bad and max(d.step for d in bad) > max(resumable, default=-1):
+        out.newest_bad(max(d.step for d in bad), max(resumable, default=None))
+    for d in dirs:
+        if d.state in ("bad", "aside"):
+            reason = d.reason or (f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}" if d.bad else "")
+            if args.remove_bad and not dry:
+                _remove_bad(root, d.name, d.step, d.attempt)
+            out.bad(d.name, d.step, d.state, reason, d.size, args.remove_bad)
+        elif d.state == "incomplete":
             out.left_alone(d.name, d.problem, d.reason)
     return out.finish()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 from .._header import TensorSlot
 from .._manifest import Manifest
-from ..reading import Entry, local_time, read_rank_outline, resolve_step, timestamp
+from ..reading import Entry, local_time, read_rank_outline, resolve_step_noting, timestamp
 from ._args import add_step, command, non_negative_int
-from ._print import dump_json, human_age, human_bytes, say
+from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
 
 #: Containers of plain values longer than this are shown on one abbreviated line (``--full``: all).
@@ -32,7 +33,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         f"(an RNG state) are abbreviated to their first {SHOWN_ITEMS} items; --full shows all. Reads only\n"
         "the structure file and the shard header, not the tensor data (use 'verify' for that).\n"
         "ROOT may be an s3:// URL (the same objects, with ranged GETs for the header).",
-        "  asyncckpt info ckpt/                  # newest complete step, rank 0\n"
+        "  asyncckpt info ckpt/                  # newest resumable step, rank 0\n"
         "  asyncckpt info ckpt/ --step 300 --rank 3\n"
         "  asyncckpt info ckpt/ --json\n"
         "  asyncckpt info s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
@@ -113,9 +114,18 @@ def run(args: argparse.Namespace) -> int:
     if args.root.startswith("s3://"):
         return _run_remote(args)
     refuse_remote_options(args, args.root)
-    step_dir, manifest = resolve_step(args.root, args.step)
+    step_dir, manifest, passed = resolve_step_noting(args.root, args.step)
+    note_passed_over(passed, manifest.step, "showing")
     entries, slots = read_rank_outline(step_dir, manifest, args.rank)
     return _show(args, manifest, os.path.abspath(step_dir), entries, slots)
+
+
+def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> None:
+    """Say on stderr which newer steps a command that takes "the newest" passed over, and why."""
+    for step, why in passed:
+        say(f"{PROG}: note: passed over step {step} ({why})", sys.stderr)
+    if passed:
+        say(f"{PROG}: note: {doing} step {chosen}, the newest resumable one", sys.stderr)
 
 
 def _run_remote(args: argparse.Namespace) -> int:
@@ -126,12 +136,15 @@ def _run_remote(args: argparse.Namespace) -> int:
     store = open_store(args.root, storage_options(args))
     deadline = time.monotonic() + deadline_s(args)
 
+    passed: list[tuple[int, Any]] = []
+
     async def read() -> tuple[Manifest, list[Entry], dict[str, TensorSlot]]:
-        m = await resolve_remote_step(store, args.step, deadline)
+        m = await resolve_remote_step(store, args.step, deadline, passed)
         entries, slots = await remote_rank_outline(store, m, args.rank, deadline)
         return m, entries, slots
 
     manifest, entries, slots = run_sync(read)
+    note_passed_over([(s, str(e)) for s, e in passed], manifest.step, "showing")
     return _show(args, manifest, store.object_url(step_dir_name(manifest.step)), entries, slots)
 
 

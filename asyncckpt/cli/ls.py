@@ -18,12 +18,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "ls",
         "list every step directory, complete or not",
-        "List every step directory under ROOT, oldest first: complete checkpoints, those a\n"
-        "verification found bad, incomplete ones (and why: no completion marker, corrupt\n"
-        "manifest, size mismatch, ...) and leftovers of crashed save attempts or interrupted\n"
-        "retirements, with their size, number of files (manifest included), ranks and age.\n"
-        "'complete' means exactly what load() would accept.",
-        "  asyncckpt ls ckpt/\n  asyncckpt ls ckpt/ --json | jq '.[] | select(.complete) | .step'\n"
+        "List every step directory under ROOT, oldest first, in the library's own states:\n"
+        "complete (resumable: what latest() and load() take), bad (known bad: a verification or a\n"
+        "load found it corrupt, or its files prove it damaged: corrupt manifest, size mismatch,\n"
+        "...), aside (a bad attempt set aside when its step was saved again, kept for\n"
+        "inspection), incomplete (no completion marker, leftovers of crashed save attempts or\n"
+        "interrupted retirements), with their size, number of files (manifest included), ranks\n"
+        "and age.",
+        "  asyncckpt ls ckpt/\n  asyncckpt ls ckpt/ --json | jq '.[] | select(.resumable) | .step'\n"
         "  asyncckpt ls s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
     )
     add_storage_options(p)
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     for d in dirs:
         since = d.created if d.created is not None else d.modified
         note = d.reason or ""
-        if d.bad is not None:
+        if d.state == "bad" and d.bad is not None:
             note = f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}"
         rows.append(
             [

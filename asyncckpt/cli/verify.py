@@ -7,13 +7,14 @@ import os
 import sys
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
-from ..reading import Problem, candidate_steps, find_latest, open_step, step_bytes, verify_step
+from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
+from .info import note_passed_over
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -24,17 +25,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "Recompute the CRC-32C of every file of a checkpoint and check every rank's structure\n"
         "against its shard header, streaming the data (memory use stays small). Shows progress\n"
         "(bytes, rate, ETA) when stderr is a terminal, nothing when piped. A failure is remembered\n"
-        "under ROOT/.asyncckpt/bad so 'asyncckpt ls' marks the step (when ROOT is writable).\n"
+        "under ROOT/.asyncckpt/bad (when ROOT is writable): the step is then known bad ('asyncckpt\n"
+        "ls' shows it, latest() and load() pass over it) until a verification of it passes.\n"
         "Exits 0 when valid, 1 when a checkpoint is incomplete or corrupt (naming the file).\n"
         "ROOT may be an s3:// URL: every object's CRC-32C is recomputed from ranged GETs\n"
         "(bounded memory) and the step's objects and sizes checked against its manifest.",
-        "  asyncckpt verify ckpt/                # the newest complete step (what load() resumes from)\n"
+        "  asyncckpt verify ckpt/                # the newest resumable step (what load() resumes from)\n"
         "  asyncckpt verify ckpt/ --step 300\n"
         "  asyncckpt verify ckpt/ --all          # every step directory with a committed name\n"
         "  asyncckpt verify s3://bucket/run1 --storage-option endpoint=http://127.0.0.1:8333",
     )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=non_negative_int, metavar="N", help="verify this step (default: newest complete)")
+    which.add_argument("--step", type=non_negative_int, metavar="N",
+                       help="verify this step (default: the newest resumable)")
     which.add_argument("--all", action="store_true", help="verify every step directory")
     add_remote_arguments(p)  # s3:// only
     return p
@@ -48,10 +51,12 @@ def _steps(root: str, args: argparse.Namespace) -> list[int]:
         return steps
     if args.step is not None:
         return [args.step]
-    latest = find_latest(root)
+    skipped: dict[int, CheckpointCorruptError] = {}
+    latest = newest_complete(root, skipped=skipped)
     if latest is None:
         raise CheckpointNotFoundError(f"no complete checkpoint under {root}")
-    newer = [s for s in candidate_steps(root) if s > latest.step]
+    note_passed_over(passed_over(skipped), latest.step, "verifying")
+    newer = [s for s in candidate_steps(root) if s > latest.step and s not in skipped]
     if newer:
         say(
             f"{PROG}: note: {len(newer)} newer step director{'ies are' if len(newer) > 1 else 'y is'} incomplete "
