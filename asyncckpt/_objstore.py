@@ -521,8 +521,12 @@ class ObjectStore:
                 max_concurrency=self.max_concurrency,
             )
 
+        async def crc() -> int:
+            got: int = await crc_fut
+            return got
+
         try:
-            return await self._put(key, size, self.part_size, attempt, crc_fut, deadline, verify)
+            return await self._put(key, size, self.part_size, attempt, crc, deadline, verify)
         finally:
             if not crc_fut.done():
                 crc_fut.cancel()
@@ -556,21 +560,22 @@ class ObjectStore:
             read(offset, memoryview(buf))
             return buf, crc32c(buf)
 
-        if size <= part:  # one PUT: read once, before any request (the file does not change)
-            body, crc = await self._in_thread(fill, 0, size)
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(crc)
+        local: list[BaseException] = []  # the source's failure, if any
+        sent = [0]  # CRC-32C of the bytes the last attempt that read them all sent
+
+        async def crc() -> int:
+            return sent[0]
+
+        if size <= part:  # one PUT: read once, before any request; every try sends these bytes
+            body, sent[0] = await self._in_thread(fill, 0, size)
 
             async def single(budget: float) -> Any:
                 return await obstore.put_async(self._make_store(budget), key, body, use_multipart=False)
 
-            return await self._put(key, size, part, single, done, deadline, verify)
-
-        local: list[BaseException] = []  # the source's failure, if any
-        sent = asyncio.get_running_loop().create_future()
+            return await self._put(key, size, part, single, crc, deadline, verify)
 
         async def parts() -> AsyncIterator[bytearray]:
-            crc = 0
+            total = 0
             for offset in range(0, size, part):
                 n = min(part, size - offset)
                 try:
@@ -578,10 +583,9 @@ class ObjectStore:
                 except Exception as e:
                     local.append(e)
                     raise
-                crc = crc32c_combine(crc, c, n)
+                total = crc32c_combine(total, c, n)
                 yield buf
-            if not sent.done():
-                sent.set_result(crc)
+            sent[0] = total  # an upload completes only after this: the successful try's CRC
 
         async def multi(budget: float) -> Any:
             try:
@@ -592,22 +596,17 @@ class ObjectStore:
                     return None  # not the store's failure: raised below, not retried
                 raise
 
-        try:
-            info = await self._put(key, size, part, multi, sent, deadline, verify, local)
-        finally:
-            if not sent.done():
-                sent.cancel()
-        return info
+        return await self._put(key, size, part, multi, crc, deadline, verify, local)
 
     async def _put(
         self, key: str, size: int, part: int, attempt: Callable[[float], Awaitable[Any]],
-        crc_fut: asyncio.Future[int], deadline: float, verify: Literal["size", "readback"],
+        sent_crc: Callable[[], Awaitable[int]], deadline: float, verify: Literal["size", "readback"],
         local: list[BaseException] | None = None,
     ) -> PutInfo:
         """Run the upload ``attempt`` (retried within the deadline), then check what the store
-        holds (its size, or its CRC read back against ``crc_fut``'s). A failure aborts the
-        key's incomplete multipart uploads; one of the local source (``local``) is raised
-        as it is."""
+        holds (its size, or its CRC read back against ``sent_crc()``, that of the bytes sent).
+        A failure aborts the key's incomplete multipart uploads; one of the local source
+        (``local``) is raised as it is."""
         parts = max(1, -(-size // part))
         try:
             result = await self._retrying(deadline, key, "upload", attempt)
@@ -617,7 +616,7 @@ class ObjectStore:
             if parts > 1:
                 await self._abort_after_failure(key)
             raise
-        crc = await crc_fut
+        crc = await sent_crc()
         if verify == "readback":
             got = await self.crc32c_of(key, size, deadline)
             if got != crc:
@@ -806,7 +805,7 @@ class ObjectStore:
         on the I/O executor as it arrives (a local file's ``pwrite``); return the CRC-32C of
         the object's bytes. Memory: ``max_concurrency`` ranges. A short object raises
         :class:`ObjectIntegrityError`; an exception of ``write`` (an ``OSError`` of the local
-        disk) is raised as it is, and no range is written after it."""
+        disk) is raised as it is, and the ranges not yet fetched are cancelled."""
         self._check_key(key)
         step = self.stream_part(size)
         sem = asyncio.Semaphore(self.max_concurrency)
