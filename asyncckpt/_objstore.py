@@ -805,7 +805,8 @@ class ObjectStore:
         on the I/O executor as it arrives (a local file's ``pwrite``); return the CRC-32C of
         the object's bytes. Memory: ``max_concurrency`` ranges. A short object raises
         :class:`ObjectIntegrityError`; an exception of ``write`` (an ``OSError`` of the local
-        disk) is raised as it is, and the ranges not yet fetched are cancelled."""
+        disk) is raised as it is, and the ranges not yet fetched are cancelled. No call of
+        ``write`` is still running when this returns or raises."""
         self._check_key(key)
         step = self.stream_part(size)
         sem = asyncio.Semaphore(self.max_concurrency)
@@ -827,7 +828,17 @@ class ObjectStore:
                     raise ObjectIntegrityError(
                         errno.EIO, f"range at {start} returned {src.nbytes} bytes, expected {n}", self.object_url(key)
                     )
-                crcs[start] = await self._in_thread(put, start, src)
+                # cancelled (another range failed), still wait for this write to end: the caller
+                # closes its file once get_to returns, and a late pwrite to a reused descriptor
+                # number would land in some other file
+                fut = asyncio.ensure_future(self._in_thread(put, start, src))
+                try:
+                    crcs[start] = await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    await asyncio.wait([fut])
+                    if not fut.cancelled():
+                        fut.exception()  # retrieved: the failure that cancelled us is reported
+                    raise
 
         await gather_or_cancel([one(s) for s in range(0, size, step)])
         crc = 0

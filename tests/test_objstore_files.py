@@ -133,3 +133,31 @@ def test_get_to_writes_every_range_and_returns_the_crc(s3: Any, tmp_path: Any) -
     with pytest.raises(OSError) as ei:
         asyncio.run(st.get_to("obj", len(data), full, deadline()))
     assert ei.value is failure
+
+
+def test_get_to_returns_only_once_no_write_is_running(s3: Any) -> None:
+    """A failed range cancels the others, but a write already running is waited for: the
+    caller closes its file when get_to raises, and a late pwrite to a reused descriptor
+    number would land in another file."""
+    st, _ = store(s3.endpoint, max_concurrency=3)
+    asyncio.run(st.put_file("obj", memoryview(os.urandom(3 * PART)), deadline()))
+    running: list[int] = []
+    finished: list[int] = []
+
+    def write(offset: int, view: memoryview) -> None:
+        if offset == PART:
+            until = time.monotonic() + 5
+            while 0 not in running and time.monotonic() < until:  # fail while range 0 is being written
+                time.sleep(0.01)
+            raise OSError(errno.ENOSPC, "No space left on device", "/disk/f")
+        running.append(offset)
+        time.sleep(1.0)  # a slow disk: still writing when the other range fails
+        finished.append(offset)
+
+    async def go() -> tuple[list[int], list[int]]:
+        with pytest.raises(OSError):
+            await st.get_to("obj", 3 * PART, write, deadline())
+        return list(running), list(finished)  # at once (asyncio.run's end would wait for the threads)
+
+    started, done = asyncio.run(go())
+    assert 0 in started and sorted(done) == sorted(started)
