@@ -81,9 +81,7 @@ def read_exact(fd: int, view: memoryview, offset: int, path: str, what: str = "r
     n = view.nbytes
     while got < n:
         try:
-            k = os.preadv(fd, [view[got:]], offset + got)
-        except InterruptedError:
-            continue
+            k = os.preadv(fd, [view[got:]], offset + got)  # EINTR is retried by Python (PEP 475)
         except OSError as e:
             raise OSError(e.errno, f"{e.strerror} ({what} at byte {offset + got})", path) from None
         if k <= 0:
@@ -99,8 +97,6 @@ def write_all(fd: int, view: memoryview, offset: int, path: str) -> None:
     while done < n:
         try:
             k = os.pwrite(fd, view[done:], offset + done)
-        except InterruptedError:
-            continue
         except OSError as e:
             raise OSError(e.errno, f"{e.strerror} (writing at byte {offset + done})", path) from None
         if k <= 0:  # cannot happen for a regular file; never loop forever on it
