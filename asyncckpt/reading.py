@@ -654,8 +654,8 @@ def _outline(
                                  value=val[0]))
                 return
             elif tag in _VALUE_TAGS:
-                # numpy scalars, complex, torch.Size/dtype/device/Generator, paths, datetimes;
-                # a Generator's state is a tensor of the shard
+                # numpy scalars, complex, torch.Size/dtype/device, paths, datetimes (and a
+                # $generator of another shape); the tensors they refer to are in the shard
                 for ref in _tensor_refs(val):
                     if referenced is not None:
                         referenced.add(ref)
