@@ -21,8 +21,11 @@ Where the bytes come from, and what verifies them:
   chunk is read exactly once, front to back, and its CRC is continued across bands and
   compared when the tensor is done.
 
-Any mismatch raises ``CheckpointCorruptError`` naming the file; the caller writes to a
-temporary file and publishes it only when everything verified.
+Any mismatch raises ``CheckpointCorruptError`` naming the file; an I/O error (EIO, a full
+disk) is an ``OSError`` naming the file, not a sign of corruption. Files are read with
+``pread`` and written with ``pwrite`` (never mapped: a fault cannot become a SIGBUS), the
+output's size reserved before its first byte. The caller writes to a temporary file and
+publishes it only when everything verified.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ._bounds import parse_structure
 from ._checksum import crc32c
 from ._discovery import PinnedStep, pin_step
 from ._errors import CheckpointCorruptError
+from ._fileio import read_exact, reserve, write_all
 from ._format import ST_TO_DTYPE, plan_layout
 from ._header import TensorSlot
 from ._load import _check_tree_size, byte_view, read_header
@@ -117,14 +121,16 @@ class Export:
     """One rank's view of a pinned step, ready to stream any selection of its tensors.
 
     ``named``: ``(dotted name, source)`` in saved order (a tied tensor appears under each of
-    its names with the same source); ``skipped``: the dotted names of non-tensor values
-    (numbers, strings, numpy arrays, generators, sets). Close it (or use ``with``).
+    its names with the same source); ``keys``: the key path of each of them, in the same
+    order; ``skipped``: the key paths of non-tensor values (numbers, strings, numpy arrays,
+    generators, sets). Close it (or use ``with``).
     """
 
     pinned: PinnedStep
     rank: int
     named: list[tuple[str, Source]]
-    skipped: list[str]
+    skipped: list[tuple[str, ...]]
+    keys: list[tuple[str, ...]] = field(default_factory=list)
     _wholes: dict[str, _Whole] = field(default_factory=dict)
     _fds: dict[str, int] = field(default_factory=dict)
 
@@ -163,14 +169,18 @@ class Export:
 
     def write(self, path: str, tensors: Sequence[tuple[str, Source]]) -> int:
         """Write ``tensors`` (output name, source) as one safetensors file at ``path`` (created
-        exclusively, fsynced); return its size. ``CheckpointCorruptError`` if any byte read
-        fails its checksum: ``path`` then holds garbage and the caller must remove it."""
+        exclusively, its whole size reserved first, fsynced); return its size.
+        ``CheckpointCorruptError`` if any byte read fails its checksum; an ``OSError`` naming
+        the file for an I/O error, reading or writing (a full disk: ENOSPC before the first
+        byte where the file system can preallocate). Either way ``path`` then holds garbage
+        and the caller must remove it."""
         layout = plan_layout([(n, ST_TO_DTYPE[s.dtype], s.shape) for n, s in tensors], {"format": "pt"})
         where = {s.name: layout.data_start + s.begin for s in layout.slots}
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            _pwrite_all(out, memoryview(layout.header), 0)
-            io = _Buffers(_BAND)  # pages are touched only as far as the pieces reach
+            reserve(out, layout.file_size, path)  # a disk without room: ENOSPC before the first byte
+            write_all(out, memoryview(layout.header), 0, path)
+            io = _Buffers(_BAND, path)  # pages are touched only as far as the pieces reach
             by_file: dict[str, list[tuple[Slot, int]]] = {}
             for name, src in tensors:
                 if isinstance(src, Slot):
@@ -182,8 +192,10 @@ class Export:
                     self._plain(src, where[name], out, io)
                 elif isinstance(src, Global):
                     self._global(src, where[name], out, io)
-            os.ftruncate(out, layout.file_size)  # a no-op unless the last tensors were empty
-            os.fsync(out)
+            try:
+                os.fsync(out)
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror} (fsync)", path) from None
         finally:
             os.close(out)
         return layout.file_size
@@ -243,16 +255,18 @@ class Export:
                     )
                     grid[index].copy_(io.bounce[:n].view(*part.sizes, item))
                 state[i][0] += n
-            _pwrite_all(out, byte_view(buf), at + linear(band.offsets, Box.whole(src.shape)) * item)
+            write_all(out, byte_view(buf), at + linear(band.offsets, Box.whole(src.shape)) * item, io.out_path)
         for i, chunk in enumerate(src.chunks):
             if state[i] != [chunk.nbytes(item), src.crcs[i]]:
                 raise CheckpointCorruptError(f"checksum mismatch in a chunk of {src.name!r}", self._path(chunk.file))
 
 
 class _Buffers:
-    """The two reused buffers of an export: the band being assembled and a bounce buffer."""
+    """The two reused buffers of an export: the band being assembled and a bounce buffer
+    (and the output's path, for its errors)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, out_path: str) -> None:
+        self.out_path = out_path
         self.band = torch.empty(size, dtype=torch.uint8)
         self.bounce = torch.empty(size, dtype=torch.uint8)
 
@@ -300,21 +314,8 @@ def contiguous_in(part: Box, box: Box) -> bool:
 
 # ---------------------------------------------------------------------------- I/O
 def _pread(fd: int, path: str, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        try:
-            n = os.preadv(fd, [view[got:]], offset + got)
-        except OSError as e:
-            raise CheckpointCorruptError(f"cannot read ({e.strerror})", path) from None
-        if n <= 0:
-            raise CheckpointCorruptError("file ended early", path)
-        got += n
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+    # an I/O error is an OSError naming the file (never a bad mark); a short file is corrupt
+    read_exact(fd, view, offset, path)
 
 
 def _checksum_only(fd: int, path: str, offset: int, nbytes: int, crc: int, io: _Buffers) -> int:
@@ -332,7 +333,7 @@ def _copy(fd: int, path: str, offset: int, nbytes: int, crc: int, io: _Buffers, 
         _pread(fd, path, mv[:n], offset + done)
         crc = crc32c(mv[:n], crc)
         if out is not None:
-            _pwrite_all(out, mv[:n], at + done)
+            write_all(out, mv[:n], at + done, io.out_path)
         done += n
     return crc
 
@@ -353,7 +354,7 @@ def open_export(root: str, step: int, rank: int) -> Export:
         assert manifest is not None
         tree = _tree(pinned, manifest, rank)
         wholes: dict[str, _Whole] = {}
-        ex = Export(pinned, rank, [], [], wholes)
+        ex = Export(pinned, rank, [], [], _wholes=wholes)
         sources: dict[str, Source] = {}
         if indexed(manifest):
             index = _read_index(ex, manifest)
@@ -376,7 +377,8 @@ def open_export(root: str, step: int, rank: int) -> Export:
             raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
         for path, kind, value in walk(tree):
             if kind == "tensor":
-                ex.named.append((path, sources[value]))
+                ex.named.append((dotted(path), sources[value]))
+                ex.keys.append(path)
             else:
                 ex.skipped.append(path)
         # every file this rank's tensors lie in, opened now: a retirement that starts later
@@ -437,24 +439,28 @@ def _whole(ex: Export, manifest: Manifest, file: str, wholes: dict[str, _Whole])
 _CONTAINERS = ("$dict", "$odict", "$defaultdict")
 
 
-def walk(tree: Any) -> Iterator[tuple[str, str, Any]]:
-    """``(dotted path, "tensor" | "value", tensor name | None)`` for every leaf of a (validated)
+def dotted(path: tuple[str, ...]) -> str:
+    """A key path as export names it: its keys joined by dots (``_`` for the root itself)."""
+    return ".".join(path) if path else "_"
+
+
+def walk(tree: Any) -> Iterator[tuple[tuple[str, ...], str, Any]]:
+    """``(key path, "tensor" | "value", tensor name | None)`` for every leaf of a (validated)
     tree, in saved order, as the loaded state would be walked: dicts and sequences are
     entered; tensors and parameters (plain or DTensor) are tensors; everything else,
     numpy arrays and generators included, is a value."""
     stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
     while stack:
         node, path = stack.pop()
-        dotted = ".".join(path) if path else "_"
         if isinstance(node, list):
             stack.extend(reversed([(v, (*path, str(i))) for i, v in enumerate(node)]))
             continue
         if not isinstance(node, dict):
-            yield dotted, "value", None
+            yield path, "value", None
             continue
         ((tag, val),) = node.items()
         if tag in ("$tensor", "$dtensor"):
-            yield dotted, "tensor", val
+            yield path, "tensor", val
         elif tag == "$param":
             stack.append((val[0], path))
         elif tag == "$tuple":
@@ -463,7 +469,7 @@ def walk(tree: Any) -> Iterator[tuple[str, str, Any]]:
             items = val if tag == "$dict" else val[0] if tag == "$odict" else val[1]
             stack.extend(reversed([(v, (*path, str(k))) for k, v in items]))
         else:
-            yield dotted, "value", None
+            yield path, "value", None
 
 
 def drop_aliases(tensors: dict[str, Source]) -> tuple[list[tuple[str, Source]], dict[str, str]]:

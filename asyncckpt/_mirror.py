@@ -103,7 +103,7 @@ class Mirror:
         from ._remote import open_store
 
         self.root = root
-        # its own pool for the CRC threads: at interpreter exit a ThreadPoolExecutor refuses
+        # its own pool for the upload reads (pread + CRC): at interpreter exit a ThreadPoolExecutor refuses
         # new work, and the exit hook still waits for the upload of the last commit
         self._pool = IOPool(2, "asyncckpt-mirror-io") if uploads else None
         try:

@@ -13,12 +13,18 @@ methods for the writer's event loop, each bounded by an absolute ``deadline``
   CRC-32C, verified on load, is the end-to-end check. A failed or timed-out put aborts
   every incomplete multipart upload of its key (keys are attempt-unique, so no other
   writer's upload can match).
+* :meth:`ObjectStore.put_from` - an object from a local file, read (``pread``) part by part
+  as the upload takes them: memory stays ``max_concurrency + 1`` parts of
+  :meth:`~ObjectStore.stream_part` bytes, a read error is raised as the ``OSError`` it is
+  (never a SIGBUS, as an ``mmap`` of the file would turn it into; never retried).
 * :meth:`ObjectStore.create_once` - a conditional create (``If-None-Match: *``, one PUT) that
   tells who won even when the response was lost: after *every* outcome the object is read
   back and compared with our bytes (which carry our attempt id).
 * :meth:`ObjectStore.replace_if` - a compare-and-swap (``If-Match: <ETag>``, one PUT), read
   back the same way: what the root lease (``_lease``) is renewed and taken over with.
-* :meth:`ObjectStore.get_range_into` - parallel ranged GETs into a caller's buffer.
+* :meth:`ObjectStore.get_range_into` - parallel ranged GETs into a caller's buffer;
+  :meth:`ObjectStore.get_to` - the same handed range by range to a writer (a local file's
+  ``pwrite``), with the CRC-32C of the whole.
 * :meth:`ObjectStore.list`, :meth:`ObjectStore.head`, :meth:`ObjectStore.delete`,
   :meth:`ObjectStore.list_uploads`, :meth:`ObjectStore.abort_uploads`.
 
@@ -47,7 +53,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -57,7 +63,7 @@ import obstore
 import obstore.exceptions as obx
 from obstore.store import S3Store
 
-from ._checksum import crc32c
+from ._checksum import crc32c, crc32c_combine
 from ._errors import CheckpointError
 from ._layout import META_DIR
 from ._s3uploads import S3Credentials, Upload, UploadsClient, UploadsError
@@ -71,6 +77,10 @@ MIN_PART = 5 * MiB
 DEFAULT_PART = 64 * MiB
 #: Largest object a single (conditional) PUT may carry on AWS.
 MAX_SINGLE_PUT = 5 * 1024 * MiB
+#: Most parts of one multipart upload (S3's limit).
+MAX_PARTS = 10_000
+#: Part of a file streamed to or from the store (put_from/get_to): 9 of them in memory at most.
+STREAM_PART = 16 * MiB
 
 #: Storage-option keys whose values are secrets (also any key naming a secret/token/password).
 _SECRET_KEYS = {"access_key_id", "secret_access_key", "session_token", "token", "aws_access_key_id",
@@ -500,7 +510,6 @@ class ObjectStore:
         mv = _as_bytes(data)
         size = mv.nbytes
         crc_fut = asyncio.ensure_future(self._in_thread(crc32c, mv))
-        parts = max(1, -(-size // self.part_size))
 
         async def attempt(budget: float) -> Any:
             store = self._make_store(budget)
@@ -512,27 +521,112 @@ class ObjectStore:
                 max_concurrency=self.max_concurrency,
             )
 
+        async def crc() -> int:
+            got: int = await crc_fut
+            return got
+
         try:
-            try:
-                result = await self._retrying(deadline, key, "upload", attempt)
-            except BaseException:
-                if parts > 1:
-                    await self._abort_after_failure(key)
-                raise
-            crc = await crc_fut
-            if verify == "readback":
-                got = await self.crc32c_of(key, size, deadline)
-                if got != crc:
-                    raise ObjectIntegrityError(errno.EIO, f"read-back CRC-32C {got:08x} != {crc:08x} sent",
-                                               self.object_url(key))
-            else:
-                info = await self.head(key, deadline)
-                if info.size != size:
-                    raise ObjectIntegrityError(errno.EIO, f"stored size {info.size} != {size} sent",
-                                               self.object_url(key))
+            return await self._put(key, size, self.part_size, attempt, crc, deadline, verify)
         finally:
             if not crc_fut.done():
                 crc_fut.cancel()
+
+    def stream_part(self, size: int) -> int:
+        """The part (and range) size of a transfer through :meth:`put_from`/:meth:`get_to`:
+        at most ``STREAM_PART`` (or ``part_size`` if smaller), more only where an object of
+        ``size`` bytes would need over ``MAX_PARTS`` parts. Its memory is
+        ``max_concurrency + 1`` such parts."""
+        least = -(-size // MAX_PARTS)
+        return max(MIN_PART, min(self.part_size, STREAM_PART), -(-least // MiB) * MiB)
+
+    async def put_from(
+        self, key: str, size: int, read: Callable[[int, memoryview], None], deadline: float,
+        *, verify: Literal["size", "readback"] = "size",
+    ) -> PutInfo:
+        """Store the ``size`` bytes that ``read(offset, buffer)`` fills (a local file read with
+        ``pread``; called on the I/O executor) as ``key``, read one :meth:`stream_part` at a
+        time as the upload takes them: memory stays ``max_concurrency + 1`` parts whatever
+        the size. ``PutInfo.crc32c`` is that of the bytes sent.
+
+        An exception of ``read`` (an ``OSError`` of the local disk) ends the upload and is
+        raised as it is, never retried as a store failure; the key's incomplete uploads are
+        aborted. Store failures raise as in :meth:`put_file`.
+        """
+        self._check_key(key)
+        part = self.stream_part(size)
+
+        def fill(offset: int, n: int) -> tuple[bytearray, int]:
+            buf = bytearray(n)  # a fresh buffer per part: obstore holds it until the part is sent
+            read(offset, memoryview(buf))
+            return buf, crc32c(buf)
+
+        local: list[BaseException] = []  # the source's failure, if any
+        sent = [0]  # CRC-32C of the bytes the last attempt that read them all sent
+
+        async def crc() -> int:
+            return sent[0]
+
+        if size <= part:  # one PUT: read once, before any request; every try sends these bytes
+            body, sent[0] = await self._in_thread(fill, 0, size)
+
+            async def single(budget: float) -> Any:
+                return await obstore.put_async(self._make_store(budget), key, body, use_multipart=False)
+
+            return await self._put(key, size, part, single, crc, deadline, verify)
+
+        async def parts() -> AsyncIterator[bytearray]:
+            total = 0
+            for offset in range(0, size, part):
+                n = min(part, size - offset)
+                try:
+                    buf, c = await self._in_thread(fill, offset, n)
+                except Exception as e:
+                    local.append(e)
+                    raise
+                total = crc32c_combine(total, c, n)
+                yield buf
+            sent[0] = total  # an upload completes only after this: the successful try's CRC
+
+        async def multi(budget: float) -> Any:
+            try:
+                return await obstore.put_async(self._make_store(budget), key, parts(), use_multipart=True,
+                                               chunk_size=part, max_concurrency=self.max_concurrency)
+            except Exception:
+                if local:
+                    return None  # not the store's failure: raised below, not retried
+                raise
+
+        return await self._put(key, size, part, multi, crc, deadline, verify, local)
+
+    async def _put(
+        self, key: str, size: int, part: int, attempt: Callable[[float], Awaitable[Any]],
+        sent_crc: Callable[[], Awaitable[int]], deadline: float, verify: Literal["size", "readback"],
+        local: list[BaseException] | None = None,
+    ) -> PutInfo:
+        """Run the upload ``attempt`` (retried within the deadline), then check what the store
+        holds (its size, or its CRC read back against ``sent_crc()``, that of the bytes sent).
+        A failure aborts the key's incomplete multipart uploads; one of the local source
+        (``local``) is raised as it is."""
+        parts = max(1, -(-size // part))
+        try:
+            result = await self._retrying(deadline, key, "upload", attempt)
+            if local:
+                raise local[0]
+        except BaseException:
+            if parts > 1:
+                await self._abort_after_failure(key)
+            raise
+        crc = await sent_crc()
+        if verify == "readback":
+            got = await self.crc32c_of(key, size, deadline)
+            if got != crc:
+                raise ObjectIntegrityError(errno.EIO, f"read-back CRC-32C {got:08x} != {crc:08x} sent",
+                                           self.object_url(key))
+        else:
+            info = await self.head(key, deadline)
+            if info.size != size:
+                raise ObjectIntegrityError(errno.EIO, f"stored size {info.size} != {size} sent",
+                                           self.object_url(key))
         return PutInfo(key, size, crc, result.get("e_tag") if isinstance(result, dict) else None, parts)
 
     async def _abort_after_failure(self, key: str) -> None:
@@ -704,6 +798,53 @@ class ObjectStore:
             dst[start : start + n] = src
 
         await gather_or_cancel([one(s) for s in range(0, dst.nbytes, step)])
+
+    async def get_to(self, key: str, size: int, write: Callable[[int, memoryview], None], deadline: float) -> int:
+        """Read the ``size`` bytes of ``key`` by parallel ranged GETs of :meth:`stream_part`
+        bytes (``max_concurrency`` in flight), handing each range to ``write(offset, data)``
+        on the I/O executor as it arrives (a local file's ``pwrite``); return the CRC-32C of
+        the object's bytes. Memory: ``max_concurrency`` ranges. A short object raises
+        :class:`ObjectIntegrityError`; an exception of ``write`` (an ``OSError`` of the local
+        disk) is raised as it is, and the ranges not yet fetched are cancelled. No call of
+        ``write`` is still running when this returns or raises."""
+        self._check_key(key)
+        step = self.stream_part(size)
+        sem = asyncio.Semaphore(self.max_concurrency)
+        crcs: dict[int, int] = {}
+
+        def put(start: int, data: memoryview) -> int:
+            write(start, data)
+            return crc32c(data)
+
+        async def one(start: int) -> None:
+            n = min(step, size - start)
+            async with sem:
+                got = await self._retrying(
+                    deadline, key, "ranged get",
+                    lambda _b: obstore.get_range_async(self._store, key, start=start, length=n),
+                )
+                src = memoryview(got)
+                if src.nbytes != n:
+                    raise ObjectIntegrityError(
+                        errno.EIO, f"range at {start} returned {src.nbytes} bytes, expected {n}", self.object_url(key)
+                    )
+                # cancelled (another range failed), still wait for this write to end: the caller
+                # closes its file once get_to returns, and a late pwrite to a reused descriptor
+                # number would land in some other file
+                fut = asyncio.ensure_future(self._in_thread(put, start, src))
+                try:
+                    crcs[start] = await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    await asyncio.wait([fut])
+                    if not fut.cancelled():
+                        fut.exception()  # retrieved: the failure that cancelled us is reported
+                    raise
+
+        await gather_or_cancel([one(s) for s in range(0, size, step)])
+        crc = 0
+        for start in sorted(crcs):
+            crc = crc32c_combine(crc, crcs[start], min(step, size - start))
+        return crc
 
     async def get_range_scatter(self, key: str, offset: int, views: Sequence[memoryview], deadline: float) -> None:
         """One ranged GET of ``key`` from ``offset`` filling ``views`` in order (consecutive in

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import threading
 import time
@@ -37,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _ownership
 from ._bounds import MAX_MANIFEST_BYTES
-from ._checksum import crc32c
 from ._discovery import complete_checkpoints, pin_step, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._fileio import read_exact, reserve, write_all
 from ._layout import aside_key, check_step, step_dir_name, tmp_dir_name
 from ._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
 from ._layout import manifest_key as manifest_key
@@ -69,6 +68,7 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 3600.0
 #: Files of one step uploaded or downloaded at a time (each with its own parallel parts).
 _FILES_IN_FLIGHT = 2
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def is_url(root: object) -> bool:
@@ -243,36 +243,28 @@ def _select_steps(root: str, steps: str | int | Iterable[int] | None) -> list[in
     return sorted(set(wanted))
 
 
-class _Mapped:
-    """A read-only mapping of an open local file (``b""`` for an empty one)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
-
-    def close(self) -> None:
-        self.view.release()
-        if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:  # a cancelled CRC thread still reads it: the GC closes it later
-                pass
-
-
-async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, _Mapped], m: Manifest,
+async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, int], m: Manifest,
                         names: Iterable[str], deadline: float) -> None:
+    """Upload ``names`` (open read-only in ``opened``) read with ``pread`` part by part (never
+    mapped: a read error is an ``OSError`` naming the file, not a SIGBUS)."""
     prefix = data_prefix(m.step, m.attempt)
     sem = asyncio.Semaphore(_FILES_IN_FLIGHT)
 
     async def one(name: str) -> None:
         f = m.file(name)
+        path = os.path.join(pinned_path, name)
+        fd = opened[name]
+
+        def read(offset: int, view: memoryview) -> None:
+            read_exact(fd, view, offset, path, "reading it to upload")
+
         async with sem:
-            info = await store.put_file(prefix + name, opened[name].view, deadline)
+            info = await store.put_from(prefix + name, f.size, read, deadline)
         if info.crc32c != f.crc32c:
             # the local file is not what was committed: never commit it remotely
             raise CheckpointCorruptError(
                 f"checksum mismatch (CRC-32C {info.crc32c:08x} read, {f.crc32c:08x} in the manifest); not pushed",
-                os.path.join(pinned_path, name),
+                path,
             )
 
     await gather_or_cancel([one(n) for n in names])
@@ -345,18 +337,14 @@ async def push_step(
             prefix = data_prefix(step, m.attempt)
             have = {o.key[len(prefix) :]: o.size for o in await store.list(prefix, deadline)}
             names = [f.name for f in m.files if have.get(f.name) != f.size]
-        opened: dict[str, _Mapped] = {}
+        opened: dict[str, int] = {}  # every file opened first: a retirement starting later cannot take one
         try:
             for name in names:
-                fd = pinned.open_file(name, m.file(name).size)
-                try:
-                    opened[name] = _Mapped(fd, m.file(name).size)
-                finally:
-                    os.close(fd)
+                opened[name] = pinned.open_file(name, m.file(name).size)
             await _upload_files(store, pinned.path, opened, m, names, deadline)
         finally:
-            for o in opened.values():
-                o.close()
+            for fd in opened.values():
+                os.close(fd)
         if status == "pushed":
             until = deadline
             if lease is not None:  # ours for a third of its TTL at least, or no commit
@@ -431,35 +419,45 @@ def push(
 # ----------------------------------------------------------------------------------- pull
 
 
+def _fsync(fd: int, path: str) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (fsync)", path) from None
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.fsync(fd)
+        _fsync(fd, path)
     finally:
         os.close(fd)
 
 
+def _reserve_files(m: Manifest, tmp: str) -> None:
+    """Create every data file of ``m`` in ``tmp`` at its full size, its space allocated
+    (``fallocate``) where the file system can: a disk without room for the step fails here
+    with ENOSPC, before the first byte is downloaded."""
+    for f in m.files:
+        path = os.path.join(tmp, f.name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+        try:
+            reserve(fd, f.size, path)
+        finally:
+            os.close(fd)
+
+
 async def _download(store: ObjectStore, key: str, path: str, size: int, crc: int, deadline: float) -> None:
-    """Ranged GETs of ``key`` straight into a new local file, CRC-32C checked, fsynced."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    """Ranged GETs of ``key`` written (``pwrite``, never through a mapping: a full disk or an
+    I/O error is an ``OSError`` naming the file, not a SIGBUS) into the file
+    :func:`_reserve_files` made, CRC-32C checked, fsynced."""
+    fd = os.open(path, os.O_WRONLY | _CLOEXEC)
     try:
-        os.ftruncate(fd, size)
-        got = 0
-        if size:
-            with mmap.mmap(fd, size) as mm:
-                view = memoryview(mm)
-                try:
-                    await store.get_range_into(key, 0, view, deadline)
-                    got = await asyncio.to_thread(crc32c, view)
-                    mm.flush()
-                finally:
-                    view.release()
-        else:
-            got = crc32c(b"")
+        got = await store.get_to(key, size, lambda offset, data: write_all(fd, data, offset, path), deadline)
         if got != crc:
             raise CheckpointCorruptError(f"checksum mismatch (CRC-32C {got:08x} read, {crc:08x} in the manifest)",
                                          store.object_url(key))
-        os.fsync(fd)
+        await asyncio.to_thread(_fsync, fd, path)
     finally:
         os.close(fd)
 
@@ -474,6 +472,7 @@ async def _remote_step(store: ObjectStore, step: int | None, deadline: float) ->
 
 
 async def _download_step(store: ObjectStore, m: Manifest, tmp: str, deadline: float) -> None:
+    """Download every data file of ``m`` into ``tmp`` (reserved by :func:`_reserve_files`)."""
     prefix = data_prefix(m.step, m.attempt)
     sem = asyncio.Semaphore(_FILES_IN_FLIGHT)
 
@@ -502,11 +501,13 @@ def pull_step(store: ObjectStore, root: str, step: int | None, deadline: float) 
         remove_tree(tmp)  # our own leftover of an earlier pull (we hold the root's ownership)
     os.mkdir(tmp, 0o755)
     try:
+        _reserve_files(m, tmp)
         run_sync(lambda: _download_step(store, m, tmp, deadline))
-        mfd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        mpath = os.path.join(tmp, MANIFEST)
+        mfd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
         try:
-            os.write(mfd, raw)
-            os.fsync(mfd)
+            write_all(mfd, memoryview(raw), 0, mpath)
+            _fsync(mfd, mpath)
         finally:
             os.close(mfd)
         _fsync_dir(tmp)

@@ -616,8 +616,9 @@ class Entry:
     """One node of a rank's key tree: its key path and what is stored there.
 
     ``kind`` is ``tensor`` (``dtype``/``shape``/``nbytes`` set), ``value`` (a JSON scalar in
-    ``value``), ``bytes`` (``nbytes`` set), ``dict``/``list``/``tuple`` (``length`` set), or
-    the tag of another stored type (``odict``, ``ndarray``, ...; its raw ``value``).
+    ``value``), ``bytes`` (``nbytes`` set), ``generator`` (a ``torch.Generator``: its device
+    in ``value``, its state tensor's ``dtype``/``shape``/``nbytes``), ``dict``/``list``/``tuple``
+    (``length`` set), or the tag of another stored type (``odict``, ``ndarray``, ...; its raw ``value``).
     ``scalars`` is true for a container whose children are all plain values (an RNG state,
     a list of numbers) so a display may abbreviate it.
     """
@@ -640,6 +641,9 @@ class Entry:
             out.update(dtype=self.dtype, shape=list(self.shape or ()), nbytes=self.nbytes)
         elif self.kind == "bytes":
             out["nbytes"] = self.nbytes
+        elif self.kind == "generator":
+            out.update(device=self.value, state={"dtype": self.dtype, "shape": list(self.shape or ()),
+                                                 "nbytes": self.nbytes})
         elif self.kind == "value":
             v = self.value
             out["type"] = type(v).__name__
@@ -733,9 +737,29 @@ def _outline(
                     return
                 out.append(Entry(path, depth, label, "tensor", f"numpy.{val[1]}", tuple(val[2]), s.end - s.begin))
                 return
+            elif (
+                tag == "$generator"
+                and isinstance(val, list)
+                and len(val) == 2
+                and isinstance(val[0], str)
+                and isinstance(val[1], dict)
+                and list(val[1]) == ["$tensor"]
+                and isinstance(val[1]["$tensor"], str)
+            ):
+                # a torch.Generator: its device, and its state (a tensor of the shard)
+                name = val[1]["$tensor"]
+                s = slots.get(name)
+                if referenced is not None:
+                    referenced.add(name)
+                if s is None:
+                    missing.append(name)
+                    return
+                out.append(Entry(path, depth, label, "generator", TORCH_NAME[s.dtype], s.shape, s.end - s.begin,
+                                 value=val[0]))
+                return
             elif tag in _VALUE_TAGS:
-                # numpy scalars, complex, torch.Size/dtype/device/Generator, paths, datetimes;
-                # a Generator's state is a tensor of the shard
+                # numpy scalars, complex, torch.Size/dtype/device, paths, datetimes (and a
+                # $generator of another shape); the tensors they refer to are in the shard
                 for ref in _tensor_refs(val):
                     if referenced is not None:
                         referenced.add(ref)

@@ -5,12 +5,13 @@
 
 In one run, on one server: a Checkpointer writes the state (4 float32 tensors) locally, then
 per repeat (fresh prefixes): raw obstore multipart PUT of the same bytes from a memoryview
-(64 MiB parts, 8 in flight, unsigned payload), ``asyncckpt.remote.push`` (mmap of the local
-files, CRC-32C alongside, HEAD, conditional manifest create), raw obstore parallel ranged GETs
-into one buffer, ``asyncckpt.remote.pull`` (ranged GETs into an mmap of the new file, CRC-32C,
-fsync, rename) and ``asyncckpt.load(url)`` (ranged GETs into fresh tensors, CRC-32C). Loopback
-has no link limit: the times measure client + server CPU on this machine (the server spends
-~15 CPU-s per GiB written), so compare the ratios, not the MiB/s, with a real network.
+(64 MiB parts, 8 in flight, unsigned payload), ``asyncckpt.remote.push`` (the local files read
+with pread in 16 MiB parts, CRC-32C alongside, HEAD, conditional manifest create), raw obstore
+parallel ranged GETs into one buffer, ``asyncckpt.remote.pull`` (the files' space reserved,
+ranged GETs written with pwrite, CRC-32C, fsync, rename) and ``asyncckpt.load(url)`` (ranged
+GETs into fresh tensors, CRC-32C). Loopback has no link limit: the times measure client +
+server CPU on this machine (the server spends ~15 CPU-s per GiB written), so compare the
+ratios, not the MiB/s, with a real network.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ through to ``BACKING`` unless a rule matches it first. A rule (a JSON object) ma
 * ``pid``: the caller's process id (the thread group of the thread that made the call,
   from ``fuse_get_context``);
 * ``t0``/``t1``: a window of wall-clock time (``time.time()``) in which it is active;
-* ``count``: it fires at most this many times (default: every time).
+* ``count``: it fires at most this many times (default: every time);
+* ``skip``: the first this many calls that match otherwise pass through untouched (a read
+  of a file's header, say, before its data).
 
 and then does, in this order, what it names:
 
@@ -84,6 +86,7 @@ def rule(
     stale_s: float | None = None,
     pid: int | None = None,
     count: int | None = None,
+    skip: int | None = None,
     after_s: float | None = None,
     for_s: float | None = None,
     id: str | None = None,
@@ -99,6 +102,7 @@ def rule(
         ("stale_s", stale_s),
         ("pid", pid),
         ("count", count),
+        ("skip", skip),
         ("id", id),
     ):
         if value is not None:
@@ -385,6 +389,7 @@ class _Rules:
         self._star = star
         self._rules = rules
         self._left = [r.get("count") for r in rules]
+        self._skip = [r.get("skip") or 0 for r in rules]
         self.need_pid = any("pid" in r for r in rules)
         self._key = key
         tmp = f"{self.path}.ack.tmp"
@@ -432,6 +437,9 @@ class _Rules:
                 if "pid" in r and pid != r["pid"]:
                     continue
                 if ("t0" in r and now < r["t0"]) or ("t1" in r and now >= r["t1"]):
+                    continue
+                if self._skip[i] > 0:
+                    self._skip[i] -= 1
                     continue
                 left = self._left[i]
                 if left is not None:

@@ -78,24 +78,41 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def named_tensors(state: Any) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Flatten a loaded state into ``(dotted name, tensor)`` pairs in saved order, and the skipped names."""
+def named_tensors(state: Any) -> tuple[list[tuple[tuple[str, ...], torch.Tensor]], list[tuple[str, ...]]]:
+    """Flatten a loaded state into ``(key path, tensor)`` pairs in saved order, and the key
+    paths of the values skipped (everything not a tensor)."""
     import torch
 
-    tensors: list[tuple[str, torch.Tensor]] = []
-    skipped: list[str] = []
+    tensors: list[tuple[tuple[str, ...], torch.Tensor]] = []
+    skipped: list[tuple[str, ...]] = []
     stack: list[tuple[Any, tuple[str, ...]]] = [(state, ())]
     while stack:
         node, path = stack.pop()
         if isinstance(node, torch.Tensor):
-            tensors.append((".".join(path) if path else "_", node))
+            tensors.append((path, node))
         elif isinstance(node, dict):
             stack.extend(reversed([(v, (*path, str(k))) for k, v in node.items()]))
         elif isinstance(node, (list, tuple)):
             stack.extend(reversed([(v, (*path, str(i))) for i, v in enumerate(node)]))
         else:
-            skipped.append(".".join(path) if path else "_")
+            skipped.append(path)
     return tensors, skipped
+
+
+#: Skipped subtrees named in the text note (``--json`` lists every value).
+SHOWN_SKIPPED = 8
+
+
+def summarise(skipped: list[tuple[str, ...]], tensors: list[tuple[str, ...]]) -> list[tuple[str, int]]:
+    """The skipped values grouped into the largest subtrees that hold no tensor, in saved order:
+    ``(dotted key, values under it)``. An RNG state saved as a tuple of 625 ints is one entry
+    (``rng, 627``), not 627."""
+    inner = {p[:k] for p in tensors for k in range(len(p) + 1)}  # every key above a tensor
+    groups: dict[tuple[str, ...], int] = {}
+    for p in skipped:
+        k = next((k for k in range(1, len(p) + 1) if p[:k] not in inner), len(p))
+        groups[p[:k]] = groups.get(p[:k], 0) + 1
+    return [(".".join(q) if q else "_", n) for q, n in groups.items()]
 
 
 def select_key(tensors: list[tuple[str, T]], key: str | None) -> dict[str, T]:
@@ -170,24 +187,28 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
         )
+    from .._export import dotted  # torch: only this command needs it
+
     if dest.lower().endswith(".safetensors"):
-        tensors, skipped, dropped = _stream(args, manifest.step, dest)
+        tensors, keys, skipped, dropped = _stream(args, manifest.step, dest)
         nbytes = sum(_export_nbytes(s) for s in tensors.values())
     else:
         from .._checkpointer import load  # torch: only this command needs it
 
         state = load(args.root, manifest.step, rank=args.rank, verify=True)
         pairs, skipped = named_tensors(state)
-        loaded = select_key(pairs, args.key)
+        loaded = select_key([(dotted(k), t) for k, t in pairs], args.key)
         _atomic_write(dest, lambda p: write_torch(p, loaded), args.force)
         nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
-        tensors, dropped = dict(loaded), {}
+        tensors, keys, dropped = dict(loaded), [k for k, _ in pairs], {}
     if args.key is not None:
-        skipped = [s for s in skipped if s.startswith(args.key + ".")]
+        skipped = [s for s in skipped if dotted(s).startswith(args.key + ".")]
+    groups = summarise(skipped, keys)
     if args.json:
         dump_json(
             {"path": os.path.abspath(dest), "step": manifest.step, "rank": args.rank, "key": args.key,
-             "tensors": len(tensors), "nbytes": nbytes, "skipped": skipped}
+             "tensors": len(tensors), "nbytes": nbytes, "skipped": [k for k, _ in groups],
+             "skipped_values": [dotted(s) for s in skipped]}
         )  # fmt: skip
         return 0
     where = f" under {args.key!r}" if args.key is not None else ""
@@ -199,8 +220,11 @@ def run(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{d} (= {k})" for d, k in list(dropped.items())[:5]) + (", ..." if len(dropped) > 5 else "")
         say(f"{PROG}: note: tied tensor(s) written once; left out: {shown}", sys.stderr)
     if skipped:
-        shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        say(f"{PROG}: note: skipped {len(skipped)} non-tensor value(s): {shown}", sys.stderr)
+        shown = ", ".join(k if n == 1 else f"{k} ({n} values)" for k, n in groups[:SHOWN_SKIPPED])
+        if len(groups) > SHOWN_SKIPPED:
+            shown += f", ... {len(groups) - SHOWN_SKIPPED} more"
+        say(f"{PROG}: note: skipped {len(skipped)} non-tensor value(s) under {len(groups)} key(s) "
+            f"(--json lists them all): {shown}", sys.stderr)
     return 0
 
 
@@ -269,10 +293,13 @@ def _export_nbytes(src: Any) -> int:
     return nbytes_of(src)
 
 
-def _stream(args: argparse.Namespace, step: int, dest: str) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+def _stream(
+    args: argparse.Namespace, step: int, dest: str
+) -> tuple[dict[str, Any], list[tuple[str, ...]], list[tuple[str, ...]], dict[str, str]]:
     """Stream the selected tensors of ``step`` into ``dest`` (atomically); return them by
-    output name, the skipped values and the tied names left out. A checksum failure is
-    also recorded as the step's bad mark, as a load would."""
+    output name, the key paths of every tensor of the rank, those of the skipped values, and
+    the tied names left out. A checksum failure is also recorded as the step's bad mark, as
+    a load would (an I/O error is not: it says nothing about the checkpoint)."""
     from .. import _export, _resume  # torch: only this command needs it
     from .._errors import CheckpointCorruptError
 
@@ -286,4 +313,4 @@ def _stream(args: argparse.Namespace, step: int, dest: str) -> tuple[dict[str, A
             if manifest is not None and ex.pinned.still_there():
                 _resume.mark(args.root, step, manifest.attempt, e)
             raise
-        return dict(kept), ex.skipped, dropped
+        return dict(kept), ex.keys, ex.skipped, dropped

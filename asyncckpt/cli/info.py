@@ -59,6 +59,8 @@ def describe(e: Entry) -> str:
         return f"{e.dtype} {list(e.shape or ())}  {human_bytes(e.nbytes or 0)}"
     if e.kind == "bytes":
         return f"bytes ({human_bytes(e.nbytes or 0)})"
+    if e.kind == "generator":
+        return f"torch.Generator ({e.value}; state {e.dtype} {list(e.shape or ())}, {human_bytes(e.nbytes or 0)})"
     if e.kind == "value":
         return _value_repr(e.value)
     if e.length is None:

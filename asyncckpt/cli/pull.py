@@ -16,7 +16,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="download a checkpoint from s3://bucket/prefix into ROOT",
         description=(
             "Download the newest complete checkpoint under URL (or --step N) into ROOT as a\n"
-            "committed checkpoint (written as step_N.tmp-<attempt>/, every file CRC-32C checked\n"
+            "committed checkpoint (written as step_N.tmp-<attempt>/, the space of every file\n"
+            "reserved first so a full disk fails before the download, every file CRC-32C checked\n"
             "and fsynced, the manifest last, then renamed to step_N): a Checkpointer on ROOT resumes\n"
             "from it. Takes ROOT's ownership for the run (refuses a root a Checkpointer owns)."
         ),
