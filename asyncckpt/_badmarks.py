@@ -68,9 +68,13 @@ def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str,
     return mark
 
 
-def clear_bad(root: str | os.PathLike[str], step: int) -> None:
-    """Forget any mark of ``step`` (called when the step is retired)."""
+def clear_bad(root: str | os.PathLike[str], step: int, attempt: str | None = None) -> bool:
+    """Forget the mark of ``step`` (any, or with ``attempt`` only one that judged that very
+    attempt: a later full verification of it passed). Returns whether a mark was removed."""
+    if attempt is not None and bad_mark(root, step, attempt) is None:
+        return False
     try:
         os.unlink(os.path.join(_bad_dir(os.fspath(root)), step_dir_name(step) + ".json"))
     except OSError:
-        pass
+        return False
+    return True

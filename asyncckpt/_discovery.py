@@ -18,6 +18,10 @@ lock for it:
   between ``listdir`` and its opening makes the scan list again (the newer checkpoint that
   replaced it was committed before the old one was retired), and "no checkpoint" is only
   answered after two identical listings.
+
+An ``OSError`` of a read is classified by ``_readfault.read_error``: EIO and the like are
+``CheckpointReadError`` (the storage, not the checkpoint), never "corrupt", so a scan never
+passes over a step it could not read as if it were damaged.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ._info import CheckpointInfo
 from ._layout import parse_leftover, parse_step_dir, step_dir_name
 from ._manifest import MANIFEST, Manifest, decode
+from ._readfault import read_error
 
 if TYPE_CHECKING:
     from ._remote import RemoteCheckpointInfo
@@ -87,8 +92,9 @@ def read_regular_file(path: str, limit: int, *, dir_fd: int | None = None, name:
 def read_manifest(step_dir: str) -> Manifest:
     """The manifest of ``step_dir``.
 
-    Raises ``CheckpointNotFoundError`` if there is no marker (not committed) and
-    ``CheckpointCorruptError`` if it is unreadable or inconsistent.
+    Raises ``CheckpointNotFoundError`` if there is no marker (not committed),
+    ``CheckpointCorruptError`` if it is inconsistent (or a symlink) and ``CheckpointReadError``
+    if the storage could not serve it.
     """
     path = os.path.join(step_dir, MANIFEST)
     try:
@@ -96,8 +102,8 @@ def read_manifest(step_dir: str) -> Manifest:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{step_dir} has no completion marker") from None
     except OSError as e:
-        # ELOOP: the marker is a symlink; anything else: unreadable
-        raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", path) from None
+        # ELOOP: the marker is a symlink (damage); EIO and the like: the storage (not damage)
+        raise read_error(e, "manifest unreadable", path) from None
     return decode(raw, path)
 
 
@@ -139,7 +145,7 @@ class PinnedStep:
         except FileNotFoundError:
             raise self.missing(name, f"it was being read ({name} is gone)") from None
         except OSError as e:
-            raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+            raise read_error(e, "cannot open", path) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -169,7 +175,7 @@ class PinnedStep:
                 raise self.gone("its manifest was being read") from None
             raise CheckpointNotFoundError(f"{self.path} has no completion marker") from None
         except OSError as e:
-            raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", path) from None
+            raise read_error(e, "manifest unreadable", path) from None
         manifest = decode(raw, path)
         if manifest.step != self.step:
             raise CheckpointCorruptError(f"manifest is for step {manifest.step}", self.path)
@@ -179,7 +185,7 @@ class PinnedStep:
         try:
             present = set(os.listdir(self.fd))
         except OSError as e:
-            raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", self.path) from None
+            raise read_error(e, "cannot list checkpoint", self.path) from None
         expected = {f.name for f in manifest.files} | {MANIFEST}
         lacking = expected - present
         if lacking and not self.still_there():
@@ -194,7 +200,7 @@ class PinnedStep:
             except FileNotFoundError:
                 raise self.missing(f.name, "its files were being checked") from None
             except OSError as e:
-                raise CheckpointCorruptError(f"cannot stat ({e.strerror})", path) from None
+                raise read_error(e, "cannot stat", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorruptError("not a regular file", path)
             if st.st_size != f.size:
@@ -205,7 +211,8 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     """Open ``step``'s directory and check it is complete; the caller closes the result.
 
     Raises ``CheckpointNotFoundError`` (no such directory, a symlink, no marker),
-    :class:`Vanished` (retired while being checked) or ``CheckpointCorruptError``.
+    :class:`Vanished` (retired while being checked), ``CheckpointCorruptError`` or
+    ``CheckpointReadError`` (an I/O fault while checking it).
     """
     root_s = os.fspath(root)
     path = os.path.join(root_s, step_dir_name(step))
@@ -216,7 +223,7 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlinked or non-directory step is not ours
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}") from None
-        raise CheckpointCorruptError(f"cannot open checkpoint directory ({e.strerror})", path) from None
+        raise read_error(e, "cannot open checkpoint directory", path) from None
     pinned = PinnedStep(root_s, step, path, fd)
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -235,7 +242,7 @@ def check_files(step_dir: str, manifest: Manifest) -> None:
     try:
         fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot list checkpoint ({e.strerror})", step_dir) from None
+        raise read_error(e, "cannot list checkpoint", step_dir) from None
     pinned = PinnedStep(os.path.dirname(step_dir), manifest.step, step_dir, fd)
     with pinned:
         pinned._check_files(manifest)
@@ -264,7 +271,7 @@ def _list_root(root: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:
-        raise CheckpointError(f"cannot list checkpoint root {root} ({e.strerror})") from None
+        raise read_error(e, "cannot list checkpoint root", root) from None
 
 
 def _committed_steps(names: list[str]) -> list[int]:
@@ -292,7 +299,8 @@ def _scan(
     Lists again whenever a candidate vanished while it was checked, and answers "none" only
     from two identical listings, so a checkpoint that existed throughout is never missed
     because retention replaced another one under the scan. Corrupt step directories passed
-    over on the way are put in ``skipped``.
+    over on the way are put in ``skipped``; a step that cannot be read (``CheckpointReadError``)
+    is not passed over: the error propagates.
     """
     previous: frozenset[str] | None = None
     deadline = time.monotonic() + _SETTLE_S
@@ -352,7 +360,8 @@ def find_latest(
 
     Incomplete, corrupt-looking and leftover directories are skipped. Safe against a
     writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
-    across a stable listing. Raises ``CheckpointError`` only for a root it cannot list.
+    across a stable listing. Raises ``CheckpointReadError`` for a root or a newer step it
+    cannot read (an I/O fault is never taken for an incomplete step).
     ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;
     see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
     """

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote import check_objects, data_prefix, manifest_key, read_manifest
 from .reading import Problem, _short
 
@@ -47,6 +47,9 @@ async def verify_remote_step(
                 got = await store.crc32c_of(prefix + f.name, f.size, deadline)
             except (ObjectNotFoundError, ObjectIntegrityError) as e:  # gone mid-read, short: named
                 problems.append(Problem(url, str(e) or type(e).__name__))
+                continue
+            except ObjectStoreError as e:  # 503s, no answer in time: the store, not the data
+                problems.append(Problem(url, f"I/O error, not damage ({e.strerror})", io=True))
                 continue
             if got != f.crc32c:
                 problems.append(Problem(

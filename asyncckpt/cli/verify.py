@@ -24,8 +24,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "Recompute the CRC-32C of every file of a checkpoint and check every rank's structure\n"
         "against its shard header, streaming the data (memory use stays small). Shows progress\n"
         "(bytes, rate, ETA) when stderr is a terminal, nothing when piped. A failure is remembered\n"
-        "under ROOT/.asyncckpt/bad so 'asyncckpt ls' marks the step (when ROOT is writable).\n"
-        "Exits 0 when valid, 1 when a checkpoint is incomplete or corrupt (naming the file).\n"
+        "under ROOT/.asyncckpt/bad so 'asyncckpt ls' marks the step (when ROOT is writable); a\n"
+        "step that verifies drops such a mark. An I/O error (EIO, a timeout) is reported as\n"
+        "'unreadable', not corrupt, and marks nothing.\n"
+        "Exits 0 when valid, 1 when a checkpoint is incomplete, corrupt or unreadable (naming the file).\n"
         "ROOT may be an s3:// URL: every object's CRC-32C is recomputed from ranged GETs\n"
         "(bounded memory) and the step's objects and sizes checked against its manifest.",
         "  asyncckpt verify ckpt/                # the newest complete step (what load() resumes from)\n"
@@ -101,8 +103,14 @@ def report(
     as_json: bool,
 ) -> None:
     """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
-    # retired by a running job while we read it: gone, not damaged
-    status = "ok" if not problems else "not found" if all(p.vanished for p in problems) else "corrupt"
+    # retired by a running job while we read it: gone, not damaged; an I/O error: unreadable
+    # (the storage failed, the data may be fine: nothing was marked)
+    status = (
+        "ok" if not problems
+        else "not found" if all(p.vanished for p in problems)
+        else "unreadable" if all(p.io or p.vanished for p in problems)
+        else "corrupt"
+    )  # fmt: skip
     results.append({
         "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
         "problems": [{"path": p.path, "reason": p.reason} for p in problems],
