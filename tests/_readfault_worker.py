@@ -3,6 +3,8 @@
 Every rank saves steps 1 and 2 under ROOT (a faultfs mount); rank 0 then writes ``OUT.ready``
 and every rank waits for ``OUT.go`` (the test arms an EIO on one rank's step-2 shard in
 between). Then every rank loads ``load()`` and ``load(2)`` and reports what each raised.
+Before that, a stale bad mark on step 1 must be dropped by ``load(1)`` (every rank verified
+its files).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import Checkpointer
+from asyncckpt._badmarks import bad_mark, record_bad
+from asyncckpt._discovery import read_manifest
 
 
 def state_for(rank: int, step: int) -> dict[str, Any]:
@@ -45,6 +49,15 @@ def main() -> None:
             for step in (1, 2):
                 ck.save(step, state_for(rank, step)).result(timeout=60)
             ck.flush()
+            dist.barrier()
+            # a stale mark on step 1 (an old verdict): an agreed load that verified every file drops it
+            attempt = read_manifest(os.path.join(root, "step_00000001")).attempt
+            if rank == 0:
+                assert record_bad(root, 1, attempt, os.path.join(root, "step_00000001", "rank00001.safetensors"), "EIO")
+            dist.barrier()
+            result["load1"] = float(ck.load(1)["w"][0])
+            dist.barrier()  # rank 0 drops the mark once the ranks agreed
+            result["mark1"] = bad_mark(root, 1, attempt) is not None
             dist.barrier()
             if rank == 0:
                 with open(f"{out}.ready", "w") as f:

@@ -10,6 +10,7 @@ from typing import Any
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
+from .._readfault import fault_of
 from ..reading import Problem, candidate_steps, find_latest, open_step, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             opened.append(open_step(root, step))
         except CheckpointError as e:
             what = "incomplete" if os.path.lexists(os.path.join(root, step_dir_name(step))) else "not found"
+            what = "unreadable" if fault_of(e) == "io" else what  # EIO on its manifest: not damage
             results.append({"step": step, "status": what, "ok": False, "problems": [{"path": None, "reason": str(e)}]})
             if not args.json:
                 say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
