@@ -337,7 +337,9 @@ def leader_pick(pick: Callable[[], int | None], deadline: float | None) -> dict[
     raise it (:func:`picked`), not wait for a choice that never comes."""
     try:
         return {"step": retrying(pick, deadline)}
-    except CheckpointReadError as e:
+    except Exception as e:
+        if fault_of(e) != "io":  # CheckpointReadError, or an object store's error (503s, silence)
+            raise
         return {"io": outcome_of(e)}
 
 

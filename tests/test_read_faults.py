@@ -265,3 +265,15 @@ def test_a_missing_key_in_into_is_a_checkpoint_error_with_a_plain_message(saved:
     with Checkpointer(saved) as ck, pytest.raises(CheckpointError) as ei:
         ck.load(into={"step": 0, "nested": {"x": 1}})
     assert str(ei.value) == "nested is not in the checkpoint", str(ei.value)
+
+
+@pytest.mark.needs_root
+def test_a_refused_permission_is_a_read_error_raised_at_once(fs: FaultFS) -> None:
+    root, backing = _saved(fs, "eacces")
+    fs.set_rules([rule("open", glob="*/step_00000002/" + SHARD, error="EACCES", id="f")])
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointReadError) as ei:
+        asyncckpt.load(root)
+    assert time.monotonic() - t0 < 2 and fs.fired("f") == 1  # no retry can fix it
+    assert ei.value.errno == errno.EACCES and "after 1 try" in str(ei.value), str(ei.value)
+    assert marks(backing) == []
