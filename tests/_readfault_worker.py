@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import Checkpointer
+from asyncckpt import Checkpointer, _readfault
 from asyncckpt._badmarks import bad_mark, record_bad
 from asyncckpt._discovery import read_manifest
 
@@ -39,6 +39,7 @@ def outcome(fn: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    _readfault.BACKOFF_S = 0.05  # short pauses between tries: the test is about who raises what
     rank, world, port, root, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
