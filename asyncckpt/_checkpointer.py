@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import errno
+import functools
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _resume
+from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _readfault, _resume
 from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
@@ -1341,10 +1342,17 @@ class Checkpointer:
         that fails leaves every target untouched), at the price of a second, in-memory pass
         over the targets' bytes; with many ranks no rank writes before every rank verified.
 
+        A read that fails on I/O (EIO, ETIMEDOUT, a store's 503 or silence) is not damage: it
+        is tried again within ``timeout``, then ``CheckpointReadError`` (an ``OSError`` naming
+        the file) is raised, for an explicit step and for ``step=None`` alike: the step is
+        not marked bad and no older step is loaded instead. A key of ``into`` the checkpoint
+        lacks raises ``CheckpointError`` (also a ``KeyError``), a shape mismatch ``ValueError``.
+
         With many ranks this is collective: rank 0 picks the step, each rank loads its own
         shard and reports, and every rank takes the same decision, so if any rank's shard
         is corrupt every rank falls back to the same older step (or, for an explicit step,
-        every rank raises). Every wait is bounded by ``timeout``. A checkpoint saved by a
+        every rank raises); an I/O error on any rank makes every rank raise it. Every wait
+        is bounded by ``timeout``. A checkpoint saved by a
         different number of ranks raises ``CheckpointError`` unless ``rank=`` names the
         shard to read.
 
@@ -1397,7 +1405,8 @@ class Checkpointer:
             state = self._load_remote(far, step is None, shard, verify, expect, reader)
         elif self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
-            kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap}
+            kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap,
+                  "deadline": time.monotonic() + self.timeout}  # an I/O fault is retried within it
             if step is None:
                 _, state = _resume.load_newest(
                     self.root, rank=shard, verify=verify, world_size=expect, reader=reader, **kw
@@ -1515,7 +1524,8 @@ class Checkpointer:
         near = _discovery.find_latest(self.root)
         if near is not None:
             state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, into=reader.into,
-                                        strip_prefixes=self.strip_prefixes, reader=reader)[1]  # fmt: skip
+                                        strip_prefixes=self.strip_prefixes, reader=reader,
+                                        deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
             reader.finish()
             return state
         return from_store(None)
@@ -1548,20 +1558,27 @@ class Checkpointer:
                         rejected[s] = e
                 return None if info is None else info.step
 
-            chosen = self._decided_by_leader(pick)
+            # an I/O fault of rank 0's look is raised on every rank (none waits for a choice)
+            retry_until = time.monotonic() + self.timeout / 2
+            chosen = _resume.picked(self._decided_by_leader(functools.partial(_resume.leader_pick, pick, retry_until)))
             if chosen is None:
                 raise _resume.no_checkpoint(self.root, rejected)
             state: Any = None
             error: BaseException | None = None
+            report: dict[str, Any] = {}
             try:
                 if self._store is not None:
                     state = self._load_store_step(chosen, shard, verify, expect, reader)
                 else:
                     # one pass: straight into the targets; verify_first: fresh tensors, restored
-                    # once every rank verified (an indexed step defers inside the reader)
+                    # once every rank verified (an indexed step defers inside the reader); an
+                    # I/O fault is tried again first, leaving the others time to wait for us
                     into = None if reader.verify_first else reader.into
-                    state = _resume.attempt(self.root, chosen, shard, verify, expect, into, reader.strip_prefixes,
-                                            reader=reader, mmap=mmap)
+                    state = _readfault.retrying(
+                        functools.partial(_resume.attempt, self.root, chosen, shard, verify, expect, into,
+                                          reader.strip_prefixes, reader=reader, mmap=mmap, report=report),
+                        retry_until,
+                    )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             self._queries += 1
@@ -1569,18 +1586,20 @@ class Checkpointer:
                 verdict = _agree.agree(
                     self._dist,
                     f"q/{self._queries}/load",
-                    _resume.outcome_of(error),
+                    _resume.outcome_of(error, report),
                     lambda outcomes: _resume.decide(step is not None, outcomes),
                     self.timeout,
                 )
             except BaseException:
-                reader.discard()
+                reader.abandon()
                 raise
             kind = verdict["kind"]
             if kind == "ok":
                 reader.finish()
+                if verdict.get("full") and self.rank == 0:  # every file of the step verified
+                    _resume.unmark(self.root, chosen, verdict["attempt"])
                 return state
-            reader.discard()
+            reader.abandon()
             if kind == "error":
                 if error is not None:
                     if isinstance(error, _discovery.Vanished | _resume.NoSuchShard):
@@ -1670,7 +1689,9 @@ def load(
     ``step=None`` loads the newest checkpoint that verifies: a corrupt newest one is logged
     (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
     ``CheckpointNotFoundError`` if it is missing or was retired while being read and
-    ``CheckpointCorruptError`` if it fails verification. With ``into=``, restores in place
+    ``CheckpointCorruptError`` if it fails verification. A read that fails on I/O is tried
+    again a few times (about 2 s of pauses), then raises ``CheckpointReadError`` naming the
+    file, whatever ``step``: never a fallback, never a bad mark. With ``into=``, restores in place
     (tensors read straight into and checksummed as they land, see :meth:`Checkpointer.load`:
     a step that fails may leave them partly overwritten; ``verify_first=True`` writes no
     target before the whole state verified). Needs no ownership of the root:

@@ -22,6 +22,10 @@ lock for it:
   between ``listdir`` and its opening makes the scan list again (the newer checkpoint that
   replaced it was committed before the old one was retired), and "no checkpoint" is only
   answered after two identical listings.
+
+An ``OSError`` of a read is classified by ``_readfault.read_error``: EIO and the like are
+``CheckpointReadError`` (the storage, not the checkpoint), never "corrupt", so a scan never
+passes over a step it could not read as if it were damaged.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from typing import TYPE_CHECKING
 
 from ._badmarks import marks
 from ._bounds import MAX_MANIFEST_BYTES
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._info import CheckpointInfo
 from ._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
 from ._manifest import MANIFEST, Manifest, decode
+from ._readfault import read_error
 from ._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 
 if TYPE_CHECKING:
@@ -55,11 +60,6 @@ _MIN_ROUNDS = 3
 
 class Vanished(CheckpointNotFoundError):
     """A checkpoint went away while it was being read (retired or replaced): not corrupt."""
-
-
-class Unreadable(CheckpointCorruptError):
-    """A step could not be listed, opened or read (an I/O error): no verdict on its content,
-    so it is never known bad (``_stepstates``), only not loadable now."""
 
 
 class KnownBad(CheckpointCorruptError):
@@ -99,19 +99,12 @@ def read_regular_file(path: str, limit: int, *, dir_fd: int | None = None, name:
         os.close(fd)
 
 
-def _unreadable(e: OSError, what: str, path: str) -> CheckpointCorruptError:
-    """An ``OSError`` of opening a file as the verdict it is: a link where a file must be
-    (ELOOP) is content; anything else is an I/O error (:class:`Unreadable`)."""
-    if e.errno == errno.ELOOP:
-        return CheckpointCorruptError(f"{what} ({e.strerror})", path)
-    return Unreadable(f"{what} ({e.strerror})", path)
-
-
 def read_manifest(step_dir: str) -> Manifest:
     """The manifest of ``step_dir``.
 
-    Raises ``CheckpointNotFoundError`` if there is no marker (not committed) and
-    ``CheckpointCorruptError`` if it is unreadable or inconsistent.
+    Raises ``CheckpointNotFoundError`` if there is no marker (not committed),
+    ``CheckpointCorruptError`` if it is inconsistent (or a symlink) and ``CheckpointReadError``
+    if the storage could not serve it.
     """
     path = os.path.join(step_dir, MANIFEST)
     try:
@@ -119,8 +112,8 @@ def read_manifest(step_dir: str) -> Manifest:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{step_dir} has no completion marker") from None
     except OSError as e:
-        # ELOOP: the marker is a symlink; anything else: unreadable
-        raise _unreadable(e, "manifest unreadable", path) from None
+        # ELOOP: the marker is a symlink (damage); EIO and the like: the storage (not damage)
+        raise read_error(e, "manifest unreadable", path) from None
     return decode(raw, path)
 
 
@@ -162,7 +155,7 @@ class PinnedStep:
         except FileNotFoundError:
             raise self.missing(name, f"it was being read ({name} is gone)") from None
         except OSError as e:
-            raise _unreadable(e, "cannot open", path) from None
+            raise read_error(e, "cannot open", path) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -192,7 +185,7 @@ class PinnedStep:
                 raise self.gone("its manifest was being read") from None
             raise CheckpointNotFoundError(f"{self.path} has no completion marker") from None
         except OSError as e:
-            raise _unreadable(e, "manifest unreadable", path) from None
+            raise read_error(e, "manifest unreadable", path) from None
         manifest = decode(raw, path)
         if manifest.step != self.step:
             raise CheckpointCorruptError(f"manifest is for step {manifest.step}", self.path)
@@ -202,7 +195,7 @@ class PinnedStep:
         try:
             present = set(os.listdir(self.fd))
         except OSError as e:
-            raise Unreadable(f"cannot list checkpoint ({e.strerror})", self.path) from None
+            raise read_error(e, "cannot list checkpoint", self.path) from None
         expected = {f.name for f in manifest.files} | {MANIFEST}
         lacking = expected - present
         if lacking and not self.still_there():
@@ -217,7 +210,7 @@ class PinnedStep:
             except FileNotFoundError:
                 raise self.missing(f.name, "its files were being checked") from None
             except OSError as e:
-                raise Unreadable(f"cannot stat ({e.strerror})", path) from None
+                raise read_error(e, "cannot stat", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorruptError("not a regular file", path)
             if st.st_size != f.size:
@@ -228,7 +221,8 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     """Open ``step``'s directory and check it is complete; the caller closes the result.
 
     Raises ``CheckpointNotFoundError`` (no such directory, a symlink, no marker),
-    :class:`Vanished` (retired while being checked) or ``CheckpointCorruptError``.
+    :class:`Vanished` (retired while being checked), ``CheckpointCorruptError`` or
+    ``CheckpointReadError`` (an I/O fault while checking it).
     """
     root_s = os.fspath(root)
     path = os.path.join(root_s, step_dir_name(step))
@@ -239,7 +233,7 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlinked or non-directory step is not ours
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}") from None
-        raise Unreadable(f"cannot open checkpoint directory ({e.strerror})", path) from None
+        raise read_error(e, "cannot open checkpoint directory", path) from None
     pinned = PinnedStep(root_s, step, path, fd)
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -258,7 +252,7 @@ def check_files(step_dir: str, manifest: Manifest) -> None:
     try:
         fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
-        raise Unreadable(f"cannot list checkpoint ({e.strerror})", step_dir) from None
+        raise read_error(e, "cannot list checkpoint", step_dir) from None
     pinned = PinnedStep(os.path.dirname(step_dir), manifest.step, step_dir, fd)
     with pinned:
         pinned._check_files(manifest)
@@ -287,7 +281,7 @@ def _list_root(root: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:
-        raise CheckpointError(f"cannot list checkpoint root {root} ({e.strerror})") from None
+        raise read_error(e, "cannot list checkpoint root", root) from None
 
 
 def _committed_steps(names: list[str]) -> list[int]:
@@ -326,10 +320,11 @@ def observe_committed(
         raise
     except CheckpointNotFoundError as e:
         return Seen(step, name, "committed", fault=Fault("no-marker", str(e))), None, e
-    except CheckpointCorruptError as e:
-        proven = not isinstance(e, Unreadable)
-        fault = Fault("corrupt" if proven else "unreadable", _message(e), e.path, proven)
+    except CheckpointReadError as e:  # an I/O error is no verdict on the content
+        fault = Fault("unreadable", _message(e), e.path, False)
         return Seen(step, name, "committed", fault=fault), None, e
+    except CheckpointCorruptError as e:
+        return Seen(step, name, "committed", fault=Fault("corrupt", _message(e), e.path, True)), None, e
     mark = known.get((step, token_of(manifest.attempt)))
     seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark)
     if mark is None:
@@ -388,8 +383,9 @@ def _scan(
 
     Lists again whenever a candidate vanished while it was checked, and answers "none" only
     from two identical listings, so a checkpoint that existed throughout is never missed
-    because retention replaced another one under the scan. Corrupt, unreadable and known-bad
-    step directories passed over on the way are put in ``skipped``.
+    because retention replaced another one under the scan. Corrupt and known-bad step
+    directories passed over on the way are put in ``skipped``; a step that cannot be read
+    (``CheckpointReadError``) is not passed over: the error propagates.
     """
     previous: frozenset[str] | None = None
     deadline = time.monotonic() + _SETTLE_S
@@ -409,6 +405,8 @@ def _scan(
             except Vanished:
                 vanished = True
                 break  # the listing is stale: whatever replaced it is newer
+            if isinstance(err, CheckpointReadError):
+                raise err  # never passed over: the step may be fine (_readfault)
             if state_of(seen) == "complete" and info is not None:
                 found.append(info)
                 if newest_only:
@@ -448,7 +446,8 @@ def find_latest(
     Incomplete, corrupt-looking and leftover directories are skipped, and so is a step known
     bad (a verification or a load found its data corrupt: ``asyncckpt ls`` shows why). Safe against a
     writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
-    across a stable listing. Raises ``CheckpointError`` only for a root it cannot list.
+    across a stable listing. Raises ``CheckpointReadError`` for a root or a newer step it
+    cannot read (an I/O fault is never taken for an incomplete step).
     ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;
     see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
     """

@@ -9,6 +9,10 @@
     ├── CheckpointNotFoundError          no complete checkpoint for that step / root
     │                                        (also a builtin FileNotFoundError)
     ├── CheckpointCorruptError           a marker, manifest, header or checksum is wrong
+    ├── CheckpointReadError              reading a checkpoint failed on I/O (EIO, ETIMEDOUT, a
+    │                                        store answering 503 ...): not damage; never marks
+    │                                        a step bad, never makes load() fall back (also a
+    │                                        builtin OSError: errno, filename)
     ├── RootInUseError                   another writer owns the root (at construction; on an
     │                                        object-store root also in a save's failures once
     │                                        its lease was taken over)
@@ -149,6 +153,31 @@ class CheckpointCorruptError(CheckpointError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_corrupt, (str(self), self.path))
+
+
+class CheckpointReadError(CheckpointError, OSError):
+    """Reading a checkpoint failed on I/O, not on its content: the disk, the file system or the
+    object store could not serve the bytes (EIO, ETIMEDOUT, ENOSPC on a FUSE mount, a store that
+    kept answering 503 or did not answer within the deadline).
+
+    The step may be perfectly good: it is not marked bad and ``load()`` does not fall back to an
+    older step (a retry later, or a fix of the storage, may load it). ``errno`` says how,
+    ``filename`` names the file or object URL. Raised after the load retried the read within
+    its deadline.
+    """
+
+    def __init__(self, err: int | None, message: str, path: str | None = None) -> None:
+        OSError.__init__(self, err, message, path)
+
+    @property
+    def path(self) -> str | None:
+        """The file or object URL that could not be read (``filename``, as on ``CheckpointCorruptError``)."""
+        return None if self.filename is None else str(self.filename)
+
+    def __str__(self) -> str:
+        name = _errno.errorcode.get(self.errno) if isinstance(self.errno, int) else None
+        text = f"{self.strerror} [{name}]" if name and name not in str(self.strerror) else str(self.strerror)
+        return f"{text}: {self.filename}" if self.filename else text
 
 
 class CoordinationLost(CheckpointError, RuntimeError):

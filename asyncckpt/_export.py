@@ -50,6 +50,7 @@ from ._header import TensorSlot
 from ._load import _check_tree_size, byte_view, read_header
 from ._load_global import indexed
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._readfault import read_error
 from ._reshard import Box, SavedChunk, intersect
 from ._stepfiles import read_all
 from ._structure import resolve_dtensor_aliases, unflatten
@@ -314,8 +315,13 @@ def contiguous_in(part: Box, box: Box) -> bool:
 
 # ---------------------------------------------------------------------------- I/O
 def _pread(fd: int, path: str, view: memoryview, offset: int) -> None:
-    # an I/O error is an OSError naming the file (never a bad mark); a short file is corrupt
-    read_exact(fd, view, offset, path)
+    # an I/O error names the file and is never a bad mark (_readfault); a short file is corrupt
+    try:
+        read_exact(fd, view, offset, path)
+    except CheckpointCorruptError:
+        raise
+    except OSError as e:
+        raise read_error(e, "cannot read", path) from None
 
 
 def _checksum_only(fd: int, path: str, offset: int, nbytes: int, crc: int, io: _Buffers) -> int:
@@ -404,7 +410,7 @@ def _tree(pinned: PinnedStep, manifest: Manifest, rank: int) -> Any:
     try:
         raw = read_all(fd, entry.size)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+        raise read_error(e, "cannot read structure", path) from None
     finally:
         os.close(fd)
     return parse_structure(raw, path, entry.size, entry.crc32c)
@@ -416,7 +422,7 @@ def _read_index(ex: Export, manifest: Manifest) -> dict[str, Any]:
     try:
         raw = read_all(ex._fd(_index.INDEX), entry.size)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read ({e.strerror})", path) from None
+        raise read_error(e, "cannot read", path) from None
     if len(raw) != entry.size or crc32c(raw) != entry.crc32c:
         raise CheckpointCorruptError("checksum mismatch", path)
     try:
@@ -431,7 +437,7 @@ def _whole(ex: Export, manifest: Manifest, file: str, wholes: dict[str, _Whole])
     try:
         head, data_start, slots, _ = read_header(ex._fd(file), path, entry.size)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+        raise read_error(e, "cannot read shard", path) from None
     wholes[file] = _Whole(file, entry.size, entry.crc32c, head, data_start, slots)
     return {s.name: Slot(s.name, file, data_start + s.begin, s.end - s.begin, s.dtype, tuple(s.shape)) for s in slots}
 

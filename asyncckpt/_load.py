@@ -2,7 +2,8 @@
 
 Nothing here unpickles. Every byte read is bounded by the sizes the manifest recorded and
 the file actually has, and by the limits of ``_bounds`` checked before anything is parsed or
-allocated; every defect becomes ``CheckpointCorruptError`` naming the file, and a state too
+allocated; every defect becomes ``CheckpointCorruptError`` naming the file, an I/O fault of
+the storage ``CheckpointReadError`` naming it (``_readfault``: not damage), and a state too
 large for this machine's memory a ``CheckpointError`` saying how much it needs. Reads are
 parallel (``_readinto``). :func:`load_files` reads a step's ``StepFiles``: a pinned step directory
 (``_discovery``), so a checkpoint retired meanwhile is reported as gone, not as corrupt.
@@ -57,6 +58,7 @@ from ._format import PLAIN_TENSORS, ST_TO_DTYPE
 from ._gcpause import paused_gc
 from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._readfault import read_error
 from ._stepfiles import StepFiles
 from ._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
 
@@ -81,11 +83,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 def open_regular(path: str, size: int) -> int:
     """Open ``path`` for reading, refusing symlinks, FIFOs and anything but a regular file of
-    exactly ``size`` bytes (``CheckpointCorruptError`` naming the path)."""
+    exactly ``size`` bytes (``CheckpointCorruptError`` naming the path; an I/O fault is
+    ``CheckpointReadError``)."""
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+        raise read_error(e, "cannot open", path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -222,7 +225,7 @@ def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
     try:
         raw = read_regular_file(path, size)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+        raise read_error(e, "cannot read structure", path) from None
     return parse_structure(raw, path, size, expected_crc)
 
 
@@ -263,11 +266,10 @@ def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any
 
 
 def unreadable(e: OSError, what: str, path: str) -> CheckpointError:
-    """The error a failed read of ``what`` raises: an object store's own error as it is (gone,
-    timed out, unavailable: not damage), any other ``OSError`` as ``CheckpointCorruptError``."""
-    if isinstance(e, CheckpointError):
-        return e
-    return CheckpointCorruptError(f"cannot read {what} ({e.strerror})", path)
+    """The error a failed read of ``what`` raises (``_readfault.read_error``): an object
+    store's own error as it is (gone, timed out, unavailable: not damage), an I/O fault as
+    ``CheckpointReadError``, never ``CheckpointCorruptError`` unless the errno describes the file."""
+    return read_error(e, f"cannot read {what}", path)
 
 
 def load_files(
@@ -330,8 +332,12 @@ AFTER_VERIFY_NOTE = (
 
 
 def _noted(exc: _E, note: str) -> _E:
-    """``exc`` with ``note`` appended to its message (when it is a single string, once)."""
-    if len(exc.args) == 1 and isinstance(exc.args[0], str) and note not in exc.args[0]:
+    """``exc`` with ``note`` appended to its message (when it is a single string, or an
+    ``OSError``'s ``strerror``; once)."""
+    if isinstance(exc, OSError) and isinstance(exc.strerror, str):
+        if note not in exc.strerror:
+            exc.strerror = f"{exc.strerror}{note}"
+    elif len(exc.args) == 1 and isinstance(exc.args[0], str) and note not in exc.args[0]:
         exc.args = (f"{exc.args[0]}{note}",)
     return exc
 
@@ -344,16 +350,25 @@ PARTIAL_TARGETS_NOTE = (
 
 @contextlib.contextmanager
 def noting_partial_targets(reader: Any) -> Iterator[None]:
-    """An error leaving the block says, once ``reader.touched`` (bytes were read into the
-    targets of ``into=``), that the targets may be partly overwritten, whatever its type
-    (corrupt, retired, refused on another rank, a fallback that failed): a caller who
-    catches it and starts afresh must not trust them."""
+    """An error leaving the block says, once ``reader.dirty`` (a read into the targets of
+    ``into=`` failed or was given up: a corrupt step, an I/O error, a step another rank
+    refused, a fallback), that the targets may be partly overwritten, whatever its type: a
+    caller who catches it and starts afresh must not trust them, and ``verify_first`` would
+    have kept them. An error that has nothing to do with such a read (a shape mismatch, a
+    key the checkpoint lacks, after a read that succeeded) says nothing of it."""
     try:
         yield
     except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-        if reader.touched:
+        if reader.dirty:
             _noted(exc, PARTIAL_TARGETS_NOTE)
         raise
+
+
+class MissingKeyError(CheckpointError, KeyError):
+    """A key of ``into=`` that the checkpoint lacks (also a ``KeyError``; a plain message)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 # ---------------------------------------------------------------------- lazy (mapped) loads
@@ -379,12 +394,12 @@ def map_shard(fd: int, path: str, size: int, expected_crc: int | None) -> dict[s
         try:
             _readinto.verify_file(fd, path, size, expected_crc)
         except OSError as e:
-            raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+            raise unreadable(e, "shard", path) from None
     try:
         _, data_start, slots, _ = read_header(fd, path, size)
         mapped = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot map shard ({e.strerror})", path) from None
+        raise read_error(e, "cannot map shard", path) from None
     out: dict[str, torch.Tensor] = {}
     for s in slots:
         dtype = ST_TO_DTYPE[s.dtype]
@@ -528,7 +543,8 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
     wrapper prefixes: a ``torch.compile`` wrapper (``_orig_mod.``) and any of
     ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
     of a compiled or wrapped model loads into a plain one and the other way round. Raises
-    ``KeyError`` when ``target`` holds a key the checkpoint lacks, ``ValueError`` on a type or
+    :class:`MissingKeyError` (a ``CheckpointError``, also a ``KeyError``) when ``target``
+    holds a key the checkpoint lacks, ``ValueError`` on a type or
     shape mismatch (targets may be partly overwritten then: tensors read in place by
     :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
     loaded tensor (read in place) is left as it is.
@@ -569,7 +585,7 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
         for key in list(target):
             sub = f"{path}.{key}" if path else str(key)
             if key not in loaded:
-                raise KeyError(f"{sub} is not in the checkpoint")
+                raise MissingKeyError(f"{sub} is not in the checkpoint")
             if _is_leaf(target[key]) and isinstance(target, MutableMapping):
                 target[key] = loaded[key]
             else:

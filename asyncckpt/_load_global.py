@@ -44,6 +44,7 @@ from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
 from ._load import _check_tree_size, byte_view, read_shard_fd
 from ._manifest import Manifest, shard_name, tree_name
+from ._readfault import read_error
 from ._reshard import Box, plan_reads
 from ._stepfiles import StepFiles
 from ._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
@@ -68,8 +69,11 @@ class Reader:
     defer: bool = False
     #: no target written unless every byte this rank needs verified (a second, in-memory pass)
     verify_first: bool = False
-    #: set once bytes may have been read into ``into``'s targets (a failed load then says so)
+    #: set once bytes may have been read into ``into``'s targets
     touched: bool = False
+    #: set when a read that touched the targets failed or was given up (a failed load then
+    #: says the targets may be partly overwritten: ``_load.noting_partial_targets``)
+    dirty: bool = False
     _targets: dict[str, Any] | None = field(default=None, repr=False)
     _pending: Callable[[bool], None] | None = field(default=None, repr=False)
 
@@ -84,18 +88,28 @@ class Reader:
         """Read the verified step's bytes into the targets (``defer``: once every rank agreed).
 
         A no-op when nothing is pending. An I/O error here, after verification, is
-        ``CheckpointCorruptError`` naming the file (the targets may be partly written then).
+        ``CheckpointReadError`` naming the file (the targets may be partly written then).
         """
         pending, self._pending = self._pending, None
         if pending is not None:
             self.touched = True
-            pending(True)
+            try:
+                pending(True)
+            except BaseException:
+                self.dirty = True
+                raise
 
     def discard(self) -> None:
         """Drop a pending read (the ranks agreed on something else): no target is written."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending(False)
+
+    def abandon(self) -> None:
+        """:meth:`discard`, for an attempt the ranks did not agree to keep: targets it already
+        wrote (one pass) hold a step that is not the one loaded, so they are ``dirty``."""
+        self.dirty = self.dirty or self.touched
+        self.discard()
 
 
 def indexed(manifest: Manifest) -> bool:
@@ -181,9 +195,8 @@ def load_indexed_files(files: StepFiles, reader: Reader, verify: bool) -> Any:
 
 
 def _io_error(e: OSError) -> CheckpointError:
-    if isinstance(e, CheckpointError):  # an object store's own error (gone, timed out): not damage
-        return e
-    return CheckpointCorruptError(f"cannot read ({e.strerror})", getattr(e, "filename", None))
+    # an object store's own error (gone, timed out) as it is; EIO and the like: not damage
+    return read_error(e, "cannot read", getattr(e, "filename", None))
 
 
 def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, plan: _Plan) -> Any:

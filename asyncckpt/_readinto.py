@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 
 from ._checksum import crc32c, crc32c_combine
-from ._errors import CheckpointCorruptError
+from ._errors import CheckpointCorruptError, CheckpointError
 from ._iopool import IOPool
 
 #: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
@@ -119,6 +119,15 @@ def _pread_exact(fd: Source, views: list[memoryview], offset: int, path: str) ->
     if not isinstance(fd, int):
         fd.read_exact(views, offset)
         return
+    try:
+        _preadv_exact(fd, views, offset, path)
+    except OSError as e:
+        if e.filename is None and not isinstance(e, CheckpointError):
+            e.filename = path  # name the file: the caller tells damage from an I/O fault by errno
+        raise
+
+
+def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     i = 0
     while i < len(views):
         batch = views[i : i + _IOV_MAX]

@@ -9,9 +9,11 @@ straight into and CRC-32C'd as they land (``verify_first`` to write none before 
 verified), a step holding DTensors assembled or resharded onto the targets' meshes reading
 only the blocks that overlap them, deduplicated tensors from the rank that holds them, the
 same bounds on hostile headers. Every defect is ``CheckpointCorruptError`` naming the
-object's URL; a store failure keeps its ``ObjectStoreError`` type (an object gone mid-read
-means the step was retired: ``CheckpointNotFoundError`` for an explicit step, look again for
-``step=None``).
+object's URL. A store that fails (503s through every retry, no answer within the deadline, a
+refused permission) is an I/O fault, not damage (``_readfault``): ``CheckpointReadError``
+naming the URL, the store's error as its ``__cause__``, never a fallback to an older step.
+An object gone mid-read means the step was retired: ``CheckpointNotFoundError`` for an
+explicit step, look again for ``step=None``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ import torch
 from . import _load
 from ._badmarks import record_on_store, store_marks
 from ._discovery import KnownBad
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._layout import check_step, token_of
 from ._load_global import PER_RANK, PerRank, Reader
 from ._manifest import Manifest
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
 
 log = logging.getLogger("asyncckpt")
@@ -132,6 +134,16 @@ def load_step(
     return load_files_as(StoreFiles(store, m, deadline), rank, verify, world_size, into, strip_prefixes, reader)
 
 
+def load_error(e: ObjectStoreError) -> CheckpointError:
+    """What a store's error means to a load: an object that is not what the manifest says is
+    damage (``CheckpointCorruptError``), any other failure an I/O fault
+    (``CheckpointReadError``, same errno and URL). A missing object is not passed here: it
+    means the step was retired."""
+    if isinstance(e, ObjectIntegrityError):
+        return CheckpointCorruptError(str(e.strerror), None if e.filename is None else str(e.filename))
+    return CheckpointReadError(e.errno, str(e.strerror), None if e.filename is None else str(e.filename))
+
+
 def _check_rank(rank: object) -> int:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise (TypeError if not isinstance(rank, int) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
@@ -226,10 +238,18 @@ def load(
                 break
         raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
 
+    def typed() -> Any:
+        try:
+            return go()
+        except ObjectNotFoundError:
+            raise
+        except ObjectStoreError as e:
+            raise load_error(e) from e
+
     if not own:
-        return go()
+        return typed()
     with _load.noting_partial_targets(reader):
-        state = go()
+        state = typed()
         if into is not None:
             with torch.no_grad():
                 _load.restore_into(into, state, strip_prefixes=prefixes)

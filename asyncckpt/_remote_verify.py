@@ -19,7 +19,7 @@ from ._badmarks import clear_on_store, record_on_store
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._layout import data_prefix, manifest_key
 from ._manifest import Manifest
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote_steps import check_objects, read_manifest
 from .reading import Problem, _short
 
@@ -53,6 +53,9 @@ async def verify_remote_step(
                 got = await store.crc32c_of(prefix + f.name, f.size, deadline)
             except (ObjectNotFoundError, ObjectIntegrityError) as e:  # gone mid-read, short: named
                 problems.append(Problem(url, str(e) or type(e).__name__))
+                continue
+            except ObjectStoreError as e:  # 503s, no answer in time: the store, not the data
+                problems.append(Problem(url, f"I/O error, not damage ({e.strerror})", io=True))
                 continue
             if got != f.crc32c:
                 problems.append(Problem(

@@ -5,21 +5,29 @@
 newest complete checkpoint; if it fails verification it logs a WARNING naming the file,
 remembers the verdict (``_badmarks``) and moves on to the next newest, and if it was
 retired meanwhile it looks again. Both read through a pinned directory (``_discovery``).
+
+A read that fails on I/O (``_readfault``: EIO, ETIMEDOUT, a FUSE server's ENOSPC, ...) is
+neither damage nor a retirement: it is tried again within the load's deadline
+(``_readfault.retrying``), then ``CheckpointReadError`` naming the file is raised, for an
+explicit step and for ``step=None`` alike: no mark, no fallback. A load that verified every
+file of a step drops a mark of that same attempt (a verdict proven stale).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._badmarks import record_bad
+from ._badmarks import clear, record_bad
 from ._discovery import Vanished, newest_complete, pin_step
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
-from ._manifest import Manifest
+from ._manifest import Manifest, shard_name, tree_name
+from ._readfault import fault_of, retrying
 from ._stepfiles import PinnedFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
@@ -53,6 +61,7 @@ def attempt(
     strip_prefixes: Sequence[str] = (),
     reader: Reader | None = None,
     mmap: bool = False,
+    report: dict[str, Any] | None = None,
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
 
@@ -66,18 +75,42 @@ def attempt(
     index raises ``ValueError`` then (its tensors are assembled from chunks, not mapped).
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
-    (best effort) before ``CheckpointCorruptError`` is raised.
+    (best effort) before ``CheckpointCorruptError`` is raised; an I/O fault
+    (``CheckpointReadError``) is raised as it is, unmarked; either one on a step that was
+    retired meanwhile is ``Vanished``. A load that verified every file of the step drops a
+    mark of this attempt. ``report`` (a collective load's) receives the attempt id, the
+    step's files and the ones this load verified in full (:func:`outcome_of`).
     """
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
         try:
-            return load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
-                                 reader, mmap)  # fmt: skip
-        except CheckpointCorruptError as e:
-            if pinned.still_there():
+            state = load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
+                                  reader, mmap)  # fmt: skip
+        except Exception as e:
+            fault = fault_of(e)
+            if fault in ("corrupt", "io") and not pinned.still_there():
+                raise pinned.gone("it was being read") from None  # retired: neither damage nor the storage
+            if fault == "corrupt":
+                assert isinstance(e, CheckpointCorruptError)
                 mark(root, step, manifest.attempt, e)
             raise
+        verified = verified_files(manifest, rank, verify)
+        if report is not None:
+            report.update(attempt=manifest.attempt, files=sorted(f.name for f in manifest.files),
+                          verified=sorted(verified))  # fmt: skip
+        elif verified >= {f.name for f in manifest.files}:
+            unmark(root, step, manifest.attempt)
+        return state
+
+
+def verified_files(manifest: Manifest, rank: int, verify: bool) -> frozenset[str]:
+    """The files of ``manifest`` a load of rank ``rank`` checked in full: its structure and its
+    shard when ``verify`` and the step has no global index (an indexed step is read by
+    blocks, each checked on its own, and may read only part of a file)."""
+    if not verify or indexed(manifest):
+        return frozenset()
+    return frozenset({tree_name(rank), shard_name(rank)})
 
 
 def load_files_as(
@@ -109,13 +142,18 @@ def load_files_as(
         raise
     if reader is not None and reader.into is not None and not reader.verify_first:
         reader.touched = True  # one pass: the targets are written as the bytes land
-    if indexed(manifest):
-        return load_indexed_files(files, reader if reader is not None else Reader(rank=rank), verify)
-    first = reader is not None and reader.verify_first
     try:
-        return load_files(files, rank, verify, into, strip_prefixes, mmap, first)
-    finally:
-        files.close()
+        if indexed(manifest):
+            return load_indexed_files(files, reader if reader is not None else Reader(rank=rank), verify)
+        first = reader is not None and reader.verify_first
+        try:
+            return load_files(files, rank, verify, into, strip_prefixes, mmap, first)
+        finally:
+            files.close()
+    except BaseException:
+        if reader is not None and reader.touched:
+            reader.dirty = True  # bytes of a failed read may be in the targets
+        raise
 
 
 def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:
@@ -124,6 +162,16 @@ def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> 
         record_bad(root, step, attempt_id, err.path or "", str(err))
     except Exception:  # best effort by contract
         log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root, exc_info=True)
+
+
+def unmark(root: str, step: int, attempt_id: str) -> None:
+    """Forget a mark of ``step`` that judged this very attempt: every file of it just verified
+    (never raises: readers may be read-only)."""
+    try:
+        if clear(root, step, attempt_id):
+            log.info("asyncckpt: step %d under %s verified in full: its bad mark is dropped", step, root)
+    except Exception:  # best effort by contract
+        log.debug("asyncckpt: could not drop the bad mark of step %d under %s", step, root, exc_info=True)
 
 
 def load_step(
@@ -137,10 +185,14 @@ def load_step(
     strip_prefixes: Sequence[str] = (),
     reader: Reader | None = None,
     mmap: bool = False,
+    deadline: float | None = None,
 ) -> Any:
-    """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired."""
+    """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired,
+    ``CheckpointReadError`` if it could not be read within the tries (and ``deadline``,
+    ``time.monotonic()`` seconds) of ``_readfault.retrying``."""
     try:
-        return attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader, mmap)
+        return retrying(lambda: attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader, mmap),
+                        deadline)  # fmt: skip
     except Vanished as e:
         raise CheckpointNotFoundError(str(e)) from None
     except NoSuchShard as e:
@@ -177,8 +229,13 @@ def load_newest(
     strip_prefixes: Sequence[str] = (),
     reader: Reader | None = None,
     mmap: bool = False,
+    deadline: float | None = None,
 ) -> tuple[int, Any]:
-    """Load the newest complete checkpoint that verifies; return its step and the state."""
+    """Load the newest complete checkpoint that verifies; return its step and the state.
+
+    Only a content fault (``CheckpointCorruptError``) moves on to an older step; a read that
+    fails on I/O is tried again (within ``deadline``), then its ``CheckpointReadError`` is
+    raised: an older step is never loaded in place of one that could not be read."""
     rejected: dict[int, CheckpointCorruptError] = {}
     warned: set[int] = set()
     deadline = time.monotonic() + _SETTLE_S
@@ -186,15 +243,19 @@ def load_newest(
     while True:
         rounds += 1
         skipped: dict[int, CheckpointCorruptError] = {}
-        info = newest_complete(root, frozenset(rejected), skipped)
+        info = retrying(functools.partial(newest_complete, root, frozenset(rejected), skipped), deadline)
         for s, e in sorted(skipped.items(), reverse=True):
             if s not in warned:
                 warned.add(s)
                 warn_corrupt(root, s, e)
         if info is None:
             raise no_checkpoint(root, {**skipped, **rejected})
+        chosen = info.step
         try:
-            return info.step, attempt(root, info.step, rank, verify, world_size, into, strip_prefixes, reader, mmap)
+            return chosen, retrying(
+                functools.partial(attempt, root, chosen, rank, verify, world_size, into, strip_prefixes, reader, mmap),
+                deadline,
+            )
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again
@@ -209,25 +270,34 @@ def load_newest(
             warn_corrupt(root, info.step, e)
 
 
-def outcome_of(exc: BaseException | None) -> dict[str, Any]:
-    """A JSON description of one rank's load attempt, for the agreement between ranks."""
+def outcome_of(exc: BaseException | None, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON description of one rank's load attempt, for the agreement between ranks: its
+    kind (``ok``, ``bad``: a content fault, ``io``: an I/O fault, ``gone``: retired meanwhile,
+    ``error``: anything else) as ``_readfault.fault_of`` tells it; an ``ok`` carries
+    :func:`attempt`'s ``report``."""
     if exc is None:
-        return {"kind": "ok"}
-    kind = (
-        "error" if isinstance(exc, NoSuchShard)
-        else "gone" if isinstance(exc, CheckpointNotFoundError)
-        else "bad" if isinstance(exc, CheckpointCorruptError)
-        else "error"
-    )  # fmt: skip
-    return {"kind": kind, "type": type(exc).__name__, "msg": str(exc), "path": getattr(exc, "path", None)}
+        return {"kind": "ok", **(report or {})}
+    fault = fault_of(exc)
+    kind = "error" if isinstance(exc, NoSuchShard) else {"corrupt": "bad", "io": "io", "gone": "gone"}.get(
+        fault or "", "error"
+    )
+    out = {"kind": kind, "type": type(exc).__name__, "msg": str(exc), "path": getattr(exc, "path", None),
+           "errno": None, "strerror": None}  # fmt: skip
+    if isinstance(exc, OSError):
+        out.update(path=out["path"] or exc.filename, errno=exc.errno, strerror=exc.strerror)
+    return out
 
 
 def error_from(step: int, failures: dict[str, dict[str, Any]]) -> CheckpointError:
     """The error a rank raises for another rank's failure (named by its rank and file)."""
     r, first = min(failures.items(), key=lambda kv: int(kv[0]))
-    msg = f"step {step}: rank {r}: {first['msg']}"
-    if len(failures) > 1:
-        msg += f" (and {len(failures) - 1} other rank(s))"
+    others = f" (and {len(failures) - 1} other rank(s))" if len(failures) > 1 else ""
+    if first["kind"] == "io":
+        what = first.get("strerror") or first["msg"]
+        path = first.get("path")
+        return CheckpointReadError(first.get("errno"), f"step {step}: rank {r}: {what}{others}",
+                                   str(path) if path is not None else None)  # fmt: skip
+    msg = f"step {step}: rank {r}: {first['msg']}{others}"
     if first["kind"] == "bad":
         err = CheckpointCorruptError(msg)
         err.path = first.get("path")
@@ -238,14 +308,47 @@ def error_from(step: int, failures: dict[str, dict[str, Any]]) -> CheckpointErro
 
 
 def decide(step_given: bool, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's verdict on every rank's attempt: ``ok``, ``fallback`` (an older step),
-    ``retry`` (the same choice again: it was retired meanwhile) or ``error``."""
+    """Rank 0's verdict on every rank's attempt: ``ok``, ``fallback`` (an older step: a content
+    fault on some rank), ``retry`` (the same choice again: it was retired meanwhile) or
+    ``error``. An I/O fault on any rank is an ``error`` naming it, never a fallback: the step
+    may be good. An ``ok`` says whether the ranks together verified every file of the step
+    (``full``, with its ``attempt``): a mark of that attempt is then stale."""
     failures = {str(r): o for r, o in enumerate(outcomes) if o["kind"] != "ok"}
     if not failures:
-        return {"kind": "ok"}
+        attempts = {o.get("attempt") for o in outcomes}
+        verified = {name for o in outcomes for name in o.get("verified", ())}
+        files = outcomes[0].get("files")
+        full = len(attempts) == 1 and None not in attempts and files is not None and set(files) <= verified
+        return {"kind": "ok", "full": full, "attempt": outcomes[0].get("attempt")}
     kinds = {o["kind"] for o in failures.values()}
+    if "io" in kinds:
+        return {"kind": "error", "failures": {r: o for r, o in failures.items() if o["kind"] == "io"}}
     if step_given or "error" in kinds:
         return {"kind": "error", "failures": failures}
     if "bad" in kinds:
         return {"kind": "fallback", "failures": {r: o for r, o in failures.items() if o["kind"] == "bad"}}
     return {"kind": "retry", "failures": failures}
+
+
+def leader_pick(pick: Callable[[], int | None], deadline: float | None) -> dict[str, Any]:
+    """Rank 0's choice of the step every rank tries, as JSON every rank can act on:
+    ``{"step": s}`` (``None``: nothing to load), or ``{"io": outcome}`` when rank 0 could not
+    read the root or a step (tried again within ``deadline`` first) and every rank must
+    raise it (:func:`picked`), not wait for a choice that never comes."""
+    try:
+        return {"step": retrying(pick, deadline)}
+    except Exception as e:
+        if fault_of(e) != "io":  # CheckpointReadError, or an object store's error (503s, silence)
+            raise
+        return {"io": outcome_of(e)}
+
+
+def picked(shared: dict[str, Any]) -> int | None:
+    """The step :func:`leader_pick` chose; its ``CheckpointReadError`` on every rank."""
+    o = shared.get("io")
+    if o is not None:
+        path = o.get("path")
+        raise CheckpointReadError(o.get("errno"), f"rank 0, choosing the step to load: {o.get('strerror') or o['msg']}",
+                                  str(path) if path is not None else None)  # fmt: skip
+    step: int | None = shared["step"]
+    return step

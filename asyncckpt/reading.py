@@ -8,14 +8,17 @@ Completeness is decided by the library's own discovery (:func:`find_latest`,
 from. Manifests, shard headers and structure files are parsed by the same bounded parsers
 the loader uses (``_manifest``, ``_header``); nothing here imports torch or unpickles.
 
-Every defect of a file becomes a :class:`~asyncckpt.CheckpointCorruptError` naming it; one bad
-step never stops :func:`scan` from describing the others.
+Every defect of a file becomes a :class:`~asyncckpt.CheckpointCorruptError` naming it, and a
+file the storage could not serve (EIO and the like) a :class:`~asyncckpt.CheckpointReadError`
+naming it (not damage: never marked bad); one bad step never stops :func:`scan` from
+describing the others.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import math
 import os
@@ -31,7 +34,6 @@ from ._bounds import parse_structure
 from ._checksum import crc32c
 from ._discovery import (
     KnownBad,
-    Unreadable,
     Vanished,
     candidate_steps,
     check_files,
@@ -42,10 +44,11 @@ from ._discovery import (
     open_step,
     read_manifest,
 )
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._header import MAX_HEADER, TORCH_NAME, TensorSlot, parse_header, validate_header
 from ._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ._readfault import fault_of, read_error, retrying
 from ._stepstates import Mark, Seen, State, state_of
 
 __all__ = [
@@ -287,7 +290,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         ranks = info.world_size if info is not None else None
         if isinstance(err, CheckpointNotFoundError):
             problem, reason = "no-marker", "no completion marker (manifest.json is missing)"
-        elif isinstance(err, Unreadable):
+        elif isinstance(err, CheckpointReadError):
             problem, reason = "unreadable", _short(err)
         elif isinstance(err, CheckpointCorruptError) and not isinstance(err, KnownBad):
             try:
@@ -441,8 +444,6 @@ def passed_over(skipped: dict[int, CheckpointCorruptError]) -> list[tuple[int, s
 def _why(e: CheckpointCorruptError) -> str:
     if isinstance(e, KnownBad):
         return str(e)
-    if isinstance(e, Unreadable):
-        return f"unreadable: {e}"
     return f"known bad: {e}"
 
 
@@ -454,7 +455,7 @@ def _open_regular(path: str, size: int) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot open ({e.strerror})", path) from None
+        raise read_error(e, "cannot open", path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -490,7 +491,7 @@ def read_shard_slots(path: str, size: int) -> dict[str, TensorSlot]:
         n = header_length(prefix, size, path)
         return slots_of_header(prefix + _pread_exact(fd, n, 8, path), size, path)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read shard ({e.strerror})", path) from None
+        raise read_error(e, "cannot read shard", path) from None
     finally:
         os.close(fd)
 
@@ -526,7 +527,7 @@ def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
     try:
         raw = _pread_exact(fd, size, 0, path)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read structure ({e.strerror})", path) from None
+        raise read_error(e, "cannot read structure", path) from None
     finally:
         os.close(fd)
     return parse_structure(raw, path, size, expected_crc)
@@ -547,7 +548,7 @@ def _indexed_slots(step_dir: str, manifest: Manifest, rank: int) -> dict[str, Te
         with open(path, "rb") as f:
             raw = f.read(size + 1)
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read the index ({e.strerror})", path) from None
+        raise read_error(e, "cannot read the index", path) from None
     return indexed_slots(raw, size, crc, manifest, rank, path)
 
 
@@ -831,6 +832,8 @@ class Problem:
     reason: str
     #: the checkpoint went away while it was verified (retired or replaced): not damage
     vanished: bool = False
+    #: the storage could not serve the file (an I/O error, tried again first): not damage
+    io: bool = False
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.path}"
@@ -840,7 +843,8 @@ def file_crc(path: str, size: int, advance: Callable[[int], None] | None = None)
     """CRC-32C of the regular file ``path``, which must be ``size`` bytes, read in bounded chunks.
 
     ``advance(n)`` is called after each chunk. Raises ``CheckpointCorruptError`` naming
-    ``path`` if it cannot be read in full.
+    ``path`` if it is not such a file or ends early, ``CheckpointReadError`` if the storage
+    cannot serve it.
     """
     fd = _open_regular(path, size)
     try:
@@ -861,7 +865,7 @@ def file_crc(path: str, size: int, advance: Callable[[int], None] | None = None)
                 advance(n)
         return crc
     except OSError as e:
-        raise CheckpointCorruptError(f"cannot read ({e.strerror})", path) from None
+        raise read_error(e, "cannot read", path) from None
     finally:
         os.close(fd)
 
@@ -887,9 +891,11 @@ def verify_step(
 
     The manifest was already checked against its own checksum when it was opened. Tensor
     data is streamed, never held in memory; ``advance(n)`` reports bytes read. Returns the
-    problems found (empty: every rank of this step would load). With ``record``, a failure is
-    remembered (``_badmarks.record_bad``: the step is then known bad) and a pass drops the mark
-    of this very attempt (``_badmarks.clear``); best effort, a read-only root keeps no mark.
+    problems found (empty: every rank of this step would load). With ``record``, a content
+    fault is remembered for ``asyncckpt ls`` (``_badmarks.record_bad``; best effort, a
+    read-only root simply keeps no mark) and a step that verified drops a mark of this very
+    attempt. A file the storage could not serve (tried again first) is a problem with
+    ``io`` set: not damage, never marked.
     """
     problems: list[Problem] = []
     if advance is not None:
@@ -897,29 +903,58 @@ def verify_step(
     for f in manifest.files:
         path = os.path.join(step_dir, f.name)
         try:
-            if file_crc(path, f.size, advance) != f.crc32c:
+            if _file_crc_retrying(path, f.size, advance) != f.crc32c:
                 problems.append(Problem(path, "checksum mismatch"))
-        except CheckpointCorruptError as e:
-            problems.append(Problem(e.path or path, _short(e)))
+        except CheckpointError as e:
+            problems.append(_problem(e, path))
     if not problems:
         total = 0
         for rank in range(manifest.world_size):
             try:
-                _, slots = read_rank_outline(step_dir, manifest, rank)
+                _, slots = retrying(functools.partial(read_rank_outline, step_dir, manifest, rank))
                 total += sum(s.end - s.begin for s in slots.values())
             except CheckpointError as e:
-                problems.append(Problem(getattr(e, "path", None) or step_dir, _short(e)))
+                problems.append(_problem(e, step_dir))
         if not problems and total != manifest.nbytes:
             reason = f"shards hold {total} tensor bytes, the manifest says {manifest.nbytes}"
             problems.append(Problem(os.path.join(step_dir, MANIFEST), reason))
     if problems and not _still_there(step_dir, manifest):
         # retired or replaced while we read it: that is not damage, and nothing to remember
         return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified", vanished=True)]
-    if problems and record:
-        record_bad(root, manifest.step, manifest.attempt, problems[0].path, problems[0].reason)
-    elif record:
-        clear(root, manifest.step, manifest.attempt)  # every byte verified: an earlier verdict was wrong
+    damage = [p for p in problems if not p.io]
+    if damage and record:
+        record_bad(root, manifest.step, manifest.attempt, damage[0].path, damage[0].reason)
+    elif not problems and record:
+        clear(root, manifest.step, manifest.attempt)  # a stale verdict on this attempt
     return problems
+
+
+def _problem(e: CheckpointError, where: str) -> Problem:
+    """``e`` as the problem of a file (``where`` if it names none)."""
+    path = getattr(e, "path", None) or where
+    if fault_of(e) == "io":
+        return Problem(path, f"I/O error, not damage ({_short(e)})", io=True)
+    return Problem(path, _short(e))
+
+
+def _file_crc_retrying(path: str, size: int, advance: Callable[[int], None] | None) -> int:
+    """:func:`file_crc`, tried again after an I/O error (``_readfault.retrying``); ``advance``
+    counts each byte once however often it was read."""
+    pos = high = 0
+
+    def tick(n: int) -> None:
+        nonlocal pos, high
+        pos += n
+        if advance is not None and pos > high:
+            advance(pos - high)
+            high = pos
+
+    def once() -> int:
+        nonlocal pos
+        pos = 0
+        return file_crc(path, size, tick)
+
+    return retrying(once)
 
 
 def _still_there(step_dir: str, manifest: Manifest) -> bool:

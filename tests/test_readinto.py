@@ -219,9 +219,10 @@ def test_an_io_error_after_verify_first_verified_says_the_targets_may_be_dirty(
     monkeypatch.setattr(_readinto, "read_into", read_into)
     monkeypatch.setattr(os, "preadv", preadv)
     b = torch.full((1 << 12,), 7.0)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with pytest.raises(asyncckpt.CheckpointReadError) as ei:  # the disk's fault, not the data's
         load(tmp_path, 2, into={"w": torch.zeros(4), "b": b}, verify_first=True)
     assert "Input/output error" in str(ei.value) and SHARD in str(ei.value)
+    assert ei.value.errno == errno.EIO and not isinstance(ei.value, CheckpointCorruptError)
     assert "the shard verified, then reading it into the targets failed" in str(ei.value)
     # the first pass alone writes no target: without the fault the same load restores step 2
     monkeypatch.undo()

@@ -292,8 +292,8 @@ def test_gc_with_pending_saves_warns_and_the_save_completes(tmp_path: Path) -> N
 def test_public_exports_are_pinned() -> None:
     assert sorted(asyncckpt.__all__) == sorted([
         "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
-        "Checkpointer", "CheckpointerStatistics", "CoordinationLost", "RankFailure", "RootInUseError",
-        "RootNotWritableError",
+        "CheckpointReadError", "Checkpointer", "CheckpointerStatistics", "CoordinationLost", "RankFailure",
+        "RootInUseError", "RootNotWritableError",
         "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
         "SaveTimeoutError", "__version__", "find_latest", "load",
@@ -302,6 +302,9 @@ def test_public_exports_are_pinned() -> None:
     assert issubclass(asyncckpt.SaveTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(asyncckpt.CheckpointCorruptError, asyncckpt.CheckpointError)
+    assert issubclass(asyncckpt.CheckpointReadError, asyncckpt.CheckpointError)
+    assert issubclass(asyncckpt.CheckpointReadError, OSError)
+    assert not issubclass(asyncckpt.CheckpointReadError, asyncckpt.CheckpointCorruptError)
     assert issubclass(asyncckpt.CoordinationLost, asyncckpt.CheckpointError)
     assert issubclass(asyncckpt.CoordinationLost, RuntimeError)
     assert issubclass(asyncckpt.RootNotWritableError, PermissionError)

@@ -10,6 +10,7 @@ from typing import Any
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
+from .._readfault import fault_of
 from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
@@ -27,7 +28,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "(bytes, rate, ETA) when stderr is a terminal, nothing when piped. A failure is remembered\n"
         "under ROOT/.asyncckpt/bad (when ROOT is writable): the step is then known bad ('asyncckpt\n"
         "ls' shows it, latest() and load() pass over it) until a verification of it passes.\n"
-        "Exits 0 when valid, 1 when a checkpoint is incomplete or corrupt (naming the file).\n"
+        "An I/O error (EIO, a timeout) is reported as 'unreadable', not corrupt, and marks nothing.\n"
+        "Exits 0 when valid, 1 when a checkpoint is incomplete, corrupt or unreadable (naming the file).\n"
         "ROOT may be an s3:// URL: every object's CRC-32C is recomputed from ranged GETs\n"
         "(bounded memory) and the step's objects and sizes checked against its manifest.",
         "  asyncckpt verify ckpt/                # the newest resumable step (what load() resumes from)\n"
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             opened.append(open_step(root, step))
         except CheckpointError as e:
             what = "incomplete" if os.path.lexists(os.path.join(root, step_dir_name(step))) else "not found"
+            what = "unreadable" if fault_of(e) == "io" else what  # EIO on its manifest: not damage
             results.append({"step": step, "status": what, "ok": False, "problems": [{"path": None, "reason": str(e)}]})
             if not args.json:
                 say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
@@ -106,8 +109,14 @@ def report(
     as_json: bool,
 ) -> None:
     """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
-    # retired by a running job while we read it: gone, not damaged
-    status = "ok" if not problems else "not found" if all(p.vanished for p in problems) else "corrupt"
+    # retired by a running job while we read it: gone, not damaged; an I/O error: unreadable
+    # (the storage failed, the data may be fine: nothing was marked)
+    status = (
+        "ok" if not problems
+        else "not found" if all(p.vanished for p in problems)
+        else "unreadable" if all(p.io or p.vanished for p in problems)
+        else "corrupt"
+    )  # fmt: skip
     results.append({
         "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
         "problems": [{"path": p.path, "reason": p.reason} for p in problems],

@@ -1,0 +1,74 @@
+"""A store that errors or times out during a load is an I/O fault, not corruption (issue 26,
+problem 4): ``CheckpointReadError`` naming the object, no fallback to an older step.
+
+A real SeaweedFS on loopback with a fault proxy in front of it (``tests/s3proxy.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from s3fixtures import opts, require_s3, running_server
+from s3proxy import FaultProxy, Rule
+from s3server import S3Server
+
+require_s3()
+
+from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointReadError, remote  # noqa: E402
+
+BUCKET = "readfault-bucket"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with running_server(BUCKET) as server:
+        yield server
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3.s3_port, max_lifetime=120).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((4096,), float(step)), "step": step}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(Rule("status", method="GET", path_contains="/step_00000002/a-", status=503, times=10**6),
+                     id="503"),
+        pytest.param(Rule("delay", method="GET", path_contains="/step_00000002/a-", delay=30, times=10**6),
+                     id="timeout"),
+    ],
+)
+def test_a_store_fault_during_a_load_is_a_read_error_not_corruption(proxy: FaultProxy, fault: Rule) -> None:
+    url = f"s3://{BUCKET}/rf-{uuid.uuid4().hex[:10]}"
+    o = opts(proxy.endpoint)
+    with Checkpointer(url, storage_options=o, timeout=10) as ck:
+        for s in (1, 2):
+            ck.save(s, state(s)).result(timeout=60)
+    proxy.add(fault)
+    for step in (None, 2):
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointReadError) as ei:
+            remote.load(url, step, storage_options=o, deadline_s=4)
+        assert time.monotonic() - t0 < 20
+        e = ei.value
+        assert not isinstance(e, CheckpointCorruptError)
+        assert e.filename is not None and e.filename.startswith(f"{url}/step_00000002/"), (e.filename, str(e))
+    with Checkpointer(url, storage_options=o, timeout=4) as ck, pytest.raises(CheckpointReadError):
+        ck.load()
+    proxy.clear()
+    assert remote.load(url, storage_options=o, deadline_s=30)["step"] == 2
