@@ -22,6 +22,8 @@ from ._errors import (
     CheckpointNotFoundError,
     CoordinationLost,
     RankFailure,
+    RanksFailedError,
+    RanksTimeoutError,
     RootInUseError,
     RootNotWritableError,
     SaveError,
@@ -31,9 +33,11 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, load
     from ._discovery import find_latest
+    from ._every_rank import on_every_rank
     from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
     from ._lifecycle import SaveState
+    from ._storage import ensure_dir
 
 __version__ = "0.1.0"
 
@@ -47,6 +51,8 @@ _LAZY = {
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",
     "SaveState": "._lifecycle",
+    "ensure_dir": "._storage",
+    "on_every_rank": "._every_rank",
 }
 
 
@@ -72,6 +78,8 @@ __all__ = [
     "CheckpointerStatistics",
     "CoordinationLost",
     "RankFailure",
+    "RanksFailedError",
+    "RanksTimeoutError",
     "RootInUseError",
     "RootNotWritableError",
     "SaveError",
@@ -80,6 +88,8 @@ __all__ = [
     "SaveStatistics",
     "SaveTimeoutError",
     "__version__",
+    "ensure_dir",
     "find_latest",
     "load",
+    "on_every_rank",
 ]

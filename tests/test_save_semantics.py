@@ -292,12 +292,16 @@ def test_gc_with_pending_saves_warns_and_the_save_completes(tmp_path: Path) -> N
 def test_public_exports_are_pinned() -> None:
     assert sorted(asyncckpt.__all__) == sorted([
         "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
-        "Checkpointer", "CheckpointerStatistics", "CoordinationLost", "RankFailure", "RootInUseError",
+        "Checkpointer", "CheckpointerStatistics", "CoordinationLost", "RankFailure", "RanksFailedError",
+        "RanksTimeoutError", "RootInUseError",
         "RootNotWritableError",
         "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
-        "SaveTimeoutError", "__version__", "find_latest", "load",
+        "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "load", "on_every_rank",
     ])
+    assert issubclass(asyncckpt.RanksTimeoutError, asyncckpt.RanksFailedError)
+    assert issubclass(asyncckpt.RanksTimeoutError, TimeoutError)
+    assert issubclass(asyncckpt.RanksFailedError, asyncckpt.CheckpointError)
     assert issubclass(asyncckpt.SaveTimeoutError, asyncckpt.SaveError)
     assert issubclass(asyncckpt.SaveTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.CheckpointNotFoundError, FileNotFoundError)
