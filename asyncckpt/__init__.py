@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
     from ._lifecycle import SaveState
     from ._storage import ensure_dir
+    from .integrations.dcp import import_dcp
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ _LAZY = {
     "SaveState": "._lifecycle",
     "ensure_dir": "._storage",
     "on_every_rank": "._every_rank",
+    "import_dcp": ".integrations.dcp",
 }
 
 
@@ -90,6 +92,7 @@ __all__ = [
     "__version__",
     "ensure_dir",
     "find_latest",
+    "import_dcp",
     "load",
     "on_every_rank",
 ]

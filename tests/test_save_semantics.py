@@ -297,7 +297,8 @@ def test_public_exports_are_pinned() -> None:
         "RootNotWritableError",
         "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
-        "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "load", "on_every_rank",
+        "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "import_dcp", "load",
+        "on_every_rank",
     ])
     assert issubclass(asyncckpt.RanksTimeoutError, asyncckpt.RanksFailedError)
     assert issubclass(asyncckpt.RanksTimeoutError, TimeoutError)
