@@ -121,3 +121,27 @@ def test_not_a_dcp_directory(tmp_path: Path) -> None:
     assert r.code == 1 and ".metadata" in r.err, r
     r = run_cli("import", str(tmp_path / "missing"), str(tmp_path / "ck"), "--step", "1", "--allow-pickle")
     assert r.code == 1 and "missing" in r.err, r
+
+
+def test_dcp_module_exports_are_pinned() -> None:
+    import asyncckpt.integrations.dcp as m
+
+    assert sorted(m.__all__) == ["StorageReader", "StorageWriter", "import_dcp"]
+    assert asyncckpt.import_dcp is m.import_dcp
+    assert issubclass(m.StorageWriter, dcp.StorageWriter) and issubclass(m.StorageReader, dcp.StorageReader)
+
+
+def test_the_example_saves_and_resumes_in_one_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).parent.parent / "examples" / "dcp_storage.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for steps in (4, 6):
+        r = subprocess.run([sys.executable, str(example), "--root", str(tmp_path / "run"), "--steps", str(steps)],
+                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from step 4" in r.stdout and "step 6:" in r.stdout, r.stdout
+    from asyncckpt import reading
+
+    assert [i.step for i in reading.complete_checkpoints(tmp_path / "run")] == [2, 4, 6]
