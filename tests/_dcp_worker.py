@@ -12,6 +12,7 @@ Run as ``python _dcp_worker.py SCENARIO RANK WORLD PORT DIR OUT``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -23,9 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _global_worker import build, full, train_step
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import asyncckpt
+from asyncckpt._storage import OsOps
 from asyncckpt.integrations.dcp import StorageReader, StorageWriter
 
 
@@ -54,7 +57,23 @@ def scenario_save(rank: int, world: int, base: str) -> dict[str, Any]:
     ref = tensors(model, optim)
     if rank == 0:
         torch.save(ref, os.path.join(base, "ref.pt"))
-    return {"keys": len(ref)}
+    # rank 1's disk fills up mid-write: every rank raises, nothing is committed
+    ops = _NoSpace() if rank == 1 else OsOps()
+    try:
+        dcp.save(state, storage_writer=StorageWriter(os.path.join(base, "ck"), step=3, ops=ops))
+        failed: Any = None
+    except CheckpointException as e:
+        failed = {str(r): [type(f[0] if isinstance(f, tuple) else f).__name__,
+                           getattr(f[0] if isinstance(f, tuple) else f, "errno", None)]
+                  for r, f in e.failures.items()}  # fmt: skip
+    return {"keys": len(ref), "failed": failed}
+
+
+class _NoSpace(OsOps):
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        if offset > 0:  # after the header: a partial file is left
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().pwrite(fd, data, offset)
 
 
 def scenario_load(rank: int, world: int, base: str) -> dict[str, Any]:

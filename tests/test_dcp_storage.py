@@ -9,6 +9,7 @@ bit for bit; the imported DCP checkpoint loads through ``Checkpointer.load(into=
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -241,6 +242,12 @@ def _launch(tmp_path: Path, scenario: str, world: int) -> dict[int, dict[str, An
 def test_fsdp2_saved_on_4_ranks_loads_on_2_bit_for_bit_and_the_imported_dcp_checkpoint_too(tmp_path: Path) -> None:
     saved = _launch(tmp_path, "save", 4)
     assert saved[0]["keys"] > 0
+    # the save whose rank 1 hit ENOSPC: every rank raised DCP's CheckpointException naming
+    # rank 1 (OSError ENOSPC); nothing committed, the attempt left for gc
+    for r in range(4):
+        assert saved[r]["failed"] == {"1": ["OSError", errno.ENOSPC]}, saved[r]
+    assert not (tmp_path / "ck" / "step_00000003").exists()
+    assert len(list((tmp_path / "ck").glob("step_00000003.tmp-*"))) == 1
     # torch's own writer's checkpoint, imported (the pickled .metadata: an explicit opt-in)
     step_dir = import_dcp(tmp_path / "dcp", tmp_path / "imported", 7, allow_pickle=True)
     assert step_dir == tmp_path / "imported" / "step_00000007"
@@ -253,3 +260,40 @@ def test_fsdp2_saved_on_4_ranks_loads_on_2_bit_for_bit_and_the_imported_dcp_chec
         for what in ("dcp1", "dcp2", "imported"):
             assert res[what]["bad"] == [], (r, what, res[what]["bad"])
             assert res[what]["meta"] == {"epoch": 3, "rank0": "yes"}, (r, what)
+
+
+def test_malformed_dcp_json_is_refused_as_a_value_error(tmp_path: Path) -> None:
+    from asyncckpt.integrations import _dcp_meta
+
+    dcp.save(_state(), storage_writer=StorageWriter(tmp_path, step=1))
+    step_dir = tmp_path / "step_00000001"
+    raw = (step_dir / "dcp.json").read_bytes()
+    sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+    meta, blobs = _dcp_meta.decode(raw, sizes)  # the real one decodes
+    assert blobs and all(fqn in meta.state_dict_metadata for fqn in blobs), blobs
+    good = json.loads(raw)
+    tensor = next(iter(good["tensors"]))
+    blob = next(iter(good["bytes"]))
+
+    def bad(edit: Any) -> None:
+        doc = json.loads(raw)
+        edit(doc)
+        with pytest.raises(ValueError):
+            _dcp_meta.decode(json.dumps(doc).encode(), sizes)
+
+    bad(lambda d: d.update(format="asyncckpt-dcp/9"))
+    bad(lambda d: d["tensors"][tensor].update(dtype="F128"))
+    bad(lambda d: d["tensors"][tensor].update(size=[-1]))
+    bad(lambda d: d["tensors"][tensor].update(chunks=[[[0], [10**9]]]))  # outside the tensor
+    bad(lambda d: d["tensors"][tensor].update(chunks=[[[0, 0, 0], [1, 1, 1]]]))  # another rank
+    bad(lambda d: d["tensors"][tensor].update(memory_format="os.system"))
+    bad(lambda d: d["tensors"][tensor].update(requires_grad="yes"))
+    bad(lambda d: d["bytes"].update({blob: ["../../etc/passwd", 0, 1, 0]}))  # not a listed file
+    bad(lambda d: d["bytes"].update({blob: [d["bytes"][blob][0], 0, 10**12, 0]}))  # past its end
+    bad(lambda d: d["bytes"].update({tensor: d["bytes"][blob]}))  # a key both tensor and bytes
+    bad(lambda d: d.update(mappings={"a": [{"x": 1}]}))
+    bad(lambda d: d.update(storage_meta={"checkpoint_id": 5}))
+    with pytest.raises(ValueError):
+        _dcp_meta.decode(b"[" * 100_000, sizes)
+    with pytest.raises(ValueError):
+        _dcp_meta.decode(b"\xff\xfe", sizes)
