@@ -3,9 +3,10 @@
 The functions come from the real package (nemo-automodel 0.7.0), never from a copy in this
 repository: the full package when it imports (it needs about 2.9 GB of dependencies:
 transformers, triton, cutlass ...), otherwise their source read from the installed files
-(``pip install --no-deps --target DIR nemo-automodel==0.7.0``: a 3.8 MB wheel; point
-``ASYNCCKPT_NEMO_PATH`` at DIR) and compiled alone: ``_create_dirs`` and ``_ensure_dirs``
-from ``components/checkpoint/checkpointing.py`` and the ``is_cloud_path`` they call from
+(``pip install --no-deps --target DIR nemo-automodel==0.7.0``: a 3.8 MB wheel, which
+``make`` installs into ``.venv/nemo-automodel``; or point ``ASYNCCKPT_NEMO_PATH`` at DIR)
+and compiled alone: ``_create_dirs`` and ``_ensure_dirs`` from
+``components/checkpoint/checkpointing.py`` and the ``is_cloud_path`` they call from
 ``components/checkpoint/utils.py``. Both ways run the same bytes of NeMo's code.
 
 :func:`patch` is what a NeMo user adds to their launcher to get asyncckpt's behaviour; it
@@ -19,6 +20,7 @@ import importlib
 import importlib.util
 import os
 import pathlib
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +29,8 @@ SKIP = "needs nemo-automodel/: pip install --no-deps --target DIR nemo-automodel
 
 
 def _package_dir() -> pathlib.Path | None:
-    for base in filter(None, [os.environ.get("ASYNCCKPT_NEMO_PATH")]):
+    # ASYNCCKPT_NEMO_PATH, else where `make` puts it: .venv/nemo-automodel
+    for base in filter(None, [os.environ.get("ASYNCCKPT_NEMO_PATH"), os.path.join(sys.prefix, "nemo-automodel")]):
         p = pathlib.Path(base, "nemo_automodel")
         if p.is_dir():
             return p
