@@ -23,6 +23,8 @@ from ._errors import (
     CheckpointReadError,
     CoordinationLost,
     RankFailure,
+    RanksFailedError,
+    RanksTimeoutError,
     RootInUseError,
     RootNotWritableError,
     SaveError,
@@ -32,9 +34,12 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, load
     from ._discovery import find_latest
+    from ._every_rank import on_every_rank
     from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
     from ._lifecycle import SaveState
+    from ._storage import ensure_dir
+    from .integrations.dcp import import_dcp
 
 __version__ = "0.1.0"
 
@@ -48,6 +53,9 @@ _LAZY = {
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",
     "SaveState": "._lifecycle",
+    "ensure_dir": "._storage",
+    "on_every_rank": "._every_rank",
+    "import_dcp": ".integrations.dcp",
 }
 
 
@@ -74,6 +82,8 @@ __all__ = [
     "CheckpointerStatistics",
     "CoordinationLost",
     "RankFailure",
+    "RanksFailedError",
+    "RanksTimeoutError",
     "RootInUseError",
     "RootNotWritableError",
     "SaveError",
@@ -82,6 +92,9 @@ __all__ = [
     "SaveStatistics",
     "SaveTimeoutError",
     "__version__",
+    "ensure_dir",
     "find_latest",
+    "import_dcp",
     "load",
+    "on_every_rank",
 ]

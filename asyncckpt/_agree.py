@@ -3,7 +3,10 @@
 Used by collective reads (``Checkpointer.load``): each rank publishes what happened to it
 under a key of the c10d store, rank 0 waits for all of them (bounded by the Checkpointer's
 timeout), computes one verdict and publishes it, and every rank returns that same verdict.
-Store calls only (``set``, ``wait`` with a deadline, ``check``, ``get``), never collectives.
+Store calls only (``set``, ``wait`` with a deadline, ``check``, ``get``, ``compare_set``),
+never collectives. The verdict is published with ``compare_set``: a follower that gives up on
+rank 0 publishes a timeout verdict the same way, so whichever comes first is the one every
+rank returns or raises (rank 0 arriving late adopts the follower's timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from ._distributed import DistContext
 _MARGIN_S = 5.0
 
 
+class AgreeTimeout(TimeoutError):
+    """Not every rank answered in time; ``missing`` names the ranks that did not (``(0,)``:
+    rank 0 gave no verdict)."""
+
+    def __init__(self, message: str, missing: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 def agree(
     dist: DistContext,
     key: str,
@@ -29,8 +41,9 @@ def agree(
 ) -> dict[str, Any]:
     """Publish ``mine``; return the verdict rank 0 computed with ``decide`` from every rank's.
 
-    Raises ``TimeoutError`` naming the ranks that did not report (rank 0) or naming rank 0
-    (the others) when the wait runs out.
+    Raises :class:`AgreeTimeout` (a ``TimeoutError``) naming the ranks that did not report
+    (rank 0's view) or naming rank 0 (a follower's) when the wait runs out; every rank that
+    reads the verdict raises the same one.
     """
     base = f"{dist.prefix}/{key}"
     verdict_key = f"{base}/verdict"
@@ -40,13 +53,13 @@ def agree(
         try:
             store.wait([verdict_key], timedelta(seconds=timeout + _MARGIN_S))
             got: dict[str, Any] = json.loads(store.get(verdict_key))
-        except Exception as e:
-            raise TimeoutError(
-                f"asyncckpt: rank 0 did not answer {key!r} within {timeout + _MARGIN_S:.0f}s ({e})"
-            ) from e
-        if got.get("kind") == "timeout":
-            raise TimeoutError(f"asyncckpt: {got['msg']}")
-        return got
+        except Exception as e:  # noqa: BLE001 - rank 0 is late or gone: give up on it, once
+            msg = f"rank 0 did not answer {key!r} within {timeout + _MARGIN_S:.0f}s ({e})"
+            try:
+                got = _publish(store, verdict_key, {"kind": "timeout", "msg": msg, "missing": [0]})
+            except Exception:  # noqa: BLE001 - the store itself is gone: nobody to agree with
+                raise AgreeTimeout(f"asyncckpt: {msg}", (0,)) from e
+        return _raise_timeout(got)
     keys = [f"{base}/r{r}" for r in range(1, dist.world_size)]
     try:
         if keys:
@@ -54,11 +67,20 @@ def agree(
     except Exception:  # noqa: BLE001 - a timeout: find out who is missing, tell the others
         missing = [r for r, k in enumerate(keys, start=1) if not _check(store, k)]
         msg = f"rank(s) {missing} did not report {key!r} within {timeout:.0f}s"
-        store.set(verdict_key, json.dumps({"kind": "timeout", "msg": msg}))
-        raise TimeoutError(f"asyncckpt: {msg}") from None
+        return _raise_timeout(_publish(store, verdict_key, {"kind": "timeout", "msg": msg, "missing": missing}))
     outcomes = [mine] + [json.loads(store.get(k)) for k in keys]
-    verdict = decide(outcomes)
-    store.set(verdict_key, json.dumps(verdict))
+    return _raise_timeout(_publish(store, verdict_key, decide(outcomes)))
+
+
+def _publish(store: Any, key: str, verdict: dict[str, Any]) -> dict[str, Any]:
+    """Set ``key`` to ``verdict`` unless a verdict is there already; return the one that stands."""
+    stood: dict[str, Any] = json.loads(store.compare_set(key, "", json.dumps(verdict)))
+    return stood
+
+
+def _raise_timeout(verdict: dict[str, Any]) -> dict[str, Any]:
+    if verdict.get("kind") == "timeout":
+        raise AgreeTimeout(f"asyncckpt: {verdict['msg']}", tuple(verdict.get("missing", ())))
     return verdict
 
 

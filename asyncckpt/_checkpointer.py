@@ -524,7 +524,7 @@ class Checkpointer:
         """Rank 0 at construction: create the root, take ownership (into ``own``), then clean
         up leftovers; return the committed steps. The caller releases ``own`` on failure."""
         try:
-            ensure_dir(self.root, deadline_s=min(self.timeout, 60.0), ops=ops)
+            ensure_dir(self.root, timeout=min(self.timeout, 60.0), ops=ops)
         except (PermissionError, OSError) as e:
             if not (isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
                 raise

@@ -6,6 +6,10 @@
     ├── SaveError                        a background save failed (carries step, failures)
     │   └── SaveTimeoutError             ... because a participant did not answer in time
     │                                        (also a builtin TimeoutError)
+    ├── RanksFailedError                 on_every_rank(): the function failed on some ranks
+    │   │                                    (carries failures, the same on every rank)
+    │   └── RanksTimeoutError            ... or some ranks did not answer in time
+    │                                        (also a builtin TimeoutError)
     ├── CheckpointNotFoundError          no complete checkpoint for that step / root
     │                                        (also a builtin FileNotFoundError)
     ├── CheckpointCorruptError           a marker, manifest, header or checksum is wrong
@@ -114,6 +118,43 @@ class SaveTimeoutError(SaveError, TimeoutError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.step, self.failures, "", self.missing))
+
+
+class RanksFailedError(CheckpointError):
+    """:func:`asyncckpt.on_every_rank`: the function raised on some ranks; every rank of the
+    group raises this same error.
+
+    ``failures`` maps each failed rank (its rank in the group) to what failed there; on a
+    rank that failed, its own exception is chained as ``__cause__``. ``missing`` lists ranks
+    that did not answer in time (only on :class:`RanksTimeoutError`).
+    """
+
+    def __init__(
+        self, what: str, failures: Mapping[int, RankFailure], detail: str = "", missing: tuple[int, ...] = ()
+    ) -> None:
+        self.what = what
+        self.failures: dict[int, RankFailure] = dict(sorted(failures.items()))
+        self.missing = tuple(sorted(missing))
+        parts = []
+        if self.failures:
+            lines = "; ".join(str(f) for f in self.failures.values())
+            parts.append(f"failed on rank(s) {sorted(self.failures)}: {lines}")
+        if self.missing:
+            parts.append(f"rank(s) {list(self.missing)} did not answer in time")
+        msg = f"{what}: {'; '.join(parts) or 'failed'}"
+        if detail:
+            msg = f"{msg} ({detail})"
+        self.detail = detail
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.what, self.failures, self.detail, self.missing))
+
+
+class RanksTimeoutError(RanksFailedError, TimeoutError):
+    """:func:`asyncckpt.on_every_rank`: some ranks did not answer within the timeout
+    (``missing`` names them; a rank that stopped answering altogether, or one still busy
+    in the function)."""
 
 
 def with_global_ranks(failures: Mapping[int, RankFailure], ranks: Sequence[int] | None) -> dict[int, RankFailure]:

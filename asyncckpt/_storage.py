@@ -211,22 +211,39 @@ def _with_path(e: OSError, path: str) -> OSError:
 _MISSING_PARENT_TRIES = 3
 
 
-def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: OsOps = DEFAULT_OPS) -> None:
-    """Make sure ``path`` (and its parents) exist as directories; safe to race.
+def ensure_dir(path: str | os.PathLike[str], *, timeout: float = 30.0, ops: OsOps = DEFAULT_OPS) -> None:
+    """Make sure ``path`` (and its parents) exist as directories; safe to race, on any file system.
 
-    Promises, unlike ``os.makedirs(exist_ok=True)``:
+    The drop-in replacement for ``os.makedirs(path, exist_ok=True)`` where several ranks (or
+    nodes) create the same directory. That call raises ``FileExistsError`` whenever ``mkdir``
+    answers EEXIST and the ``isdir()`` check after it does not see a directory, which is what
+    a multi-client file system (virtiofs, NFS, Lustre, BeeGFS, FUSE) does while this client's
+    attribute or negative-dentry cache is stale: another node created the directory, the
+    server says it exists, ``stat`` here still says ENOENT. The seed of asyncckpt was that
+    error, ``FileExistsError: [Errno 17] File exists: '.../epoch_1_step_297/rng'``, killing one
+    rank of a NeMo Automodel job at step 297/300 while the others hung.
+
+    Promises:
 
     * EEXIST counts as success as soon as the path is seen to be a directory;
-    * if mkdir says EEXIST but ``stat`` cannot see the entry yet (a stale attribute or
-      negative-dentry cache on NFS, virtiofs, Lustre, FUSE), it re-checks with bounded,
-      jittered backoff until ``deadline_s`` and then raises :class:`StaleDirectoryError`;
+    * if mkdir says EEXIST but ``stat`` cannot see the entry yet, it re-checks (``stat``, and
+      a ``listdir`` of the parent, which goes to the server) with bounded, jittered backoff
+      until ``timeout`` seconds and then raises :class:`StaleDirectoryError` (a
+      ``FileExistsError`` naming the path); it never retries the mkdir itself;
     * a real non-directory at the path (a file, a dangling symlink) raises
       ``NotADirectoryError`` at once, without retrying;
     * any other mkdir error (EACCES, EROFS, ENOSPC ...) is raised unless the directory is
       already there.
+
+    ``timeout`` bounds the whole call (parents included); ``ops`` is the OS-call layer (tests
+    wrap it to inject faults). Blocking: call it from a thread that may block.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     p = os.fspath(path)
-    t_end = time.monotonic() + deadline_s
+    t_end = time.monotonic() + timeout
     missing_parent = 0
     while True:
         try:
@@ -246,12 +263,12 @@ def ensure_dir(path: str | os.PathLike[str], *, deadline_s: float = 30.0, ops: O
                     f"{parent!r} exists (a file system that refuses new directories here?)",
                     p,
                 ) from e
-            ensure_dir(parent, deadline_s=max(0.0, t_end - time.monotonic()), ops=ops)
+            ensure_dir(parent, timeout=max(0.0, t_end - time.monotonic()), ops=ops)
             if missing_parent > 1:
                 time.sleep(min(0.01 * missing_parent, max(0.0, t_end - time.monotonic())))
             continue  # the parent exists now: create the leaf
         except FileExistsError as e:
-            _wait_until_directory(p, e, t_end, deadline_s, ops)
+            _wait_until_directory(p, e, t_end, timeout, ops)
             return
         except OSError:
             # EACCES/EROFS may hide an existing directory (CPython's reason for isdir())
@@ -373,7 +390,7 @@ class Storage:
             raise _with_path(e, path) from e
 
     async def ensure_dir(self, path: str, deadline_s: float) -> None:
-        await self._run_on(path, lambda: ensure_dir(path, deadline_s=deadline_s, ops=self.ops))
+        await self._run_on(path, lambda: ensure_dir(path, timeout=deadline_s, ops=self.ops))
 
     async def fsync_dir(self, path: str) -> None:
         await self._run_on(path, self.ops.fsync_dir, path)
@@ -384,7 +401,7 @@ class Storage:
         def run() -> None:
             where = path
             try:
-                ensure_dir(path, deadline_s=deadline_s, ops=self.ops)
+                ensure_dir(path, timeout=deadline_s, ops=self.ops)
                 where = parent
                 self.ops.fsync_dir(parent)
             except OSError as e:

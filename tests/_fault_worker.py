@@ -58,7 +58,7 @@ def _race_process(p: int, mode: str, params: dict[str, Any], barriers: list[Any]
             t0 = time.monotonic()
             try:
                 if mode == "ensure_dir":
-                    ensure_dir(path, deadline_s=deadline_s)
+                    ensure_dir(path, timeout=deadline_s)
                 else:
                     os.makedirs(path, exist_ok=True)
                 rec["ok"] = True

@@ -69,7 +69,7 @@ def test_plain_makedirs_fails_under_the_fault_and_ensure_dir_succeeds(tmp_path: 
         _plain_makedirs_with_fault(target, 0.2)
     ops = StaleOps(0.2)
     t0 = time.monotonic()
-    ensure_dir(target + "2", deadline_s=5, ops=ops)
+    ensure_dir(target + "2", timeout=5, ops=ops)
     assert os.path.isdir(target + "2") and 0.15 < time.monotonic() - t0 < 2
 
 
@@ -85,12 +85,12 @@ def test_real_file_raises_not_a_directory_at_once(tmp_path: Path) -> None:
     f.write_text("x")
     t0 = time.monotonic()
     with pytest.raises(NotADirectoryError):
-        ensure_dir(f, deadline_s=30)
+        ensure_dir(f, timeout=30)
     assert time.monotonic() - t0 < 0.1
     link = tmp_path / "dangling"
     link.symlink_to(tmp_path / "nowhere")
     with pytest.raises(NotADirectoryError):
-        ensure_dir(link, deadline_s=30)
+        ensure_dir(link, timeout=30)
     good = tmp_path / "linked"
     good.symlink_to(tmp_path)
     ensure_dir(good)  # a symlink to a directory is a directory
@@ -100,7 +100,7 @@ def test_entry_that_never_appears_fails_clearly_within_the_deadline(tmp_path: Pa
     ops = StaleOps(0, forever=True)
     t0 = time.monotonic()
     with pytest.raises(StaleDirectoryError, match="did not become visible") as ei:
-        ensure_dir(str(tmp_path / "d"), deadline_s=0.5, ops=ops)
+        ensure_dir(str(tmp_path / "d"), timeout=0.5, ops=ops)
     assert isinstance(ei.value, FileExistsError) and ei.value.errno == errno.EEXIST
     assert 0.45 < time.monotonic() - t0 < 1.5
     assert ops.mkdirs == 1  # it re-stats, it does not hammer mkdir
@@ -125,7 +125,7 @@ def _race_worker(args: tuple[str, int, bool, float]) -> tuple[int, int]:
         ops = StaleOps(stale_s) if stale_s else OsOps()
         try:
             if robust:
-                ensure_dir(path, deadline_s=10, ops=ops)
+                ensure_dir(path, timeout=10, ops=ops)
             elif stale_s:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 _plain_makedirs_with_fault(path, stale_s)

@@ -82,7 +82,7 @@ def test_ensure_dir_enoent_after_parent_is_bounded_by_its_deadline(tmp_path: Pat
     ops = NoNewDirs()
     t0 = time.monotonic()
     with pytest.raises(FileNotFoundError) as ei:
-        ensure_dir(tmp_path / "leaf", deadline_s=30, ops=ops)
+        ensure_dir(tmp_path / "leaf", timeout=30, ops=ops)
     assert time.monotonic() - t0 < 2 and ops.calls < 20
     assert ei.value.filename == str(tmp_path / "leaf") and ei.value.errno == errno.ENOENT
 

@@ -259,7 +259,7 @@ def test_entry_that_never_appears_raises_stale_directory_error_within_the_deadli
     target = fs.path("never", "d", "e")
     t0 = time.monotonic()
     with pytest.raises(StaleDirectoryError, match="did not become visible") as ei:
-        ensure_dir(target, deadline_s=1.0)
+        ensure_dir(target, timeout=1.0)
     took = time.monotonic() - t0
     assert ei.value.errno == errno.EEXIST and ei.value.filename == fs.path("never", "d")
     assert 0.9 < took < 1.0 + 1.0, took

@@ -293,11 +293,15 @@ def test_public_exports_are_pinned() -> None:
     assert sorted(asyncckpt.__all__) == sorted([
         "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
         "CheckpointReadError", "Checkpointer", "CheckpointerStatistics", "CoordinationLost", "RankFailure",
-        "RootInUseError", "RootNotWritableError",
+        "RanksFailedError", "RanksTimeoutError", "RootInUseError", "RootNotWritableError",
         "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
-        "SaveTimeoutError", "__version__", "find_latest", "load",
+        "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "import_dcp", "load",
+        "on_every_rank",
     ])
+    assert issubclass(asyncckpt.RanksTimeoutError, asyncckpt.RanksFailedError)
+    assert issubclass(asyncckpt.RanksTimeoutError, TimeoutError)
+    assert issubclass(asyncckpt.RanksFailedError, asyncckpt.CheckpointError)
     assert issubclass(asyncckpt.SaveTimeoutError, asyncckpt.SaveError)
     assert issubclass(asyncckpt.SaveTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.CheckpointNotFoundError, FileNotFoundError)

@@ -3,7 +3,7 @@
 Run as ``asyncckpt COMMAND ...`` or ``python -m asyncckpt COMMAND ...``. Every command reads
 the disk through :mod:`asyncckpt.reading` (the library's own discovery), so what the CLI
 calls complete is exactly what :func:`asyncckpt.find_latest` would resume from. ``ls``,
-``info``, ``verify`` and ``gc`` never import torch; only ``export`` does.
+``info``, ``verify`` and ``gc`` never import torch; only ``export`` and ``import`` do.
 
 Exit status (:data:`EXIT_OK` ...): 0 success, 1 a data problem (missing, incomplete or
 corrupt checkpoint, a bad file, an I/O error), 2 a usage error, 130 interrupted, 141 the
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .._errors import CheckpointError
-from . import export, gc, info, ls, pull, push, verify
+from . import export, gc, import_dcp, info, ls, pull, push, verify
 from ._args import DataError, Formatter, UsageError
 from ._print import PROG, safe
 
@@ -34,7 +34,7 @@ EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141
 
-_COMMANDS: tuple[ModuleType, ...] = (ls, info, verify, gc, export, push, pull)
+_COMMANDS: tuple[ModuleType, ...] = (ls, info, verify, gc, export, push, pull, import_dcp)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,1 +1,1 @@
-"""Integrations of asyncckpt with training frameworks (each needs its framework installed)."""
+"""Integrations of asyncckpt with the frameworks people already run (each imported on its own)."""

@@ -1,0 +1,385 @@
+"""An asyncckpt step made of DCP items: the files each rank writes, and the commit.
+
+Used by the DCP storage layer (``dcp.StorageWriter``: every rank writes its file, the
+coordinator commits) and by the importer (``dcp.import_dcp``: one process writes them all).
+The result is an ordinary indexed asyncckpt step (``asyncckpt verify``, ``ls``, ``load``
+and ``Checkpointer.load(into=...)`` read it)::
+
+    ROOT/step_N.tmp-<attempt>/           until the commit rename
+      rankRRRRR.safetensors              rank R's DCP items: tensor chunks under their flat key
+                                         (``fqn``, then ``fqn@o1,o2`` for more chunks of it),
+                                         bytes items (DCP's serialized objects) as U8 tensors
+      rankRRRRR.json                     the state's structure (the same for every rank: DCP's
+                                         state is global): ``$dtensor`` nodes for the tensors,
+                                         decoded values for the objects
+      index.json                         every tensor's chunks (``_index``): resharded reads
+      dcp.json                           DCP's Metadata without pickle (``_dcp_meta``)
+      manifest.json                      written last: files, sizes, CRC-32C; then the rename
+
+Every file is created exclusively, CRC-32C'd as written, fsynced and closed before it is
+reported; the coordinator fsyncs the attempt directory before the manifest and after it,
+renames the directory into place (the commit point) and fsyncs the root. A crash before the
+rename leaves a ``*.tmp-*`` directory that no reader takes and ``asyncckpt gc`` removes.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from .. import _index, _manifest
+from .._checksum import crc32c
+from .._discovery import open_step
+from .._errors import CheckpointCorruptError, CheckpointError
+from .._format import DTYPE_TO_ST, plan_layout
+from .._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from .._load import byte_view
+from .._storage import DEFAULT_OPS, OsOps, remove_tree
+from .._structure import flatten, tree_json
+from . import _dcp_meta
+
+log = logging.getLogger("asyncckpt")
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: the safetensors ``__metadata__`` of a rank file written from DCP items
+_SHARD_META = {"format": "pt", "written_by": "torch.distributed.checkpoint via asyncckpt"}
+
+
+@dataclass
+class RankFile:
+    """What one rank wrote: its file and where each of its DCP items lies in it.
+
+    ``tensors``: ``[fqn, offsets, sizes, dtype, begin, nbytes, crc32c, block_crcs]``;
+    ``blobs``: ``[fqn, begin, nbytes, crc32c]``; offsets are absolute file bytes.
+    """
+
+    rank: int
+    name: str
+    size: int
+    crc32c: int
+    nbytes: int
+    tensors: list[list[Any]] = field(default_factory=list)
+    blobs: list[list[Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankFile:
+        return cls(**{k: d[k] for k in ("rank", "name", "size", "crc32c", "nbytes", "tensors", "blobs")})
+
+
+def attempt_dir(root: str, step: int, attempt: str) -> str:
+    return os.path.join(root, tmp_dir_name(step, attempt))
+
+
+def new_attempt() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def check_step_free(root: str, step: int) -> None:
+    """``FileExistsError`` if ``ROOT/step_N`` exists: a step is never overwritten."""
+    final = os.path.join(root, step_dir_name(step))
+    if os.path.lexists(final):
+        raise FileExistsError(
+            17, f"step {step} exists under {root}; asyncckpt never overwrites a step (save another step, or "
+            "remove it first)", final,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- one rank's file
+@dataclass
+class Entry:
+    """One DCP item to write: a tensor chunk (``offsets`` set) or serialized bytes."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    #: the tensor (or bytes) itself, or a function that makes it (called once, in file order)
+    data: Any
+
+
+def _slot_names(entries: list[Entry]) -> list[str]:
+    names: list[str] = []
+    seen: set[str] = set()
+    for e in entries:
+        name = e.fqn
+        if name in seen or name == "__metadata__":
+            name = f"{e.fqn}@{','.join(map(str, e.offsets or ()))}"
+            while name in seen:
+                name += "'"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def write_rank_file(directory: str, rank: int, entries: list[Entry], ops: OsOps = DEFAULT_OPS) -> RankFile:
+    """Write ``entries`` as ``rankRRRRR.safetensors`` in ``directory`` (exclusive create,
+    CRC-32C and block CRCs as written, fsync, close) and describe where each one lies."""
+    name = _manifest.shard_name(rank)
+    names = _slot_names(entries)
+    specs = [(n, e.dtype, e.sizes) for n, e in zip(names, entries, strict=True)]
+    layout = plan_layout(specs, _SHARD_META)
+    by_name = dict(zip(names, entries, strict=True))
+    path = os.path.join(directory, name)
+    out = RankFile(rank, name, layout.file_size, 0, layout.data_len)
+    fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    try:
+        _pwrite_all(ops, fd, memoryview(layout.header), 0, path)
+        crc = crc32c(layout.header)
+        for slot in layout.slots:
+            e = by_name[slot.name]
+            data = e.data() if callable(e.data) else e.data
+            view = _bytes_of(data, e, slot.end - slot.begin)
+            begin = layout.data_start + slot.begin
+            _pwrite_all(ops, fd, view, begin, path)
+            whole, blocks = _index.block_crcs(view, _index.BLOCK)
+            crc = crc32c(view, crc)
+            if e.offsets is None:
+                out.blobs.append([e.fqn, begin, len(view), whole])
+            else:
+                out.tensors.append([e.fqn, list(e.offsets), list(e.sizes), DTYPE_TO_ST[e.dtype], begin, len(view),
+                                    whole, blocks])  # fmt: skip
+            del data, view
+        ops.fsync(fd)
+    except OSError as err:
+        _close_quietly(ops, fd)
+        raise err if err.filename is not None else OSError(err.errno, err.strerror, path) from err
+    except BaseException:
+        _close_quietly(ops, fd)
+        raise
+    ops.close(fd)
+    out.crc32c = crc
+    return out
+
+
+def _bytes_of(data: Any, e: Entry, expect: int) -> memoryview:
+    if e.offsets is None:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        view = memoryview(raw)
+    else:
+        t = data.detach()
+        if t.dtype != e.dtype or tuple(t.shape) != tuple(e.sizes):
+            raise ValueError(
+                f"{e.fqn!r}: the planner resolved a {t.dtype}{list(t.shape)} tensor for a "
+                f"{e.dtype}{list(e.sizes)} chunk"
+            )
+        view = byte_view(t.to("cpu").contiguous())
+    if len(view) != expect:
+        raise ValueError(f"{e.fqn!r}: {len(view)} bytes resolved, {expect} planned")
+    return view
+
+
+def _pwrite_all(ops: OsOps, fd: int, view: memoryview, offset: int, path: str) -> None:
+    pos = 0
+    while pos < len(view):
+        n = ops.pwrite(fd, view[pos:], offset + pos)
+        if n <= 0:
+            raise OSError(5, "write returned 0 bytes", path)
+        pos += n
+
+
+def _close_quietly(ops: OsOps, fd: int) -> None:
+    try:
+        ops.close(fd)
+    except OSError:
+        pass
+
+
+def write_small(directory: str, name: str, data: bytes, rank: int, ops: OsOps = DEFAULT_OPS) -> _manifest.FileEntry:
+    """Create ``directory/name`` exclusively with ``data``, fsync, close; its manifest entry."""
+    path = os.path.join(directory, name)
+    fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    try:
+        _pwrite_all(ops, fd, memoryview(data), 0, path)
+        ops.fsync(fd)
+    except BaseException:
+        _close_quietly(ops, fd)
+        raise
+    ops.close(fd)
+    return _manifest.FileEntry(name, len(data), crc32c(data), rank)
+
+
+# ------------------------------------------------------------------------------- the structure
+def value_node(raw: bytes) -> Any:
+    """The structure node of one DCP bytes item: the object it holds, decoded by
+    ``torch.load(weights_only=True)`` (no code runs) when it is plain data; otherwise, or when
+    it holds tensors, its bytes (``$bytes``)."""
+    import base64
+
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+        node, tensors = flatten(value)
+        if not tensors:
+            return node
+    except Exception:  # noqa: BLE001 - not plain data: kept as the bytes DCP wrote
+        pass
+    return {"$bytes": base64.b64encode(raw).decode("ascii")}
+
+
+def build_tree(fqns: Iterable[str], tensors: set[str], values: Mapping[str, Any], mappings: Any) -> Any:
+    """The state's structure: nested as the saved state dict was (``mappings``: DCP's flat key
+    -> key path), or flat when the planner kept no mappings. Tensors are ``$dtensor`` nodes
+    named by their flat key (the index's name, and asyncckpt's dotted key path)."""
+    root: dict[Any, Any] = {}
+    for fqn in fqns:
+        leaf = _Leaf({"$dtensor": fqn} if fqn in tensors else values[fqn])
+        path = mappings.get(fqn) if isinstance(mappings, Mapping) else None
+        if not path:
+            path = (fqn,)
+        node = root
+        for key in path[:-1]:
+            nxt = node.setdefault(key, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{fqn!r}: key path {list(path)} runs through a value")
+            node = nxt
+        if path[-1] in node:
+            raise ValueError(f"{fqn!r}: key path {list(path)} is taken twice")
+        node[path[-1]] = leaf
+    return _encode(root)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A finished structure node (kept apart from the dicts :func:`build_tree` nests)."""
+
+    node: Any
+
+
+def _encode(node: Any) -> Any:
+    if isinstance(node, _Leaf):
+        return node.node
+    if isinstance(node, dict):
+        keys = list(node)
+        if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
+            return [_encode(node[i]) for i in range(len(keys))]
+        return {"$dict": [[k, _encode(v)] for k, v in node.items()]}
+    raise AssertionError(f"unexpected node {node!r}")
+
+
+# ------------------------------------------------------------------------------------ the commit
+def commit(
+    root: str,
+    step: int,
+    attempt: str,
+    files: list[RankFile],
+    metadata: Metadata,
+    extra: dict[str, Any],
+    ops: OsOps = DEFAULT_OPS,
+) -> str:
+    """Write the step's shared files and commit it; returns the committed directory.
+
+    ``files``: every rank's :class:`RankFile` (rank ``r`` at index ``r``), all written and
+    fsynced in the attempt directory; ``metadata``: DCP's global metadata of the save.
+    Raises ``CheckpointCorruptError`` if the items do not make a loadable step (chunks that do
+    not tile a tensor, an item written twice or by nobody), ``TypeError`` for metadata JSON
+    cannot carry, ``FileExistsError`` if the step appeared meanwhile, ``OSError`` on I/O.
+    Nothing is committed on failure.
+    """
+    loc = attempt_dir(root, step, attempt)
+    world = len(files)
+    if [f.rank for f in files] != list(range(world)):
+        raise ValueError(f"rank files {[f.rank for f in files]} are not ranks 0..{world - 1}")
+    locations: dict[str, _dcp_meta.BytesLocation] = {}
+    for f in files:
+        for fqn, begin, n, crc in f.blobs:
+            if locations.setdefault(fqn, (f.name, begin, n, crc))[0] != f.name:
+                raise CheckpointCorruptError(f"{fqn!r} was written by two ranks", loc)
+    meta_raw = _dcp_meta.encode(metadata, locations)
+    values = {fqn: value_node(_read_back(loc, *where)) for fqn, where in locations.items()}
+    tensors = {fqn for fqn, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata)}
+    tree = build_tree(metadata.state_dict_metadata, tensors, values, metadata.planner_data)
+    index_raw = _index_doc(files, meta_raw)
+    sizes = {f.name: f.size for f in files}
+    try:
+        _index.parse(index_raw, world, sizes)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"the DCP items do not make a loadable step ({e})", loc) from None
+    entries = [_manifest.FileEntry(f.name, f.size, f.crc32c, f.rank) for f in files]
+    entries.append(write_small(loc, _index.INDEX, index_raw, 0, ops))
+    entries.append(write_small(loc, _dcp_meta.FILE, meta_raw, 0, ops))
+    tree_raw = tree_json(tree)
+    entries += [write_small(loc, _manifest.tree_name(r), tree_raw, r, ops) for r in range(world)]
+    nbytes = sum(f.nbytes for f in files)
+    body = _manifest.encode(step, attempt, world, nbytes, time.time(), entries, extra,
+                            format=_manifest.FORMAT_INDEXED)  # fmt: skip
+    ops.fsync_dir(loc)  # every rank's file and ours are durable names before the marker
+    tmp_marker = os.path.join(loc, _manifest.MANIFEST + ".tmp")
+    write_small(loc, _manifest.MANIFEST + ".tmp", body, 0, ops)
+    ops.rename(tmp_marker, os.path.join(loc, _manifest.MANIFEST))
+    ops.fsync_dir(loc)
+    check_step_free(root, step)
+    final = os.path.join(root, step_dir_name(step))
+    ops.rename(loc, final)  # the commit point
+    try:
+        ops.fsync_dir(root)
+        _, committed = open_step(root, step)  # exactly the manifest's files, our attempt
+        if committed.attempt != attempt:
+            raise CheckpointCorruptError(f"holds attempt {committed.attempt}, not {attempt}", final)
+    except (OSError, CheckpointError):
+        # not durable, or not what we wrote: take it back so that no reader trusts it
+        aside = os.path.join(root, deleting_dir_name(step, new_attempt()))
+        try:
+            ops.rename(final, aside)
+            remove_tree(aside, ops)
+        except OSError as e2:
+            log.warning("asyncckpt: could not take back the commit of step %d: %s", step, e2)
+        raise
+    return final
+
+
+def _read_back(directory: str, name: str, begin: int, n: int, crc: int) -> bytes:
+    """Bytes ``[begin, begin + n)`` of ``directory/name`` as written (CRC-32C checked)."""
+    path = os.path.join(directory, name)
+    with open(path, "rb") as f:
+        f.seek(begin)
+        raw = f.read(n)
+    if len(raw) != n or crc32c(raw) != crc:
+        raise CheckpointCorruptError("checksum mismatch reading back a DCP object", path)
+    return raw
+
+
+def _index_doc(files: list[RankFile], meta_raw: bytes) -> bytes:
+    """``index.json``: every tensor's chunks, sorted by offset (shape from ``dcp.json``)."""
+    import json
+
+    shapes = {fqn: t["size"] for fqn, t in json.loads(meta_raw)["tensors"].items()}
+    tensors: dict[str, Any] = {}
+    for f in files:
+        for fqn, offs, sizes, dtype, begin, n, crc, blocks in f.tensors:
+            have = tensors.get(fqn)
+            if have is None:
+                shape = shapes.get(fqn)
+                if shape is None:
+                    raise CheckpointCorruptError(f"rank {f.rank} wrote {fqn!r}, which the metadata does not list")
+                have = tensors[fqn] = {"dtype": dtype, "shape": shape, "placements": [], "mesh": [],
+                                       "chunks": [], "blocks": []}  # fmt: skip
+            elif have["dtype"] != dtype:
+                raise CheckpointCorruptError(f"ranks wrote {fqn!r} as {have['dtype']} and as {dtype}")
+            have["chunks"].append([offs, sizes, f.name, begin, n, crc])
+            have["blocks"].append(blocks)
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise CheckpointCorruptError(f"no rank wrote tensor(s) {missing[:5]}")
+    for e in tensors.values():
+        order = sorted(range(len(e["chunks"])), key=lambda i: e["chunks"][i][0])
+        e["chunks"] = [e["chunks"][i] for i in order]
+        e["blocks"] = [e["blocks"][i] for i in order]
+    doc = {
+        "format": _index.FORMAT,
+        "world_size": len(files),
+        "block": _index.BLOCK,
+        "tensors": tensors,
+        "plain": {str(f.rank): {} for f in files},
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
