@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _ownership
@@ -42,6 +42,7 @@ from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ._layout import check_step, parse_step_dir, step_dir_name, tmp_dir_name
 from ._manifest import MANIFEST, Manifest, decode
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError, gather_or_cancel
+from ._runs import same_run
 from ._storage import remove_tree
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def is_url(root: object) -> bool:
 
 @dataclass(frozen=True)
 class RemoteCheckpointInfo:
-    """A complete checkpoint on an object store (``url``: its step prefix)."""
+    """A complete checkpoint on an object store (``url``: its step prefix; ``run``: the id of
+    the run it belongs to, ``None`` for a step written before run ids)."""
 
     step: int
     url: str
@@ -72,6 +74,7 @@ class RemoteCheckpointInfo:
     world_size: int = 1
     created: float = 0.0
     attempt: str = ""
+    run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ async def newest_complete(
 
 def info_of(store: ObjectStore, m: Manifest) -> RemoteCheckpointInfo:
     return RemoteCheckpointInfo(m.step, store.object_url(step_dir_name(m.step)), m.nbytes, m.world_size, m.created,
-                                m.attempt)
+                                m.attempt, m.run)
 
 
 def find_latest(url: str, *, storage_options: Mapping[str, str] | None = None,
@@ -243,6 +246,7 @@ class RemoteStep:
     world_size: int | None
     created: float | None
     attempt: str | None
+    run: str | None = None  # the run of a complete step's manifest (None: none recorded)
 
 
 def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline_s: float = 300.0) -> list[RemoteStep]:
@@ -264,7 +268,7 @@ def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline
                 m = found[0]
                 await check_objects(store, m, deadline)
                 out.append(RemoteStep(step, True, "", sum(f.size for f in m.files), len(m.files) + 1, m.world_size,
-                                      m.created, m.attempt))
+                                      m.created, m.attempt, m.run))
             except CheckpointCorruptError as e:
                 out.append(RemoteStep(step, False, str(e), 0, 0, None, None, None))
         return out
@@ -423,13 +427,20 @@ async def push_step(
                       time.monotonic() - t0)
 
 
-async def retire_remote(store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None) -> list[int]:
+async def retire_remote(
+    store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
+    protect: frozenset[int] = frozenset(), run: str | None = None,
+) -> list[int]:
     """Keep the newest ``keep_last`` complete remote steps; retire older complete ones:
     the manifest first (the step stops being complete at once), then its objects. With
-    ``lease``: nothing is removed once it was taken over (``RootInUseError``)."""
-    complete = await complete_steps(store, deadline)
+    ``lease``: nothing is removed once it was taken over (``RootInUseError``). Steps in
+    ``protect`` (tier mode: the step just uploaded) are never retired; with ``run``, only
+    that run's steps (``_runs.same_run``) count and go: another run's are not this job's."""
+    complete = [c for c in await complete_steps(store, deadline) if run is None or same_run(c[0].run, run)]
     removed = []
     for m, _ in complete[keep_last:]:
+        if m.step in protect:
+            continue
         if lease is not None:
             lease.check()
         await store.delete([manifest_key(m.step)], deadline)

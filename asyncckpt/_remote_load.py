@@ -31,6 +31,7 @@ from ._load_global import PER_RANK, PerRank, Reader
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
+from ._runs import check_choice
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -150,6 +151,7 @@ def load(
     deadline_s: float = DEFAULT_DEADLINE_S,
     reader: Reader | None = None,
     world_size: int | None = None,
+    expect: str | None = None,
 ) -> Any:
     """:func:`asyncckpt.load` for ``s3://bucket/prefix``: the same rules (``step=None`` loads the
     newest complete checkpoint that verifies, logging and skipping a corrupt newer one; an
@@ -160,7 +162,8 @@ def load(
     built from ``rank`` / ``per_rank`` / ``into`` / ``verify_first``, and ``into`` then names
     only what a step without a global index reads into in place; ``world_size``: such a step
     must have been saved at it. The caller of ``reader`` restores into its targets; otherwise
-    this function does."""
+    this function does. ``expect`` (with an explicit ``step``): the manifest attempt of the commit
+    a collective load agreed on; another commit of the step raises ``CheckpointError`` before anything is read."""
     from ._checkpointer import _prefixes
 
     prefixes = _prefixes(strip_prefixes)
@@ -179,8 +182,11 @@ def load(
     store = open_store(url, storage_options)
     deadline = time.monotonic() + deadline_s
 
+    expected = expect if step is not None else None
+
     def attempt(s: int) -> Any:
         m, _ = run_sync(lambda: open_step(store, s, deadline))
+        check_choice(m, expected, store.object_url(manifest_key(s)))
         return load_step(store, m, shard, verify, deadline, world_size=world_size, into=into,
                          strip_prefixes=prefixes, reader=reader)
 

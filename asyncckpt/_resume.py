@@ -20,6 +20,7 @@ from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
 from ._manifest import Manifest
+from ._runs import check_choice
 from ._stepfiles import PinnedFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
@@ -53,8 +54,12 @@ def attempt(
     strip_prefixes: Sequence[str] = (),
     reader: Reader | None = None,
     mmap: bool = False,
+    expect: str | None = None,
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
+
+    ``expect``: the manifest attempt rank 0 chose for a collective load; a step here that
+    is another commit raises ``CheckpointError`` before anything is read (``_runs``).
 
     ``into``: tensors to read into in place (``_load.load_files``; once the shard verified
     when ``reader.verify_first``).
@@ -71,6 +76,7 @@ def attempt(
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
+        check_choice(manifest, expect, pinned.path)
         try:
             return load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
                                  reader, mmap)  # fmt: skip

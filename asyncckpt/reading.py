@@ -119,6 +119,8 @@ class StepDir:
     modified: float
     attempt: str | None = None
     bad: dict[str, object] | None = None
+    #: the run the step belongs to (its manifest's; ``None``: none recorded, or no manifest)
+    run: str | None = None
 
     @property
     def status(self) -> Status:
@@ -143,6 +145,7 @@ class StepDir:
             "files": self.files,
             "ranks": self.ranks,
             "attempt": self.attempt,
+            "run": self.run,
             "created": self.created,
             "modified": self.modified,
             "age_s": round(now - since, 3),
@@ -268,6 +271,7 @@ def _examine_committed(root: str, name: str, step: int) -> StepDir:
         modified=use.modified,
         attempt=manifest.attempt if manifest is not None else None,
         bad=mark,
+        run=manifest.run if manifest is not None else None,
     )
 
 

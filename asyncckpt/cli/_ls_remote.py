@@ -18,7 +18,7 @@ def run_remote(args: argparse.Namespace) -> int:
     if args.json:
         dump_json([{"step": s.step, "complete": s.complete, "status": "complete" if s.complete else "incomplete",
                     "reason": s.reason or None, "size": s.nbytes, "files": s.files, "ranks": s.world_size,
-                    "created": s.created, "attempt": s.attempt} for s in steps])
+                    "created": s.created, "attempt": s.attempt, "run": s.run} for s in steps])
         return 0
     if not steps:
         say(f"{PROG}: no step prefixes under {url}", sys.stderr)
