@@ -493,17 +493,8 @@ class Checkpointer:
         both: the run goes into every manifest, the store's newest into ``save()``'s step rule."""
 
         def look() -> list[Any]:
-            near = far = None
-            if self._store is not None:  # an object-store root: its only tier
-                near = _runs.survey_store(self._store, min(self.timeout / 2, _SURVEY_S)) if committed else None
-            else:
-                near = _runs.local_newest(self.root) if committed else None
-                if self._mirror is not None:
-                    far = _runs.survey_store(self._mirror.store, min(self.timeout / 2, _SURVEY_S))
-            run = _runs.decide(near, far)
-            if self._mirror is not None:
-                _runs.warn_at_start(far, self._mirror.url, run)
-            return [run, None if far is None else far.as_json()]
+            mirror = None if self._mirror is None else self._mirror.store
+            return _runs.at_start(self.root, bool(committed), self._store, mirror, min(self.timeout / 2, _SURVEY_S))
 
         run, far = self._decided_by_leader(look)
         self._run_id: str = run

@@ -112,6 +112,21 @@ async def store_newest(store: ObjectStore, deadline: float) -> Newest | None:
     return None if found is None else Newest(found[0].step, found[0].run)
 
 
+def at_start(
+    root: str, resuming: bool, store: ObjectStore | None, mirror: ObjectStore | None, timeout: float
+) -> list[Any]:
+    """Rank 0 at construction (JSON for every rank): the run this job continues (:func:`decide`)
+    and, in tier mode, the mirror's newest step (``None``: none, or unknown). ``root`` is a local
+    root or, with ``store``, an object-store root; ``resuming``: it holds complete steps."""
+    if store is not None:  # an object-store root: its only tier
+        return [decide(survey_store(store, timeout) if resuming else None, None), None]
+    far = None if mirror is None else survey_store(mirror, timeout)
+    run = decide(local_newest(root) if resuming else None, far)
+    if mirror is not None:
+        warn_at_start(far, mirror.url, run)
+    return [run, None if far is None else far.as_json()]
+
+
 def survey_store(store: ObjectStore, timeout: float) -> Newest | None:
     """Rank 0 at construction: the store's newest step, within ``timeout`` s.
 
