@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _readfault, _resume
+from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _readfault, _resume, _runs
 from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
@@ -67,6 +67,9 @@ DirectIO = Literal["auto", "on", "off"]
 _MARGIN_S = 5.0
 #: Rounds of a collective load(step=None) (each one a retired choice or a corrupt fallback).
 _MAX_LOAD_ROUNDS = 64
+#: At most this long (and half the timeout, which bounds the other ranks' wait for its answer)
+#: for rank 0's look at the store's newest step at construction.
+_SURVEY_S = 30.0
 
 
 class _Runtime:
@@ -468,6 +471,7 @@ class Checkpointer:
                                    timeout=self.timeout, retire_local=self._local_retention(rt),
                                    uploads=self.rank == 0, ranks=self._ranks, lease_ttl=lease_ttl)
             self._mirror = rt.mirror
+            self._start_run(committed)  # the run this job continues (_runs)
             if self._mirror is not None and self.rank == 0 and committed:
                 # a local commit the last job may not have uploaded: push it (a no-op if it is there)
                 newest = _discovery.find_latest(self.root)
@@ -483,6 +487,28 @@ class Checkpointer:
             if lease is not None:
                 lease.release()
             raise
+
+    # ------------------------------------------------------------------ runs
+    def _start_run(self, committed: list[int]) -> None:
+        """Rank 0 decides the run this job continues and, in tier mode, finds the store's newest
+        step (``_runs``; a store that cannot be read is logged, never fatal); every rank gets
+        both: the run goes into every manifest, the store's newest into ``save()``'s step rule."""
+
+        def look() -> list[Any]:
+            mirror = None if self._mirror is None else self._mirror.store
+            return _runs.at_start(self.root, bool(committed), self._store, mirror, min(self.timeout / 2, _SURVEY_S))
+
+        run, far = self._decided_by_leader(look)
+        self._run_id: str = run
+        self._store_newest = _runs.Newest.from_json(far)
+        if self._mirror is not None:
+            self._mirror.run = run
+
+    @property
+    def run_id(self) -> str:
+        """The id of the run this job continues (README "Runs"): the newest resumable step's at
+        construction, else a new one; recorded in the manifest of every step it commits."""
+        return self._run_id
 
     # ------------------------------------------------------------------ tier mode
     def _local_retention(self, rt: _Runtime) -> Callable[[frozenset[int], int], Any] | None:
@@ -727,6 +753,9 @@ class Checkpointer:
                         f"step {step} is lower than step {pending}, which is being saved: steps must "
                         "increase; pass allow_earlier_steps=True to save earlier steps anyway"
                     )
+            if self._mirror is not None:  # tier mode: the store's steps count too (as found at construction)
+                _runs.check_store_step(step, self._store_newest, self._mirror.url, self._run_id,
+                                       self.allow_earlier_steps)
             self._reserved[step] = None
 
     def _settle_reserved(self) -> None:
@@ -815,6 +844,7 @@ class Checkpointer:
             file=file,
             plan_hint=self._plan_hint,
             plan_key=plan_key,
+            run=self._run_id,
         )
         holder: list[SaveRecord] = []
 
@@ -1278,9 +1308,10 @@ class Checkpointer:
     def latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
         """The newest complete checkpoint under ``root``, or ``None``.
 
-        In tier mode (``mirror=``) the newest complete step on either tier: a
-        :class:`RemoteCheckpointInfo` when the store holds a newer step than ``root`` (a new
-        node with an empty disk), the local :class:`CheckpointInfo` otherwise; a store that
+        In tier mode (``mirror=``) the newest complete step of this job's run (:attr:`run_id`)
+        on either tier: a :class:`RemoteCheckpointInfo` when the store holds a newer step than
+        ``root`` (a new node with an empty disk), the local :class:`CheckpointInfo` otherwise;
+        the store's steps of another run are never chosen (a WARNING names them); a store that
         cannot be reached raises its ``ObjectStoreError``.
         With many ranks this is collective: rank 0 looks and every rank gets its answer.
         """
@@ -1289,24 +1320,24 @@ class Checkpointer:
             info = self._find_latest()
             if self._store is not None:  # an object-store root: a RemoteCheckpointInfo or None
                 return None if info is None else [info.step, info.url, info.nbytes, info.world_size,
-                                                  info.created, info.attempt]  # type: ignore[union-attr]
+                                                  info.created, info.attempt, info.run]  # type: ignore[union-attr]
             if self._mirror is not None:
-                far = self._mirror.latest()
+                far = self._mirror.latest()  # this run's newest there (another run's: never)
                 if far is not None and (info is None or far.step > info.step):
-                    return [far.step, far.url, far.nbytes, far.world_size, far.created, far.attempt]
-            return None if info is None else [info.step, info.nbytes, info.world_size, info.created]
+                    return [far.step, far.url, far.nbytes, far.world_size, far.created, far.attempt, far.run]
+            return None if info is None else [info.step, info.nbytes, info.world_size, info.created, info.run]
 
         # every rank takes rank 0's whole answer: re-reading the directory here could race
         # with rank 0's next save (retention, or replacing a commit that was taken back)
         found = self._decided_by_leader(look)
         if found is None:
             return None
-        if len(found) == 6:
+        if len(found) == 7:
             from ._remote import RemoteCheckpointInfo
 
             return RemoteCheckpointInfo(*found)
-        step, nbytes, world_size, created = found
-        return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created)
+        step, nbytes, world_size, created, run = found
+        return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created, run=run)
 
     def steps(self) -> list[int]:
         """Every complete step under ``root``, ascending (collective with many ranks)."""
@@ -1397,12 +1428,13 @@ class Checkpointer:
             if into is not None:
                 _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
             return state
-        far = self._remote_choice(step)
-        if far is not None:  # tier mode: the step is on the store only, or newer there
+        chosen = self._remote_choice(step)
+        if chosen is not None:  # tier mode: the step is on the store only, or newer there
+            far, attempt = _runs.unpack(chosen)
             if mmap:
                 raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
                                  f"({self._mirror_url()}): load it without mmap")
-            state = self._load_remote(far, step is None, shard, verify, expect, reader)
+            state = self._load_remote(far, step is None, shard, verify, expect, reader, attempt)
         elif self._dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": mmap,
@@ -1455,68 +1487,70 @@ class Checkpointer:
         )  # fmt: skip
 
     def _load_store_step(
-        self, step: int, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
-    ) -> Any:
+        self, step: int, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader,
+        attempt: str | None = None,
+    ) -> Any:  # fmt: skip
         """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
         or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
         agree to retry. As on a file system: a step without a global index is read into the
         targets at once unless ``verify_first`` (then restored once every rank verified); an
-        indexed one defers inside ``reader``."""
+        indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
         from . import _remote_load
 
         return _remote_load.load(
             self.root, step, into=None if reader.verify_first else reader.into, verify=verify, rank=shard,
             storage_options=self._storage_options, deadline_s=self.timeout, reader=reader, world_size=expect,
+            expect=attempt,
         )  # fmt: skip
 
-    def _remote_choice(self, step: int | None) -> int | None:
-        """Tier mode: the step to load from the store (``None``: load locally, as without a
-        mirror). The newest complete step on either tier, local when both hold it; an explicit
-        step comes from the store only when it is not complete locally. Decided by rank 0."""
+    def _remote_choice(self, step: int | None) -> list[Any] | None:
+        """Tier mode: the commit to load from the store (``_runs.choice``; ``None``: load
+        locally, as without a mirror). The newest complete step of this run on either tier
+        (the store's steps of another run are never chosen), local when both hold it; an
+        explicit step comes from the store only when it is not complete locally. Decided by
+        rank 0, which names the commit's attempt so that every rank reads that one."""
         if self._mirror is None:
             return None
 
-        def pick() -> int | None:
+        def pick() -> list[Any] | None:
             assert self._mirror is not None
             if step is not None:
                 if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
                     return None
-                return step
-            from ._remote import run_sync
-            from ._remote_steps import newest_step
-
-            # a newer remote step passed over (corrupt, known bad) is a WARNING, as a local load's
-            store, timeout = self._mirror.store, self.timeout
-            far = run_sync(lambda: newest_step(store, time.monotonic() + timeout, warn=True))
+                return _runs.store_choice(self._mirror.store, step, self.timeout, self._run_id)
+            far = self._mirror.latest()
             near = _discovery.find_latest(self.root)
-            return far if far is not None and (near is None or far > near.step) else None
+            if far is not None and (near is None or far.step > near.step):
+                return [far.step, far.attempt, far.run]
+            return None
 
-        chosen: int | None = self._decided_by_leader(pick)
+        chosen: list[Any] | None = self._decided_by_leader(pick)
         return chosen
 
     def _load_remote(
-        self, step: int, fall_back: bool, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader
-    ) -> Any:
-        """Load ``shard`` of ``step`` from the mirror (into ``reader``'s targets, resharding
-        DTensors, as a local load would); with ``fall_back`` (``load()`` with no step) a step
-        that does not verify is logged and the newest older one on either tier loads instead.
-        Each rank reads its own shard (no agreement round: see README), so a read ``reader``
-        defers is finished at once."""
+        self, step: int, fall_back: bool, shard: int, verify: bool, expect: int | None, reader: _load_global.Reader,
+        attempt: str | None = None,
+    ) -> Any:  # fmt: skip
+        """Load ``shard`` of ``step`` (commit ``attempt``, see ``_runs``) from the mirror (into
+        ``reader``'s targets, resharding DTensors, as a local load would); with ``fall_back``
+        (``load()`` with no step) a step that does not verify is logged and the newest older
+        one of this run on either tier loads instead. Each rank reads its own shard (no
+        agreement round: see README), so a read ``reader`` defers is finished at once."""
         from . import _remote_load
 
         assert self._mirror is not None
         mirror = self._mirror
 
-        def from_store(s: int | None) -> Any:
+        def from_store(s: int, expected: str | None = None) -> Any:
             state = _remote_load.load(
                 mirror.url, s, into=reader.into, verify=verify, rank=shard, storage_options=mirror.storage_options,
-                reader=reader, world_size=expect,
+                reader=reader, world_size=expect, expect=expected,
             )  # fmt: skip
             reader.finish()
             return state
 
         try:
-            return from_store(step)
+            return from_store(step, attempt)
         except CheckpointCorruptError as e:
             if not fall_back:
                 raise
@@ -1528,7 +1562,19 @@ class Checkpointer:
                                         deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
             reader.finish()
             return state
-        return from_store(None)
+        tried = {step}  # the older steps of this run on the store, newest first (never another run's)
+        for _ in range(_MAX_LOAD_ROUNDS):
+            older = mirror.latest(skip=frozenset(tried))
+            if older is None:
+                break
+            try:
+                return from_store(older.step)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+                log.warning("asyncckpt: remote step %d under %s cannot be loaded (%s); falling back", older.step,
+                            mirror.url, e)  # fmt: skip
+                tried.add(older.step)
+        raise CheckpointNotFoundError(f"no complete checkpoint of this run under {self.root} or {mirror.url} "
+                                      "verifies")
 
     def _load_agreed(
         self,
@@ -1544,31 +1590,36 @@ class Checkpointer:
         rejected: dict[int, CheckpointCorruptError] = {}
         for _ in range(_MAX_LOAD_ROUNDS):
 
+            # rank 0 names the exact commit (step, attempt, run: _runs.choice); every rank checks
+            # that the manifest it reads is that attempt, so none reads another commit's files
             def pick() -> Any:
                 if step is not None:
-                    return step
+                    if self._store is not None:
+                        return _runs.store_choice(self._store, step, self.timeout, None)
+                    return _runs.local_choice(self.root, step)
                 if self._store is not None:
                     found = self._find_latest(skip=frozenset(rejected))
-                    return None if found is None else found.step
+                    return None if found is None else [found.step, found.attempt, found.run]  # type: ignore[union-attr]
                 skipped: dict[int, CheckpointCorruptError] = {}
                 info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
                 for s, e in sorted(skipped.items(), reverse=True):
                     if s not in rejected:
                         _resume.warn_corrupt(self.root, s, e)
                         rejected[s] = e
-                return None if info is None else info.step
+                return None if info is None else _runs.local_choice(self.root, info.step)
 
             # an I/O fault of rank 0's look is raised on every rank (none waits for a choice)
             retry_until = time.monotonic() + self.timeout / 2
-            chosen = _resume.picked(self._decided_by_leader(functools.partial(_resume.leader_pick, pick, retry_until)))
-            if chosen is None:
+            picked = _resume.picked(self._decided_by_leader(functools.partial(_resume.leader_pick, pick, retry_until)))
+            if picked is None:
                 raise _resume.no_checkpoint(self.root, rejected)
+            chosen, attempt = _runs.unpack(picked)
             state: Any = None
             error: BaseException | None = None
             report: dict[str, Any] = {}
             try:
                 if self._store is not None:
-                    state = self._load_store_step(chosen, shard, verify, expect, reader)
+                    state = self._load_store_step(chosen, shard, verify, expect, reader, attempt)
                 else:
                     # one pass: straight into the targets; verify_first: fresh tensors, restored
                     # once every rank verified (an indexed step defers inside the reader); an
@@ -1576,7 +1627,8 @@ class Checkpointer:
                     into = None if reader.verify_first else reader.into
                     state = _readfault.retrying(
                         functools.partial(_resume.attempt, self.root, chosen, shard, verify, expect, into,
-                                          reader.strip_prefixes, reader=reader, mmap=mmap, report=report),
+                                          reader.strip_prefixes, reader=reader, mmap=mmap, report=report,
+                                          expect=attempt),
                         retry_until,
                     )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides

@@ -105,6 +105,8 @@ class SaveJob:
     # object per structure) this save's plan is recorded under
     plan_hint: _dedupe.PlanHint | None = None
     plan_key: Any = None
+    # the run the step belongs to (``_runs``), recorded in the manifest; None: none recorded
+    run: str | None = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
@@ -323,7 +325,8 @@ async def _commit(
         fmt = _manifest.FORMAT_INDEXED
     if any(r.needs_v2 for r in reports.values()):
         fmt = _manifest.FORMAT_INDEXED
-    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt)
+    body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt,
+                             run=job.run)
     await backend.commit(job, loc, attempt, body)
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)
@@ -529,6 +532,7 @@ async def run_save(
         world_size=world,
         created=verdict.created,
         statistics=stats,
+        run=job.run,
     )
 
 

@@ -272,6 +272,7 @@ def info_for(step_dir: str, manifest: Manifest) -> CheckpointInfo:
         nbytes=manifest.nbytes,
         world_size=manifest.world_size,
         created=manifest.created,
+        run=manifest.run,
     )
 
 

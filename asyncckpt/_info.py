@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ class CheckpointInfo:
     ``nbytes`` counts the tensor bytes written by all ranks. ``statistics`` is set on the
     info a save returns, and ``None`` for checkpoints found on disk. Under an object-store
     root (``Checkpointer("s3://...")``) ``url`` is the step's ``s3://`` prefix and ``path``
-    the step's name relative to the root; ``url`` is ``None`` on a file system.
+    the step's name relative to the root; ``url`` is ``None`` on a file system. ``run``: the
+    id of the run the step belongs to (``None`` for a step written before run ids, and in
+    the info a save returns on a root that records none).
     """
 
     step: int
@@ -73,6 +75,7 @@ class CheckpointInfo:
     created: float = 0.0
     statistics: SaveStatistics | None = None
     url: str | None = None
+    run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 ``manifest.json`` is written last (tmp name, fsync, rename, directory fsync) and is the
 only proof that a step is complete. It lists each file with its size and CRC-32C, and
 carries a checksum of its own canonical encoding so a flipped bit anywhere in it is
-detected rather than trusted.
+detected rather than trusted. It records the run the step belongs to (``run``, see
+``_runs``; absent in manifests written before runs were recorded).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ FORMAT_INDEXED = "asyncckpt/2"
 FORMATS = (FORMAT, FORMAT_INDEXED)
 #: Names a manifest may list: plain file names inside the step directory, nothing else.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+#: A run id (``_runs``): a lowercase hex token.
+RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 def shard_name(rank: int) -> str:
@@ -60,6 +63,8 @@ class Manifest:
     #: global ranks of the writing group, in group-rank order (``None``: an older manifest)
     ranks: tuple[int, ...] | None = None
     format: str = FORMAT
+    #: the run the step belongs to (``_runs``; ``None``: written before run ids were recorded)
+    run: str | None = None
     _by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,10 +92,12 @@ def encode(
     extra: dict[str, Any],
     ranks: list[int] | None = None,
     format: str = FORMAT,
+    run: str | None = None,
 ) -> bytes:
     """Serialize a manifest, sealed with a CRC-32C of its canonical body.
 
-    ``ranks``: the global ranks of the group that wrote it, in group-rank order.
+    ``ranks``: the global ranks of the group that wrote it, in group-rank order. ``run``: the
+    id of the run the step belongs to (``_runs``), sealed like every other field.
     """
     body: dict[str, Any] = {
         "format": format,
@@ -107,6 +114,10 @@ def encode(
     }
     if ranks is not None:
         body["ranks"] = list(ranks)
+    if run is not None:
+        if not RUN_ID.match(run):
+            raise ValueError(f"run id must be a lowercase hex token, not {run!r}")
+        body["run"] = run
     sealed = dict(body, checksum=crc32c(_canonical(body)))
     return json.dumps(sealed, sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n"
 
@@ -177,11 +188,15 @@ def decode(raw: bytes, path: str) -> Manifest:
             isinstance(group, list) and len(group) == ws and all(_uint(r) for r in group)
         ):
             raise ValueError("bad ranks")
+        run = doc.get("run")  # absent in manifests written before runs were recorded
+        if run is not None and not (isinstance(run, str) and RUN_ID.match(run)):
+            raise ValueError("bad run id")
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CheckpointCorruptError(f"manifest is malformed ({e})", path) from None
     # last, as the dearest check: the bytes must be exactly what encode() writes
     if raw != json.dumps(dict(doc, checksum=seal), sort_keys=True, indent=1, ensure_ascii=True).encode() + b"\n":
         raise CheckpointCorruptError("manifest is not in canonical form", path)
     return Manifest(
-        step, attempt, ws, nbytes, created, tuple(files), extra, None if group is None else tuple(group), doc["format"]
+        step, attempt, ws, nbytes, created, tuple(files), extra, None if group is None else tuple(group), doc["format"],
+        run,
     )

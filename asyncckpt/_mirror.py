@@ -20,7 +20,8 @@ Retention per tier. Local retention (``keep_last``) runs here, not in the save: 
 commit and after each upload, on the Checkpointer's writer loop under its retention lock,
 with the step in flight and the waiting step protected, so a step is never removed locally
 before it is on the store (or superseded). Remote retention (``keep_last_remote``) runs
-after each committed upload: the manifest first, then the objects (``retire_remote``).
+after each committed upload: the manifest first, then the objects (``retire_remote``); it
+counts and retires only this job's run's steps (``_runs``), never the step just uploaded.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ class Mirror:
         self._lease: Lease | None = None
         self._ranks = list(ranks)
         self._lease_ttl = lease_ttl
+        # the run this job continues (``_runs``), set by the Checkpointer once rank 0 decided it:
+        # remote retention and latest() keep to it; None: every step counts (as before runs)
+        self.run: str | None = None
+        self._warned: set[int] = set()  # other runs' steps latest() already warned about
         if uploads:
             try:
                 self._thread = WriterThread("asyncckpt-mirror")
@@ -228,17 +233,32 @@ class Mirror:
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
+        fresh = self._lease is None  # taking the prefix now: what others wrote before is worth a look
         lease = await self._hold_lease(deadline)
         result = await push_step(self.store, self.root, info.step, deadline, lease)
         log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.url, time.monotonic() - t0, result.status)
+        if fresh and self.run is not None:
+            await self._look_above(info.step, deadline)
         if self.keep_last_remote is not None:
             try:
+                # never the step just uploaded, never another run's steps (_runs)
                 removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout,
-                                              lease)
+                                              lease, protect=frozenset({info.step}), run=self.run)
                 if removed:
                     log.info("retired remote steps %s under %s", removed, self.url)
             except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
                 log.warning("remote retention under %s failed: %s", self.url, e)
+
+    async def _look_above(self, step: int, deadline: float) -> None:
+        """After the first upload under a newly taken lease: warn when the store holds a step
+        above ``step`` (written before this job held the prefix; ``_runs.warn_above``)."""
+        from ._runs import store_newest, warn_above
+
+        assert self.run is not None
+        try:
+            warn_above(step, await store_newest(self.store, deadline), self.url, self.run)
+        except Exception as e:  # noqa: BLE001 - a look, never a failed upload
+            log.debug("could not look at the newest step under %s: %s", self.url, e)
 
     async def _hold_lease(self, deadline: float) -> Lease:
         """The prefix's lease, taken now if this job does not hold it yet: ``RootInUseError``
@@ -285,12 +305,22 @@ class Mirror:
             fut.set_result(result)
 
     # ------------------------------------------------------------------ the caller's side
-    def latest(self) -> RemoteCheckpointInfo | None:
-        """The newest complete step on the store (typed ``ObjectStoreError`` if unreachable)."""
+    def latest(self, skip: frozenset[int] = frozenset()) -> RemoteCheckpointInfo | None:
+        """The newest complete step on the store not in ``skip`` (typed ``ObjectStoreError`` if
+        unreachable) that belongs to this job's run: newer steps of another run are passed
+        over, with a WARNING naming them (``_runs``)."""
         from ._remote import info_of, newest_complete, run_sync
+        from ._runs import newest_of_run, warn_other_runs
 
         async def go() -> RemoteCheckpointInfo | None:
-            found = await newest_complete(self.store, time.monotonic() + self.timeout)
+            deadline = time.monotonic() + self.timeout
+            if self.run is None:
+                found = await newest_complete(self.store, deadline, skip)
+            else:
+                found, passed = await newest_of_run(self.store, deadline, self.run, skip)
+                fresh = [m for m in passed if m.step not in self._warned]
+                self._warned.update(m.step for m in fresh)
+                warn_other_runs(fresh, self.url, self.run)
             return None if found is None else info_of(self.store, found[0])
 
         return run_sync(go)

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _ownership
@@ -78,7 +78,8 @@ def is_url(root: object) -> bool:
 
 @dataclass(frozen=True)
 class RemoteCheckpointInfo:
-    """A complete checkpoint on an object store (``url``: its step prefix)."""
+    """A complete checkpoint on an object store (``url``: its step prefix; ``run``: the id of
+    the run it belongs to, ``None`` for a step written before run ids)."""
 
     step: int
     url: str
@@ -86,6 +87,7 @@ class RemoteCheckpointInfo:
     world_size: int = 1
     created: float = 0.0
     attempt: str = ""
+    run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ async def newest_complete(
 
 def info_of(store: ObjectStore, m: Manifest) -> RemoteCheckpointInfo:
     return RemoteCheckpointInfo(m.step, store.object_url(step_dir_name(m.step)), m.nbytes, m.world_size, m.created,
-                                m.attempt)
+                                m.attempt, m.run)
 
 
 def find_latest(url: str, *, storage_options: Mapping[str, str] | None = None,
@@ -183,6 +185,7 @@ class RemoteStep:
     attempt: str | None
     status: str = "complete"
     name: str = ""
+    run: str | None = None  # the run of a complete step's manifest (None: none recorded)
 
 
 def _rows(p: Any) -> list[RemoteStep]:
@@ -207,7 +210,8 @@ def _rows(p: Any) -> list[RemoteStep]:
         nbytes = sum(f.size for f in m.files) if m is not None and complete else 0
         out.append(RemoteStep(p.step, complete, reason, nbytes, len(m.files) + 1 if m is not None and complete else 0,
                               m.world_size if m is not None else None, m.created if m is not None else None,
-                              m.attempt if m is not None else None, state, sd + "/"))  # fmt: skip
+                              m.attempt if m is not None else None, state, sd + "/",
+                              m.run if m is not None else None))  # fmt: skip
     stray = [o for o in p.listed if o.key not in p.owned]
     if stray and p.committed is None:
         out.append(RemoteStep(p.step, False, "no manifest (a save or push in progress or interrupted)",
@@ -367,12 +371,17 @@ async def push_step(
                       time.monotonic() - t0)
 
 
-async def retire_remote(store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None) -> list[int]:
+async def retire_remote(
+    store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
+    protect: frozenset[int] = frozenset(), run: str | None = None,
+) -> list[int]:
     """Keep the newest ``keep_last`` resumable remote steps; retire older resumable ones (the
     manifest first, then its objects; ``_remote_steps.retire``: known-bad steps neither count
     nor go, the newest resumable one never goes). With ``lease``: nothing is removed once it
-    was taken over (``RootInUseError``)."""
-    return await _retire_steps(store, keep_last, deadline, lease)
+    was taken over (``RootInUseError``). Steps in ``protect`` (tier mode: the step just
+    uploaded) are never retired; with ``run``, only that run's steps (``_runs.same_run``)
+    count and go: another run's are not this job's."""
+    return await _retire_steps(store, keep_last, deadline, lease, protect, run)
 
 
 def push(

@@ -35,6 +35,7 @@ from ._load_global import PER_RANK, PerRank, Reader
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
+from ._runs import check_choice
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -164,6 +165,7 @@ def load(
     deadline_s: float = DEFAULT_DEADLINE_S,
     reader: Reader | None = None,
     world_size: int | None = None,
+    expect: str | None = None,
 ) -> Any:
     """:func:`asyncckpt.load` for ``s3://bucket/prefix``: the same rules (``step=None`` loads the
     newest complete checkpoint that verifies, logging and skipping a corrupt newer one; an
@@ -174,7 +176,8 @@ def load(
     built from ``rank`` / ``per_rank`` / ``into`` / ``verify_first``, and ``into`` then names
     only what a step without a global index reads into in place; ``world_size``: such a step
     must have been saved at it. The caller of ``reader`` restores into its targets; otherwise
-    this function does."""
+    this function does. ``expect`` (with an explicit ``step``): the manifest attempt of the commit
+    a collective load agreed on; another commit of the step raises ``CheckpointError`` before anything is read."""
     from ._checkpointer import _prefixes
 
     prefixes = _prefixes(strip_prefixes)
@@ -193,8 +196,11 @@ def load(
     store = open_store(url, storage_options)
     deadline = time.monotonic() + deadline_s
 
+    expected = expect if step is not None else None
+
     def attempt(s: int, known: dict[tuple[int, str], Any] | None = None) -> Any:
         m, _ = run_sync(lambda: open_step(store, s, deadline))
+        check_choice(m, expected, store.object_url(manifest_key(s)))
         mark = None if known is None else known.get((s, token_of(m.attempt)))
         if mark is not None:  # known bad (_stepstates): passed over, as discovery does
             raise KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)

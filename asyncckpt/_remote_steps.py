@@ -30,6 +30,7 @@ from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ._manifest import Manifest, decode
 from ._objstore import ObjectInfo, ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._runs import same_run
 from ._stepstates import Fault, Mark, Seen, Steps, decide, state_of, victims
 
 if TYPE_CHECKING:
@@ -255,14 +256,16 @@ async def _remove_step(store: ObjectStore, step: int, deadline: float) -> None:
 
 async def retire(
     store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
-    protect: frozenset[int] = frozenset(),
+    protect: frozenset[int] = frozenset(), run: str | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` resumable steps; retire older resumable ones
     (``_stepstates.victims``: known-bad steps are neither counted nor removed, the newest
     resumable one never is). With ``lease``: nothing is removed once it was taken over
-    (``RootInUseError``). Returns the retired steps, ascending."""
+    (``RootInUseError``). With ``run``, only that run's steps count and go (``_runs``).
+    Returns the retired steps, ascending."""
     found = await observe(store, deadline)
-    good = {p.step: p for p in found if p.committed is not None and state_of(p.committed) == "complete"}
+    good = {p.step: p for p in found if p.committed is not None and state_of(p.committed) == "complete"
+            and (run is None or p.manifest is None or same_run(p.manifest.run, run))}
     doomed = victims([(s, p.committed.created if p.committed else 0.0) for s, p in good.items()], keep_last,
                      protect=protect)  # fmt: skip
     for step in doomed:

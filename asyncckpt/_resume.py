@@ -28,6 +28,7 @@ from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
 from ._manifest import Manifest, shard_name, tree_name
 from ._readfault import fault_of, retrying
+from ._runs import check_choice
 from ._stepfiles import PinnedFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
@@ -62,8 +63,12 @@ def attempt(
     reader: Reader | None = None,
     mmap: bool = False,
     report: dict[str, Any] | None = None,
+    expect: str | None = None,
 ) -> Any:
     """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
+
+    ``expect``: the manifest attempt rank 0 chose for a collective load; a step here that
+    is another commit raises ``CheckpointError`` before anything is read (``_runs``).
 
     ``into``: tensors to read into in place (``_load.load_files``; once the shard verified
     when ``reader.verify_first``).
@@ -84,6 +89,7 @@ def attempt(
     with pin_step(root, step) as pinned:
         manifest = pinned.manifest
         assert manifest is not None
+        check_choice(manifest, expect, pinned.path)
         try:
             state = load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
                                   reader, mmap)  # fmt: skip
@@ -330,7 +336,7 @@ def decide(step_given: bool, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     return {"kind": "retry", "failures": failures}
 
 
-def leader_pick(pick: Callable[[], int | None], deadline: float | None) -> dict[str, Any]:
+def leader_pick(pick: Callable[[], Any], deadline: float | None) -> dict[str, Any]:
     """Rank 0's choice of the step every rank tries, as JSON every rank can act on:
     ``{"step": s}`` (``None``: nothing to load), or ``{"io": outcome}`` when rank 0 could not
     read the root or a step (tried again within ``deadline`` first) and every rank must
@@ -343,12 +349,12 @@ def leader_pick(pick: Callable[[], int | None], deadline: float | None) -> dict[
         return {"io": outcome_of(e)}
 
 
-def picked(shared: dict[str, Any]) -> int | None:
-    """The step :func:`leader_pick` chose; its ``CheckpointReadError`` on every rank."""
+def picked(shared: dict[str, Any]) -> Any:
+    """The choice :func:`leader_pick` shared (``_runs.choice``: step, attempt, run; ``None``:
+    nothing to load); its ``CheckpointReadError`` on every rank."""
     o = shared.get("io")
     if o is not None:
         path = o.get("path")
         raise CheckpointReadError(o.get("errno"), f"rank 0, choosing the step to load: {o.get('strerror') or o['msg']}",
                                   str(path) if path is not None else None)  # fmt: skip
-    step: int | None = shared["step"]
-    return step
+    return shared["step"]

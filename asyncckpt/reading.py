@@ -147,6 +147,8 @@ class StepDir:
     attempt: str | None = None
     bad: dict[str, object] | None = None
     state: State = "incomplete"
+    #: the run the step belongs to (its manifest's; ``None``: none recorded, or no manifest)
+    run: str | None = None
 
     @property
     def status(self) -> Status:
@@ -179,6 +181,7 @@ class StepDir:
             "files": self.files,
             "ranks": self.ranks,
             "attempt": self.attempt,
+            "run": self.run,
             "created": self.created,
             "modified": self.modified,
             "age_s": round(now - since, 3),
@@ -328,6 +331,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         attempt=attempt,
         bad=_mark_json(mark, step, attempt) if problem is None else None,
         state=state,
+        run=manifest.run if manifest is not None else None,
     )
 
 

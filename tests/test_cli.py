@@ -101,7 +101,7 @@ def test_ls_reports_complete_incomplete_and_leftovers(root: Path, capsys: pytest
     code, out, err = cli(capsys, "ls", root)
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "NOTE"]
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "RUN", "NOTE"]
     rows = lines[1:]
     assert [r.split()[0] for r in rows] == ["1", "1", "2", "3", "4"]  # newest last
     by_dir = {r.split()[7]: r for r in rows}  # SIZE is two words

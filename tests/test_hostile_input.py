@@ -418,7 +418,7 @@ def test_fuzzed_manifests_fail_cleanly(shared: Work, data: st.DataObject) -> Non
         assert_same(loaded, state(2))  # a manifest that passes still only yields the real data
 
 
-MANIFEST_FIELDS = ["step", "world_size", "nbytes", "attempt", "created", "extra", "format", "files"]
+MANIFEST_FIELDS = ["step", "world_size", "nbytes", "attempt", "created", "extra", "format", "files", "run"]
 ENTRY_FIELDS = ["name", "size", "crc32c", "rank"]
 
 

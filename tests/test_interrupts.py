@@ -111,6 +111,7 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
         [
             Checkpointer.__init__,
             Checkpointer._take_root,
+            Checkpointer._start_run,
             _checkpointer._Runtime.__init__,
             _ownership.acquire,
             _ownership._lock,

@@ -18,7 +18,8 @@ def run_remote(args: argparse.Namespace) -> int:
     if args.json:
         dump_json([{"step": s.step, "name": s.name, "complete": s.complete, "status": s.status,
                     "resumable": s.status == "complete", "reason": s.reason or None, "size": s.nbytes,
-                    "files": s.files, "ranks": s.world_size, "created": s.created, "attempt": s.attempt}
+                    "files": s.files, "ranks": s.world_size, "created": s.created, "attempt": s.attempt,
+                    "run": s.run}
                    for s in steps])  # fmt: skip
         return 0
     if not steps:

@@ -163,6 +163,7 @@ def _show(
                 "rank": args.rank,
                 "world_size": manifest.world_size,
                 "created": created,
+                "run": manifest.run,
                 "nbytes": manifest.nbytes,
                 "rank_nbytes": rank_bytes,
                 "tensors": len(slots),
@@ -174,6 +175,7 @@ def _show(
     say(f"step {manifest.step}  {where}")
     ago = f" ({human_age(time.time() - created)} ago)" if created is not None else ""
     say(f"created {local_time(created)}{ago}")
+    say(f"run {manifest.run if manifest.run is not None else 'none recorded (written before run ids)'}")
     say(
         f"rank {args.rank} of {manifest.world_size}: {len(slots)} tensor(s), {human_bytes(rank_bytes)}"
         f" (all ranks: {human_bytes(manifest.nbytes)})"

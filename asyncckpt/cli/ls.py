@@ -63,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
                 "?" if d.ranks is None else str(d.ranks),
                 human_age(now - since),
                 d.name,
+                d.run[:12] if d.run is not None else "-",
                 note,
             ]
         )
-    for line in table(["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "NOTE"], rows):
+    for line in table(["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "RUN", "NOTE"], rows):
         say(line)
     return 0
