@@ -1518,7 +1518,7 @@ class Checkpointer:
                 if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
                     return None
                 return _runs.store_choice(self._mirror.store, step, self.timeout, self._run_id)
-            far = self._mirror.latest()
+            far = self._mirror.latest(warn=True)
             near = _discovery.find_latest(self.root)
             if far is not None and (near is None or far.step > near.step):
                 return [far.step, far.attempt, far.run]

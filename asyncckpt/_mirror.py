@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import RankFailure, SaveError
+from ._errors import CheckpointCorruptError, RankFailure, SaveError
 from ._handle import SaveRecord
 from ._info import CheckpointInfo
 from ._iopool import IOPool
@@ -305,22 +305,25 @@ class Mirror:
             fut.set_result(result)
 
     # ------------------------------------------------------------------ the caller's side
-    def latest(self, skip: frozenset[int] = frozenset()) -> RemoteCheckpointInfo | None:
+    def latest(self, skip: frozenset[int] = frozenset(), *, warn: bool = False) -> RemoteCheckpointInfo | None:
         """The newest complete step on the store not in ``skip`` (typed ``ObjectStoreError`` if
         unreachable) that belongs to this job's run: newer steps of another run are passed
-        over, with a WARNING naming them (``_runs``)."""
-        from ._remote import info_of, newest_complete, run_sync
+        over, with a WARNING naming them (``_runs``). With ``warn`` (a load's choice), each
+        newer step passed over as corrupt or known bad is a WARNING too, as a load that falls
+        back logs it."""
+        from ._remote import info_of, run_sync
         from ._runs import newest_of_run, warn_other_runs
 
         async def go() -> RemoteCheckpointInfo | None:
             deadline = time.monotonic() + self.timeout
-            if self.run is None:
-                found = await newest_complete(self.store, deadline, skip)
-            else:
-                found, passed = await newest_of_run(self.store, deadline, self.run, skip)
+            bad: list[tuple[int, CheckpointCorruptError]] = []
+            found, passed = await newest_of_run(self.store, deadline, self.run, skip, bad)
+            if self.run is not None:
                 fresh = [m for m in passed if m.step not in self._warned]
                 self._warned.update(m.step for m in fresh)
                 warn_other_runs(fresh, self.url, self.run)
+            for s, e in bad if warn else ():
+                log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, self.url, e)
             return None if found is None else info_of(self.store, found[0])
 
         return run_sync(go)

@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._errors import CheckpointError
+from ._errors import CheckpointCorruptError, CheckpointError
 from ._layout import step_dir_name
 
 if TYPE_CHECKING:
@@ -203,16 +203,18 @@ def check_store_step(step: int, store: Newest | None, url: str, run: str, allow_
 
 
 async def newest_of_run(
-    store: ObjectStore, deadline: float, run: str, skip: frozenset[int] = frozenset()
+    store: ObjectStore, deadline: float, run: str | None, skip: frozenset[int] = frozenset(),
+    bad: list[tuple[int, CheckpointCorruptError]] | None = None,
 ) -> tuple[tuple[Manifest, bytes] | None, list[Manifest]]:
-    """The newest resumable step on ``store`` not in ``skip`` that belongs to ``run``, and the
-    newer ones of other runs passed over (newest first)."""
-    from ._remote import newest_complete
+    """The newest resumable step on ``store`` not in ``skip`` that belongs to ``run`` (any run
+    with ``None``), and the newer ones of other runs passed over (newest first). Newer steps
+    passed over as corrupt or known bad are put in ``bad``."""
+    from ._remote_steps import newest_resumable
 
     passed: list[Manifest] = []
     skipped = set(skip)
     while True:
-        found = await newest_complete(store, deadline, frozenset(skipped))
+        found = await newest_resumable(store, deadline, frozenset(skipped), passed=bad)
         if found is None or same_run(found[0].run, run):
             return found, passed
         passed.append(found[0])

@@ -277,6 +277,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
     reason: str | None = None
     mark: Mark | None = None
     ranks: int | None = None
+    run: str | None = None
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         problem, reason = "not-a-directory", "a symbolic link (the library never follows one)"
@@ -291,6 +292,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
             raise FileNotFoundError(path) from None
         mark = seen.mark
         ranks = info.world_size if info is not None else None
+        run = info.run if info is not None else None
         if isinstance(err, CheckpointNotFoundError):
             problem, reason = "no-marker", "no completion marker (manifest.json is missing)"
         elif isinstance(err, CheckpointReadError):
@@ -331,7 +333,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         attempt=attempt,
         bad=_mark_json(mark, step, attempt) if problem is None else None,
         state=state,
-        run=manifest.run if manifest is not None else None,
+        run=run if run is not None or manifest is None else manifest.run,
     )
 
 
