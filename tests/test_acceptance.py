@@ -6,9 +6,9 @@ of commas, a sampler's permutation of 9M ints, 200 MiB of ``bytes``, 600k tiny t
 tensors with 1 MB names), the boundaries the writer and the reader must agree on (nesting
 depth, dimensions, shapes of no elements, digits of int keys), the committing rank's check of
 the manifest and the global index with the readers' parsers, and a property test over states
-at and past every limit. The 600k-tensor save takes ~15 s on its own: it runs with ``-m slow``;
-the default run covers that limit with tests/test_hostile_bounds.py's header of 2**19 + 2
-tensors (the old limit) and the property test's shards at the header limit.
+at and past every limit. The full-size 600k tensors and 200 MiB of bytes run with ``-m slow``;
+the default run covers those limits with tests/test_hostile_bounds.py's header of 2**19 + 2
+tensors (the old limit), a 270 MB string and the property test's shards at the header limit.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def test_a_sampler_permutation_of_9m_ints_loads_back(tmp_path: Path) -> None:
     assert out["sampler"]["perm"] == perm and out["sampler"]["pos"] == 12_345
 
 
+@pytest.mark.slow
 def test_200_mib_of_bytes_loads_back(tmp_path: Path) -> None:
-    """Its base64 makes a structure file of 280 MB, over the old 256 MiB limit."""
+    """Its base64 makes a structure file of 280 MB, over the old 256 MiB limit (the default
+    run covers that limit with a 270 MB string: test_info_verify_and_export_read_what_load_reads)."""
     blob = np.random.default_rng(0).integers(0, 256, 200 * 2**20, dtype=np.uint8).tobytes()
     out = save_and_load(tmp_path, {"blob": blob})
     assert out["blob"] == blob
@@ -77,7 +79,9 @@ def test_200_mib_of_bytes_loads_back(tmp_path: Path) -> None:
 def test_600k_tiny_tensors_load_back_and_every_tool_reads_them(tmp_path: Path) -> None:
     """Over the old 2**19 tensors per shard (the header holds 600k entries in 41 MB)."""
     state = {f"layer{i}.bias": torch.full((1,), float(i)) for i in range(600_000)}
-    assert_same(save_and_load(tmp_path, state), state)
+    out = save_and_load(tmp_path, state)
+    assert list(out) == list(state)  # (assert_same's key check is quadratic)
+    assert torch.equal(torch.cat(list(out.values())), torch.cat(list(state.values())))
     for argv in (["info", tmp_path], ["verify", tmp_path], ["export", tmp_path, "--to", tmp_path / "x.safetensors"]):
         r = run_cli(*argv, timeout=300)
         assert r.code == 0, (argv, r.err[-2000:])
