@@ -1,50 +1,141 @@
 """Bounds on what a reader accepts, checked before anything is allocated (torch-free).
 
-A hostile or damaged file must cost bounded time and memory to refuse. Each limit is far
-above anything a real checkpoint reaches (a real manifest lists two files per rank, a real
-structure file a few JSON items per saved value) and is checked on sizes and byte counts
-before the file is parsed. A checkpoint that is real but larger than this machine's memory
-fails with a ``CheckpointError`` saying how much it needs, before the allocation.
+One acceptance rule for both directions: whatever ``save()`` accepts, ``load()`` restores,
+and whatever a reader would refuse, ``save()`` refuses at the call (``TypeError`` /
+``ValueError`` naming the key path and the limit). Each limit is therefore defined once, here
+or beside the format it belongs to (``_header``), and used by the writer's check and the
+reader's alike; the committing rank also checks the manifest and the global index it is
+about to commit with the very parsers ``load()`` uses (``_commit``).
+
+A hostile or damaged file must still cost bounded time and memory to refuse. Where a fixed
+number would refuse honest states (a sampler's permutation of 9M ints, 200 MiB of ``bytes``,
+600k tensors in one shard), the bound scales with the bytes the file actually has, whose size
+the sealed manifest records and the reader checks before reading: parsing is linear in them,
+and the memory the parse and the rebuilt state need is estimated from them and checked
+against the memory available now. A real checkpoint larger than this machine's memory fails
+with a ``CheckpointError`` saying how much it needs, before the allocation.
 
 =========================  ===========================  ====================================
 what                       limit                        why that number
 =========================  ===========================  ====================================
 manifest.json              64 MiB, 2**18 files,         65k ranks x 2 files is ~14 MB
                            2**22 JSON items
-rankRRRRR.json             256 MiB, 2**23 JSON items    8M saved values (a list of 8M ints)
-shard header               100 MiB, 2**19 tensors       the safetensors reference limit;
-                                                        524k tensors in one rank's shard
+rankRRRRR.json             the bytes the manifest       parsing is linear in them; memory
+                           seals; memory: 3 x bytes +   as below (no fixed count: an honest
+                           2 x 96 B per JSON item       state may hold 9M values)
+shard header               100 MiB (``_header``),       the safetensors reference limit
+                           tensors: as many as it       (``save()`` refuses a state whose
+                           holds; memory as above       header would exceed it)
+state nesting              200 levels                   hostile files must not exhaust the
+                                                        stack (``save()`` refuses deeper)
 tensor data / structure    available memory             MemAvailable + SwapFree, cgroup
                                                         memory.max, RLIMIT_AS / RLIMIT_DATA
 =========================  ===========================  ====================================
 
-"JSON items" are counted as the bytes ``,`` ``[`` ``{`` in the file (inside strings too): an
-upper bound of the values the parser would create, computed at C speed.
+"JSON items" are counted as the bytes ``,`` ``[`` ``{`` of the file (inside strings too): an
+upper bound of the values the parser would create, computed at C speed. Where that bound
+does not fit the memory available, the items outside strings are counted (a 9 MB string of
+commas holds one value, not 9M), still at C speed, before anything is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import resource
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ._checksum import crc32c
 from ._errors import CheckpointCorruptError, CheckpointError
+from ._gcpause import paused_gc
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_FILES = 2**18
 MAX_MANIFEST_ITEMS = 2**22
-MAX_TREE_BYTES = 256 * 1024 * 1024
-MAX_TREE_ITEMS = 2**23
+#: A state, and the tree a reader decodes, nests at most this many levels: ``save()`` refuses
+#: deeper states, readers deeper trees (a hostile file must not exhaust the stack).
+MAX_DEPTH = 200
 #: Bytes of memory one parsed JSON item may take (a list slot plus a small object), for the
-#: memory check of structure files.
+#: memory checks of structure files and shard headers.
 ITEM_BYTES = 96
+#: A JSON string: its quotes and everything between them (escapes included), unrolled so the
+#: match is linear with no backtracking.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+#: Interpreter frames (and JSON levels) a tree MAX_DEPTH levels deep may take to encode,
+#: parse or rebuild, beyond the caller's own: up to 4 JSON levels per level (an OrderedDict's
+#: ``{"$odict": [[[key, value]], meta]}``), 3 Python frames per level, and some spare.
+STACK_ROOM = 5 * MAX_DEPTH + 100
+_room_lock = threading.Lock()
+_room_users = 0
+_room_restore: tuple[int, int] | None = None  # (the limit before, the limit we set)
+
+
+def _stack_depth() -> int:
+    n, f = 0, sys._getframe(1)
+    while f.f_back is not None:
+        n, f = n + 1, f.f_back
+    return n + 1
+
+
+@contextlib.contextmanager
+def recursion_room() -> Iterator[None]:
+    """Room on the interpreter's recursion limit for a tree :data:`MAX_DEPTH` levels deep,
+    whatever the caller's own stack depth, for the block: a state ``save()`` accepted from a
+    shallow stack must not become "not valid JSON" when loaded from a deep one (the JSON
+    parser and encoder count against the same limit as Python frames).
+
+    The limit is raised when it is too low and put back when the last block on any thread
+    ends, unless someone else changed it meanwhile. A hostile tree nested deeper than
+    :data:`MAX_DEPTH` still meets the (raised) limit: a ``RecursionError`` the callers turn
+    into ``CheckpointCorruptError``.
+    """
+    global _room_users, _room_restore
+    need = _stack_depth() + STACK_ROOM
+    with _room_lock:
+        current = sys.getrecursionlimit()
+        if need > current:
+            sys.setrecursionlimit(need)
+            if _room_restore is None:
+                _room_restore = (current, need)
+            else:
+                _room_restore = (_room_restore[0], need)
+        _room_users += 1
+    try:
+        yield
+    finally:
+        with _room_lock:
+            _room_users -= 1
+            if _room_users == 0 and _room_restore is not None:
+                before, ours = _room_restore
+                _room_restore = None
+                if sys.getrecursionlimit() == ours:
+                    sys.setrecursionlimit(before)
 
 
 def json_items(raw: bytes) -> int:
     """An upper bound of the number of values ``json.loads(raw)`` creates (C speed, no allocation)."""
     return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+
+
+def json_items_outside_strings(raw: bytes) -> int:
+    """:func:`json_items` without the bytes inside strings: still an upper bound of the values
+    ``json.loads(raw)`` creates, much closer for text-heavy files (C speed; one copy of the
+    file without its strings' contents, at most ``len(raw)`` bytes)."""
+    return json_items(_STRING.sub(b'""', raw))
+
+
+def json_memory(nbytes: int, items: int) -> int:
+    """Bytes of memory parsing ``nbytes`` of JSON holding ``items`` values may take: the text,
+    its decoded copy and the strings parsed out of it, the parsed values and what a reader
+    builds from them (one object per value)."""
+    return 3 * nbytes + 2 * items * ITEM_BYTES
 
 
 def human(n: int) -> str:
@@ -143,9 +234,10 @@ def available_memory() -> int | None:
     return min(rooms) if rooms else None
 
 
-def check_memory(need: int, what: str, path: str) -> None:
-    """Raise ``CheckpointError`` naming ``path`` if ``need`` bytes cannot be allocated now."""
-    room = available_memory()
+def check_memory(need: int, what: str, path: str, room: int | None = None) -> None:
+    """Raise ``CheckpointError`` naming ``path`` if ``need`` bytes cannot be allocated now
+    (``room``: :func:`available_memory`, when the caller has it already)."""
+    room = available_memory() if room is None else room
     if room is not None and need > room:
         raise CheckpointError(
             f"{what} needs {human(need)} of memory but only {human(room)} is available "
@@ -153,17 +245,36 @@ def check_memory(need: int, what: str, path: str) -> None:
         )
 
 
+def check_json_memory(text: bytes, what: str, path: str) -> None:
+    """``CheckpointError`` naming ``path`` unless parsing the JSON ``text`` fits the memory
+    available now (:func:`json_memory`; the items outside strings are counted only when the
+    quick count does not fit)."""
+    need = json_memory(len(text), json_items(text))
+    room = available_memory()
+    # the closer count copies the text without its strings, in pieces: only where that fits
+    if room is not None and need > room and len(text) + 40 * text.count(b'"') < room:
+        try:
+            need = json_memory(len(text), json_items_outside_strings(text))
+        except MemoryError:
+            pass  # the quick count's verdict stands
+    check_memory(need, what, path, room)
+
+
+def check_structure_size(size: int, path: str) -> None:
+    """Before a structure file of ``size`` bytes (as its manifest seals it) is read:
+    ``CheckpointError`` naming ``path`` unless even its cheapest parse fits the memory
+    available (a sparse 1 TiB file is refused unread)."""
+    check_memory(json_memory(size, 0), "reading the structure file", path)
+
+
 def parse_structure(raw: bytes, path: str, size: int, expected_crc: int | None) -> Any:
-    """Check and parse the bytes of a structure file: size, checksum, item count, memory, JSON."""
+    """Check and parse the bytes of a structure file: size, checksum, memory, JSON."""
     if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
         raise CheckpointCorruptError("checksum mismatch", path)
-    items = json_items(raw)
-    if items > MAX_TREE_ITEMS:
-        raise CheckpointCorruptError(f"structure file has more than {MAX_TREE_ITEMS} JSON items", path)
-    # the text, its decoded copy, the parsed tree and the state rebuilt from it
-    check_memory(2 * len(raw) + 2 * items * ITEM_BYTES, "parsing the structure file", path)
+    check_json_memory(raw, "parsing the structure file", path)
     try:
-        return json.loads(raw.decode("utf-8"))
+        with paused_gc(), recursion_room():  # many small containers, no garbage cycles
+            return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
     except MemoryError:

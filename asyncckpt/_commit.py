@@ -10,9 +10,11 @@ of operations (``L`` = leader only; POSIX wording, the object store's in ``_back
 2. every rank: wait for the staging copy, write ``rankRRRRR.safetensors`` and
    ``rankRRRRR.json`` (exclusive create, checksummed while writing, fsynced), fsync the
    attempt directory, report the files (or the failure) to the leader.
-3. L, only if every rank reported success in time: write ``manifest.json`` to a temp name,
-   fsync, rename into place, fsync the attempt directory, rename the attempt directory to
-   ``step_N`` (the commit point), fsync the root. Publish the verdict.
+3. L, only if every rank reported success in time: check the global index and the manifest
+   with the very parsers ``load()`` uses (what a reader would refuse is never committed: the
+   save fails, nothing is retired); write ``manifest.json`` to a temp name, fsync, rename into
+   place, fsync the attempt directory, rename the attempt directory to ``step_N`` (the commit
+   point), fsync the root. Publish the verdict.
 4. every rank: resolve its handle with the verdict. L: on failure remove the attempt
    directory; on success apply retention.
 """
@@ -27,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import _dedupe, _index, _manifest
+from . import _committable, _dedupe, _index, _manifest
 from ._backend import Backend, PosixBackend, _PhaseTimeout
 from ._coordination import Coordinator, Report, Start, Verdict
 from ._errors import (
@@ -46,6 +48,9 @@ from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
+#: Test-only switch: False commits without first checking the manifest and the global index
+#: with the readers' parsers (tests/test_acceptance.py shows what then commits).
+_CHECK_BEFORE_COMMIT = True
 
 
 @dataclass
@@ -320,6 +325,8 @@ async def _commit(
     if any(r.index is not None for r in reports.values()):
         # DTensors: the global index, durable before the manifest that lists it
         index = _index.merge(world, {r: rep.index for r, rep in reports.items()})
+        if _CHECK_BEFORE_COMMIT:
+            _committable.check_index(loc, world, {**{f.name: f.size for f in files}, _index.INDEX: len(index)}, index)
         written = await backend.write_small(job, loc, _index.INDEX, index)
         files.append(_manifest.FileEntry(_index.INDEX, written.size, written.crc32c, 0))
         fmt = _manifest.FORMAT_INDEXED
@@ -327,6 +334,8 @@ async def _commit(
         fmt = _manifest.FORMAT_INDEXED
     body = _manifest.encode(job.step, attempt, world, nbytes, created, files, extra={}, ranks=ranks, format=fmt,
                              run=job.run)
+    if _CHECK_BEFORE_COMMIT:
+        _committable.check_manifest(loc, body)
     await backend.commit(job, loc, attempt, body)
     job.times["commit"] = time.perf_counter() - t0
     return Verdict(committed=True, nbytes=nbytes, created=created)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._header import ITEMSIZE, MAX_DIMS, TORCH_NAME, TensorSlot, round_up
+from ._header import ITEMSIZE, TORCH_NAME, TensorSlot, check_header_length, round_up, shape_bytes
 
 #: The tensor types whose bytes are saved and restored as they are (no subclass: a subclass
 #: may hold its data elsewhere or mean something else by it).
@@ -61,10 +61,17 @@ class ShardLayout:
 
 
 def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> ShardLayout:
-    """Lay out tensors ``(name, dtype, shape)`` into one safetensors shard."""
-    for name, _, shape in specs:
-        if len(shape) > MAX_DIMS:  # (once per structure: layouts are cached)
-            raise ValueError(f"tensor {name!r} has {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}")
+    """Lay out tensors ``(name, dtype, shape)`` into one safetensors shard.
+
+    Refuses, with ``ValueError`` naming the tensor (its key path) and the limit, what a reader
+    would refuse (``_header``'s rules, shared with it): a shape of more than ``MAX_DIMS``
+    dimensions or of 2**63 bytes or more, and a header longer than ``_header.MAX_HEADER``.
+    """
+    for name, dtype, shape in specs:  # (once per structure: layouts are cached)
+        try:
+            shape_bytes(shape, dtype.itemsize)
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r} has {e}") from None
     order = sorted(specs, key=lambda s: (-s[1].itemsize, s[0]))
     slots: list[TensorSlot] = []
     offset = 0
@@ -81,8 +88,23 @@ def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata:
         }
     body = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     data_start = round_up(8 + len(body))
+    try:
+        check_header_length(data_start - 8)  # the length the shard declares, padding included
+    except ValueError as e:
+        raise _header_too_long(e, slots) from None
     padded = body + b" " * (data_start - 8 - len(body))
     return ShardLayout(struct.pack("<Q", len(padded)) + padded, tuple(slots), data_start, offset)
+
+
+def _header_too_long(e: ValueError, slots: list[TensorSlot]) -> ValueError:
+    """The ``ValueError`` of a state whose shard header is over the limit, naming its longest key path."""
+    longest = max((s.name for s in slots), key=len)
+    shown = longest if len(longest) <= 80 else f"{longest[:60]}...{longest[-12:]}"
+    return ValueError(
+        f"the shard header of this state ({len(slots):,} tensors, named by their key paths) would take more "
+        f"than a reader accepts: {e}; the longest key path is {shown!r} ({len(longest):,} characters): "
+        "shorten the key paths (tensor names take their length in the header) or save fewer, larger tensors"
+    )
 
 
 def plan_split_layout(

@@ -50,13 +50,13 @@ import numpy as np
 import torch
 
 from . import _readinto
-from ._bounds import MAX_TREE_BYTES, check_memory, human, parse_structure
+from ._bounds import check_memory, check_structure_size, human, parse_structure
 from ._checksum import crc32c, crc32c_combine
 from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._format import PLAIN_TENSORS, ST_TO_DTYPE
 from ._gcpause import paused_gc
-from ._header import MAX_HEADER, TensorSlot, parse_header, validate_header
+from ._header import TensorSlot, declared_length, parse_header, validate_header
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._readfault import read_error
 from ._stepfiles import StepFiles
@@ -105,11 +105,9 @@ def read_header(fd: _readinto.Source, path: str, size: int) -> tuple[bytes, int,
         if size < 8:
             raise ValueError(f"a file of {size} bytes has no header length")
         prefix = _readinto.pread(fd, 8, 0, path)
-        n = int.from_bytes(prefix, "little")
-        if n > MAX_HEADER or n > size - 8:
-            raise ValueError(f"declared header length {n} does not fit the file ({size} bytes)")
+        n = declared_length(prefix, size, path)
         head = prefix + _readinto.pread(fd, n, 8, path)
-        _, header = parse_header(head, size)
+        _, header = parse_header(head, size, path)
         data_start = 8 + n
         if data_start % 8:
             raise ValueError("data section is not 8-byte aligned")
@@ -215,8 +213,7 @@ def _destinations(
 
 
 def _check_tree_size(path: str, size: int) -> None:
-    if size > MAX_TREE_BYTES:
-        raise CheckpointCorruptError(f"structure file of {size} bytes exceeds the {human(MAX_TREE_BYTES)} limit", path)
+    check_structure_size(size, path)  # (the bound every reader shares)
 
 
 def read_tree(path: str, size: int, expected_crc: int | None) -> Any:

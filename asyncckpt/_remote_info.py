@@ -8,7 +8,7 @@ one. Every defect is ``CheckpointCorruptError`` naming the object's URL.
 
 from __future__ import annotations
 
-from ._bounds import parse_structure
+from ._bounds import check_structure_size, parse_structure
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._header import TensorSlot
 from ._index import INDEX, MAX_INDEX_BYTES
@@ -17,7 +17,6 @@ from ._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from ._objstore import ObjectIntegrityError, ObjectStore
 from ._remote_steps import newest_resumable, open_step
 from .reading import (
-    MAX_STRUCTURE_BYTES,
     Entry,
     check_rank,
     header_length,
@@ -49,10 +48,7 @@ async def remote_rank_outline(
     tree_f, shard_f = _listed(store, m, tree_name(rank)), _listed(store, m, shard_name(rank))
     prefix = data_prefix(m.step, m.attempt)
     tree_url, shard_url = store.object_url(prefix + tree_f.name), store.object_url(prefix + shard_f.name)
-    if tree_f.size > MAX_STRUCTURE_BYTES:
-        raise CheckpointCorruptError(
-            f"structure file of {tree_f.size} bytes exceeds the {MAX_STRUCTURE_BYTES} limit", tree_url
-        )
+    check_structure_size(tree_f.size, tree_url)
     tree = parse_structure(await _whole(store, prefix + tree_f.name, tree_f.size, deadline), tree_url,
                            tree_f.size, tree_f.crc32c)  # fmt: skip
     head = bytearray(8) if shard_f.size >= 8 else bytearray()

@@ -56,10 +56,8 @@ import numpy as np
 import orjson
 import torch
 
+from ._bounds import MAX_DEPTH, recursion_room
 from ._format import DTYPE_TO_ST, PLAIN_TENSORS
-
-#: Decoding refuses trees deeper than this (hostile files must not exhaust the stack).
-MAX_DEPTH = 200
 
 #: The wrapper prefix ``torch.compile`` puts before every key of a module state dict.
 COMPILE_PREFIX = "_orig_mod."
@@ -112,16 +110,50 @@ def _describe(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
 
-def _check_int_digits(value: int, path: tuple[str, ...]) -> None:
+def _check_int_digits(value: int, path: tuple[str, ...], what: str = "int") -> None:
     """An int the JSON writer could not turn into digits (``sys.set_int_max_str_digits``) is
     refused here, naming its key path, instead of failing in the writer without one."""
     try:
         str(value)
     except ValueError:
         raise ValueError(
-            f"int at {_describe(path)!r} has more digits than this interpreter converts to text "
+            f"{what} at {_describe(path)!r} has more digits than this interpreter converts to text "
             "(sys.get_int_max_str_digits()); save it as bytes (value.to_bytes(...)) instead"
         ) from None
+
+
+def _too_deep(path: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"state is nested too deep at {_describe(path)!r}: a checkpoint holds at most {MAX_DEPTH} levels "
+        "(a Parameter, numpy scalar or Generator holds its value one level further down)"
+    )
+
+
+#: The containers whose values sit one level below them (flatten's depth rule).
+_NESTING = (dict, list, tuple, set, frozenset, collections.OrderedDict, collections.defaultdict)
+#: The values json.loads makes of JSON scalars.
+_JSON_SCALARS = (int, float, str, bool, type(None))
+#: Types of the values that are their own JSON node (ints: of up to 2,000 bits, see enc).
+_PLAIN_KINDS = frozenset({int, str, bool, type(None)})
+_SMALL_INT = 1 << 2_000
+
+
+def _plain_list(obj: list[Any]) -> bool:
+    """Whether every value of ``obj`` is its own node (str, bool, None, ints of up to 2,000
+    bits), decided at C speed, so a list of millions of them is copied rather than walked."""
+    kinds = set(map(type, obj))
+    if not kinds <= _PLAIN_KINDS:
+        return False
+    if int not in kinds:
+        return True
+    # ints mixed with other kinds cannot be ordered: those lists take the walk
+    return kinds == {int} and -_SMALL_INT < min(obj) and max(obj) < _SMALL_INT
+
+
+def _containers(node: list[Any]) -> bool:
+    """Whether the JSON array ``node`` holds arrays or objects (C speed: the walks over a tree
+    skip the millions of scalars of a long list)."""
+    return not set(map(type, node)).isdisjoint((list, dict))
 
 
 def _check_utf8(name: str) -> None:
@@ -391,6 +423,8 @@ def flatten(
                 raise TypeError(
                     f"unsupported dict key {k!r} ({tk.__name__}) at {_describe(path)!r}: keys must be str or int"
                 )
+            if tk is int and k.bit_length() > 2_000:  # (see enc: str() has a digit limit)
+                _check_int_digits(k, path, "dict key")
             sub = (*path, k if tk is str else str(k))
             # a plain tensor straight to its node: the common value of a state dict
             items.append([k, tensor_node(v, sub) if type(v) is torch.Tensor else enc(v, sub)])
@@ -415,6 +449,8 @@ def flatten(
         if t is float:
             return _enc_float(obj)
         if t is torch.nn.Parameter:
+            if len(path) >= MAX_DEPTH:
+                raise _too_deep(path)
             return {"$param": [tensor_node(obj, path), bool(obj.requires_grad)]}
         if isinstance(obj, torch.Tensor):
             return tensor_node(obj, path)
@@ -424,6 +460,8 @@ def flatten(
             tensors.append(TensorRef(name, src))
             return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
         if isinstance(obj, np.generic) and obj.dtype.name in _NP_STORAGE and obj.dtype.isnative:
+            if len(path) >= MAX_DEPTH:
+                raise _too_deep(path)
             return {"$np": [obj.dtype.name, enc(obj.item(), path)]}
         if t is bytes:
             return {"$bytes": base64.b64encode(obj).decode("ascii")}
@@ -438,6 +476,8 @@ def flatten(
         if t is torch.device:
             return {"$device": str(obj)}
         if t is torch.Generator:
+            if len(path) >= MAX_DEPTH:
+                raise _too_deep(path)
             return {"$generator": [str(obj.device), tensor_node(obj.get_state(), path)]}
         if t in _PATHS.values():
             return {"$path": [t.__name__, str(obj)]}
@@ -447,8 +487,11 @@ def flatten(
             return {"$date": obj.isoformat()}
         if t is datetime.timedelta:
             return {"$timedelta": [obj.days, obj.seconds, obj.microseconds]}
-        if len(path) > MAX_DEPTH:
-            raise ValueError(f"state is nested deeper than {MAX_DEPTH} levels at {_describe(path)!r}")
+        # the depth rule unflatten() applies: every node at most MAX_DEPTH levels below the
+        # root, so a container at MAX_DEPTH may only be empty (an OrderedDict's _metadata is a
+        # value below it too)
+        if len(path) >= MAX_DEPTH and t in _NESTING and (obj or getattr(obj, "_metadata", None) is not None):
+            raise _too_deep(path)
         if id(obj) in active:
             raise ValueError(f"reference cycle in state at {_describe(path)!r}")
         active.add(id(obj))
@@ -466,6 +509,8 @@ def flatten(
                     )
                 return {"$defaultdict": [None if factory is None else factory.__name__, items_of(obj, path)]}
             if t is list:
+                if _plain_list(obj):  # a sampler's permutation of 9M ints: 0.9 s, not 3.3
+                    return list(obj)
                 return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
             if t is tuple:
                 return {"$tuple": [enc(v, (*path, str(i))) for i, v in enumerate(obj)]}
@@ -495,7 +540,8 @@ def flatten(
             meta_node = None
         return {"$odict": [items_of(obj, path), meta_node]}
 
-    tree = enc(state, ())
+    with recursion_room():
+        tree = enc(state, ())
     if tied_out is not None:
         tied_out.append(n_tied)
     return tree, tensors
@@ -508,8 +554,9 @@ def tree_json(tree: Any) -> bytes:
     no NaN or infinity (:func:`_enc_float` spells them out), so either output is strict JSON."""
     try:
         return orjson.dumps(tree)
-    except orjson.JSONEncodeError:
-        return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+    except orjson.JSONEncodeError:  # (orjson also stops at 255 levels of JSON)
+        with recursion_room():
+            return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:
@@ -611,7 +658,10 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if isinstance(node, list):
-            return [dec(v, depth + 1) for v in node]
+            if node and depth >= MAX_DEPTH:
+                raise ValueError(f"tree nested deeper than {MAX_DEPTH} levels")
+            # JSON scalars are their own values: a list of 9M ints is not decoded value by value
+            return [v if type(v) in _JSON_SCALARS else dec(v, depth + 1) for v in node]
         if not isinstance(node, dict) or len(node) != 1:
             raise ValueError(f"malformed node {type(node).__name__}")
         ((tag, val),) = node.items()
@@ -799,7 +849,8 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         "$datetime": d_datetime,
     }
 
-    return dec(tree, 0)
+    with recursion_room():
+        return dec(tree, 0)
 
 
 def _references(tree: Any, wanted: str) -> list[str]:
@@ -810,7 +861,8 @@ def _references(tree: Any, wanted: str) -> list[str]:
     while stack:
         node = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            if _containers(node):
+                stack.extend(node)
         elif isinstance(node, dict) and len(node) == 1:
             ((tag, val),) = node.items()
             if tag in ("$tensor", "$dtensor"):
@@ -835,7 +887,8 @@ def resolve_dtensor_aliases(tree: Any, aliases: Mapping[str, str]) -> Any:
     while stack:  # iterative: a tree may be MAX_DEPTH containers deep
         node = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            if _containers(node):
+                stack.extend(node)
         elif isinstance(node, dict) and len(node) == 1:
             ((tag, val),) = node.items()
             if tag == "$dtensor":

@@ -21,6 +21,7 @@ import binascii
 import functools
 import json
 import math
+import operator
 import os
 import stat
 import time
@@ -30,7 +31,7 @@ from typing import Any, Literal
 
 from . import _index
 from ._badmarks import clear, marks, record_bad
-from ._bounds import parse_structure
+from ._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
 from ._checksum import crc32c
 from ._discovery import (
     KnownBad,
@@ -45,7 +46,8 @@ from ._discovery import (
     read_manifest,
 )
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._header import MAX_HEADER, TORCH_NAME, TensorSlot, parse_header, validate_header
+from ._gcpause import paused_gc
+from ._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
 from ._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
 from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._readfault import fault_of, read_error, retrying
@@ -82,10 +84,6 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Bytes read per call while recomputing checksums (memory use stays at one chunk).
 VERIFY_CHUNK = 8 * 1024 * 1024
-#: Structure files larger than this are refused unread (no real state comes near it).
-MAX_STRUCTURE_BYTES = 256 * 1024 * 1024
-#: Outlines deeper than this are refused (hostile files must not exhaust the stack).
-MAX_DEPTH = 200
 #: A ``created`` time outside this range (seconds since the epoch) is shown as unknown.
 _TIME_RANGE = (0.0, 2.0**33)
 
@@ -487,7 +485,7 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
 def read_shard_slots(path: str, size: int) -> dict[str, TensorSlot]:
     """The tensors a safetensors shard of ``size`` bytes declares, from its header alone.
 
-    Uses the loader's header parser and validation (bounded by ``MAX_HEADER``). Raises
+    Uses the loader's header parser and validation (bounded by ``_header.MAX_HEADER``). Raises
     ``CheckpointCorruptError`` naming ``path`` if the header is unreadable or does not tile
     the data section exactly.
     """
@@ -504,20 +502,19 @@ def read_shard_slots(path: str, size: int) -> dict[str, TensorSlot]:
 
 def header_length(prefix: bytes, size: int, where: str) -> int:
     """The header length a shard of ``size`` bytes declares in its first 8 bytes ``prefix``,
-    checked to fit (``CheckpointCorruptError`` naming ``where`` if not)."""
-    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-    if n < 0 or n > MAX_HEADER or n > size - 8:
-        raise CheckpointCorruptError(
-            f"bad safetensors header (declared header length {n} does not fit the file ({size} bytes))", where
-        )
-    return n
+    checked against the limit and the file (``CheckpointCorruptError`` naming ``where`` and
+    which of the two it breaks if not)."""
+    try:
+        return declared_length(prefix, size, where)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"bad safetensors header ({e})", where) from None
 
 
 def slots_of_header(head: bytes, size: int, where: str) -> dict[str, TensorSlot]:
     """The tensors that ``head`` (a shard's first 8 + n bytes) declares for a shard of ``size``
     bytes: the loader's parser and validation; every defect names ``where``."""
     try:
-        _, header = parse_header(head, size)
+        _, header = parse_header(head, size, where)
         if len(head) % 8:
             raise ValueError("data section is not 8-byte aligned")
         return {s.name: s for s in validate_header(header, size - len(head))}
@@ -526,9 +523,9 @@ def slots_of_header(head: bytes, size: int, where: str) -> dict[str, TensorSlot]
 
 
 def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
-    """One rank's structure file (the JSON key tree), checksum verified when ``expected_crc`` is given."""
-    if size > MAX_STRUCTURE_BYTES:
-        raise CheckpointCorruptError(f"structure file of {size} bytes exceeds the {MAX_STRUCTURE_BYTES} limit", path)
+    """One rank's structure file (the JSON key tree), checksum verified when ``expected_crc`` is
+    given; bounded as the loader bounds it (``_bounds``)."""
+    check_structure_size(size, path)
     fd = _open_regular(path, size)
     try:
         raw = _pread_exact(fd, size, 0, path)
@@ -672,6 +669,11 @@ def _is_scalar_node(node: Any) -> bool:
     return node is None or isinstance(node, (bool, int, float, str))
 
 
+#: The types json.loads gives JSON scalars (what :func:`_is_scalar_node` accepts).
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
+_third = operator.itemgetter(2)
+
+
 def _tensor_refs(node: Any) -> Iterator[str]:
     """Names of the ``{"$tensor": name}`` nodes anywhere under ``node`` (iterative)."""
     stack = [node]
@@ -804,14 +806,20 @@ def _outline(
                 raise bad(f"malformed {tag!r} node in the structure at {'.'.join(map(str, path)) or '<root>'}")
         else:
             raise bad(f"malformed node in the structure at {'.'.join(map(str, path)) or '<root>'}")
+        scalars = bool(children) and set(map(type, map(_third, children))) <= _SCALAR_TYPES
         if depth >= 0:
-            scalars = bool(children) and all(_is_scalar_node(c) for _, _, c in children)
             out.append(Entry(path, depth, label, kind, length=len(children), scalars=scalars))
+        if scalars and depth < MAX_DEPTH:
+            # plain values (a sampler's permutation of 9M ints): their lines without a walk each
+            d = depth + 1
+            out.extend([Entry((*path, key), d, lbl, "value", None, None, None, v) for key, lbl, v in children])
+            return
         for key, child_label, child in children:
             walk(child, (*path, key), child_label, depth + 1)
 
     is_root_dict = isinstance(tree, dict) and len(tree) == 1 and "$dict" in tree
-    walk(tree, (), "<root>", -1 if is_root_dict else 0)
+    with paused_gc(), recursion_room():  # one Entry per value: GC would traverse them all, repeatedly
+        walk(tree, (), "<root>", -1 if is_root_dict else 0)
     return out, missing, referenced
 
 

@@ -22,9 +22,13 @@ import pytest
 import torch
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, find_latest, load
-from asyncckpt._bounds import MAX_MANIFEST_FILES, MAX_TREE_BYTES, MAX_TREE_ITEMS
-from asyncckpt._header import MAX_TENSORS
+from asyncckpt._bounds import MAX_MANIFEST_FILES
 from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
+
+#: The fixed limits these files were first refused by (2**23 JSON items, a 256 MiB structure
+#: file, 2**19 tensors per shard) refused honest states too (issue 26): the bounds now scale
+#: with the bytes the file has, and the memory its parse needs is checked before parsing.
+OLD_TREE_ITEMS, OLD_TENSORS = 2**23, 2**19
 
 _spec = importlib.util.spec_from_file_location(
     "hostile_files", Path(__file__).resolve().parent.parent / "benchmarks" / "hostile_files.py"
@@ -104,20 +108,28 @@ def test_world_size_of_10_12_is_refused_and_verify_ends_at_once(case: Path) -> N
     assert time.perf_counter() - t0 < 20
 
 
-def test_structure_file_over_the_item_limit_is_refused_before_parsing(case: Path) -> None:
-    n = MAX_TREE_ITEMS // 3 * 3 + 3  # nested empty lists, as in the issue's 286 MiB file
+def test_structure_file_of_more_items_than_memory_allows_is_refused_before_parsing(case: Path) -> None:
+    """Nested empty lists, as in issue 9's 286 MiB file, at the old item limit: their parse
+    needs ~3.2 GiB, refused under a 256 MiB headroom before json.loads allocates any of it."""
+    n = OLD_TREE_ITEMS // 2 + 3
     hf.reseal(case / STEP2, {TREE: b"[" + b"[]," * n + b"[]]"})
-    assert_refused(run_child(case), case / STEP2 / TREE, rss_mib=150)
+    out = run_child(case, extra_as=256 * 2**20)
+    assert_refused(out, case / STEP2 / TREE, kind="CheckpointError", rss_mib=150)
+    assert "parsing the structure file needs" in out["msg"], out
 
 
-def test_structure_file_over_the_byte_limit_is_refused_unread(case: Path) -> None:
+def test_sparse_tib_structure_file_is_refused_unread(case: Path) -> None:
+    """A manifest sealing a 1 TiB structure file (sparse: no blocks on disk): refused from
+    its size, before a byte is read, saying how much memory its parse would need."""
     sd = case / STEP2
     m = decode((sd / MANIFEST).read_bytes(), "")
     with open(sd / TREE, "r+b") as f:
-        f.truncate(MAX_TREE_BYTES + 1)  # sparse: the CRC would be wrong, but it is never read
-    files = [f for f in m.files if f.name != TREE] + [FileEntry(TREE, MAX_TREE_BYTES + 1, 0, 0)]
+        f.truncate(2**40)  # the CRC would be wrong, but it is never read
+    files = [f for f in m.files if f.name != TREE] + [FileEntry(TREE, 2**40, 0, 0)]
     (sd / MANIFEST).write_bytes(encode(m.step, m.attempt, m.world_size, m.nbytes, m.created, files, m.extra))
-    assert_refused(run_child(case), sd / TREE, rss_mib=50)
+    out = run_child(case)
+    assert_refused(out, sd / TREE, kind="CheckpointError", rss_mib=50)
+    assert "reading the structure file needs 3.0 TiB" in out["msg"], out
 
 
 def test_structure_file_within_limits_but_beyond_memory_is_a_checkpoint_error(case: Path) -> None:
@@ -142,15 +154,21 @@ def test_manifest_over_the_entry_limit_is_refused(case: Path) -> None:
     assert "more than" in out["msg"] or "at most" in out["msg"], out
 
 
-def test_header_over_the_tensor_limit_is_refused_before_parsing(case: Path) -> None:
-    """The issue's 1.4M empty tensors (100 s): refused from a byte count, before json.loads."""
-    names = [f"t{i:07d}" for i in range(MAX_TENSORS + 2)]
+def test_header_of_more_tensors_than_the_old_limit_is_bounded_by_its_bytes(case: Path) -> None:
+    """Issue 9's header of 1.4M empty tensors took 100 s; 2**19 + 2 of them (over the old
+    limit, a valid shard whose tree names all of them) now load in time linear in the
+    header's 37 MB; under a 64 MiB headroom the header is refused before it is parsed."""
+    names = [f"t{i:07d}" for i in range(OLD_TENSORS + 2)]
     header = {k: {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for k in names}
-    hf.reseal(case / STEP2, {SHARD: hf.shard_bytes(header), TREE: hf.tree_for(names[:1])})
+    hf.reseal(case / STEP2, {SHARD: hf.shard_bytes(header), TREE: hf.tree_for(names[:1])}, nbytes=0)
     del header
+    out = run_child(case, extra_as=64 * 2**20)
+    assert_refused(out, case / STEP2 / SHARD, kind="CheckpointError", rss_mib=150)
+    assert "reading the shard header needs" in out["msg"], out
+    hf.reseal(case / STEP2, {TREE: hf.tree_for(names)})
     out = run_child(case)
-    assert_refused(out, case / STEP2 / SHARD, rss_mib=250)
-    assert "tensors" in out["msg"]
+    assert out["type"] is None, out  # loaded: every one of its tensors
+    assert out["time_s"] < 60 and out["rss_growth"] < 2048 * 2**20, out
 
 
 def test_real_checkpoint_too_large_for_memory_says_how_much_it_needs(tmp_path: Path) -> None:
