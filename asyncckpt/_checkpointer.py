@@ -169,7 +169,12 @@ class _Runtime:
         return await asyncio.get_running_loop().run_in_executor(self.coord_pool, fn, *args)
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
-        """Stop from a background thread once ``futures`` settle (used after GC)."""
+        """Stop once ``futures`` settled and the removals of the steps their retention retired
+        finished, each wait bounded by ``timeout`` (a dropped Checkpointer).
+
+        With nothing pending this happens here, before the call returns, so the root is free
+        when the drop is over; with saves pending, or on one of this runtime's own threads
+        (which cannot join themselves), from a thread of its own."""
 
         def wait_then_stop() -> None:
             end = time.monotonic() + timeout
@@ -179,7 +184,19 @@ class _Runtime:
                 concurrent.futures.wait([removing], max(0.0, end - time.monotonic()))
             self.stop(timeout=_MARGIN_S)
 
-        threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+        if not futures and not _on_library_thread():
+            wait_then_stop()
+            return
+        try:
+            threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+        except RuntimeError:  # no new threads at interpreter shutdown: the exit hook stops it
+            pass
+
+
+def _on_library_thread() -> bool:
+    """Whether this is one of the threads a runtime starts (all named ``asyncckpt-*``): the
+    writer, I/O and coordination pools, the mirror's, the lease's, the heartbeat."""
+    return threading.current_thread().name.startswith("asyncckpt-")
 
 
 async def _until_removed(tasks: set[asyncio.Task[None]]) -> None:
@@ -1217,14 +1234,16 @@ class Checkpointer:
         rt = getattr(self, "_rt", None)
         if rt is None or self._closed or rt.stopped or rt.forked:
             return
-        pending = [r.future for r in self._records if not r.future.done()]
+        pending = [r.future for r in list(self._records) if not r.future.done()]
         if pending:
             warnings.warn(
                 f"asyncckpt Checkpointer({self.root!r}) garbage-collected with {len(pending)} "
-                "pending save(s); call flush()/close() before dropping it",
+                "pending save(s): they finish in the background, then its root is released; "
+                "call flush()/close() before dropping it",
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # nothing pending: stopped (and the root released) before the drop returns
         rt.stop_when_idle(pending, self.timeout + _MARGIN_S)
 
     # ------------------------------------------------------------------ reading

@@ -53,9 +53,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-import obstore
-import obstore.exceptions as obx
-from obstore.store import S3Store
+try:
+    import obstore
+    import obstore.exceptions as obx
+    from obstore.store import S3Store
+except ImportError as _missing:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        "asyncckpt: s3:// roots, mirror= and asyncckpt.remote need the s3 extra: "
+        f"pip install 'asyncckpt[s3]' (obstore could not be imported: {_missing})"
+    ) from _missing
 
 from ._checksum import crc32c
 from ._errors import CheckpointError
