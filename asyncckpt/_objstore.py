@@ -83,6 +83,10 @@ _SECRET_KEYS = {"access_key_id", "secret_access_key", "session_token", "token", 
                 "aws_secret_access_key", "aws_session_token"}
 _SECRET_HINT = re.compile(r"secret|token|password|credential|access_key", re.I)
 _STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})")
+#: Least time left for deleting a probe's scratch object; with less it is left (harmless).
+_SCRATCH_MIN_S = 0.05
+# abort requests of failed multipart uploads that outlived the upload's deadline (kept alive)
+_aborting: set[asyncio.Task[None]] = set()
 
 
 #: The process whose obstore (tokio) runtime is running; a forked child cannot use it.
@@ -484,10 +488,13 @@ class ObjectStore:
             await self._drop_scratch(key, deadline)
 
     async def _drop_scratch(self, key: str, deadline: float) -> None:
-        """Delete a probe or clock object, best effort (a stray one under ``.asyncckpt/`` is harmless)."""
+        """Delete a probe or clock object, best effort within ``deadline`` (the caller's: a
+        stray one under ``.asyncckpt/`` is harmless, a call that overran its deadline is not)."""
+        if deadline - time.monotonic() < _SCRATCH_MIN_S:
+            log.debug("no time left to delete scratch object %s", self.object_url(key))
+            return
         try:
-            await self._bounded(obstore.delete_async(self._store, key), max(deadline, time.monotonic() + 5),
-                                key, "scratch clean-up")
+            await self._bounded(obstore.delete_async(self._store, key), deadline, key, "scratch clean-up")
         except Exception as e:  # noqa: BLE001 - harmless, see above
             log.debug("could not delete scratch object %s: %s", key, self._scrub(str(e)))
 
@@ -523,7 +530,7 @@ class ObjectStore:
                 result = await self._retrying(deadline, key, "upload", attempt)
             except BaseException:
                 if parts > 1:
-                    await self._abort_after_failure(key)
+                    await self._abort_after_failure(key, deadline)
                 raise
             crc = await crc_fut
             if verify == "readback":
@@ -541,19 +548,24 @@ class ObjectStore:
                 crc_fut.cancel()
         return PutInfo(key, size, crc, result.get("e_tag") if isinstance(result, dict) else None, parts)
 
-    async def _abort_after_failure(self, key: str) -> None:
-        """Abort every incomplete upload of ``key`` (shielded: runs even when cancelled)."""
+    async def _abort_after_failure(self, key: str, deadline: float) -> None:
+        """Abort every incomplete upload of ``key``: waited for until the failed upload's
+        ``deadline`` (never past it), then left to run on (bounded by its own 20 s; a
+        cancellation does not stop it either). What it does not abort, the root's sweep does."""
         if self._uploads is None:
             log.warning("cannot abort incomplete uploads of %s: no static credentials for housekeeping",
                         self.object_url(key))
             return
-        task = asyncio.ensure_future(self.abort_uploads(key, exact=True, deadline=time.monotonic() + 20.0))
+        task = asyncio.ensure_future(self._abort_logged(key, time.monotonic() + 20.0))
+        _aborting.add(task)
+        task.add_done_callback(_aborting.discard)
+        await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+
+    async def _abort_logged(self, key: str, deadline: float) -> None:
         try:
-            n = await asyncio.shield(task)
+            n = await self.abort_uploads(key, exact=True, deadline=deadline)
             if n:
                 log.info("aborted %d incomplete upload(s) of %s", n, self.object_url(key))
-        except asyncio.CancelledError:
-            raise
         except ObjectStoreError as e:
             log.warning("could not abort incomplete uploads of %s: %s", self.object_url(key), e)
 

@@ -17,8 +17,9 @@ run-time :class:`Rule` s matched on method, path, query keys and request headers
                   CompleteMultipartUpload when it fails after sending the status);
 * ``strip_header`` forward without the header named by ``header`` (a store that ignores a
                   precondition; the loopback server does not check signatures);
-* ``hang``        read the request, then never answer (nor forward) until the proxy stops: a
-                  store that accepts connections and never replies.
+* ``hang``        read the request, then never answer (nor forward) until the proxy stops
+                  or the rule is cleared (then the connection is dropped): a store that
+                  accepts connections and never replies.
 
 With ``echo_auth`` a ``status`` answer quotes the request's Authorization header in its
 message, as some S3 errors echo the access key id - for the credential-redaction tests.
@@ -224,9 +225,11 @@ class FaultProxy:
                     await writer.drain()
                     continue
                 if action == "hang":
-                    assert self._stop is not None
-                    await self._stop.wait()
-                    return
+                    assert self._stop is not None and rule is not None
+                    # polled: clear() runs on the test's thread, which has no event of this loop
+                    while not self._stop.is_set() and rule in self.rules:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                    return  # the connection is dropped: the client sees it fail
                 if action == "error_200":
                     writer.write(_error_response(200, "InternalError"))
                     await writer.drain()
