@@ -13,12 +13,14 @@ of operations (``L`` = leader only; POSIX wording, the object store's in ``_back
 3. L, only if every rank reported success in time: write ``manifest.json`` to a temp name,
    fsync, rename into place, fsync the attempt directory, rename the attempt directory to
    ``step_N`` (the commit point), fsync the root. Publish the verdict.
-4. every rank: resolve its handle with the verdict. On failure every rank removes its own
-   part of the attempt, as it sees it (L: also the manifest and the index; the last one
-   removes the directory), never another rank's files: a rank whose write is stuck in the
-   kernel holds them, and an unlink would wait with it. L, on success: retention. Neither
-   clean-up delays the outcome past the save's deadline: what is left then goes on in the
-   background (``flush()`` and ``close()`` wait for it).
+4. every rank: resolve its handle with the verdict. On failure L removes its own files,
+   the manifest, the index and the files of every rank whose I/O ended (``Report.settled``),
+   then the directory once it is empty; a rank L could not count on (missing from the
+   verdict) removes its own, on its own view of the root. Nobody touches the files of a rank
+   whose write overran the deadline: it may be stuck in the kernel, and an unlink would wait
+   with it (unkillable, holding the directory's lock); the next start removes them. L, on
+   success: retention. Neither clean-up delays the outcome past the save's deadline: what
+   is left then goes on in the background (``flush()`` and ``close()`` wait for it).
 
 Every wait is bounded by the save's deadline, so each rank knows the outcome by then (the
 ``_guarded`` margin in ``_checkpointer`` is a backstop for a rank whose own I/O hangs).

@@ -60,7 +60,7 @@ def start_on_root(
         window = min(timeout, START_S)
         unshared: BaseException | None
         try:
-            unshared = _sharedroot.check(dist, key, root, failure is not None, window, tuple(ranks))
+            unshared = _sharedroot.check(dist, key, root, failure is not None, timeout, window, tuple(ranks))
         except OSError as e:  # rank 0 could not place its token: the root is not writable
             unshared = not_writable_or(root, e)
         failure = failure or unshared

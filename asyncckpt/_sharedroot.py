@@ -76,14 +76,15 @@ def sees_token(root: str, nonce: str, deadline: float) -> bool:
         pause = min(pause * 2, _POLL_S[1])
 
 
-def check(dist: DistContext, key: str, root: str, start_failed: bool, window_s: float,
+def check(dist: DistContext, key: str, root: str, start_failed: bool, wait_s: float, window_s: float,
           ranks: tuple[int, ...]) -> CheckpointError | None:  # fmt: skip
     """Collective, at construction, before anything is written to ``root`` (the caller's
     rank 0 has only made sure it exists). ``start_failed``: rank 0 could not even do that
     (its error reaches every rank later, with the rest of its start-up): nothing to check.
 
-    Each rank looks for the token for ``window_s`` from when it learns its name, rank 0
-    waits for the answers that long (and a little more) from when it placed it. Rank 0
+    A rank waits ``wait_s`` for rank 0 to place the token (the ranks may start apart, as
+    with any collective), then looks for it for ``window_s``; rank 0 waits for the answers
+    (and a little more) that long. Rank 0
     returns the error every rank must raise when a rank did not see its token (or did not
     answer: it may not have started);
     ``None`` when every rank shares the root; it raises ``OSError`` when it cannot place
@@ -92,7 +93,7 @@ def check(dist: DistContext, key: str, root: str, start_failed: bool, window_s: 
     """
     base = f"{key}/shared"
     if dist.rank != 0:
-        doc = dist.wait_get(base, window_s)
+        doc = dist.wait_get(base, wait_s)
         seen = False if doc.get("skip") else sees_token(root, str(doc["token"]), time.monotonic() + window_s)
         _set(dist, f"{base}/r{dist.rank}", {"seen": seen, "skipped": bool(doc.get("skip"))})
         return None
@@ -106,7 +107,7 @@ def check(dist: DistContext, key: str, root: str, start_failed: bool, window_s: 
         raise
     try:
         _set(dist, base, {"token": nonce})
-        answers = _collect(dist, base, time.monotonic() + window_s + _ANSWER_GRACE_S)
+        answers = _collect(dist, base, time.monotonic() + wait_s + window_s + _ANSWER_GRACE_S)
     finally:
         remove_token(root, nonce)
     blind = [r for r, a in answers.items() if a is not None and not a.get("seen")]
