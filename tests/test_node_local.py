@@ -38,7 +38,7 @@ def _tree(d: Path) -> dict[str, str]:
     }
 
 
-def _run(tmp_path: Path, tag: str, nodes: list[Path]) -> dict[int, dict[str, Any]]:
+def _run(tmp_path: Path, tag: str, nodes: list[Path], timeout: float = T) -> dict[int, dict[str, Any]]:
     """Run the ``nodes`` scenario on 4 ranks, rank r's root being ``nodes[r]`` mounted at one path."""
     mount = tmp_path / "ck"  # the one path every rank uses; empty on the host
     mount.mkdir(exist_ok=True)
@@ -47,7 +47,7 @@ def _run(tmp_path: Path, tag: str, nodes: list[Path]) -> dict[int, dict[str, Any
     port = free_port()
     hung = run_ranks(
         lambda r: [WORKER, "nodes", str(r), "4", str(port), str(mount), str(out)], 4, logs, 120,
-        extra_env={"NODE_DIRS": ":".join(map(str, nodes)), "CK_TIMEOUT": str(T), "HOST_STORE_S": "30"},
+        extra_env={"NODE_DIRS": ":".join(map(str, nodes)), "CK_TIMEOUT": str(timeout), "HOST_STORE_S": "30"},
     )  # fmt: skip
     assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
     res = {}
@@ -66,7 +66,7 @@ def test_node_local_roots_are_refused_on_every_rank_and_a_shared_root_still_work
     shared = tmp_path / "shared"
     shared.mkdir()
     # the normal case, through the same namespaces: every rank has the same directory
-    res = _run(tmp_path, "one-dir", [shared] * 4)
+    res = _run(tmp_path, "one-dir", [shared] * 4, timeout=60)  # a save's timeout: ample on a busy box
     for got in res.values():
         assert got.get("ctor_error") is None, got["ctor_error"]
         assert got["equal"] and got["steps"] == [2], got
