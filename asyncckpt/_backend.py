@@ -17,8 +17,10 @@ import errno
 import logging
 import os
 import pathlib
+import re
 import time
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _manifest
@@ -28,7 +30,7 @@ from ._info import CheckpointInfo
 from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ._retention import leftovers, retire, set_aside
 from ._stepstates import save_action, state_of
-from ._storage import Staged, Storage, WriteResult
+from ._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
 
 if TYPE_CHECKING:
     from ._commit import SaveJob
@@ -98,8 +100,15 @@ class Backend(Protocol):
         Raises if the step did not commit as ``attempt``; then it is not complete."""
         ...
 
-    async def abandon(self, job: SaveJob, loc: str) -> None:
-        """Leader: remove a failed attempt (raises if it could not; it is collected later)."""
+    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+        """Remove the files of ``ranks`` from the failed attempt ``loc``, as this rank sees
+        them, then the attempt itself once nothing is left in it (raises if it could not;
+        it is collected later). The leader (``leader``) takes every rank whose I/O on the
+        attempt ended, itself included (then also the manifest and the index); a rank it
+        could not count on removes its own once its I/O ended. The files of a rank whose
+        write may still run (stuck in the kernel, where an unlink would wait with it) are
+        nobody's until the next start. On a store the leader removes the whole attempt (no
+        write can hold an object) and the others nothing."""
         ...
 
     async def retire(self, job: SaveJob) -> None:
@@ -135,6 +144,44 @@ def _check_committed(root: str, step: int, attempt: str) -> None:
     step_dir, manifest = open_step(root, step)
     if manifest.attempt != attempt:
         raise CheckpointCorruptError(f"holds attempt {manifest.attempt}, not the committed {attempt}", step_dir)
+
+
+_RANK_FILE = re.compile(r"rank(\d+)\.")
+
+
+def remove_part(loc: str, ranks: Collection[int], leader: bool, ops: OsOps = DEFAULT_OPS) -> bool:
+    """Remove the files of ``ranks`` from the attempt directory ``loc`` (``rankRRRRR.*``;
+    with ``leader`` and the leader's rank 0 among them also every name no rank owns: the
+    manifest, its temp file, the index),
+    then ``loc`` itself if nothing else is left in it. True if ``loc`` is gone.
+
+    Callers take disjoint parts, and the directory goes only once a listing after this
+    call's removals shows it empty: whoever removes a part last sees that, and a directory
+    that holds a file a stuck write is inside is never touched (a file system may make an
+    ``rmdir`` wait for that write, as libfuse's path locks do)."""
+
+    def taken(name: str) -> bool:
+        owner = _RANK_FILE.match(name)
+        return int(owner.group(1)) in ranks if owner else leader and 0 in ranks
+
+    try:
+        names = ops.listdir(loc)
+    except FileNotFoundError:
+        return True
+    for name in names:
+        if taken(name):
+            remove_tree(os.path.join(loc, name), ops)
+    try:
+        if ops.listdir(loc):
+            return False  # another rank's part is still there: whoever takes it takes the directory
+        ops.rmdir(loc)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False  # a late file of another rank: the same
+        raise
+    return True
 
 
 class PosixBackend:
@@ -238,10 +285,10 @@ class PosixBackend:
                     log.warning("could not take back the commit of step %d: %s", job.step, e2)
                 raise
 
-    async def abandon(self, job: SaveJob, loc: str) -> None:
-        job.dead.add(os.path.basename(loc))  # ours and failed: provably dead
-        await self.storage.remove_tree(loc)
-        job.dead.discard(os.path.basename(loc))
+    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+        # not marked dead if it stays (another rank's files in it): a retry's clean-up must not
+        # touch them; the next start removes it
+        await self.storage.run(remove_part, loc, ranks, leader, self.storage.ops)
 
     async def retire(self, job: SaveJob) -> None:
         if job.keep_last is None:

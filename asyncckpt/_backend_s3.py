@@ -45,7 +45,7 @@ import errno
 import logging
 import pathlib
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._backend import check_deadline
@@ -189,11 +189,14 @@ class ObjectBackend:
                 self.store.object_url(key),
             )
 
-    async def abandon(self, job: SaveJob, loc: str) -> None:
+    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+        if not leader:
+            return  # the leader removes all the attempt's objects: a store has no file a write can hold
         self._in_flight.pop(job.step, None)
         self._known.discard(job.step)  # what is not removed now, a later sweep finds
-        # after the deadline too: a bounded clean-up of keys no live writer can own
-        await self._remove_prefix(loc, max(job.deadline, time.monotonic() + _CLEANUP_S))
+        # a bounded clean-up of keys no live writer can own; it may outlive the save's deadline
+        # (run_save no longer waits for it then: it goes on in the background)
+        await self._remove_prefix(loc, time.monotonic() + _CLEANUP_S)
 
     async def _remove_prefix(self, prefix: str, deadline: float) -> None:
         keys = [o.key for o in await self.store.list(prefix, deadline)]
@@ -209,6 +212,7 @@ class ObjectBackend:
             log.warning("no clean-up or retention after step %d: the lease of %s is not ours", job.step,
                         self.store.url)
             return
+        # run_save waits for this until the save's deadline, then leaves it to the background
         deadline = max(job.deadline, time.monotonic() + _CLEANUP_S)
         found = await read_manifest(self.store, job.step, deadline)
         if found is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import errno
 import functools
 import logging
 import os
@@ -27,7 +26,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _agree, _dedupe, _discovery, _distributed, _load, _load_global, _ownership, _readfault, _resume, _runs
+from . import (
+    _agree,
+    _dedupe,
+    _discovery,
+    _distributed,
+    _load,
+    _load_global,
+    _readfault,
+    _resume,
+    _rootstart,
+    _runs,
+)
 from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
 from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
@@ -50,9 +60,9 @@ from ._layout import check_step, step_dir_name
 from ._lifecycle import SaveState
 from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
-from ._retention import leftovers, remove_leftovers, retire
+from ._retention import retire
 from ._staging import Arena, StageProgress, StagingPool
-from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter, ensure_dir
+from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
 from ._structure import TensorRef, flatten, tree_json
 from ._writer import StartGate, WriterThread
 
@@ -65,6 +75,8 @@ DirectIO = Literal["auto", "on", "off"]
 
 #: Extra time past the save deadline before a waiter gives up on the writer itself.
 _MARGIN_S = 5.0
+#: Past the save deadline, when a save that is still running is given up (``_guarded``).
+_GUARD_S = 2.5
 #: Rounds of a collective load(step=None) (each one a retired choice or a corrupt fallback).
 _MAX_LOAD_ROUNDS = 64
 #: At most this long (and half the timeout, which bounds the other ranks' wait for its answer)
@@ -173,7 +185,12 @@ class _Runtime:
         return await asyncio.get_running_loop().run_in_executor(self.coord_pool, fn, *args)
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
-        """Stop from a background thread once ``futures`` settle (used after GC)."""
+        """Stop once ``futures`` settled and the removals of the steps their retention retired
+        finished, each wait bounded by ``timeout`` (a dropped Checkpointer).
+
+        With nothing pending this happens here, before the call returns, so the root is free
+        when the drop is over; with saves pending, or on one of this runtime's own threads
+        (which cannot join themselves), from a thread of its own."""
 
         def wait_then_stop() -> None:
             end = time.monotonic() + timeout
@@ -183,7 +200,19 @@ class _Runtime:
                 concurrent.futures.wait([removing], max(0.0, end - time.monotonic()))
             self.stop(timeout=_MARGIN_S)
 
-        threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+        if not futures and not _on_library_thread():
+            wait_then_stop()
+            return
+        try:
+            threading.Thread(target=wait_then_stop, name="asyncckpt-reaper", daemon=True).start()
+        except RuntimeError:  # no new threads at interpreter shutdown: the exit hook stops it
+            pass
+
+
+def _on_library_thread() -> bool:
+    """Whether this is one of the threads a runtime starts (all named ``asyncckpt-*``): the
+    writer, I/O and coordination pools, the mirror's, the lease's, the heartbeat."""
+    return threading.current_thread().name.startswith("asyncckpt-")
 
 
 async def _until_removed(tasks: set[asyncio.Task[None]]) -> None:
@@ -337,6 +366,7 @@ class Checkpointer:
         huge_pages: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
+        t_start = time.monotonic()  # construction's waits count from the call
         self.strip_prefixes = _prefixes(strip_prefixes)
         store = None
         if isinstance(root, str) and root.startswith("s3://"):
@@ -431,23 +461,23 @@ class Checkpointer:
         ownership = Ownership(self.root, None) if self.rank == 0 and store is None else None
         lease = Lease(store, self._ranks, ttl=ttl) if self.rank == 0 and store is not None else None
         rt: _Runtime | None = None
+        key = self._dist.start_key(given) if self._dist is not None else ""
         try:
             committed: list[int] = []
             surveyed: set[int] = set()
             failure: BaseException | None = None
             if lease is not None:
                 try:
-                    committed, surveyed = _remote_start(lease, self.timeout)
+                    committed, surveyed = _rootstart.remote_start(lease, self.timeout, t_start)
                 except (CheckpointError, OSError, ValueError) as e:
                     failure = e
-            elif ownership is not None:
-                try:
-                    committed = self._take_root(_ops, ownership)
-                except (CheckpointError, OSError, ValueError) as e:
-                    failure = e
+            elif store is None:
+                failure, committed = _rootstart.start_on_root(
+                    self.root, _ops, ownership, self._dist, key, self.timeout, self._ranks, self._dead
+                )
             namespace = ""
             if self._dist is not None:
-                namespace, committed = self._dist.agree_at_start(given, committed, self.timeout, failure)
+                namespace, committed = self._dist.agree_at_start(key, committed, self.timeout, failure)
             elif failure is not None:
                 raise failure
             self._committed = set(committed)
@@ -545,26 +575,6 @@ class Checkpointer:
                     owner._unraised.append(record)  # raised at the next save(), flush(), close()
 
         record.future.add_done_callback(settled)
-
-    def _take_root(self, ops: OsOps, own: Ownership) -> list[int]:
-        """Rank 0 at construction: create the root, take ownership (into ``own``), then clean
-        up leftovers; return the committed steps. The caller releases ``own`` on failure."""
-        try:
-            ensure_dir(self.root, timeout=min(self.timeout, 60.0), ops=ops)
-        except (PermissionError, OSError) as e:
-            if not (isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
-                raise
-            raise _ownership._not_writable(self.root, e) from e
-        _ownership.acquire(self.root, self._ranks, into=own)
-        # leftovers present now, with the root ours, are dead: a retry may remove them
-        self._dead.update(os.path.basename(p) for p in leftovers(self.root))
-        try:
-            remove_leftovers(self.root, ops)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise _ownership._not_writable(self.root, e) from e
-            raise
-        return [i.step for i in _discovery.complete_checkpoints(self.root)]
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any) -> SaveHandle:
@@ -1286,14 +1296,16 @@ class Checkpointer:
         rt = getattr(self, "_rt", None)
         if rt is None or self._closed or rt.stopped or rt.forked:
             return
-        pending = [r.future for r in self._records if not r.future.done()]
+        pending = [r.future for r in list(self._records) if not r.future.done()]
         if pending:
             warnings.warn(
                 f"asyncckpt Checkpointer({self.root!r}) garbage-collected with {len(pending)} "
-                "pending save(s); call flush()/close() before dropping it",
+                "pending save(s): they finish in the background, then its root is released; "
+                "call flush()/close() before dropping it",
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # nothing pending: stopped (and the root released) before the drop returns
         rt.stop_when_idle(pending, self.timeout + _MARGIN_S)
 
     # ------------------------------------------------------------------ reading
@@ -1696,12 +1708,15 @@ class Checkpointer:
 async def _guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ()) -> CheckpointInfo:
     """Bound the whole save by its deadline and turn any escape into a ``SaveError``.
 
-    A follower still waiting here past the deadline is waiting on rank 0: the coordinator,
-    which usually also hosts the c10d store (a stopped rank 0 freezes the store, so no store
-    call of ours can complete). It names rank 0, within timeout + 2 s.
+    Every phase of a save is bounded by its deadline (``_commit``), so this is a backstop
+    for a rank whose own calls overran it. A follower still waiting here past the deadline
+    is waiting on rank 0: the coordinator, which usually also hosts the c10d store (a
+    stopped rank 0 freezes the store, so no store call of ours can complete). It names rank
+    0, within timeout + 2.5 s. Rank 0 past its deadline here names itself: no wait of its
+    own is for another rank beyond the deadline.
     """
     follower = rank != 0
-    remaining = job.deadline - time.monotonic() + (2.5 if follower else _MARGIN_S)
+    remaining = job.deadline - time.monotonic() + _GUARD_S
     try:
         result: CheckpointInfo = await asyncio.wait_for(coro, remaining)
         return result
@@ -1936,26 +1951,6 @@ def _open_store_root(
     from ._remote import open_store
 
     return open_store(url, storage_options)
-
-
-def _remote_start(lease: Lease, timeout: float) -> tuple[list[int], set[int]]:
-    """Rank 0 at construction under an object-store root: check the store enforces
-    conditional creates (``ConditionalWriteUnsupportedError`` if not), take the root's
-    lease (``RootInUseError`` naming a live owner), then remove the leftovers, dead now
-    that the root is ours. Returns the complete steps and every step prefix looked at."""
-    from ._remote import run_sync
-    from ._remote_leftovers import remove_dead
-
-    async def go() -> tuple[list[int], set[int]]:
-        start = time.monotonic()
-        deadline = start + min(timeout, 120.0)
-        await lease.store.probe(deadline)
-        # a dead owner's lease is taken over once its TTL passed: wait up to that long
-        await lease.take(time.monotonic() + max(min(timeout, 120.0), min(timeout, 2 * lease.ttl + 10.0)))
-        found = await remove_dead(lease.store, time.monotonic() + min(timeout, 120.0))
-        return found.complete, found.seen
-
-    return run_sync(go)
 
 
 def _remote_steps(store: Any, timeout: float) -> list[int]:

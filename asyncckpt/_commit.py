@@ -15,8 +15,17 @@ of operations (``L`` = leader only; POSIX wording, the object store's in ``_back
    save fails, nothing is retired); write ``manifest.json`` to a temp name, fsync, rename into
    place, fsync the attempt directory, rename the attempt directory to ``step_N`` (the commit
    point), fsync the root. Publish the verdict.
-4. every rank: resolve its handle with the verdict. L: on failure remove the attempt
-   directory; on success apply retention.
+4. every rank: resolve its handle with the verdict. On failure L removes its own files,
+   the manifest, the index and the files of every rank whose I/O ended (``Report.settled``),
+   then the directory once it is empty; a rank L could not count on (missing from the
+   verdict) removes its own, on its own view of the root. Nobody touches the files of a rank
+   whose write overran the deadline: it may be stuck in the kernel, and an unlink would wait
+   with it (unkillable, holding the directory's lock); the next start removes them. L, on
+   success: retention. Neither clean-up delays the outcome past the save's deadline: what
+   is left then goes on in the background (``flush()`` and ``close()`` wait for it).
+
+Every wait is bounded by the save's deadline, so each rank knows the outcome by then (the
+``_guarded`` margin in ``_checkpointer`` is a backstop for a rank whose own I/O hangs).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any, TypeVar
 
 from . import _committable, _dedupe, _index, _manifest
 from ._backend import Backend, PosixBackend, _PhaseTimeout
-from ._coordination import Coordinator, Report, Start, Verdict
+from ._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
 from ._errors import (
     CoordinationLost,
     RankFailure,
@@ -51,6 +60,12 @@ T = TypeVar("T")
 #: Test-only switch: False commits without first checking the manifest and the global index
 #: with the readers' parsers (tests/test_acceptance.py shows what then commits).
 _CHECK_BEFORE_COMMIT = True
+
+#: How long past the save's deadline a clean-up after the verdict (a failed attempt's removal,
+#: retention) may delay the outcome; then it goes on in the background.
+CLEANUP_WAIT_S = 0.5
+# clean-ups going on in the background for saves that have no ``removals`` set to track them
+_untracked: set[asyncio.Task[None]] = set()
 
 
 @dataclass
@@ -357,6 +372,31 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+async def _logged(aw: Awaitable[Any], what: str) -> None:
+    try:
+        await aw
+    except Exception as e:  # noqa: BLE001 - a clean-up: the next start (or sweep) collects what is left
+        log.warning("%s: %s", what, e)
+
+
+def _in_background(job: SaveJob, aw: Awaitable[Any], what: str) -> asyncio.Task[None]:
+    """Start a clean-up as a task tracked in ``job.removals`` (what ``flush()`` and ``close()``
+    wait for); its failure is logged."""
+    task = asyncio.ensure_future(_logged(aw, what))
+    tracked = job.removals if job.removals is not None else _untracked
+    tracked.add(task)
+    task.add_done_callback(tracked.discard)
+    return task
+
+
+async def _clean_up(job: SaveJob, aw: Awaitable[Any], what: str) -> None:
+    """Run a clean-up after the verdict until the save's deadline (at least
+    :data:`CLEANUP_WAIT_S`), then leave it running in the background: a store that stopped
+    answering, or a file a stuck write holds, never delays the save's outcome."""
+    task = _in_background(job, aw, what)
+    await asyncio.wait({task}, timeout=max(0.0, job.deadline - time.monotonic()) + CLEANUP_WAIT_S)
+
+
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
     if isinstance(e, CoordinationLost):  # the store host died: say so, not "did not answer"
         failure = RankFailure(0, "CoordinationLost", str(e))
@@ -427,62 +467,83 @@ async def run_save(
     attempt = start.attempt
     loc = backend.location(job.step, attempt)
 
-    # 2. every rank writes its own files
-    mine = Report(rank=rank)
-    if start.failure is None and job.prefailed is not None:
-        local_exc = job.prefailed
-        mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
-    elif start.failure is None:
-        try:
-            step_to(SaveEvent.START_WRITE)
-            mine = await _within(
-                _write_files(backend, storage, job, rank, loc, leader, coord, dedupe_round),
-                job.deadline,
-                "writing the shard",
-            )
-            step_to(SaveEvent.FILES_DURABLE)
-        except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
-            local_exc = e
-            mine = Report(rank=rank, failure=_failure(rank, e))
-    try:
-        reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
-    except CoordinationLost as e:
-        raise _leader_lost(job.step, e) from e
+    # whether this rank's files of the attempt may still be committed: a follower's once it
+    # reported success, the leader's once it began the commit; until then they are dead if
+    # the save ends
+    committable = False
+    reports: dict[int, Report] = {}
 
-    # 3. the leader decides, and commits only if everyone succeeded in time
-    verdict: Verdict | None = None
-    if leader:
-        failures = {r: rep.failure for r, rep in reports.items() if rep.failure is not None}
-        if start.failure is not None:
-            failures[rank] = start.failure
-        missing = tuple(r for r in range(world) if r not in reports)
-        if not failures and not missing and not await coord.may_commit(job.seq):
-            failures[rank] = RankFailure(rank, "TimeoutError", "a follower gave up waiting before the commit began")
-        if not failures and not missing:
+    async def clean_up(counted: bool) -> None:
+        """The failed attempt's files, on this rank's view: the leader takes its own and those
+        of every rank whose I/O ended (``Report.settled``), a follower its own only when the
+        leader did not count it (``counted``). Nobody touches a part whose I/O overran: a
+        thread may still be inside a file (stuck in the kernel), and an unlink would wait with
+        it, holding the directory's lock; the next start removes it."""
+        mine_settled = not isinstance(local_exc, TimeoutError)
+        if leader:
+            ranks = [r for r, rep in reports.items() if rep.settled and r != rank]
+            ranks += [rank] if mine_settled else []
+        else:
+            ranks = [rank] if mine_settled and not counted else []
+        if ranks or leader:
+            await _clean_up(job, backend.abandon(job, loc, ranks, leader), f"could not remove the failed attempt {loc}")
+
+    try:
+        # 2. every rank writes its own files
+        mine = Report(rank=rank)
+        if start.failure is None and job.prefailed is not None:
+            local_exc = job.prefailed
+            mine = Report(rank=rank, failure=_failure(rank, job.prefailed))
+        elif start.failure is None:
             try:
-                step_to(SaveEvent.START_COMMIT)
-                verdict = await _within(_commit(backend, job, loc, attempt, world, reports), job.deadline, "committing")
+                step_to(SaveEvent.START_WRITE)
+                mine = await _within(
+                    _write_files(backend, storage, job, rank, loc, leader, coord, dedupe_round),
+                    job.deadline,
+                    "writing the shard",
+                )
+                step_to(SaveEvent.FILES_DURABLE)
             except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
                 local_exc = e
-                failures[rank] = _failure(rank, e)
-        if verdict is None:
-            verdict = Verdict(committed=False, failures=failures, missing=missing)
-    try:
+                mine = Report(rank=rank, failure=_failure(rank, e))
+        committable = not leader and mine.failure is None and start.failure is None
+        mine.settled = not isinstance(local_exc, TimeoutError)
+        reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
+
+        # 3. the leader decides, and commits only if everyone succeeded in time
+        verdict: Verdict | None = None
+        if leader:
+            failures = {r: rep.failure for r, rep in reports.items() if rep.failure is not None}
+            if start.failure is not None:
+                failures[rank] = start.failure
+            missing = tuple(r for r in range(world) if r not in reports)
+            if not failures and not missing and not await coord.may_commit(job.seq):
+                failures[rank] = RankFailure(rank, "TimeoutError", "a follower gave up waiting before the commit began")
+            if not failures and not missing:
+                try:
+                    step_to(SaveEvent.START_COMMIT)
+                    committable = True
+                    verdict = await _within(
+                        _commit(backend, job, loc, attempt, world, reports), job.deadline, "committing"
+                    )
+                except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
+                    local_exc = e
+                    failures[rank] = _failure(rank, e)
+            if verdict is None:
+                verdict = Verdict(committed=False, failures=failures, missing=missing)
         verdict = await coord.decide(job.step, job.seq, attempt, verdict, job.deadline)
     except (TimeoutError, CoordinationLost) as e:
         if not job.state.final:
             step_to(SaveEvent.FAIL)
+        if not committable or (isinstance(e, LeaderSilent) and e.aborted):
+            await clean_up(counted=False)
         raise _leader_lost(job.step, e) from e
 
     # 4. resolve
     if not verdict.committed:
         if not job.state.final:
             step_to(SaveEvent.FAIL)
-        if leader:
-            try:
-                await backend.abandon(job, loc)
-            except Exception as e:  # noqa: BLE001 - removed before a retry or at the next start
-                log.warning("could not remove failed attempt %s: %s", loc, e)
+        await clean_up(counted=rank not in verdict.missing)
         timed_out = bool(verdict.missing) or any(
             f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError", "ObjectStoreTimeoutError")
             for f in verdict.failures.values()
@@ -500,11 +561,8 @@ async def run_save(
             err = SaveError(job.step, failures)
         raise err from local_exc
     step_to(SaveEvent.COMMITTED)
-    if leader:
-        try:
-            await backend.retire(job)
-        except Exception as e:  # noqa: BLE001 - retention must never fail a committed save
-            log.warning("retention after step %d failed: %s", job.step, e)
+    if leader:  # retention never fails a committed save (logged), nor makes its outcome late
+        await _clean_up(job, backend.retire(job), f"retention after step {job.step} failed")
     total = time.perf_counter() - job.started
     stats = SaveStatistics(
         wait_s=job.wait_s,

@@ -41,6 +41,9 @@ class Report:
     index: dict[str, Any] | None = None
     #: the rank's files need a reader of manifest format ``asyncckpt/2`` (tied tensors)
     needs_v2: bool = False
+    #: no I/O of this rank on its files of the attempt is still running (False after its
+    #: own write timed out: a thread may still be inside a file, stuck in the kernel)
+    settled: bool = True
 
 
 @dataclass
@@ -257,7 +260,7 @@ class StoreCoordinator:
             return start
         got = await self._wait_get(key, deadline + _GRACE_S)
         if got is None:
-            raise _LeaderSilent("the leader (rank 0) did not start the save in time")
+            raise LeaderSilent("the leader (rank 0) did not start the save in time", aborted=True)
         failure = _dec_failure(got["failure"])
         if got["step"] != step:
             failure = RankFailure(
@@ -271,7 +274,7 @@ class StoreCoordinator:
         await self._set(
             self._key(seq, "report", self.rank),
             {"files": mine.files, "nbytes": mine.nbytes, "failure": _enc_failure(mine.failure), "index": mine.index,
-             "v2": mine.needs_v2},
+             "v2": mine.needs_v2, "settled": mine.settled},
         )
         if self.rank != 0:
             return {}
@@ -284,7 +287,8 @@ class StoreCoordinator:
                 continue
             self.missing.discard(r)
             d = json.loads(await self._call("get", key))
-            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"), d.get("v2", False))
+            out[r] = Report(r, d["files"], d["nbytes"], _dec_failure(d["failure"]), d.get("index"), d.get("v2", False),
+                            d.get("settled", True))
         return out
 
     async def decide(self, step: int, seq: int, attempt: str, verdict: Verdict | None, deadline: float) -> Verdict:
@@ -300,7 +304,7 @@ class StoreCoordinator:
             if won == "commit":
                 got = await self._wait_get(key, deadline + _LATE_S)
             if got is None:
-                raise _LeaderSilent("the leader (rank 0) did not publish the outcome in time")
+                raise LeaderSilent("the leader (rank 0) did not publish the outcome in time", aborted=won != "commit")
         return _dec_verdict(got)
 
     async def exchange(self, seq: int, tag: str, value: Any, deadline: float, wait: bool = True) -> dict[int, Any]:
@@ -353,8 +357,14 @@ class StoreCoordinator:
                     pending.discard(r)
 
 
-class _LeaderSilent(TimeoutError):
-    pass
+class LeaderSilent(TimeoutError):
+    """A follower gave up waiting for the leader. ``aborted``: the leader can no longer commit
+    this save (it never started it, or the follower claimed the commit lock first), so the
+    follower's files of it are dead."""
+
+    def __init__(self, message: str, *, aborted: bool) -> None:
+        super().__init__(message)
+        self.aborted = aborted
 
 
 class _Heartbeat:

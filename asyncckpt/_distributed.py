@@ -41,7 +41,7 @@ class DistContext:
     prefix: str
     connect: Callable[[], Any]
 
-    def _wait_get(self, key: str, timeout: float) -> Any:
+    def wait_get(self, key: str, timeout: float) -> Any:
         """Rank 0's value of ``key``. Raises ``TimeoutError`` when rank 0 is alive but did not
         answer in ``timeout`` s, :class:`CoordinationLost` at once when the store is gone."""
         t0 = time.monotonic()
@@ -73,23 +73,29 @@ class DistContext:
             except Exception as e:
                 raise CoordinationLost(lost_message(e)) from e
             return value
-        return self._wait_get(full, timeout)
+        return self.wait_get(full, timeout)
+
+    def start_key(self, root: str) -> str:
+        """The store key of this process's next Checkpointer of ``root`` (its construction's
+        exchanges live under it): every rank must build the same Checkpointers in the same
+        order, so the n-th one of a root has the same key on every rank."""
+        tag = f"{crc32c(os.path.abspath(root).encode()):08x}"
+        with _count_lock:
+            n = _instances[tag] = _instances.get(tag, 0) + 1
+        return f"asyncckpt/ctor/{tag}/{n}"
 
     def agree_at_start(
-        self, root: str, committed: list[int], timeout: float, failure: BaseException | None = None
+        self, key: str, committed: list[int], timeout: float, failure: BaseException | None = None
     ) -> tuple[str, list[int]]:
         """Agree on this Checkpointer's key namespace and on the committed steps (rank 0's view).
 
         ``failure`` is rank 0's start-up failure (the root owned by another writer, not
         writable, ...): it is shared too, and every rank raises the same error type with the
         same message here, so no rank waits for a Checkpointer that will never exist.
-        Checkpointers are matched across ranks by root and by creation order, so every rank
-        must build the same Checkpointers in the same order (as with any collective).
+        ``key``: :meth:`start_key`'s (Checkpointers are matched across ranks by root and by
+        creation order, so every rank must build the same Checkpointers in the same order, as
+        with any collective).
         """
-        tag = f"{crc32c(os.path.abspath(root).encode()):08x}"
-        with _count_lock:
-            n = _instances[tag] = _instances.get(tag, 0) + 1
-        key = f"asyncckpt/ctor/{tag}/{n}"
         if self.rank == 0:
             ns = uuid.uuid4().hex[:16]
             doc: dict[str, Any] = {"ns": ns, "committed": committed, "world": self.world_size}
@@ -100,7 +106,7 @@ class DistContext:
                 raise failure
             self.prefix = f"asyncckpt/{ns}"
             return ns, committed
-        got = self._wait_get(key, timeout)
+        got = self.wait_get(key, timeout)
         if got.get("failure") is not None:
             raise _dec_start_failure(got["failure"])
         if got["world"] != self.world_size:

@@ -59,9 +59,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-import obstore
-import obstore.exceptions as obx
-from obstore.store import S3Store
+try:
+    import obstore
+    import obstore.exceptions as obx
+    from obstore.store import S3Store
+except ImportError as _missing:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        "asyncckpt: s3:// roots, mirror= and asyncckpt.remote need the s3 extra: "
+        f"pip install 'asyncckpt[s3]' (obstore could not be imported: {_missing})"
+    ) from _missing
 
 from ._checksum import crc32c, crc32c_combine
 from ._errors import CheckpointError
@@ -87,6 +93,10 @@ _SECRET_KEYS = {"access_key_id", "secret_access_key", "session_token", "token", 
                 "aws_secret_access_key", "aws_session_token"}
 _SECRET_HINT = re.compile(r"secret|token|password|credential|access_key", re.I)
 _STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})")
+#: Least time left for deleting a probe's scratch object; with less it is left (harmless).
+_SCRATCH_MIN_S = 0.05
+# abort requests of failed multipart uploads that outlived the upload's deadline (kept alive)
+_aborting: set[asyncio.Task[None]] = set()
 
 
 #: The process whose obstore (tokio) runtime is running; a forked child cannot use it.
@@ -488,10 +498,13 @@ class ObjectStore:
             await self._drop_scratch(key, deadline)
 
     async def _drop_scratch(self, key: str, deadline: float) -> None:
-        """Delete a probe or clock object, best effort (a stray one under ``.asyncckpt/`` is harmless)."""
+        """Delete a probe or clock object, best effort within ``deadline`` (the caller's: a
+        stray one under ``.asyncckpt/`` is harmless, a call that overran its deadline is not)."""
+        if deadline - time.monotonic() < _SCRATCH_MIN_S:
+            log.debug("no time left to delete scratch object %s", self.object_url(key))
+            return
         try:
-            await self._bounded(obstore.delete_async(self._store, key), max(deadline, time.monotonic() + 5),
-                                key, "scratch clean-up")
+            await self._bounded(obstore.delete_async(self._store, key), deadline, key, "scratch clean-up")
         except Exception as e:  # noqa: BLE001 - harmless, see above
             log.debug("could not delete scratch object %s: %s", key, self._scrub(str(e)))
 
@@ -614,7 +627,7 @@ class ObjectStore:
                 raise local[0]
         except BaseException:
             if parts > 1:
-                await self._abort_after_failure(key)
+                await self._abort_after_failure(key, deadline)
             raise
         crc = await sent_crc()
         if verify == "readback":
@@ -629,19 +642,24 @@ class ObjectStore:
                                            self.object_url(key))
         return PutInfo(key, size, crc, result.get("e_tag") if isinstance(result, dict) else None, parts)
 
-    async def _abort_after_failure(self, key: str) -> None:
-        """Abort every incomplete upload of ``key`` (shielded: runs even when cancelled)."""
+    async def _abort_after_failure(self, key: str, deadline: float) -> None:
+        """Abort every incomplete upload of ``key``: waited for until the failed upload's
+        ``deadline`` (never past it), then left to run on (bounded by its own 20 s; a
+        cancellation does not stop it either). What it does not abort, the root's sweep does."""
         if self._uploads is None:
             log.warning("cannot abort incomplete uploads of %s: no static credentials for housekeeping",
                         self.object_url(key))
             return
-        task = asyncio.ensure_future(self.abort_uploads(key, exact=True, deadline=time.monotonic() + 20.0))
+        task = asyncio.ensure_future(self._abort_logged(key, time.monotonic() + 20.0))
+        _aborting.add(task)
+        task.add_done_callback(_aborting.discard)
+        await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+
+    async def _abort_logged(self, key: str, deadline: float) -> None:
         try:
-            n = await asyncio.shield(task)
+            n = await self.abort_uploads(key, exact=True, deadline=deadline)
             if n:
                 log.info("aborted %d incomplete upload(s) of %s", n, self.object_url(key))
-        except asyncio.CancelledError:
-            raise
         except ObjectStoreError as e:
             log.warning("could not abort incomplete uploads of %s: %s", self.object_url(key), e)
 

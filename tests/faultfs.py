@@ -30,6 +30,9 @@ through to ``BACKING`` unless a rule matches it first. A rule (a JSON object) ma
 and then does, in this order, what it names:
 
 * ``delay_s``: sleep that long (a number, or ``[lo, hi]`` for uniformly random) first;
+* ``hold_s``: block the call for up to that long, or until the rules change (any
+  :meth:`FaultFS.set_rules`, ``clear()`` included): a call stuck in the kernel (a hung
+  server) that the test can let go at its end, so no process stays unkillable;
 * ``error``: fail the call with this errno (a name such as ``"EIO"``, or a number);
 * ``short``: (write) write only this fraction of the data and say so (a short write),
   rounded down to a multiple of ``short_align`` bytes when that is set (then a write of
@@ -84,6 +87,7 @@ def rule(
     short: float | None = None,
     short_align: int | None = None,
     stale_s: float | None = None,
+    hold_s: float | None = None,
     pid: int | None = None,
     count: int | None = None,
     skip: int | None = None,
@@ -100,6 +104,7 @@ def rule(
         ("short", short),
         ("short_align", short_align),
         ("stale_s", stale_s),
+        ("hold_s", hold_s),
         ("pid", pid),
         ("count", count),
         ("skip", skip),
@@ -360,6 +365,7 @@ class _Rules:
         self._events = open(f"{path}.events", "a", buffering=1)
         self._tgid: dict[int, int] = {}
         self.need_pid = False
+        self.generation = 0  # of the rules file loaded last (hold_s waits for it to change)
 
     def _reload(self) -> None:
         self._next_check = time.monotonic() + self.RECHECK_S
@@ -392,6 +398,7 @@ class _Rules:
         self._skip = [r.get("skip") or 0 for r in rules]
         self.need_pid = any("pid" in r for r in rules)
         self._key = key
+        self.generation = int(doc.get("generation", 0))
         tmp = f"{self.path}.ack.tmp"
         with open(tmp, "w") as f:
             f.write(str(doc.get("generation", 0)))
@@ -455,6 +462,13 @@ class _Rules:
         with self._lock:
             self._reload()
 
+    def hold(self, seconds: float) -> None:
+        """Block this call for ``seconds``, or until the rules change (``hold_s``)."""
+        generation, end = self.generation, time.monotonic() + seconds
+        while time.monotonic() < end and self.generation == generation:
+            time.sleep(0.05)
+            self.poke()
+
 
 def _serve(backing: str, mount: str, rules_path: str, direct_io: bool) -> None:
     if "FUSE_LIBRARY_PATH" not in os.environ:
@@ -479,6 +493,8 @@ def _serve(backing: str, mount: str, rules_path: str, direct_io: bool) -> None:
             d = r.get("delay_s")
             if d:
                 time.sleep(random.uniform(d[0], d[1]) if isinstance(d, list) else float(d))
+            if r.get("hold_s"):
+                rules.hold(float(r["hold_s"]))
             if r.get("_errno") is not None:
                 raise FuseOSError(r["_errno"])
             for key in ("short", "short_align", "stale_s"):

@@ -16,7 +16,10 @@ run-time :class:`Rule` s matched on method, path, query keys and request headers
 * ``error_200``   answer 200 with an S3 ``<Error>`` body without forwarding (S3 does this on
                   CompleteMultipartUpload when it fails after sending the status);
 * ``strip_header`` forward without the header named by ``header`` (a store that ignores a
-                  precondition; the loopback server does not check signatures).
+                  precondition; the loopback server does not check signatures);
+* ``hang``        read the request, then never answer (nor forward) until the proxy stops
+                  or the rule is cleared (then the connection is dropped): a store that
+                  accepts connections and never replies.
 
 With ``echo_auth`` a ``status`` answer quotes the request's Authorization header in its
 message, as some S3 errors echo the access key id - for the credential-redaction tests.
@@ -221,6 +224,12 @@ class FaultProxy:
                     writer.write(_error_response(rule.status, rule.code, echo))
                     await writer.drain()
                     continue
+                if action == "hang":
+                    assert self._stop is not None and rule is not None
+                    # polled: clear() runs on the test's thread, which has no event of this loop
+                    while not self._stop.is_set() and rule in self.rules:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                    return  # the connection is dropped: the client sees it fail
                 if action == "error_200":
                     writer.write(_error_response(200, "InternalError"))
                     await writer.drain()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import Checkpointer, RootInUseError, _checkpointer, _ownership, _writer
+from asyncckpt import Checkpointer, RootInUseError, _checkpointer, _ownership, _rootstart, _writer
 
 N = 1 << 16  # floats per state: big enough that a torn write shows, small enough to be quick
 
@@ -110,7 +110,9 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
     codes = _codes(
         [
             Checkpointer.__init__,
-            Checkpointer._take_root,
+            _rootstart.start_on_root,
+            _rootstart.make_root,
+            _rootstart.take_root,
             Checkpointer._start_run,
             _checkpointer._Runtime.__init__,
             _ownership.acquire,

@@ -1,0 +1,160 @@
+"""Whether every rank of a group sees the same root directory: checked at construction.
+
+A root on node-local disks (the same path on every node, a different disk behind it) looks
+fine to each rank on its own, and then every save fails as "a file listed in the manifest
+is missing", leaves each other node's shards behind, and a load on another node may read
+an earlier run's files lying at the same path. So before any rank writes anything to the
+root, rank 0 places a token, a file with a random name, in it and tells the others the
+name through the c10d store; each other rank looks for it in its own view of the root,
+polling (a shared file system may show a new name late: NFS attribute caches, FUSE entry
+timeouts) until the construction deadline; rank 0 collects every answer, removes the token
+and fails the construction of every rank (``CheckpointError`` naming the ranks) if one did
+not see it. Store calls only (``set``, ``wait`` with a deadline, ``check``, ``get``), never
+collectives.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from ._coordination import CALL_S, is_store_timeout, lost_message
+from ._distributed import DistContext
+from ._errors import CheckpointError, CoordinationLost, describe_ranks
+
+#: The token's name in the root: a dot file no reader or clean-up looks at.
+TOKEN_PREFIX = ".asyncckpt-shared-"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: How often a rank looks for the token again (each look is a lookup on the file system).
+_POLL_S = (0.02, 0.5)
+
+
+def place_token(root: str) -> str:
+    """Create the token file in ``root`` (an existing directory); return its random part."""
+    nonce = uuid.uuid4().hex
+    fd = os.open(os.path.join(root, TOKEN_PREFIX + nonce),
+                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)  # fmt: skip
+    try:
+        os.write(fd, nonce.encode())
+    finally:
+        os.close(fd)  # close-to-open: an NFS client of another node sees it from here on
+    return nonce
+
+
+def remove_token(root: str, nonce: str) -> None:
+    try:
+        os.unlink(os.path.join(root, TOKEN_PREFIX + nonce))
+    except FileNotFoundError:
+        pass
+
+
+def sees_token(root: str, nonce: str, deadline: float) -> bool:
+    """Whether the token shows up in this rank's view of ``root`` before ``deadline``."""
+    path = os.path.join(root, TOKEN_PREFIX + nonce)
+    pause = _POLL_S[0]
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ESTALE, errno.ENOTDIR):
+                raise
+        else:
+            try:
+                if os.read(fd, 64) == nonce.encode():
+                    return True
+            finally:
+                os.close(fd)
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
+
+
+def check(dist: DistContext, key: str, root: str, start_failed: bool, wait_s: float, window_s: float,
+          ranks: tuple[int, ...]) -> CheckpointError | None:  # fmt: skip
+    """Collective, at construction, before anything is written to ``root`` (the caller's
+    rank 0 has only made sure it exists). ``start_failed``: rank 0 could not even do that
+    (its error reaches every rank later, with the rest of its start-up): nothing to check.
+
+    A rank waits ``wait_s`` for rank 0 to place the token (the ranks may start apart, as
+    with any collective), then looks for it for ``window_s``; rank 0 waits for the answers
+    (and a little more) that long. Rank 0
+    returns the error every rank must raise when a rank did not see its token (or did not
+    answer: it may not have started);
+    ``None`` when every rank shares the root; it raises ``OSError`` when it cannot place
+    the token (after telling the others). Other ranks always return ``None``: they hear
+    rank 0's verdict with the rest of its start-up (``DistContext.agree_at_start``).
+    """
+    base = f"{key}/shared"
+    if dist.rank != 0:
+        doc = dist.wait_get(base, wait_s)
+        seen = False if doc.get("skip") else sees_token(root, str(doc["token"]), time.monotonic() + window_s)
+        _set(dist, f"{base}/r{dist.rank}", {"seen": seen, "skipped": bool(doc.get("skip"))})
+        return None
+    if start_failed:
+        _set(dist, base, {"skip": True})
+        return None
+    try:
+        nonce = place_token(root)
+    except OSError:
+        _set(dist, base, {"skip": True})  # the error reaches the others with rank 0's start-up
+        raise
+    try:
+        _set(dist, base, {"token": nonce})
+        answers = _collect(dist, base, time.monotonic() + wait_s + window_s + _ANSWER_GRACE_S)
+    finally:
+        remove_token(root, nonce)
+    blind = [r for r, a in answers.items() if a is not None and not a.get("seen")]
+    silent = [r for r, a in answers.items() if a is None]
+    if not blind and not silent:
+        return None
+    parts = []
+    if blind:
+        parts.append(f"rank(s) {describe_ranks(blind, ranks)} did not see a file rank 0 created in it "
+                     f"within {window_s:.0f}s")
+    if silent:
+        parts.append(f"rank(s) {describe_ranks(silent, ranks)} did not answer in time (not started?)")
+    return CheckpointError(
+        f"asyncckpt: the ranks do not share the checkpoint root {root}: {'; '.join(parts)}. The same path "
+        "on different disks (node-local storage) is not supported yet: it needs the node-local tier "
+        "(planned) or a shared file system every rank mounts (NFS, Lustre, GPFS, a FUSE mount of a "
+        "bucket, ...); nothing was written"
+    )
+
+
+#: How long past the deadline rank 0 waits for an answer (a rank that polled to the deadline
+#: still has to say so).
+_ANSWER_GRACE_S = 5.0
+
+
+def _set(dist: DistContext, key: str, value: Any) -> None:
+    try:
+        dist.store.set(key, json.dumps(value))
+    except Exception as e:
+        raise CoordinationLost(lost_message(e)) from e
+
+
+def _collect(dist: DistContext, base: str, deadline: float) -> dict[int, Any]:
+    """Every other rank's answer (``None`` for one that did not answer by ``deadline``)."""
+    keys = {r: f"{base}/r{r}" for r in range(1, dist.world_size)}
+    while keys and time.monotonic() < deadline:
+        remaining = deadline - time.monotonic()
+        try:
+            dist.store.wait(list(keys.values()), timedelta(seconds=min(max(remaining, 0.01), CALL_S)))
+            break
+        except Exception as e:
+            if not is_store_timeout(e):
+                raise CoordinationLost(lost_message(e)) from e
+    out: dict[int, Any] = {}
+    for r, k in keys.items():
+        try:
+            out[r] = json.loads(dist.store.get(k)) if dist.store.check([k]) else None
+        except Exception as e:
+            raise CoordinationLost(lost_message(e)) from e
+    return out
