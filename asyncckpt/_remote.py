@@ -186,36 +186,58 @@ class RemoteStep:
     status: str = "complete"
     name: str = ""
     run: str | None = None  # the run of a complete step's manifest (None: none recorded)
+    #: what a local ``ls`` shows of a directory, for the same JSON on both: the bytes of every
+    #: object of the entry (its manifest included; ``nbytes`` counts the listed files only),
+    #: their newest modification time (the store's clock), the problem code of an entry that
+    #: is not complete (``_stepstates.Fault.code``, ``set-aside``, ``no-marker``) and the bad
+    #: mark of a step known bad (``{step, attempt, path, reason, time}``)
+    size: int = 0
+    modified: float | None = None
+    problem: str | None = None
+    bad: dict[str, Any] | None = None
 
 
 def _rows(p: Any) -> list[RemoteStep]:
     """The ``ls`` rows of one observed step prefix (``_remote_steps.StepPrefix``)."""
     from ._stepstates import state_of, why_bad
 
+    def newest(objs: list[Any]) -> float | None:
+        return max((o.last_modified.timestamp() for o in objs), default=None)
+
     out = []
     sd = step_dir_name(p.step)
     for seen in p.seen:
         state = state_of(seen)
         if seen.kind == "aside":
-            size = sum(o.size for o in p.listed if seen.attempt and (
-                o.key.startswith(data_prefix(p.step, seen.attempt)) or o.key == aside_key(p.step, seen.attempt)))
+            mine = [o for o in p.listed if seen.attempt and (
+                o.key.startswith(data_prefix(p.step, seen.attempt)) or o.key == aside_key(p.step, seen.attempt))]
+            size = sum(o.size for o in mine)
             why = "bad attempt set aside when the step was saved again, kept for inspection (gc --remove-bad)"
             if seen.mark is not None:
                 why += f"; verification failed: {seen.mark}"
-            out.append(RemoteStep(p.step, False, why, size, 0, None, None, seen.attempt, "aside", seen.name + ".json"))
+            out.append(RemoteStep(p.step, False, why, size, 0, None, None, seen.attempt, "aside", seen.name + ".json",
+                                  size=size, modified=newest(mine), problem="set-aside"))
             continue
         m = p.manifest
         complete = seen.fault is None
         reason = why_bad(seen) if state == "bad" else ""
         nbytes = sum(f.size for f in m.files) if m is not None and complete else 0
+        mine = [o for o in p.listed if o.key == manifest_key(p.step)
+                or (m is not None and o.key.startswith(data_prefix(p.step, m.attempt)))]  # fmt: skip
+        bad = None
+        if state == "bad" and seen.fault is None and seen.mark is not None:
+            bad = {"step": p.step, "attempt": seen.attempt, "path": seen.mark.path, "reason": seen.mark.reason,
+                   "time": seen.mark.time}  # fmt: skip
         out.append(RemoteStep(p.step, complete, reason, nbytes, len(m.files) + 1 if m is not None and complete else 0,
                               m.world_size if m is not None else None, m.created if m is not None else None,
                               m.attempt if m is not None else None, state, sd + "/",
-                              m.run if m is not None else None))  # fmt: skip
+                              m.run if m is not None else None, size=sum(o.size for o in mine), modified=newest(mine),
+                              problem=None if seen.fault is None else seen.fault.code, bad=bad))  # fmt: skip
     stray = [o for o in p.listed if o.key not in p.owned]
     if stray and p.committed is None:
         out.append(RemoteStep(p.step, False, "no manifest (a save or push in progress or interrupted)",
-                              sum(o.size for o in stray), len(stray), None, None, None, "incomplete", sd + "/"))
+                              sum(o.size for o in stray), len(stray), None, None, None, "incomplete", sd + "/",
+                              size=sum(o.size for o in stray), modified=newest(stray), problem="no-marker"))
     return out
 
 

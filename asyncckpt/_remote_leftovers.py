@@ -101,7 +101,9 @@ async def survey(
             state = state_of(committed)
             if state == "complete":
                 out.complete.append(step)
-                out.nbytes[step] = sum(f.size for f in p.manifest.files) if p.manifest is not None else 0
+                # the manifest is one of its objects (what a local gc frees counts it too)
+                m = p.manifest
+                out.nbytes[step] = sum(f.size for f in m.files) + len(p.raw or b"") if m is not None else 0
             elif p.manifest is None:
                 out.left_alone.append((sd, "corrupt-manifest", why_bad(committed)))
             elif committed.fault is not None:

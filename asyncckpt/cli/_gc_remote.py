@@ -80,7 +80,7 @@ async def _run(store: Any, args: argparse.Namespace, deadline: float, lease: Lea
             state = state_of(seen)
             if state == "bad":
                 size = sum(o.size for o in p.listed)
-                out.bad(seen.name + "/", step, "bad", why_bad(seen), size, args.remove_bad)
+                out.bad(seen.name, step, "bad", why_bad(seen), size, args.remove_bad)
             elif state == "aside":
                 a = seen.attempt or ""
                 mine = data_prefix(step, a)

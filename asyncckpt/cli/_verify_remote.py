@@ -47,7 +47,7 @@ async def _steps(store: Any, args: argparse.Namespace, deadline: float) -> list[
 async def _run(store: Any, url: str, args: argparse.Namespace, deadline: float) -> int:
     steps = await _steps(store, args, deadline)
     results: list[dict[str, Any]] = []
-    opened: list[Manifest] = []
+    opened: list[tuple[Manifest, int]] = []  # with the manifest's own bytes
     for step in steps:
         try:
             opened.append(await open_for_verify(store, step, deadline))
@@ -63,13 +63,13 @@ async def _run(store: Any, url: str, args: argparse.Namespace, deadline: float) 
                 say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
     if args.all and not results and not opened:
         raise CheckpointNotFoundError(f"no committed checkpoints under {store.url}")
-    progress = Progress(sys.stderr, sum(f.size for m in opened for f in m.files), sys.stderr.isatty())
+    progress = Progress(sys.stderr, sum(f.size for m, _ in opened for f in m.files), sys.stderr.isatty())
     try:
-        for m in opened:
+        for m, manifest_bytes in opened:
             progress.label(f"verifying step {m.step}")
             problems = await verify_remote_step(store, m, deadline, progress.advance)
             progress.close()
-            nbytes = sum(f.size for f in m.files)
+            nbytes = manifest_bytes + sum(f.size for f in m.files)  # what a local verify counts
             report(results, m.step, problems, store.object_url(step_dir_name(m.step)), len(m.files) + 1, nbytes,
                    args.json)  # fmt: skip
     finally:
