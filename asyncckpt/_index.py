@@ -34,12 +34,15 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from ._checksum import crc32c, crc32c_append_zeros, crc32c_shift
 from ._header import ITEMSIZE
+
+log = logging.getLogger("asyncckpt")
 
 INDEX = "index.json"
 FORMAT = "asyncckpt-index/1"
@@ -96,8 +99,8 @@ def rank_part(
             aliases[alias] = d["name"]
         entry = {k: d[k] for k in ("dtype", "shape", "placements", "mesh")}
         entry["chunk"] = None
-        if d["writer"]:
-            s = by_name[d["name"]]
+        s = by_name.get(d["name"]) if d["writer"] else None
+        if s is not None:  # (a box another holder writes, by the dedupe round's plan, is not here)
             begin, n = data_start + s.begin, s.end - s.begin
             whole, blocks = block_crcs(buffer[begin : begin + n], BLOCK)
             entry["chunk"] = [d["box"][0], d["box"][1], begin, n, whole, blocks]
@@ -118,6 +121,11 @@ def rank_part(
 def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     """The index file from every rank's part (``None``: a rank without DTensors).
 
+    A DTensor's identity is its name: the same box reported by several ranks (replicas
+    outside the DTensor's own mesh, e.g. FSDP over ``mesh["dp"]`` of a dp x tp mesh, which
+    holds one copy per tp column, when they were not deduplicated before the write) is
+    indexed once, the lowest rank's copy; copies whose CRCs differ are logged.
+
     Raises ``ValueError`` when ranks disagree on a DTensor's dtype or global shape, or on a
     tie: a name some rank tied to another DTensor (its part's ``aliases``) may appear as a
     DTensor of its own only on ranks that wrote no bytes of it (a local shard over no storage
@@ -125,6 +133,9 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     """
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
+    # name -> box -> (rank, crc) of the copy indexed; name -> two ranks whose copies differ
+    seen: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]]] = {}
+    drift: dict[str, tuple[int, int]] = {}
     first = min((r for r, p in parts.items() if p is not None), default=0)
     block = (parts.get(first) or {}).get("block", BLOCK)
     for r in range(world):
@@ -146,19 +157,33 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
                 offs, sizes, begin, n, crc, blocks = e["chunk"]
                 if part["block"] != block:
                     raise ValueError(f"rank {r} used blocks of {part['block']} bytes, rank {first} of {block}")
+                box = (tuple(offs), tuple(sizes))
+                got = seen.setdefault(name, {}).get(box)
+                if got is not None:  # the same box of the same global tensor: one copy is indexed
+                    if got[1] != crc:
+                        drift.setdefault(name, (got[0], r))
+                    continue
+                seen[name][box] = (r, crc)
                 have["chunks"].append([offs, sizes, part["file"], begin, n, crc])
                 have["blocks"].append(blocks)
         plain[str(r)] = {p[0]: p[1:] for p in part["plain"]}
     deduped = 0
     for r in range(world):
-        part = parts.get(r)
-        for name, w in (part or {}).get("writers", {}).items():
+        part = parts.get(r) or {}
+        for name, w in part.get("writers", {}).items():
+            if name in part["tensors"]:
+                continue  # a DTensor box another holder writes: its chunk is indexed once above
             if w != r:  # written once, by rank w: rank r's value is that copy
                 have = (parts.get(w) or {}).get("writers", {}).get(name) == w and plain[str(w)].get(name)
                 if not have:
                     raise ValueError(f"rank {w} was to write {name!r} for rank {r} but did not report it")
                 plain[str(r)][name] = have
                 deduped += 1
+    for name, (a, b) in sorted(drift.items())[:10]:
+        log.warning(
+            "DTensor %r: ranks %d and %d hold the same box with different bytes (replicas that drifted "
+            "apart); the checkpoint keeps rank %d's copy", name, a, b, a,
+        )  # fmt: skip
     aliases: dict[str, str] = {}
     for _, part in sorted(parts.items()):
         for alias, target in (part or {}).get("aliases", {}).items():

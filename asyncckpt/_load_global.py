@@ -104,10 +104,16 @@ def indexed(manifest: Manifest) -> bool:
 
 
 def describe_for_index(
-    found: list[tuple[str, Any, Any]], aliases: Mapping[str, str] | None = None
+    found: list[tuple[str, Any, Any]], aliases: Mapping[str, str] | None = None, world: int = 1
 ) -> list[dict[str, Any]]:
-    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part``; each
-    lists under ``"aliases"`` the names ``flatten`` tied to it (``dtensor_aliases``)."""
+    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part`` and the
+    dedupe round; each lists under ``"aliases"`` the names ``flatten`` tied to it
+    (``dtensor_aliases``). ``world``: the saving job's size. A box this rank writes is a
+    ``"twin"`` candidate when its DTensor's mesh has fewer ranks than the job: ranks outside
+    that mesh may hold the same box of the same global tensor (FSDP over ``mesh["dp"]`` of a
+    dp x tp mesh: one sub-mesh per tp column), which only the dedupe round can see."""
+    from ._sharding import mesh_key
+
     tied_to: dict[str, list[str]] = {}
     for alias, target in (aliases or {}).items():
         tied_to.setdefault(target, []).append(alias)
@@ -123,6 +129,8 @@ def describe_for_index(
                 "mesh": list(info.layout.mesh_shape),
                 "box": None if box is None else [list(box.offsets), list(box.sizes)],
                 "writer": info.writer,
+                "twin": info.writer and len(set(info.mesh_ranks)) < world,
+                "mesh_key": mesh_key(info),  # the dedupe round checks the ranks of a mesh agree
             }
         )
         if name in tied_to:

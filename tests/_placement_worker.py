@@ -1,0 +1,141 @@
+"""A rank of the placement tests: DTensors on sub-meshes of a 2-D mesh (the parameters FSDP2
+shards over ``mesh["dp"]`` only, replicated over ``tp``), saved by asyncckpt and loaded back.
+
+Run as ``python _placement_worker.py SCENARIO RANK WORLD PORT ROOT OUT``; writes ``OUT.RANK.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from asyncckpt import Checkpointer, CheckpointError
+
+
+def full(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by its full tensor (collective, in key order)."""
+    if isinstance(obj, DTensor):
+        return obj.full_tensor().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full(v) for v in obj)
+    return obj
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (so NaNs and signed zeros compare bit for bit)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two states differ (tensors bit for bit, with dtype and shape)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        ok = ok and a.shape == b.shape and torch.equal(bits(a), bits(b))
+        return [] if ok else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in diff(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in diff(x, y, f"{path}.{i}")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def linear(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One ``nn.Linear`` FSDP2-sharded over ``mesh["dp"]`` of a 2 x 2 ``(dp, tp)`` mesh: two
+    copies of every shard, one per tp column (the issue's minimal case)."""
+    torch.manual_seed(seed)
+    m = nn.Linear(64, 48)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    fully_shard(m, mesh=mesh["dp"])
+    optim = torch.optim.Adam(m.parameters(), lr=0.01)
+    torch.manual_seed(100)  # equal data on every rank: the tp replicas stay equal
+    m(torch.randn(4, 64)).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return m, optim
+
+
+def linear_submesh(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """Save the sub-mesh Linear with and without dedupe, load each back on the same mesh."""
+    model, optim = linear(seed=1)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    ref = full(state)
+    for name, dedupe in (("dedupe", True), ("plain", False)):
+        path = f"{root}-{name}"
+        with Checkpointer(path, dedupe=dedupe, timeout=60) as ck:
+            ck.save(1, state).result(timeout=60)
+        dist.barrier()
+        fresh, optim2 = linear(seed=2)
+        msd2, osd2 = get_state_dict(fresh, optim2)
+        try:
+            with Checkpointer(path, timeout=60) as ck:
+                ck.load(1, into={"model": msd2, "optim": osd2})
+            set_state_dict(fresh, optim2, model_state_dict=msd2, optim_state_dict=osd2)
+            msd3, osd3 = get_state_dict(fresh, optim2)
+            res[name] = {"diff": diff(full({"model": msd3, "optim": osd3}), ref)}
+        except CheckpointError as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+            dist.barrier()
+        if rank == 0:
+            res[name]["bytes"] = du(os.path.join(path, "step_00000001"))
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=root + ".dcp")
+    dist.barrier()
+    if rank == 0:
+        res["dcp_bytes"] = du(root + ".dcp")
+        res["dtensor_bytes"] = sum(
+            v.numel() * v.element_size() for v in _leaves(state) if isinstance(v, DTensor)
+        )
+
+
+def _leaves(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(v)]
+    return [obj]
+
+
+SCENARIOS = {"linear_submesh": linear_submesh}
+
+
+def main() -> None:
+    scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    res: dict[str, Any] = {"rank": rank}
+    try:
+        SCENARIOS[scenario](rank, world, root, out, res)
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
+        res["crash"] = "".join(traceback.format_exception(e))
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
