@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._checksum import crc32c, crc32c_append_zeros, crc32c_shift
@@ -274,12 +274,45 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: boo
     return {"tensors": out, "plain": ranks, "aliases": aliases}
 
 
+def lacking(index: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """The DTensor names of a rank's tree (``names``; aliases resolved or not) that the parsed
+    ``index`` does not store: a load of that rank raises ``CheckpointCorruptError`` for each."""
+    tensors, aliases = index["tensors"], index["aliases"]
+    return [n for n in dict.fromkeys(names) if n not in tensors and aliases.get(n) not in tensors]
+
+
+def checked_ranges(index: Mapping[str, Any]) -> dict[str, list[tuple[int, int, int, str]]]:
+    """Every byte range of the step's files whose CRC-32C a load checks, per file, as
+    ``(begin, length, crc, what)`` sorted and without repeats: each block of every DTensor
+    chunk (the chunk whole in an index without block CRCs) and every plain entry. A verify
+    that checks these and the files the manifest lists checks every byte a load can read.
+    ``index``: what :func:`parse` returned (not ``plain_only``)."""
+    out: dict[str, set[tuple[int, int, int, str]]] = {}
+    for name, e in index["tensors"].items():
+        item = ITEMSIZE[e["dtype"]]
+        for i, c in enumerate(e["chunks"]):
+            n = c.nbytes(item)
+            what = f"a chunk of {name!r}"
+            if e["block"] is None:
+                out.setdefault(c.file, set()).add((c.begin, n, e["crcs"][i], what))
+                continue
+            size = e["block"]
+            for k, crc in enumerate(e["blocks"][i]):
+                length = min(size, n - k * size)
+                out.setdefault(c.file, set()).add((c.begin + k * size, length, crc, f"block {k} of {what}"))
+    for entries in index["plain"].values():
+        for name, (_, _, file, begin, n, crc) in (entries or {}).items():
+            out.setdefault(file, set()).add((begin, n, crc, f"{name!r}"))
+    # one range written for several ranks (dedupe) is named by any of them: checked once
+    return {f: sorted({r[:3]: r for r in rs}.values()) for f, rs in out.items()}
+
+
 def _crc_list(v: object, count: int) -> bool:
     return isinstance(v, list) and len(v) == count and all(_uint(c) and c < 2**32 for c in v)
 
 
 def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block: int | None) -> dict[str, Any]:
-    from ._reshard import Box, SavedChunk, check_chunk_index  # numpy: not for the CLI's plain-only reads
+    from ._reshard import Box, SavedChunk, check_chunk_index
 
     out: dict[str, Any] = {}
     for name, e in tensors.items():

@@ -236,11 +236,12 @@ def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, pl
             )
     tree = trees[first]
     tensors: dict[str, Any] = dict(plains[first])
-    for name in dict.fromkeys(dtensor_names(tree)):  # a tied DTensor is named twice: read once
-        meta = index["tensors"].get(name)
-        if meta is None:
-            raise CheckpointCorruptError(f"the index lacks DTensor {name!r}", files.path(_index.INDEX))
-        tensors[name] = _dtensor(files, name, meta, reader.targets.get(name), verify, plan)
+    names = dtensor_names(tree)
+    missing = _index.lacking(index, names)  # (the rule asyncckpt verify applies too)
+    if missing:
+        raise CheckpointCorruptError(f"the index lacks DTensor {missing[0]!r}", files.path(_index.INDEX))
+    for name in dict.fromkeys(names):  # a tied DTensor is named twice: read once
+        tensors[name] = _dtensor(files, name, index["tensors"][name], reader.targets.get(name), verify, plan)
     try:
         return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:

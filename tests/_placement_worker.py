@@ -82,6 +82,8 @@ def linear_submesh(rank: int, world: int, root: str, out: str, res: dict[str, An
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     ref = full(state)
+    if rank == 0:
+        torch.save(ref, out + ".ref.pt")
     for name, dedupe in (("dedupe", True), ("plain", False)):
         path = f"{root}-{name}"
         with Checkpointer(path, dedupe=dedupe, timeout=60) as ck:

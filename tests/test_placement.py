@@ -1,18 +1,25 @@
 """DTensors whose replicas lie outside their own mesh (issue 28): a parameter FSDP2 shards over
 ``mesh["dp"]`` of a 2 x 2 ``(dp, tp)`` mesh lives on two dp sub-meshes, one per tp column. Its
-global tensor must be written once and load, on real gloo ranks."""
+global tensor must be written once and load, on real gloo ranks; and ``verify`` must reject
+exactly what ``load`` rejects (the index's coverage and overlaps, every block CRC)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _ranks import free_port, log_tail, run_ranks
 
-from asyncckpt import reading
+import asyncckpt
+from asyncckpt import CheckpointCorruptError, reading
+from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import read_manifest
+from asyncckpt._manifest import MANIFEST, FileEntry, encode
 
 WORKER = str(Path(__file__).with_name("_placement_worker.py"))
 STEP = "step_00000001"
@@ -34,28 +41,16 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path) -> dict[i
     return res
 
 
-@pytest.mark.timeout(120)
-def test_linear_on_dp_submesh_of_2x2_is_written_once_and_loads(tmp_path: Path) -> None:
-    root, out = tmp_path / "ck", tmp_path / "out"
-    res = spawn(tmp_path, "linear_submesh", 4, root, out)
-    for r, got in res.items():
-        for name in ("dedupe", "plain"):
-            assert got[name].get("error") is None and got[name]["diff"] == [], (r, name, got[name])
-    written = {}
-    for name in ("dedupe", "plain"):
-        step = Path(f"{root}-{name}") / STEP
-        index = json.loads((step / "index.json").read_text())
-        for key, e in index["tensors"].items():
-            boxes = [(tuple(c[0]), tuple(c[1])) for c in e["chunks"]]
-            assert len(boxes) == len(set(boxes)), (name, key, boxes)  # each global chunk once
-        assert reading.verify_step(str(root) + f"-{name}", str(step), read_manifest(str(step)), record=False) == []
-        written[name] = dtensor_bytes_written(step, index)
-    r0 = res[0]
-    # default (dedupe): no byte of a global tensor written twice, and no more bytes than DCP
-    assert written["dedupe"] == r0["dtensor_bytes"], (written, r0)
-    assert r0["dedupe"]["bytes"] <= r0["dcp_bytes"], r0
-    # without dedupe (no round before the write) each tp column writes its copy; one is indexed
-    assert written["plain"] == 2 * r0["dtensor_bytes"], (written, r0)
+@pytest.fixture(scope="module")
+def submesh(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("submesh")
+    root, out = tmp / "ck", tmp / "out"
+    return root, out, spawn(tmp, "linear_submesh", 4, root, out)
+
+
+def verify(root: Path, step: int = 1) -> list[str]:
+    step_dir = root / f"step_{step:08d}"
+    return [str(p) for p in reading.verify_step(str(root), str(step_dir), read_manifest(str(step_dir)), record=False)]
 
 
 def dtensor_bytes_written(step: Path, index: dict[str, Any]) -> int:
@@ -65,3 +60,90 @@ def dtensor_bytes_written(step: Path, index: dict[str, Any]) -> int:
         slots = reading.read_shard_slots(str(f), f.stat().st_size)
         total += sum(s.end - s.begin for n, s in slots.items() if n in index["tensors"])
     return total
+
+
+@pytest.mark.timeout(120)
+def test_linear_on_dp_submesh_of_2x2_is_written_once_and_loads(submesh: Any) -> None:
+    root, out, res = submesh
+    for r, got in res.items():
+        for name in ("dedupe", "plain"):
+            assert got[name].get("error") is None and got[name]["diff"] == [], (r, name, got[name])
+    ref = torch.load(f"{out}.ref.pt")
+    written = {}
+    for name in ("dedupe", "plain"):
+        step = Path(f"{root}-{name}") / STEP
+        index = json.loads((step / "index.json").read_text())
+        for key, e in index["tensors"].items():
+            boxes = [(tuple(c[0]), tuple(c[1])) for c in e["chunks"]]
+            assert len(boxes) == len(set(boxes)), (name, key, boxes)  # each global chunk once
+        assert verify(Path(f"{root}-{name}")) == []
+        written[name] = dtensor_bytes_written(step, index)
+        # one process, no mesh: the whole tensors
+        whole = asyncckpt.load(Path(f"{root}-{name}"), per_rank="rank0")
+        assert torch.equal(whole["model"]["weight"], ref["model"]["weight"])
+    r0 = res[0]
+    # default (dedupe): no byte of a global tensor written twice, and no more bytes than DCP
+    assert written["dedupe"] == r0["dtensor_bytes"], (written, r0)
+    assert r0["dedupe"]["bytes"] <= r0["dcp_bytes"], r0
+    # without dedupe (no round before the write) each tp column writes its copy; one is indexed
+    assert written["plain"] == 2 * r0["dtensor_bytes"], (written, r0)
+
+
+def reseal(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace ``name`` in a committed step and seal a manifest that matches it (same format)."""
+    m = read_manifest(str(step_dir))
+    (step_dir / name).write_bytes(data)
+    files = [FileEntry(f.name, len(data), crc32c(data), f.rank) if f.name == name else f for f in m.files]
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init}
+    fields.update(world_size=m.world_size, files=files, ranks=list(m.ranks) if m.ranks is not None else None)
+    (step_dir / MANIFEST).write_bytes(encode(**fields))
+
+
+def copy_of(submesh: Any, tmp_path: Path) -> tuple[Path, Path]:
+    root, _, _ = submesh
+    copy = tmp_path / "ck"
+    shutil.copytree(f"{root}-dedupe", copy)
+    return copy, copy / STEP
+
+
+def test_verify_rejects_the_duplicate_chunks_load_rejects(submesh: Any, tmp_path: Path) -> None:
+    """The issue's committed-but-unloadable step: every chunk of one tensor listed twice."""
+    root, step = copy_of(submesh, tmp_path)
+    index = json.loads((step / "index.json").read_text())
+    e = index["tensors"]["model.bias"]
+    e["chunks"] *= 2
+    e["blocks"] *= 2
+    reseal(step, "index.json", json.dumps(index).encode())
+    with pytest.raises(CheckpointCorruptError, match=r"bad global index \(model\.bias: chunks hold 96 elements") as got:
+        asyncckpt.load(root, 1, per_rank="rank0")
+    problems = verify(root)
+    assert len(problems) == 1 and problems[0].split(": /")[0] in str(got.value), (problems, got.value)
+    assert problems[0].endswith("index.json")
+
+
+def test_verify_checks_every_block_crc_load_checks(submesh: Any, tmp_path: Path) -> None:
+    """A flipped byte inside a chunk, with the file's CRC in the manifest made to match: only
+    the block CRCs of the index can see it, and both load and verify do."""
+    root, step = copy_of(submesh, tmp_path)
+    index = json.loads((step / "index.json").read_text())
+    _, _, file, begin, n, _ = index["tensors"]["model.weight"]["chunks"][1]
+    data = bytearray((step / file).read_bytes())
+    data[begin + n // 2] ^= 0x10
+    reseal(step, file, bytes(data))
+    with pytest.raises(CheckpointCorruptError) as got:
+        asyncckpt.load(root, 1, per_rank="rank0")
+    assert got.value.path is not None and got.value.path.endswith(file)
+    problems = verify(root)
+    assert len(problems) == 1 and "block 0 of a chunk of 'model.weight'" in problems[0], problems
+    assert problems[0].endswith(file)
+
+
+def test_verify_names_a_dtensor_the_index_lacks(submesh: Any, tmp_path: Path) -> None:
+    root, step = copy_of(submesh, tmp_path)
+    index = json.loads((step / "index.json").read_text())
+    index["tensors"]["model.bias2"] = index["tensors"].pop("model.bias")
+    reseal(step, "index.json", json.dumps(index).encode())
+    with pytest.raises(CheckpointCorruptError, match=r"the index lacks DTensor 'model\.bias'"):
+        asyncckpt.load(root, 1, per_rank="rank0")
+    problems = verify(root)
+    assert problems and "the index lacks DTensor 'model.bias'" in problems[0], problems
