@@ -867,7 +867,7 @@ class Checkpointer:
         the slots it gave this rank are laid out first, and that prefix of the arena is the
         file (no copy to drop the others). The first save of a structure waits for the round.
         """
-        if not _dedupe.may_pay_for_an_image(layout.slots, _dedupe.fixed(dtensors)):
+        if not _dedupe.may_pay_for_an_image(layout.slots, dtensors):
             return layout, layout, perm
         writers = self._plan_hint.writers_for(layout)
         if writers is None:

@@ -198,7 +198,7 @@ async def _write_files(
             await backend.join(job, loc)
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
-            if _dedupe.worth_an_image(layout.slots, keep):
+            if _dedupe.worth_an_image(layout.slots, keep, job.dtensors):
                 # the image is copied on the I/O pool while the write streams what is copied
                 out, new = await storage.run(_dedupe.image_buffer, layout, keep, job.arena)
                 image_progress = StageProgress(new.file_size)

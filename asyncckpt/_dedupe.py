@@ -159,19 +159,32 @@ def kept(slots: Sequence[Any], writers: Mapping[str, int], rank: int) -> list[An
 MIN_DROP_SHARE = 1 / 8
 
 
-def worth_an_image(slots: Sequence[Any], keep: Sequence[Any]) -> bool:
+def worth_an_image(
+    slots: Sequence[Any], keep: Sequence[Any], dtensors: Sequence[Mapping[str, Any]] | None = None
+) -> bool:
     """Whether this rank should build an image without the copies others write (``keep``
     of its ``slots``), rather than write its staged file whole (its copies then go unused:
-    the index points its tensors at its own copies, correct either way)."""
+    the index points its tensors at its own copies, correct either way).
+
+    Always when it drops a DTensor box another rank writes (a twin, see :func:`twin_boxes`):
+    a global tensor's bytes are on disk once, as DCP writes them; the copy is paid by the
+    first save of a structure only (later ones lay the arena out for the plan).
+    """
+    twins = {d["name"] for d in dtensors or () if d["writer"] and d.get("twin")}
+    if twins and len(keep) < len(slots) and twins - {s.name for s in keep}:
+        return True
     kept = nbytes(keep)
     return nbytes(slots) - kept >= MIN_DROP_SHARE * kept
 
 
-def may_pay_for_an_image(slots: Sequence[Any], skip: set[str]) -> bool:
+def may_pay_for_an_image(slots: Sequence[Any], dtensors: Sequence[Mapping[str, Any]] | None) -> bool:
     """Whether some plan of the round could make :func:`worth_an_image` true for this rank:
-    only the slots the round hashes (not in ``skip``) can be dropped. When False, the rank
+    only the slots the round may drop (all but :func:`fixed`) count. When False, the rank
     writes its staged file whole whatever the round decides, so it may write before the round
     ends (FSDP2: a few step counters next to the rank's shard)."""
+    if any(d["writer"] and d.get("twin") for d in dtensors or ()):
+        return True
+    skip = fixed(dtensors)
     candidates: int = sum(s.end - s.begin for s in slots if s.name not in skip)
     return candidates >= MIN_DROP_SHARE * (nbytes(slots) - candidates)
 
