@@ -136,6 +136,8 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     # name -> box -> (rank, crc) of the copy indexed; name -> two ranks whose copies differ
     seen: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]]] = {}
     drift: dict[str, tuple[int, int]] = {}
+    # name -> (placements, mesh shape) -> the first rank holding it in that layout
+    layouts: dict[str, dict[tuple[tuple[str, ...], tuple[int, ...]], int]] = {}
     first = min((r for r, p in parts.items() if p is not None), default=0)
     block = (parts.get(first) or {}).get("block", BLOCK)
     for r in range(world):
@@ -153,6 +155,7 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
                     f"ranks disagree on DTensor {name!r}: {have['dtype']}{have['shape']} vs "
                     f"{e['dtype']}{e['shape']} on rank {r}"
                 )
+            layouts.setdefault(name, {}).setdefault((tuple(e["placements"]), tuple(e["mesh"])), r)
             if e["chunk"] is not None:
                 offs, sizes, begin, n, crc, blocks = e["chunk"]
                 if part["block"] != block:
@@ -195,6 +198,9 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
         own, kept = tensors.pop(alias, None), tensors[target]
         if own is not None and (own["chunks"] or (own["dtype"], own["shape"]) != (kept["dtype"], kept["shape"])):
             raise ValueError(f"ranks disagree on whether DTensor {alias!r} is tied to {target!r}")
+    for name, found in layouts.items():
+        if len(found) > 1 and name in tensors:  # one global tensor, laid out differently by some ranks
+            _check_one_layout(name, tensors[name], found)
     for e in tensors.values():
         order = sorted(range(len(e["chunks"])), key=lambda i: e["chunks"][i][0])
         e["chunks"] = [e["chunks"][i] for i in order]
@@ -205,6 +211,22 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     if any((p or {}).get("writers") for p in parts.values()):
         doc["dedupe"] = {"hash": "xxh3-128", "copies_not_written": deduped}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _check_one_layout(name: str, e: dict[str, Any], found: Mapping[Any, int]) -> None:
+    """``ValueError`` naming the layouts when the chunks ranks wrote of one DTensor, laid out
+    differently on different meshes, do not tile it (the index must describe each global
+    tensor once; equal boxes were merged already)."""
+    from ._reshard import Box, check_tiling
+
+    try:
+        check_tiling(e["shape"], [Box(tuple(c[0]), tuple(c[1])) for c in e["chunks"]], name)
+    except ValueError as err:
+        shown = "; ".join(f"{list(p)} on a mesh {list(m)} (rank {r})" for (p, m), r in sorted(found.items()))
+        raise ValueError(
+            f"ranks hold DTensor {name!r} in different layouts whose chunks do not tile it ({err}): {shown}; "
+            "save one global tensor in one layout (or under different names)"
+        ) from None
 
 
 def _uint(v: object) -> bool:

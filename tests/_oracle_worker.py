@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from asyncckpt import Checkpointer, CheckpointError
+from asyncckpt import Checkpointer, CheckpointError, SaveError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "float16": torch.float16}
 _MESHES: dict[tuple[int, ...], DeviceMesh] = {}
@@ -43,9 +43,11 @@ def mesh_of(shape: list[int], dims: list[int]) -> DeviceMesh:
 
 
 def placement(p: list[Any]) -> Any:
-    """``["R"]``, ``["S", d]`` or ``["SS", d, split_factor]`` as a torch placement."""
+    """``["R"]``, ``["P"]``, ``["S", d]`` or ``["SS", d, split_factor]`` as a torch placement."""
     if p[0] == "R":
         return Replicate()
+    if p[0] == "P":
+        return Partial()
     if p[0] == "S":
         return Shard(p[1])
     return _StridedShard(p[1], split_factor=p[2])
@@ -61,7 +63,10 @@ def global_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
 
 def layout(spec: dict[str, Any], g: torch.Tensor) -> Any:
     mesh = mesh_of(spec["mesh"], spec["dims"])
-    return distribute_tensor(g, mesh, [placement(p) for p in spec["placements"]], src_data_rank=None)
+    placements = [placement(p) for p in spec["placements"]]
+    if any(p[0] == "P" for p in spec["placements"]):  # pending sums: every rank holds a summand
+        return DTensor.from_local(g.clone(), mesh, placements, run_check=False)
+    return distribute_tensor(g, mesh, placements, src_data_rank=None)
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -77,13 +82,17 @@ def run_case(rank: int, ck: Checkpointer, dcp_root: str, case: dict[str, Any]) -
     try:
         ck.save(n, state).result(timeout=60)
         out["saved"] = True
-    except TypeError as e:  # a layout asyncckpt refuses: DCP must refuse it too
+    except TypeError as e:  # a layout asyncckpt refuses, at the call, on every rank
         out["saved"] = False
         out["refused"] = str(e)
+        try:
+            ck.flush()  # the other ranks' view of the same refusal: reported once, here
+        except SaveError as failed:
+            out["flush"] = type(failed).__name__
     try:
         dcp.save({"t": src}, checkpoint_id=os.path.join(dcp_root, str(n)))
         out["dcp_saved"] = True
-    except Exception as e:  # noqa: BLE001 - reported to the test, which decides
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         out["dcp_saved"] = False
         out["dcp_refused"] = f"{type(e).__name__}: {str(e)[:300]}"
     if not out["saved"]:
