@@ -240,6 +240,11 @@ def _ints(v: object) -> bool:
 def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: bool = False) -> dict[str, Any]:
     """Parse and validate an index read back (``ValueError`` on any defect).
 
+    The one validator of a global index: the loader (``_load_global``), ``verify``
+    (``reading.verify_step``) and the committing rank before the commit point call it, so
+    they can never disagree on which index is good. ``file_sizes``: every file the manifest
+    lists, with its size (a chunk or entry outside them is a defect).
+
     Every DTensor's chunks must tile its shape and lie inside files the manifest lists
     (``_reshard.check_chunk_index``, cost bounded by the chunk count); every plain entry
     must lie inside the file it names; block CRCs, where the index has them (``block``), must
