@@ -69,37 +69,49 @@ def linear(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     fully_shard(m, mesh=mesh["dp"])
     optim = torch.optim.Adam(m.parameters(), lr=0.01)
+    train(m, optim)
+    return m, optim
+
+
+def train(m: nn.Module, optim: torch.optim.Optimizer) -> None:
     torch.manual_seed(100)  # equal data on every rank: the tp replicas stay equal
     m(torch.randn(4, 64)).pow(2).sum().backward()
     optim.step()
     optim.zero_grad()
-    return m, optim
 
 
 def linear_submesh(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
-    """Save the sub-mesh Linear with and without dedupe, load each back on the same mesh."""
+    """Save the sub-mesh Linear with and without dedupe, twice (the second save of a structure
+    takes the plan the first one's round made), and load each step back on the same mesh."""
     model, optim = linear(seed=1)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
-    ref = full(state)
+    refs = {1: full(state)}
+    train(model, optim)  # the state's tensors alias the model's and optimizer's: new values
+    refs[2] = full(state)
     if rank == 0:
-        torch.save(ref, out + ".ref.pt")
+        torch.save(refs[1], out + ".ref.pt")
     for name, dedupe in (("dedupe", True), ("plain", False)):
         path = f"{root}-{name}"
         with Checkpointer(path, dedupe=dedupe, timeout=60) as ck:
-            ck.save(1, state).result(timeout=60)
+            train(model, optim)  # undone below: step 1 is saved from refs[1]'s values
+            for step in (1, 2):
+                load_into(state, refs[step])
+                ck.save(step, state).result(timeout=60)
         dist.barrier()
-        fresh, optim2 = linear(seed=2)
-        msd2, osd2 = get_state_dict(fresh, optim2)
-        try:
-            with Checkpointer(path, timeout=60) as ck:
-                ck.load(1, into={"model": msd2, "optim": osd2})
-            set_state_dict(fresh, optim2, model_state_dict=msd2, optim_state_dict=osd2)
-            msd3, osd3 = get_state_dict(fresh, optim2)
-            res[name] = {"diff": diff(full({"model": msd3, "optim": osd3}), ref)}
-        except CheckpointError as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
-            dist.barrier()
+        res[name] = {"diff": []}
+        for step in (1, 2):
+            fresh, optim2 = linear(seed=2)
+            msd2, osd2 = get_state_dict(fresh, optim2)
+            try:
+                with Checkpointer(path, timeout=60) as ck:
+                    ck.load(step, into={"model": msd2, "optim": osd2})
+                set_state_dict(fresh, optim2, model_state_dict=msd2, optim_state_dict=osd2)
+                msd3, osd3 = get_state_dict(fresh, optim2)
+                res[name]["diff"] += diff(full({"model": msd3, "optim": osd3}), refs[step], f"step{step}")
+            except CheckpointError as e:
+                res[name]["error"] = f"{type(e).__name__}: {e}"
+                dist.barrier()
         if rank == 0:
             res[name]["bytes"] = du(os.path.join(path, "step_00000001"))
     import torch.distributed.checkpoint as dcp
@@ -111,6 +123,21 @@ def linear_submesh(rank: int, world: int, root: str, out: str, res: dict[str, An
         res["dtensor_bytes"] = sum(
             v.numel() * v.element_size() for v in _leaves(state) if isinstance(v, DTensor)
         )
+
+
+def load_into(state: Any, ref: Any) -> None:
+    """Copy the full tensors ``ref`` into ``state``'s DTensors (their local shards) and tensors."""
+    if isinstance(state, DTensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            state.to_local().copy_(distribute_tensor(ref, state.device_mesh, state.placements).to_local())
+    elif isinstance(state, torch.Tensor):
+        with torch.no_grad():
+            state.copy_(ref)
+    elif isinstance(state, dict):
+        for k in state:
+            load_into(state[k], ref[k])
 
 
 def _leaves(obj: Any) -> list[Any]:
