@@ -149,3 +149,17 @@ def test_verify_names_a_dtensor_the_index_lacks(submesh: Any, tmp_path: Path) ->
         asyncckpt.load(root, 1, per_rank="rank0")
     problems = verify(root)
     assert problems and "the index lacks DTensor 'model.bias'" in problems[0], problems
+
+
+@pytest.mark.timeout(120)
+def test_stateful_targets_read_only_their_shards(tmp_path: Path) -> None:
+    """torchtitan's model wrapper and flat optimizer state dict as ``into=`` targets: each of
+    4 ranks reads about a quarter of the DTensor bytes (plus the index and trees), exactly
+    what a plain-dict target reads (/proc/self/io, after each kind's first load, whose reads
+    include the modules it imports), and gets exactly what was saved."""
+    res = spawn(tmp_path, "stateful", 4, tmp_path / "ck", tmp_path / "out")
+    for r, got in res.items():
+        assert got["diff"] == [], (r, got["diff"][:5])
+        read = got["read"]
+        assert read["stateful again"] <= read["plain again"] + 4096, (r, read)
+        assert read["stateful again"] < 0.3 * got["dtensor_bytes"], (r, read, got["dtensor_bytes"])
