@@ -246,7 +246,9 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: boo
     lists, with its size (a chunk or entry outside them is a defect).
 
     Every DTensor's chunks must tile its shape and lie inside files the manifest lists
-    (``_reshard.check_chunk_index``, cost bounded by the chunk count); every plain entry
+    (``_reshard.check_chunk_index``, cost bounded by the chunk count), chunks with equal
+    boxes counting as one (the first listed: indexes written before :func:`merge` merged a
+    sub-mesh DTensor's twins list each copy); every plain entry
     must lie inside the file it names; block CRCs, where the index has them (``block``), must
     be one 32-bit CRC per block of every chunk. ``plain_only`` skips the DTensors (the torch-
     and numpy-free CLI shows and checks only the plain entries).
@@ -360,7 +362,6 @@ def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block
                 raise ValueError(f"chunk of {name!r} has {n} bytes for {sizes}")
             chunks.append(SavedChunk(Box(tuple(offs), tuple(sizes)), file, begin))
             crcs.append(crc)
-        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
         blocks = e.get("blocks")
         if block is None and blocks is not None:
             raise ValueError(f"block CRCs of {name!r} without a block size")
@@ -369,6 +370,14 @@ def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block
                 _crc_list(b, -(-c.nbytes(item) // block)) for b, c in zip(blocks, chunks, strict=True)
             ):
                 raise ValueError(f"block CRCs of {name!r} are malformed")
+        # an index written before DTensor twins were merged (a sub-mesh DTensor's copies, one
+        # per parent-mesh coordinate, each listed) still loads: an equal box is the same chunk
+        first = list({c.box: i for i, c in reversed(list(enumerate(chunks)))}.values())
+        if len(first) < len(chunks):
+            first.sort()
+            chunks, crcs = [chunks[i] for i in first], [crcs[i] for i in first]
+            blocks = [blocks[i] for i in first] if blocks is not None else None
+        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
         out[name] = {
             "dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs,
             "block": block, "blocks": blocks,

@@ -108,15 +108,30 @@ def copy_of(submesh: Any, tmp_path: Path) -> tuple[Path, Path]:
     return copy, copy / STEP
 
 
-def test_verify_rejects_the_duplicate_chunks_load_rejects(submesh: Any, tmp_path: Path) -> None:
-    """The issue's committed-but-unloadable step: every chunk of one tensor listed twice."""
+def test_an_index_listing_every_twin_loads_and_verifies(submesh: Any, tmp_path: Path) -> None:
+    """The issue's committed steps (written before twins were merged): every chunk of a
+    sub-mesh DTensor listed once per tp column. An equal box is the same chunk: they load,
+    bit-exact, and verify."""
+    root, step = copy_of(submesh, tmp_path)
+    ref = torch.load(f"{submesh[1]}.ref.pt")
+    index = json.loads((step / "index.json").read_text())
+    for e in index["tensors"].values():
+        e["chunks"] *= 2
+        e["blocks"] *= 2
+    reseal(step, "index.json", json.dumps(index).encode())
+    assert verify(root) == []
+    got = asyncckpt.load(root, 1, per_rank="rank0")
+    assert torch.equal(got["model"]["weight"], ref["model"]["weight"])
+
+
+def test_verify_rejects_the_overlapping_chunks_load_rejects(submesh: Any, tmp_path: Path) -> None:
+    """Chunks that overlap without being equal: rejected by both, in the same words."""
     root, step = copy_of(submesh, tmp_path)
     index = json.loads((step / "index.json").read_text())
     e = index["tensors"]["model.bias"]
-    e["chunks"] *= 2
-    e["blocks"] *= 2
+    e["chunks"][1][0] = [e["chunks"][1][0][0] - 1]  # one row into its neighbour
     reseal(step, "index.json", json.dumps(index).encode())
-    with pytest.raises(CheckpointCorruptError, match=r"bad global index \(model\.bias: chunks hold 96 elements") as got:
+    with pytest.raises(CheckpointCorruptError, match=r"bad global index \(model\.bias: chunk .* overlaps") as got:
         asyncckpt.load(root, 1, per_rank="rank0")
     problems = verify(root)
     assert len(problems) == 1 and problems[0].split(": /")[0] in str(got.value), (problems, got.value)
