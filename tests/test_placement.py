@@ -178,3 +178,40 @@ def test_stateful_targets_read_only_their_shards(tmp_path: Path) -> None:
         read = got["read"]
         assert read["stateful again"] <= read["plain again"] + 4096, (r, read)
         assert read["stateful again"] < 0.3 * got["dtensor_bytes"], (r, read, got["dtensor_bytes"])
+
+
+@pytest.mark.timeout(120)
+def test_remote_verify_checks_the_index_load_checks(
+    submesh: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asyncckpt verify s3://...``: a step whose every object matches its CRC but whose index
+    a load refuses (chunks overlapping) does not verify; the good step does."""
+    pytest.importorskip("obstore")
+    import obstore
+    from obstore.store import S3Store
+    from s3fixtures import opts, running_server
+
+    from asyncckpt import remote
+    from asyncckpt.cli import main as cli_main
+
+    root, step = copy_of(submesh, tmp_path)
+    with running_server("placement") as s3:
+        o = opts(s3.endpoint)
+        so = [f"--storage-option={k}={v}" for k, v in o.items()]
+        url = "s3://placement/run"
+        remote.push(root, url, storage_options=o, deadline_s=60)
+        assert cli_main(["verify", url, "--all", *so]) == 0
+        capsys.readouterr()
+        index = json.loads((step / "index.json").read_text())
+        e = index["tensors"]["model.bias"]
+        e["chunks"][1][0] = [e["chunks"][1][0][0] - 1]
+        reseal(step, "index.json", json.dumps(index).encode())
+        attempt = read_manifest(str(step)).attempt
+        st = S3Store("placement", prefix="run", config=o, client_options={"allow_http": True})  # type: ignore[arg-type]
+        obstore.put(st, f"{STEP}/a-{attempt}/index.json", (step / "index.json").read_bytes())
+        obstore.put(st, f"{STEP}/manifest.json", (step / MANIFEST).read_bytes())
+        assert cli_main(["verify", url, "--step", "1", *so]) == 1
+        err = capsys.readouterr().err
+        assert "bad global index (model.bias: chunk" in err and err.rstrip().endswith("index.json"), err
+        with pytest.raises(CheckpointCorruptError, match=r"bad global index \(model\.bias: chunk"):
+            remote.load(url, 1, per_rank="rank0", storage_options=o)
