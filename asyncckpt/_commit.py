@@ -199,7 +199,9 @@ async def _write_files(
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
             if _dedupe.worth_an_image(layout.slots, keep, job.dtensors):
-                # the image is copied on the I/O pool while the write streams what is copied
+                # the image is copied from the staged arena (the round waited only for what it
+                # hashed, not for the DTensor boxes), on the I/O pool while the write streams it
+                await until_staged(job.progress, job.layout.file_size, job.deadline)
                 out, new = await storage.run(_dedupe.image_buffer, layout, keep, job.arena)
                 image_progress = StageProgress(new.file_size)
                 fill = asyncio.ensure_future(

@@ -78,7 +78,11 @@ def run_case(rank: int, ck: Checkpointer, dcp_root: str, case: dict[str, Any]) -
     out: dict[str, Any] = {"rank": rank, "diff": [], "dcp_diff": []}
     globals_ = {t["name"]: global_tensor(t["seed"], t["shape"], t["dtype"]) for t in case["tensors"]}
     src = {t["name"]: layout(t["src"], globals_[t["name"]]) for t in case["tensors"]}
-    state: dict[str, Any] = {"t": src, "case": n}
+    # a fresh structure per case (key t<n>): a save of a structure seen before lays its files out
+    # for the plan the last round made for it, and keeps its own copies where the new round
+    # differs (correct, not deduplicated: these cases differ in everything but the names)
+    key = f"t{n}"
+    state: dict[str, Any] = {key: src, "case": n}
     try:
         ck.save(n, state).result(timeout=60)
         out["saved"] = True
@@ -90,7 +94,7 @@ def run_case(rank: int, ck: Checkpointer, dcp_root: str, case: dict[str, Any]) -
         except SaveError as failed:
             out["flush"] = type(failed).__name__
     try:
-        dcp.save({"t": src}, checkpoint_id=os.path.join(dcp_root, str(n)))
+        dcp.save({key: src}, checkpoint_id=os.path.join(dcp_root, str(n)))
         out["dcp_saved"] = True
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         out["dcp_saved"] = False
@@ -100,7 +104,7 @@ def run_case(rank: int, ck: Checkpointer, dcp_root: str, case: dict[str, Any]) -
     sentinel = {name: torch.full_like(g, 7) for name, g in globals_.items()}
     ours = {t["name"]: layout(t["dst"], sentinel[t["name"]]) for t in case["tensors"]}
     theirs = {t["name"]: layout(t["dst"], sentinel[t["name"]].clone()) for t in case["tensors"]}
-    target = {"t": ours, "case": -1}
+    target = {key: ours, "case": -1}
     t0 = time.perf_counter()
     try:
         loaded = ck.load(n, into=target)
@@ -110,11 +114,11 @@ def run_case(rank: int, ck: Checkpointer, dcp_root: str, case: dict[str, Any]) -
     out["load_s"] = time.perf_counter() - t0
     out["case"] = loaded["case"]
     if out["dcp_saved"]:
-        dcp.load({"t": theirs}, checkpoint_id=os.path.join(dcp_root, str(n)))
+        dcp.load({key: theirs}, checkpoint_id=os.path.join(dcp_root, str(n)))
     for t in case["tensors"]:
         name = t["name"]
         want = bits(layout(t["dst"], globals_[name]).to_local())  # torch's own sharding of the source
-        got = loaded["t"][name]
+        got = loaded[key][name]
         if bits(got.to_local()) != want:
             out["diff"].append(name)
         if got is not ours[name] and bits(ours[name].to_local()) != want:

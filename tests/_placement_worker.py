@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -230,7 +231,49 @@ def stateful(rank: int, world: int, root: str, out: str, res: dict[str, Any]) ->
             res["diff"] = diff(full({k: v.state_dict() for k, v in target.items()}), ref)
 
 
-SCENARIOS = {"linear_submesh": linear_submesh, "stateful": stateful}
+def paused_staging(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
+    """The copy in save() is paused halfway (a signal handler runs on the saving thread between
+    two tensors) while the writer's dedupe round completes and it builds the file without the
+    twins other ranks write: the file must hold what the copy staged, not what it had not yet.
+    2048 twin DTensors of 8 KiB per rank (FSDP over ``mesh["dp"]`` of 2 x 2): two staging groups."""
+    import signal
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(5)
+    full_ = {f"w{i}": torch.randn(4, 1024, generator=g) for i in range(2048)}
+    state = {k: distribute_tensor(v, mesh["dp"], [Shard(0)], src_data_rank=None) for k, v in full_.items()}
+    paused: list[float] = []
+
+    def pause(signum: int, frame: Any) -> None:
+        f = frame
+        while f is not None and not (f.f_code.co_name == "work" and f.f_code.co_filename.endswith("_staging.py")):
+            f = f.f_back
+        if f is None and not paused:
+            signal.setitimer(signal.ITIMER_REAL, 0.0005)  # not copying yet: look again soon
+        elif not paused:
+            paused.append(time.monotonic())
+            time.sleep(1.5)  # mid-copy: the writer runs on meanwhile
+
+    old = signal.signal(signal.SIGALRM, pause)
+    try:
+        with Checkpointer(root, timeout=60) as ck:
+            signal.setitimer(signal.ITIMER_REAL, 0.0005)
+            ck.save(1, state).result(timeout=60)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            res["paused"] = bool(paused)
+            target = {k: distribute_tensor(torch.zeros(4, 1024), mesh["dp"], [Shard(0)], src_data_rank=None)
+                      for k in full_}  # fmt: skip
+            ck.load(1, into=target)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    want = {k: distribute_tensor(v, mesh["dp"], [Shard(0)], src_data_rank=None) for k, v in full_.items()}
+    res["diff"] = [k for k in full_ if not torch.equal(target[k].to_local(), want[k].to_local())]
+
+
+SCENARIOS = {"linear_submesh": linear_submesh, "stateful": stateful, "paused_staging": paused_staging}
 
 
 def main() -> None:

@@ -211,7 +211,7 @@ def check_step(root: Path, case: dict[str, Any], n: int) -> None:
     for t in case["tensors"]:
         g = global_tensor(t["seed"], t["shape"], t["dtype"])
         unique += g.numel() * g.element_size()
-        got = whole["t"][t["name"]]
+        got = whole[f"t{n}"][t["name"]]
         assert got.dtype == g.dtype and got.shape == g.shape and torch.equal(got.view(-1), g.view(-1)), t["name"]
     assert written == unique, f"{written} bytes of DTensor data written for {unique} bytes of global tensors"
 
@@ -255,7 +255,7 @@ def test_partial_is_refused_at_save_naming_the_key(ranks: Ranks) -> None:
     naming the key and what to do (a reduction would be a collective on the training group)."""
     res = ranks.run({"tensors": [one("a", [4, 3], [2, 2], [["S", 0], ["P"]])]})
     for r in res:
-        assert not r["saved"] and "'t.a'" in r["refused"] and "Partial" in r["refused"], r
+        assert not r["saved"] and f"'t{ranks.n}.a'" in r["refused"] and "Partial" in r["refused"], r
         assert "redistribute" in r["refused"], r
     assert not (ranks.root / f"step_{ranks.n:08d}").exists()
 
@@ -266,7 +266,7 @@ def test_strided_shards_that_are_not_boxes_are_refused(ranks: Ranks) -> None:
     chunks; a later save of good layouts still commits."""
     res = ranks.run({"tensors": [one("w", [8, 3], [2, 2], [["S", 0], ["SS", 0, 2]])]})
     for r in res:
-        assert not r["saved"] and "'t.w'" in r["refused"] and "not contiguous" in r["refused"], r
+        assert not r["saved"] and f"'t{ranks.n}.w'" in r["refused"] and "not contiguous" in r["refused"], r
         assert not r["dcp_saved"], r  # DCP: "overlapping chunks"
     check_case(ranks, {"tensors": [one("w", [8, 3], [2, 2], [["SS", 0, 2], ["S", 0]])]})
 

@@ -215,3 +215,14 @@ def test_remote_verify_checks_the_index_load_checks(
         assert "bad global index (model.bias: chunk" in err and err.rstrip().endswith("index.json"), err
         with pytest.raises(CheckpointCorruptError, match=r"bad global index \(model\.bias: chunk"):
             remote.load(url, 1, per_rank="rank0", storage_options=o)
+
+
+@pytest.mark.timeout(120)
+def test_a_file_without_twins_holds_only_staged_bytes(tmp_path: Path) -> None:
+    """The copy in save() paused halfway on every rank while the dedupe round ends: each rank's
+    file without the twins others write is built from the staged state (it waits for the copy),
+    so every tensor loads as saved (before: bytes not yet copied, with CRCs that matched them)."""
+    res = spawn(tmp_path, "paused_staging", 4, tmp_path / "ck", tmp_path / "out")
+    for r, got in res.items():
+        assert got["paused"], r
+        assert got["diff"] == [], (r, len(got["diff"]), got["diff"][:5])
