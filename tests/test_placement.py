@@ -122,6 +122,14 @@ def test_an_index_listing_every_twin_loads_and_verifies(submesh: Any, tmp_path: 
     assert verify(root) == []
     got = asyncckpt.load(root, 1, per_rank="rank0")
     assert torch.equal(got["model"]["weight"], ref["model"]["weight"])
+    # and the CLI's export (which exited 1 on them) writes the full tensors
+    from safetensors.torch import load_file
+
+    from asyncckpt.cli import main as cli_main
+
+    out = tmp_path / "model.safetensors"
+    assert cli_main(["export", str(root), "--step", "1", "--key", "model", "--to", str(out)]) == 0
+    assert torch.equal(load_file(str(out))["weight"], ref["model"]["weight"])
 
 
 def test_verify_rejects_the_overlapping_chunks_load_rejects(submesh: Any, tmp_path: Path) -> None:
