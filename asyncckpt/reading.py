@@ -21,14 +21,14 @@ import math
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import _index
 from ._badmarks import bad_mark, record_bad
 from ._bounds import parse_structure
-from ._checksum import crc32c
+from ._checksum import RangeCheck, crc32c
 from ._discovery import candidate_steps, check_files, complete_checkpoints, find_latest, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._header import MAX_HEADER, TORCH_NAME, TensorSlot, parse_header, validate_header
@@ -748,44 +748,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.path}"
-
-
-class RangeCheck:
-    """The CRC-32C of byte ranges of one file, computed from its bytes as they stream past
-    (:func:`file_crc`): ``ranges`` are ``(begin, length, crc, what)``, sorted by begin
-    (``_index.checked_ranges``); after the last byte, ``bad`` names each range whose bytes
-    do not match (a range past the end of the file included)."""
-
-    def __init__(self, ranges: Sequence[tuple[int, int, int, str]]) -> None:
-        self._todo = list(ranges)
-        self._next = 0
-        self._active: list[list[Any]] = []  # [begin, end, crc so far, expected, what]
-        self.bad: list[str] = []
-
-    def feed(self, offset: int, data: memoryview) -> None:
-        """The file's bytes ``[offset, offset + len(data))``, in file order."""
-        end = offset + len(data)
-        while self._next < len(self._todo) and self._todo[self._next][0] < end:
-            begin, n, crc, what = self._todo[self._next]
-            self._active.append([begin, begin + n, 0, crc, what])
-            self._next += 1
-        still = []
-        for r in self._active:
-            lo, hi = max(r[0], offset), min(r[1], end)
-            if lo < hi:
-                r[2] = crc32c(data[lo - offset : hi - offset], r[2])
-            if r[1] <= end:
-                if r[2] != r[3]:
-                    self.bad.append(r[4])
-            else:
-                still.append(r)
-        self._active = still
-
-    def finish(self) -> None:
-        """No more bytes: zero-length ranges are settled, unfinished ones are bad."""
-        self.feed(2**63, memoryview(b""))  # (settles the zero-length ranges at the end)
-        self.bad.extend(r[4] for r in self._active)
-        self._active = []
 
 
 def file_crc(

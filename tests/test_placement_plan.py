@@ -102,3 +102,21 @@ def test_twins_always_pay_for_an_image() -> None:
     assert _dedupe.may_pay_for_an_image(layout.slots, dts)
     assert _dedupe.worth_an_image(layout.slots, keep, dts)  # 8 B dropped, 16 KiB copied: still
     assert not _dedupe.worth_an_image(layout.slots, keep)  # a plain copy that small is kept
+
+
+def test_range_check_streams_any_split_of_the_file() -> None:
+    """verify's per-block CRCs, fed the file in pieces of any size: matching, damaged, empty,
+    overlapping and past-the-end ranges."""
+    from asyncckpt._checksum import RangeCheck, crc32c
+
+    data = bytes(range(256)) * 40
+    ranges = [(0, 100, crc32c(data[:100]), "a"), (50, 200, crc32c(data[50:250]), "overlaps a"),
+              (300, 0, crc32c(b""), "empty"), (400, 1000, crc32c(data[400:1400]) ^ 1, "damaged"),
+              (10_000, 500, 0, "past the end"), (20_000, 0, 0, "empty, past the end"),
+              (len(data), 0, 0, "empty, at the end")]  # fmt: skip
+    for piece in (1, 7, 100, 4096, len(data)):
+        check = RangeCheck(sorted(ranges))
+        for at in range(0, len(data), piece):
+            check.feed(at, memoryview(data[at : at + piece]))
+        check.finish()
+        assert check.bad == ["damaged", "past the end", "empty, past the end"], (piece, check.bad)
