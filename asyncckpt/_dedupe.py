@@ -15,6 +15,10 @@ records where every rank's tensors lie, so each rank's values load exactly as sa
 The same exchange carries each rank's :func:`mesh_digests`: replicated DTensor boxes are
 spread over their replicas by a rule every rank evaluates alone (``_sharding.spread_writers``),
 which is only sound when the ranks of a mesh hold the same DTensors (:func:`check_meshes`).
+It also carries each rank's :func:`twin_boxes`: the boxes of DTensors whose mesh leaves ranks
+out (FSDP over ``mesh["dp"]`` of a dp x tp mesh), which ranks outside that mesh may hold too
+(a DTensor's identity is its name, not its mesh); :func:`plan` gives each box held twice or
+more one writer, and the others drop it from their file.
 """
 
 from __future__ import annotations
