@@ -609,9 +609,7 @@ class Checkpointer:
                         found, refs = _spread_replica_writes(found, refs)
                     tree_bytes = tree_json(tree)
                     layout, perm, all_cpu = self._plan(refs)
-                dtensors = _load_global.describe_for_index(found, aliases) if found else None
-                for d, (_, info, _) in zip(dtensors or (), found, strict=True):
-                    d["mesh_key"] = _mesh_key(info)  # dedupe checks the ranks of a mesh agree
+                dtensors = _load_global.describe_for_index(found, aliases, self.world_size) if found else None
                 tied = n_tied[0] > 0
                 plan_key, file = layout, None
                 if self.dedupe and self.world_size > 1:
@@ -947,8 +945,7 @@ class Checkpointer:
         the slots it gave this rank are laid out first, and that prefix of the arena is the
         file (no copy to drop the others). The first save of a structure waits for the round.
         """
-        skip = {d["name"] for d in dtensors or () if d["writer"]}
-        if not _dedupe.may_pay_for_an_image(layout.slots, skip):
+        if not _dedupe.may_pay_for_an_image(layout.slots, dtensors):
             return layout, layout, perm
         writers = self._plan_hint.writers_for(layout)
         if writers is None:
@@ -1826,12 +1823,6 @@ def _spread_replica_writes(
     kept = [r for r in refs if r.name not in before or r.name in after]
     added = [TensorRef(name, info.local.detach()) for name, info in after.items() if name not in before]
     return spread, kept + added
-
-
-def _mesh_key(info: Any) -> str:
-    from . import _sharding
-
-    return _sharding.mesh_key(info)
 
 
 def _prefixes(value: Sequence[str]) -> tuple[str, ...]:

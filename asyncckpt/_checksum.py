@@ -1,8 +1,10 @@
-"""The one checksum of the project: CRC-32C (pure, torch-free, usable from any layer), and
-the combination of two CRCs into the CRC of the concatenation."""
+"""The one checksum of the project: CRC-32C (pure, torch-free, usable from any layer), the
+combination of two CRCs into the CRC of the concatenation, and the CRCs of byte ranges
+computed from a file's bytes as they stream past (:class:`RangeCheck`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -66,3 +68,47 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 <= 0:
         return crc1
     return _mulmod(crc32c_shift(len2), crc1) ^ crc2
+
+
+class RangeCheck:
+    """The CRC-32C of byte ranges of one file, computed from its bytes as they stream past
+    (``reading.file_crc``): ``ranges`` are ``(begin, length, crc, what)``, sorted by begin
+    (``_index.checked_ranges``); after the last byte, ``bad`` names each range whose bytes
+    do not match (a range past the end of the file included)."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int, int, str]]) -> None:
+        self._todo = list(ranges)
+        self._next = 0
+        self._active: list[list[Any]] = []  # [begin, end, crc so far, expected, what]
+        self._seen = 0  # bytes fed so far
+        self.bad: list[str] = []
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        """The file's bytes ``[offset, offset + len(data))``, in file order."""
+        end = offset + len(data)
+        self._seen = max(self._seen, end)
+        while self._next < len(self._todo) and self._todo[self._next][0] < end:
+            begin, n, crc, what = self._todo[self._next]
+            self._active.append([begin, begin + n, 0, crc, what])
+            self._next += 1
+        still = []
+        for r in self._active:
+            lo, hi = max(r[0], offset), min(r[1], end)
+            if lo < hi:
+                r[2] = crc32c(data[lo - offset : hi - offset], r[2])
+            if r[1] <= end:
+                if r[2] != r[3]:
+                    self.bad.append(r[4])
+            else:
+                still.append(r)
+        self._active = still
+
+    def finish(self) -> None:
+        """No more bytes: every range not wholly fed is bad."""
+        for begin, n, crc, what in self._todo[self._next :]:  # none of their bytes came by
+            self._active.append([begin, begin + n, 0, crc, what])
+        self._next = len(self._todo)
+        for r in self._active:
+            if r[1] > self._seen or r[2] != r[3]:
+                self.bad.append(r[4])
+        self._active = []

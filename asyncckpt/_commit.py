@@ -172,15 +172,17 @@ async def _dedupe_round(storage: Storage, job: SaveJob, coord: Coordinator) -> d
     except BaseException:
         await coord.exchange(job.seq, "dedupe", None, job.deadline, wait=False)
         raise
-    base = sum(s.end - s.begin for s in job.layout.slots if s.name in skip)
-    value = {"records": records, "base": base, "meshes": meshes}
+    fixed = _dedupe.fixed(job.dtensors)
+    base = sum(s.end - s.begin for s in job.layout.slots if s.name in fixed)
+    value = {"records": records, "base": base, "meshes": meshes, "boxes": _dedupe.twin_boxes(job.dtensors)}
     got = await coord.exchange(job.seq, "dedupe", value, job.deadline)
     if any(v is None for v in got.values()):
         return None
     _dedupe.check_meshes({r: v["meshes"] for r, v in got.items()})
     return _dedupe.plan(
-        {r: v["records"] for r, v in got.items()}, {r: v["base"] for r, v in got.items()}, coord.world_size
-    )
+        {r: v["records"] for r, v in got.items()}, {r: v["base"] for r, v in got.items()}, coord.world_size,
+        boxes={r: v["boxes"] for r, v in got.items()}, rank=coord.rank,
+    )  # fmt: skip
 
 
 async def _write_files(
@@ -218,8 +220,10 @@ async def _write_files(
             await backend.join(job, loc)
         keep = _dedupe.kept(layout.slots, writers, rank)
         if len(keep) < len(layout.slots):
-            if _dedupe.worth_an_image(layout.slots, keep):
-                # the image is copied on the I/O pool while the write streams what is copied
+            if _dedupe.worth_an_image(layout.slots, keep, job.dtensors):
+                # the image is copied from the staged arena (the round waited only for what it
+                # hashed, not for the DTensor boxes), on the I/O pool while the write streams it
+                await until_staged(job.progress, job.layout.file_size, job.deadline)
                 out, new = await storage.run(_dedupe.image_buffer, layout, keep, job.arena)
                 image_progress = StageProgress(new.file_size)
                 fill = asyncio.ensure_future(

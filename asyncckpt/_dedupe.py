@@ -15,12 +15,17 @@ records where every rank's tensors lie, so each rank's values load exactly as sa
 The same exchange carries each rank's :func:`mesh_digests`: replicated DTensor boxes are
 spread over their replicas by a rule every rank evaluates alone (``_sharding.spread_writers``),
 which is only sound when the ranks of a mesh hold the same DTensors (:func:`check_meshes`).
+It also carries each rank's :func:`twin_boxes`: the boxes of DTensors whose mesh leaves ranks
+out (FSDP over ``mesh["dp"]`` of a dp x tp mesh), which ranks outside that mesh may hold too
+(a DTensor's identity is its name, not its mesh); :func:`plan` gives each box held twice or
+more one writer, and the others drop it from their file.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import math
 import mmap
 import weakref
 from collections.abc import Mapping, Sequence
@@ -30,7 +35,7 @@ import numpy as np
 import xxhash
 
 from ._format import ST_TO_DTYPE, ShardLayout, plan_layout
-from ._header import round_up
+from ._header import ITEMSIZE, round_up
 from ._staging import StageProgress
 
 HASH = "xxh3-128"
@@ -69,12 +74,26 @@ def batches(slots: Sequence[Any], skip: set[str]) -> list[list[Any]]:
     return out
 
 
-def plan(records: Mapping[int, dict[str, Any]], base: Mapping[int, int], world: int) -> dict[str, int]:
-    """Replicated name -> the rank that writes it (identical on every rank for equal inputs).
+def plan(
+    records: Mapping[int, dict[str, Any]],
+    base: Mapping[int, int],
+    world: int,
+    boxes: Mapping[int, Sequence[Any]] | None = None,
+    rank: int | None = None,
+) -> dict[str, int]:
+    """Name -> the rank that writes it, as ``rank`` sees it (equal inputs: equal plans).
 
     ``records``: each rank's :func:`digests`; ``base``: each rank's bytes written anyway
-    (DTensor chunks). A name is replicated when all ``world`` ranks hold it with equal
-    ``[dtype, shape, nbytes, digest]``.
+    (DTensor chunks nobody else holds). A plain name is replicated when all ``world`` ranks
+    hold it with equal ``[dtype, shape, nbytes, digest]``. ``boxes``: each rank's
+    :func:`twin_boxes`; the ranks reporting one box of one DTensor name hold the same bytes
+    of the same global tensor, and one of them writes it. The result holds every replicated
+    plain name (the same on every rank) and, for each of ``rank``'s twin boxes, its writer
+    under the DTensor's name (each rank sees the writer of its own box).
+
+    Every item (a replicated name, a box held twice or more) goes, largest first (ties by
+    kind, name and offsets), to the rank holding it that has the fewest bytes so far (ties:
+    the lowest rank): longest-processing-time first, within 4/3 of the best balance.
     """
     first = records[0]
     replicated = [
@@ -83,17 +102,54 @@ def plan(records: Mapping[int, dict[str, Any]], base: Mapping[int, int], world: 
         if all(records[r].get(name) == rec for r in range(1, world))
     ]
     chosen = set(replicated)
-    loads = []
-    for r in range(world):
-        own = base.get(r, 0) + sum(rec[2] for name, rec in records[r].items() if name not in chosen)
-        loads.append((own, r))
-    heapq.heapify(loads)
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, list[int]]] = {}
+    for r, got in sorted((boxes or {}).items()):
+        for name, offsets, sizes, n in got:
+            holders.setdefault((name, tuple(offsets), tuple(sizes)), (n, []))[1].append(r)
+    load = [base.get(r, 0) + sum(rec[2] for k, rec in records[r].items() if k not in chosen) for r in range(world)]
+    items: list[tuple[int, str, str, tuple[int, ...], tuple[int, ...], list[int] | None]] = [
+        (-first[name][2], "p", name, (), (), None) for name in replicated
+    ]
+    for (name, offsets, sizes), (n, held) in holders.items():
+        if len(held) == 1:
+            load[held[0]] += n  # no twin anywhere: its only holder writes it
+        else:
+            items.append((-n, "d", name, offsets, sizes, held))
+    items.sort(key=lambda i: i[:5])
+    # a lazy heap over every rank (a plain replicated item may go anywhere): entries whose load
+    # is stale (a twin box went to that rank meanwhile) are dropped when they surface
+    heap = [(load[r], r) for r in range(world)]
+    heapq.heapify(heap)
     out: dict[str, int] = {}
-    for name in sorted(replicated, key=lambda n: (-first[n][2], n)):
-        load, r = heapq.heappop(loads)
-        out[name] = r
-        heapq.heappush(loads, (load + first[name][2], r))
+    mine = {(b[0], tuple(b[1])) for b in (boxes or {}).get(rank, ())} if rank is not None else set()
+    for neg, kind, name, offsets, _, who in items:
+        if who is None:
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            w = heap[0][1]
+        else:
+            w = min(who, key=lambda r: (load[r], r))
+        load[w] -= neg
+        heapq.heappush(heap, (load[w], w))
+        if kind == "p" or (name, offsets) in mine:
+            out[name] = w
     return out
+
+
+def fixed(dtensors: Sequence[Mapping[str, Any]] | None) -> set[str]:
+    """The DTensor boxes this rank writes whatever the dedupe round decides: no rank outside
+    their mesh can hold them (``dtensors``: ``_load_global.describe_for_index``'s)."""
+    return {d["name"] for d in dtensors or () if d["writer"] and not d.get("twin")}
+
+
+def twin_boxes(dtensors: Sequence[Mapping[str, Any]] | None) -> list[list[Any]]:
+    """``[name, offsets, sizes, nbytes]`` of every box this rank would write whose DTensor's
+    mesh leaves ranks out, which may hold the same box (the round gives each one writer)."""
+    return [
+        [d["name"], d["box"][0], d["box"][1], math.prod(d["box"][1]) * ITEMSIZE[d["dtype"]]]
+        for d in dtensors or ()
+        if d["writer"] and d.get("twin")
+    ]
 
 
 def kept(slots: Sequence[Any], writers: Mapping[str, int], rank: int) -> list[Any]:
@@ -107,19 +163,32 @@ def kept(slots: Sequence[Any], writers: Mapping[str, int], rank: int) -> list[An
 MIN_DROP_SHARE = 1 / 8
 
 
-def worth_an_image(slots: Sequence[Any], keep: Sequence[Any]) -> bool:
+def worth_an_image(
+    slots: Sequence[Any], keep: Sequence[Any], dtensors: Sequence[Mapping[str, Any]] | None = None
+) -> bool:
     """Whether this rank should build an image without the copies others write (``keep``
     of its ``slots``), rather than write its staged file whole (its copies then go unused:
-    the index points its tensors at its own copies, correct either way)."""
+    the index points its tensors at its own copies, correct either way).
+
+    Always when it drops a DTensor box another rank writes (a twin, see :func:`twin_boxes`):
+    a global tensor's bytes are on disk once, as DCP writes them; the copy is paid by the
+    first save of a structure only (later ones lay the arena out for the plan).
+    """
+    twins = {d["name"] for d in dtensors or () if d["writer"] and d.get("twin")}
+    if twins and len(keep) < len(slots) and twins - {s.name for s in keep}:
+        return True
     kept = nbytes(keep)
     return nbytes(slots) - kept >= MIN_DROP_SHARE * kept
 
 
-def may_pay_for_an_image(slots: Sequence[Any], skip: set[str]) -> bool:
+def may_pay_for_an_image(slots: Sequence[Any], dtensors: Sequence[Mapping[str, Any]] | None) -> bool:
     """Whether some plan of the round could make :func:`worth_an_image` true for this rank:
-    only the slots the round hashes (not in ``skip``) can be dropped. When False, the rank
+    only the slots the round may drop (all but :func:`fixed`) count. When False, the rank
     writes its staged file whole whatever the round decides, so it may write before the round
     ends (FSDP2: a few step counters next to the rank's shard)."""
+    if any(d["writer"] and d.get("twin") for d in dtensors or ()):
+        return True
+    skip = fixed(dtensors)
     candidates: int = sum(s.end - s.begin for s in slots if s.name not in skip)
     return candidates >= MIN_DROP_SHARE * (nbytes(slots) - candidates)
 

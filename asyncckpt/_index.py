@@ -34,12 +34,15 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._checksum import crc32c, crc32c_append_zeros, crc32c_shift
 from ._header import ITEMSIZE
+
+log = logging.getLogger("asyncckpt")
 
 INDEX = "index.json"
 FORMAT = "asyncckpt-index/1"
@@ -96,8 +99,8 @@ def rank_part(
             aliases[alias] = d["name"]
         entry = {k: d[k] for k in ("dtype", "shape", "placements", "mesh")}
         entry["chunk"] = None
-        if d["writer"]:
-            s = by_name[d["name"]]
+        s = by_name.get(d["name"]) if d["writer"] else None
+        if s is not None:  # (a box another holder writes, by the dedupe round's plan, is not here)
             begin, n = data_start + s.begin, s.end - s.begin
             whole, blocks = block_crcs(buffer[begin : begin + n], BLOCK)
             entry["chunk"] = [d["box"][0], d["box"][1], begin, n, whole, blocks]
@@ -118,6 +121,11 @@ def rank_part(
 def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     """The index file from every rank's part (``None``: a rank without DTensors).
 
+    A DTensor's identity is its name: the same box reported by several ranks (replicas
+    outside the DTensor's own mesh, e.g. FSDP over ``mesh["dp"]`` of a dp x tp mesh, which
+    holds one copy per tp column, when they were not deduplicated before the write) is
+    indexed once, the lowest rank's copy; copies whose CRCs differ are logged.
+
     Raises ``ValueError`` when ranks disagree on a DTensor's dtype or global shape, or on a
     tie: a name some rank tied to another DTensor (its part's ``aliases``) may appear as a
     DTensor of its own only on ranks that wrote no bytes of it (a local shard over no storage
@@ -125,6 +133,11 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     """
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
+    # name -> box -> (rank, crc) of the copy indexed; name -> two ranks whose copies differ
+    seen: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]]] = {}
+    drift: dict[str, tuple[int, int]] = {}
+    # name -> (placements, mesh shape) -> the first rank holding it in that layout
+    layouts: dict[str, dict[tuple[tuple[str, ...], tuple[int, ...]], int]] = {}
     first = min((r for r, p in parts.items() if p is not None), default=0)
     block = (parts.get(first) or {}).get("block", BLOCK)
     for r in range(world):
@@ -142,23 +155,38 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
                     f"ranks disagree on DTensor {name!r}: {have['dtype']}{have['shape']} vs "
                     f"{e['dtype']}{e['shape']} on rank {r}"
                 )
+            layouts.setdefault(name, {}).setdefault((tuple(e["placements"]), tuple(e["mesh"])), r)
             if e["chunk"] is not None:
                 offs, sizes, begin, n, crc, blocks = e["chunk"]
                 if part["block"] != block:
                     raise ValueError(f"rank {r} used blocks of {part['block']} bytes, rank {first} of {block}")
+                box = (tuple(offs), tuple(sizes))
+                got = seen.setdefault(name, {}).get(box)
+                if got is not None:  # the same box of the same global tensor: one copy is indexed
+                    if got[1] != crc:
+                        drift.setdefault(name, (got[0], r))
+                    continue
+                seen[name][box] = (r, crc)
                 have["chunks"].append([offs, sizes, part["file"], begin, n, crc])
                 have["blocks"].append(blocks)
         plain[str(r)] = {p[0]: p[1:] for p in part["plain"]}
     deduped = 0
     for r in range(world):
-        part = parts.get(r)
-        for name, w in (part or {}).get("writers", {}).items():
+        part = parts.get(r) or {}
+        for name, w in part.get("writers", {}).items():
+            if name in part["tensors"]:
+                continue  # a DTensor box another holder writes: its chunk is indexed once above
             if w != r:  # written once, by rank w: rank r's value is that copy
                 have = (parts.get(w) or {}).get("writers", {}).get(name) == w and plain[str(w)].get(name)
                 if not have:
                     raise ValueError(f"rank {w} was to write {name!r} for rank {r} but did not report it")
                 plain[str(r)][name] = have
                 deduped += 1
+    for name, (a, b) in sorted(drift.items())[:10]:
+        log.warning(
+            "DTensor %r: ranks %d and %d hold the same box with different bytes (replicas that drifted "
+            "apart); the checkpoint keeps rank %d's copy", name, a, b, a,
+        )  # fmt: skip
     aliases: dict[str, str] = {}
     for _, part in sorted(parts.items()):
         for alias, target in (part or {}).get("aliases", {}).items():
@@ -170,6 +198,9 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
         own, kept = tensors.pop(alias, None), tensors[target]
         if own is not None and (own["chunks"] or (own["dtype"], own["shape"]) != (kept["dtype"], kept["shape"])):
             raise ValueError(f"ranks disagree on whether DTensor {alias!r} is tied to {target!r}")
+    for name, found in layouts.items():
+        if len(found) > 1 and name in tensors:  # one global tensor, laid out differently by some ranks
+            _check_one_layout(name, tensors[name], found)
     for e in tensors.values():
         order = sorted(range(len(e["chunks"])), key=lambda i: e["chunks"][i][0])
         e["chunks"] = [e["chunks"][i] for i in order]
@@ -180,6 +211,22 @@ def merge(world: int, parts: Mapping[int, dict[str, Any] | None]) -> bytes:
     if any((p or {}).get("writers") for p in parts.values()):
         doc["dedupe"] = {"hash": "xxh3-128", "copies_not_written": deduped}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _check_one_layout(name: str, e: dict[str, Any], found: Mapping[Any, int]) -> None:
+    """``ValueError`` naming the layouts when the chunks ranks wrote of one DTensor, laid out
+    differently on different meshes, do not tile it (the index must describe each global
+    tensor once; equal boxes were merged already)."""
+    from ._reshard import Box, check_tiling
+
+    try:
+        check_tiling(e["shape"], [Box(tuple(c[0]), tuple(c[1])) for c in e["chunks"]], name)
+    except ValueError as err:
+        shown = "; ".join(f"{list(p)} on a mesh {list(m)} (rank {r})" for (p, m), r in sorted(found.items()))
+        raise ValueError(
+            f"ranks hold DTensor {name!r} in different layouts whose chunks do not tile it ({err}): {shown}; "
+            "save one global tensor in one layout (or under different names)"
+        ) from None
 
 
 def _uint(v: object) -> bool:
@@ -193,8 +240,15 @@ def _ints(v: object) -> bool:
 def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: bool = False) -> dict[str, Any]:
     """Parse and validate an index read back (``ValueError`` on any defect).
 
+    The one validator of a global index: the loader (``_load_global``), ``verify``
+    (``reading.verify_step``) and the committing rank before the commit point call it, so
+    they can never disagree on which index is good. ``file_sizes``: every file the manifest
+    lists, with its size (a chunk or entry outside them is a defect).
+
     Every DTensor's chunks must tile its shape and lie inside files the manifest lists
-    (``_reshard.check_chunk_index``, cost bounded by the chunk count); every plain entry
+    (``_reshard.check_chunk_index``, cost bounded by the chunk count), chunks with equal
+    boxes counting as one (the first listed: indexes written before :func:`merge` merged a
+    sub-mesh DTensor's twins list each copy); every plain entry
     must lie inside the file it names; block CRCs, where the index has them (``block``), must
     be one 32-bit CRC per block of every chunk. ``plain_only`` skips the DTensors (the torch-
     and numpy-free CLI shows and checks only the plain entries).
@@ -249,12 +303,45 @@ def parse(raw: bytes, world: int, file_sizes: Mapping[str, int], plain_only: boo
     return {"tensors": out, "plain": ranks, "aliases": aliases}
 
 
+def lacking(index: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """The DTensor names of a rank's tree (``names``; aliases resolved or not) that the parsed
+    ``index`` does not store: a load of that rank raises ``CheckpointCorruptError`` for each."""
+    tensors, aliases = index["tensors"], index["aliases"]
+    return [n for n in dict.fromkeys(names) if n not in tensors and aliases.get(n) not in tensors]
+
+
+def checked_ranges(index: Mapping[str, Any]) -> dict[str, list[tuple[int, int, int, str]]]:
+    """Every byte range of the step's files whose CRC-32C a load checks, per file, as
+    ``(begin, length, crc, what)`` sorted and without repeats: each block of every DTensor
+    chunk (the chunk whole in an index without block CRCs) and every plain entry. A verify
+    that checks these and the files the manifest lists checks every byte a load can read.
+    ``index``: what :func:`parse` returned (not ``plain_only``)."""
+    out: dict[str, set[tuple[int, int, int, str]]] = {}
+    for name, e in index["tensors"].items():
+        item = ITEMSIZE[e["dtype"]]
+        for i, c in enumerate(e["chunks"]):
+            n = c.nbytes(item)
+            what = f"a chunk of {name!r}"
+            if e["block"] is None:
+                out.setdefault(c.file, set()).add((c.begin, n, e["crcs"][i], what))
+                continue
+            size = e["block"]
+            for k, crc in enumerate(e["blocks"][i]):
+                length = min(size, n - k * size)
+                out.setdefault(c.file, set()).add((c.begin + k * size, length, crc, f"block {k} of {what}"))
+    for entries in index["plain"].values():
+        for name, (_, _, file, begin, n, crc) in (entries or {}).items():
+            out.setdefault(file, set()).add((begin, n, crc, f"{name!r}"))
+    # one range written for several ranks (dedupe) is named by any of them: checked once
+    return {f: sorted({r[:3]: r for r in rs}.values()) for f, rs in out.items()}
+
+
 def _crc_list(v: object, count: int) -> bool:
     return isinstance(v, list) and len(v) == count and all(_uint(c) and c < 2**32 for c in v)
 
 
 def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block: int | None) -> dict[str, Any]:
-    from ._reshard import Box, SavedChunk, check_chunk_index  # numpy: not for the CLI's plain-only reads
+    from ._reshard import Box, SavedChunk, check_chunk_index
 
     out: dict[str, Any] = {}
     for name, e in tensors.items():
@@ -275,7 +362,6 @@ def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block
                 raise ValueError(f"chunk of {name!r} has {n} bytes for {sizes}")
             chunks.append(SavedChunk(Box(tuple(offs), tuple(sizes)), file, begin))
             crcs.append(crc)
-        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
         blocks = e.get("blocks")
         if block is None and blocks is not None:
             raise ValueError(f"block CRCs of {name!r} without a block size")
@@ -284,6 +370,14 @@ def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block
                 _crc_list(b, -(-c.nbytes(item) // block)) for b, c in zip(blocks, chunks, strict=True)
             ):
                 raise ValueError(f"block CRCs of {name!r} are malformed")
+        # an index written before DTensor twins were merged (a sub-mesh DTensor's copies, one
+        # per parent-mesh coordinate, each listed) still loads: an equal box is the same chunk
+        first = list({c.box: i for i, c in reversed(list(enumerate(chunks)))}.values())
+        if len(first) < len(chunks):
+            first.sort()
+            chunks, crcs = [chunks[i] for i in first], [crcs[i] for i in first]
+            blocks = [blocks[i] for i in first] if blocks is not None else None
+        check_chunk_index(e["shape"], chunks, item, file_sizes, name)
         out[name] = {
             "dtype": e["dtype"], "shape": tuple(e["shape"]), "chunks": chunks, "crcs": crcs,
             "block": block, "blocks": blocks,

@@ -118,10 +118,16 @@ def indexed(manifest: Manifest) -> bool:
 
 
 def describe_for_index(
-    found: list[tuple[str, Any, Any]], aliases: Mapping[str, str] | None = None
+    found: list[tuple[str, Any, Any]], aliases: Mapping[str, str] | None = None, world: int = 1
 ) -> list[dict[str, Any]]:
-    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part``; each
-    lists under ``"aliases"`` the names ``flatten`` tied to it (``dtensor_aliases``)."""
+    """JSON descriptions of the DTensors ``flatten`` found, for ``_index.rank_part`` and the
+    dedupe round; each lists under ``"aliases"`` the names ``flatten`` tied to it
+    (``dtensor_aliases``). ``world``: the saving job's size. A box this rank writes is a
+    ``"twin"`` candidate when its DTensor's mesh has fewer ranks than the job: ranks outside
+    that mesh may hold the same box of the same global tensor (FSDP over ``mesh["dp"]`` of a
+    dp x tp mesh: one sub-mesh per tp column), which only the dedupe round can see."""
+    from ._sharding import mesh_key
+
     tied_to: dict[str, list[str]] = {}
     for alias, target in (aliases or {}).items():
         tied_to.setdefault(target, []).append(alias)
@@ -137,6 +143,8 @@ def describe_for_index(
                 "mesh": list(info.layout.mesh_shape),
                 "box": None if box is None else [list(box.offsets), list(box.sizes)],
                 "writer": info.writer,
+                "twin": info.writer and len(set(info.mesh_ranks)) < world,
+                "mesh_key": mesh_key(info),  # the dedupe round checks the ranks of a mesh agree
             }
         )
         if name in tied_to:
@@ -241,11 +249,12 @@ def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, pl
             )
     tree = trees[first]
     tensors: dict[str, Any] = dict(plains[first])
-    for name in dict.fromkeys(dtensor_names(tree)):  # a tied DTensor is named twice: read once
-        meta = index["tensors"].get(name)
-        if meta is None:
-            raise CheckpointCorruptError(f"the index lacks DTensor {name!r}", files.path(_index.INDEX))
-        tensors[name] = _dtensor(files, name, meta, reader.targets.get(name), verify, plan)
+    names = dtensor_names(tree)
+    missing = _index.lacking(index, names)  # (the rule asyncckpt verify applies too)
+    if missing:
+        raise CheckpointCorruptError(f"the index lacks DTensor {missing[0]!r}", files.path(_index.INDEX))
+    for name in dict.fromkeys(names):  # a tied DTensor is named twice: read once
+        tensors[name] = _dtensor(files, name, index["tensors"][name], reader.targets.get(name), verify, plan)
     try:
         return unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:

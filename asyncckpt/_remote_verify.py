@@ -3,9 +3,10 @@
 What ``asyncckpt verify s3://...`` runs. Torch-free. A step passes when its manifest decodes
 (its own checksum, its step), one LIST of its attempt prefix shows exactly the manifest's
 objects with their sizes (the completeness rule of :mod:`asyncckpt._remote`), and every
-object's CRC-32C, recomputed from ranged GETs, is the manifest's. The per-rank structure
-check that a local verify adds (tree against shard header) needs the headers only; it is not
-run remotely: a step whose every byte matches the CRC its writer recorded loads as it was saved.
+object's CRC-32C, recomputed from ranged GETs, is the manifest's, and a global index passes
+the loader's own validator (``_index.parse``). The per-rank structure check that a local
+verify adds (tree against shard header and index, every block CRC of the index) needs the
+headers, the trees and a second read of the data; it is not run remotely.
 A failure is remembered on the store as a bad mark (``_badmarks``: the step is then known
 bad), and a pass drops the mark of that very attempt; best effort (read-only credentials
 simply keep no mark).
@@ -17,11 +18,12 @@ from collections.abc import Callable
 
 from ._badmarks import clear_on_store, record_on_store
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ._index import INDEX
 from ._layout import data_prefix, manifest_key
 from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote_steps import check_objects, read_manifest
-from .reading import Problem, _short
+from .reading import Problem, _short, parse_index
 
 
 async def open_for_verify(store: ObjectStore, step: int, deadline: float) -> tuple[Manifest, int]:
@@ -42,12 +44,12 @@ async def verify_remote_step(
     Memory stays at two parts' worth of scratch (``ObjectStore.crc32c_of``); ``advance(n)``
     reports each object's bytes once it is checked."""
     problems: list[Problem] = []
+    prefix = data_prefix(m.step, m.attempt)
     try:
         await check_objects(store, m, deadline)
     except CheckpointCorruptError as e:
         problems.append(Problem(e.path or store.object_url(data_prefix(m.step, m.attempt)), _short(e)))
     if not problems:
-        prefix = data_prefix(m.step, m.attempt)
         for f in m.files:
             url = store.object_url(prefix + f.name)
             try:
@@ -62,6 +64,17 @@ async def verify_remote_step(
                 problems.append(Problem(url, "checksum mismatch"))
             if advance is not None:
                 advance(f.size)
+    if not problems and any(f.name == INDEX for f in m.files):
+        # the global index, by the loader's own validator: a step whose every byte matches
+        # its CRC but whose index a load refuses does not verify
+        entry, url = m.file(INDEX), store.object_url(prefix + INDEX)
+        try:
+            raw = await store.get_bytes(prefix + INDEX, deadline, limit=entry.size)
+            parse_index(raw, entry.size, entry.crc32c, m, url)
+        except (ObjectNotFoundError, ObjectIntegrityError) as e:
+            problems.append(Problem(url, str(e) or type(e).__name__))
+        except CheckpointCorruptError as e:
+            problems.append(Problem(url, _short(e)))
     if problems and not await _still_there(store, m, deadline):
         # retired or replaced while we read it: that is not damage
         url = store.object_url(manifest_key(m.step))

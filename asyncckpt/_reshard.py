@@ -1,9 +1,10 @@
 """Resharding math for contiguous row-major chunks: which bytes of which saved chunk land where.
 
-Pure and torch-free (the CLI's export can use it). A tensor of global shape ``G`` is saved as
-chunks, each a :class:`Box` (per-dim offsets and sizes) stored row-major and contiguous from
-byte ``begin`` of some file. Loading a target box ``T`` (a rank's local shard, or the whole
-tensor) means, for every saved chunk ``S`` that overlaps ``T``, copying the overlap.
+Pure: torch- and numpy-free (the CLI's verify validates a global index with it). A tensor
+of global shape ``G`` is saved as chunks, each a :class:`Box` (per-dim offsets and sizes)
+stored row-major and contiguous from byte ``begin`` of some file. Loading a target box ``T``
+(a rank's local shard, or the whole tensor) means, for every saved chunk ``S`` that
+overlaps ``T``, copying the overlap.
 
 With ``j`` the last dim where the overlap is partial in ``S`` or in ``T``, every dim after
 ``j`` is whole on both sides, so one *run* of ``n_j * prod(n_k, k > j)`` elements is
@@ -21,12 +22,10 @@ at a cost bounded by the number of chunks, never by the tensor's size; every def
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 #: Refuse chunk lists with more dims or chunks than this (hostile manifests stay cheap).
 MAX_NDIM = 64
@@ -221,35 +220,54 @@ def check_tiling(shape: Sequence[int], boxes: Sequence[Box], what: str = "tensor
     if len(boxes) > MAX_CHUNKS:
         raise ValueError(f"{what}: {len(boxes)} chunks (at most {MAX_CHUNKS})")
     full: list[Box] = []
-    for b in boxes:
+    ends: list[tuple[int, ...]] = []
+    covered = 0
+    for b in boxes:  # one tight pass: this runs for every chunk of every tensor a load reads
         if b.ndim != nd:
             raise ValueError(f"{what}: chunk {b} has {b.ndim} dims, the tensor {nd}")
-        if not all(_uint(v) for v in (*b.offsets, *b.sizes)):
-            raise ValueError(f"{what}: chunk {b} has a negative or non-integer bound")
-        if any(b.end(d) > shape[d] for d in range(nd)):
-            raise ValueError(f"{what}: chunk {b} exceeds the global shape {list(shape)}")
-        if not b.empty:
+        end: list[int] = []
+        numel = 1
+        for o, n, lim in zip(b.offsets, b.sizes, shape, strict=True):
+            if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+                raise ValueError(f"{what}: chunk {b} has a negative or non-integer bound")
+            if o + n > lim:
+                raise ValueError(f"{what}: chunk {b} exceeds the global shape {list(shape)}")
+            end.append(o + n)
+            numel *= n
+        if numel:
             full.append(b)
+            ends.append(tuple(end))
+            covered += numel
     total = math.prod(shape)
-    covered = sum(b.numel for b in full)
     if covered != total:
         raise ValueError(f"{what}: chunks hold {covered} elements, the global shape {list(shape)} has {total}")
     if nd == 0 or total == 0:
         return  # 0-d: the count check above leaves exactly one chunk
-    cuts = [sorted({0, shape[d], *(b.offsets[d] for b in full), *(b.end(d) for b in full)}) for d in range(nd)]
-    cells = math.prod(len(c) - 1 for c in cuts)
+    cuts = [sorted({0, shape[d], *(b.offsets[d] for b in full), *(e[d] for e in ends)}) for d in range(nd)]
+    dims = [len(c) - 1 for c in cuts]
+    cells = math.prod(dims)
     if cells > min(_MAX_CELLS, _CELLS_PER_CHUNK * len(full) + 4096):
         raise ValueError(f"{what}: chunk layout is too irregular to check ({len(full)} chunks, {cells} cells)")
-    # equal volumes plus no overlap means the boxes cover everything
-    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.bool_)
-    for b in full:
-        sl = tuple(
-            slice(bisect.bisect_left(cuts[d], b.offsets[d]), bisect.bisect_left(cuts[d], b.end(d))) for d in range(nd)
-        )
-        cell = grid[sl]
-        if cell.any():
-            raise ValueError(f"{what}: chunk {b} overlaps another chunk")
-        cell[...] = True
+    # equal volumes plus no overlap means the boxes cover everything: paint each box's cells
+    # (row-major, one byte per cell), a run of the last dim at a time
+    grid = bytearray(cells)
+    strides = _strides(dims)
+    at_cut = [{c: i for i, c in enumerate(cs)} for cs in cuts]
+    for b, stop in zip(full, ends, strict=True):
+        lo = [m[o] for m, o in zip(at_cut, b.offsets, strict=True)]
+        hi = [m[e] for m, e in zip(at_cut, stop, strict=True)]
+        run = hi[-1] - lo[-1]
+        if all(h - low == 1 for low, h in zip(lo[:-1], hi[:-1], strict=True)):
+            starts: Iterable[int] = (sum(i * st for i, st in zip(lo, strides, strict=True)),)
+        else:
+            starts = (
+                sum(i * st for i, st in zip(idx, strides, strict=False)) + lo[-1]
+                for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(nd - 1)))
+            )
+        for at in starts:
+            if grid.find(1, at, at + run) >= 0:
+                raise ValueError(f"{what}: chunk {b} overlaps another chunk")
+            grid[at : at + run] = b"\x01" * run
 
 
 def check_chunk_index(

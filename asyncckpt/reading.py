@@ -25,14 +25,14 @@ import operator
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import _index
 from ._badmarks import clear, marks, record_bad
 from ._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
-from ._checksum import crc32c
+from ._checksum import RangeCheck, crc32c
 from ._discovery import (
     KnownBad,
     Vanished,
@@ -545,30 +545,43 @@ def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int
     return os.path.join(step_dir, f.name), f.size, f.crc32c
 
 
-def _indexed_slots(step_dir: str, manifest: Manifest, rank: int) -> dict[str, TensorSlot]:
+def read_index(step_dir: str, manifest: Manifest) -> Any:
+    """The global index of an indexed step, checked as a load checks it (``_index.parse``:
+    every DTensor's chunks tile it inside the listed files, every entry well formed);
+    ``CheckpointCorruptError`` naming ``index.json`` otherwise."""
     path, size, crc = _listed(step_dir, manifest, _index.INDEX)
     try:
         with open(path, "rb") as f:
             raw = f.read(size + 1)
     except OSError as e:
         raise read_error(e, "cannot read the index", path) from None
-    return indexed_slots(raw, size, crc, manifest, rank, path)
+    return parse_index(raw, size, crc, manifest, path)
 
 
-def indexed_slots(raw: bytes, size: int, crc: int, manifest: Manifest, rank: int, where: str) -> dict[str, TensorSlot]:
-    """The tensors of rank ``rank`` that a step's global index (its bytes ``raw``, listed
-    with ``size`` and ``crc``) places in other files (written once by another rank:
-    ``dedupe``) or splits into chunks (DTensors), as slots to show."""
+def parse_index(raw: bytes, size: int, crc: int, manifest: Manifest, where: str, plain_only: bool = False) -> Any:
+    """A step's global index from its bytes ``raw`` (listed with ``size`` and ``crc``), checked
+    by the loader's own validator (``_index.parse``); ``CheckpointCorruptError`` naming
+    ``where`` with the loader's words otherwise."""
     if len(raw) != size or crc32c(raw) != crc:
         raise CheckpointCorruptError("checksum mismatch", where)
     try:
-        index = _index.parse(raw, manifest.world_size, {f.name: f.size for f in manifest.files}, plain_only=True)
+        return _index.parse(raw, manifest.world_size, {f.name: f.size for f in manifest.files}, plain_only)
     except ValueError as e:
         raise CheckpointCorruptError(f"bad global index ({e})", where) from None
+
+
+def index_slots(index: Any, rank: int) -> dict[str, TensorSlot]:
+    """The tensors of rank ``rank`` that a parsed global index places in other files (written
+    once by another rank: ``dedupe``) or splits into chunks (DTensors), as slots to show."""
     return {
         name: TensorSlot(name, dtype, shape, 0, n)
         for name, (dtype, shape, _, _, n, _) in (index["plain"].get(rank) or {}).items()
     }
+
+
+def indexed_slots(raw: bytes, size: int, crc: int, manifest: Manifest, rank: int, where: str) -> dict[str, TensorSlot]:
+    """:func:`index_slots` of the index whose bytes are ``raw`` (only its plain entries checked)."""
+    return index_slots(parse_index(raw, size, crc, manifest, where, plain_only=True), rank)
 
 
 def check_rank(manifest: Manifest, rank: int) -> None:
@@ -579,35 +592,55 @@ def check_rank(manifest: Manifest, rank: int) -> None:
         )
 
 
-def read_rank_outline(step_dir: str, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
+def read_rank_outline(
+    step_dir: str, manifest: Manifest, rank: int, index: Any = None
+) -> tuple[list[Entry], dict[str, TensorSlot]]:
     """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots.
 
-    Reads only the structure file (checksum verified) and the shard header, never the tensor
-    data. Raises ``CheckpointNotFoundError`` if the step has no such rank and
-    ``CheckpointCorruptError`` if the files are malformed or the tree names a tensor the
-    shard lacks.
+    Reads only the structure file (checksum verified), the shard header and the global
+    index (``index``: already :func:`read_index`'d), never the tensor data. Raises
+    ``CheckpointNotFoundError`` if the step has no such rank and ``CheckpointCorruptError``
+    if the files are malformed, the tree names a tensor the shard lacks or a DTensor the
+    index does not store (what a load of that rank raises).
     """
     check_rank(manifest, rank)
     tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
     shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
     tree = read_structure(tree_path, tree_size, tree_crc)
     shard_slots = read_shard_slots(shard_path, shard_size)
-    more = _indexed_slots(step_dir, manifest, rank) if any(f.name == _index.INDEX for f in manifest.files) else {}
-    return rank_outline(tree, shard_slots, more, tree_path, shard_path)
+    if index is None and any(f.name == _index.INDEX for f in manifest.files):
+        index = read_index(step_dir, manifest)
+    more = index_slots(index, rank) if index is not None else {}
+    where = os.path.join(step_dir, _index.INDEX)
+    return rank_outline(tree, shard_slots, more, tree_path, shard_path, index=index, index_where=where)
 
 
 def rank_outline(
-    tree: Any, shard_slots: dict[str, TensorSlot], indexed: dict[str, TensorSlot], tree_where: str, shard_where: str
+    tree: Any,
+    shard_slots: dict[str, TensorSlot],
+    indexed: dict[str, TensorSlot],
+    tree_where: str,
+    shard_where: str,
+    *,
+    index: Any = None,
+    index_where: str | None = None,
 ) -> tuple[list[Entry], dict[str, TensorSlot]]:
     """The outline of one rank from its parsed structure, its shard's slots and the slots the
-    global index adds; ``CheckpointCorruptError`` if the tree and the tensors disagree."""
+    global index adds; ``CheckpointCorruptError`` if the tree and the tensors disagree. With
+    the fully parsed ``index`` (not ``plain_only``), every DTensor the tree names must be
+    stored in it (``_index.lacking``, the loader's rule)."""
     slots = {**indexed, **shard_slots}
-    entries, missing, referenced = _outline(tree, slots, tree_where)
+    dtensors: list[str] | None = [] if index is not None else None
+    entries, missing, referenced = _outline(tree, slots, tree_where, dtensors)
+    if dtensors:
+        lacking = _index.lacking(index, dtensors)
+        if lacking:
+            raise CheckpointCorruptError(f"the index lacks DTensor {lacking[0]!r}", index_where)
     if missing:
         names = ", ".join(missing[:5])
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {names}", shard_where)
-    if referenced is not None and referenced != set(slots):
-        extra = sorted(set(slots) - referenced)
+    extra = sorted(set(slots) - referenced) if referenced is not None else []
+    if extra:  # (a DTensor the tree names may have no chunk here: another rank wrote it)
         raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_where)
     return entries, shard_slots
 
@@ -689,10 +722,13 @@ def _tensor_refs(node: Any) -> Iterator[str]:
 
 
 def _outline(
-    tree: Any, slots: dict[str, TensorSlot], path_for_errors: str
+    tree: Any, slots: dict[str, TensorSlot], path_for_errors: str, dtensors: list[str] | None = None
 ) -> tuple[list[Entry], list[str], set[str] | None]:
     """Entries, referenced tensors the shard lacks, and every tensor referenced (``None`` when
-    the tree holds a type this module does not decode, whose references it cannot know)."""
+    the tree holds a type this module does not decode, whose references it cannot know).
+    With ``dtensors`` (a list, filled here) the ``$dtensor`` nodes' names are collected in
+    it and count as referenced (their chunk, if this rank wrote one, is in its shard);
+    without, a ``$dtensor`` node is a type this module does not decode."""
     out: list[Entry] = []
     missing: list[str] = []
     referenced: set[str] | None = set()
@@ -785,6 +821,12 @@ def _outline(
                     return
                 out.append(Entry(path, depth, label, "tensor", TORCH_NAME[s.dtype], s.shape, s.end - s.begin))
                 return
+            elif tag == "$dtensor" and isinstance(val, str) and dtensors is not None:
+                dtensors.append(val)
+                if referenced is not None:
+                    referenced.add(val)
+                out.append(Entry(path, depth, label, "dtensor", value=val))
+                return
             elif tag == "$float" and val in ("nan", "inf", "-inf"):
                 out.append(Entry(path, depth, label, "value", value=float(val)))
                 return
@@ -853,12 +895,14 @@ class Problem:
         return f"{self.reason}: {self.path}"
 
 
-def file_crc(path: str, size: int, advance: Callable[[int], None] | None = None) -> int:
+def file_crc(
+    path: str, size: int, advance: Callable[[int], None] | None = None, ranges: RangeCheck | None = None
+) -> int:
     """CRC-32C of the regular file ``path``, which must be ``size`` bytes, read in bounded chunks.
 
-    ``advance(n)`` is called after each chunk. Raises ``CheckpointCorruptError`` naming
-    ``path`` if it is not such a file or ends early, ``CheckpointReadError`` if the storage
-    cannot serve it.
+    ``advance(n)`` is called after each chunk; ``ranges`` is fed every byte read and
+    finished. Raises ``CheckpointCorruptError`` naming ``path`` if it is not such a file or
+    ends early, ``CheckpointReadError`` if the storage cannot serve it.
     """
     fd = _open_regular(path, size)
     try:
@@ -874,9 +918,13 @@ def file_crc(path: str, size: int, advance: Callable[[int], None] | None = None)
             if n <= 0:
                 raise CheckpointCorruptError("file ended early", path)
             crc = crc32c(buf[:n], crc)
+            if ranges is not None:
+                ranges.feed(off, buf[:n])
             off += n
             if advance is not None:
                 advance(n)
+        if ranges is not None:
+            ranges.finish()
         return crc
     except OSError as e:
         raise read_error(e, "cannot read", path) from None
@@ -903,29 +951,46 @@ def verify_step(
 ) -> list[Problem]:
     """Recompute every file's CRC-32C and check each rank's tree against its shard header.
 
-    The manifest was already checked against its own checksum when it was opened. Tensor
-    data is streamed, never held in memory; ``advance(n)`` reports bytes read. Returns the
-    problems found (empty: every rank of this step would load). With ``record``, a content
-    fault is remembered for ``asyncckpt ls`` (``_badmarks.record_bad``; best effort, a
-    read-only root simply keeps no mark) and a step that verified drops a mark of this very
-    attempt. A file the storage could not serve (tried again first) is a problem with
-    ``io`` set: not damage, never marked.
+    Checks everything a load checks, so a step passes exactly when every rank of it loads:
+    the manifest (checked against its own checksum when it was opened), every listed file's
+    CRC, a global index with the loader's own validator (``_index.parse``: chunks tiling
+    every DTensor, no overlap, in bounds, well-formed entries) and the CRC of every block and
+    entry it lists, computed in the same pass, and every rank's tree against its shard and
+    the index. Tensor data is streamed, never held in memory; ``advance(n)`` reports bytes
+    read. Returns the problems found (empty: every rank of this step would load). With
+    ``record``, a content fault is remembered for ``asyncckpt ls`` (``_badmarks.record_bad``;
+    best effort, a read-only root simply keeps no mark) and a step that verified drops a mark
+    of this very attempt. A file the storage could not serve (tried again first) is a problem
+    with ``io`` set: not damage, never marked.
     """
     problems: list[Problem] = []
     if advance is not None:
         advance(step_bytes(step_dir, manifest) - sum(f.size for f in manifest.files))
+    index: Any = None
+    ranges: dict[str, list[tuple[int, int, int, str]]] = {}
+    if any(f.name == _index.INDEX for f in manifest.files):
+        try:
+            index = retrying(functools.partial(read_index, step_dir, manifest))
+            ranges = _index.checked_ranges(index)
+        except CheckpointError as e:
+            problems.append(_problem(e, step_dir))
     for f in manifest.files:
         path = os.path.join(step_dir, f.name)
+        check = RangeCheck(ranges.get(f.name, ()))
         try:
-            if _file_crc_retrying(path, f.size, advance) != f.crc32c:
+            crc, check = _file_crc_retrying(path, f.size, advance, ranges.get(f.name, ()))
+            if crc != f.crc32c:
                 problems.append(Problem(path, "checksum mismatch"))
+            elif check.bad:
+                more = f" and {len(check.bad) - 3} more" if len(check.bad) > 3 else ""
+                problems.append(Problem(path, f"checksum mismatch in {', '.join(check.bad[:3])}{more}"))
         except CheckpointError as e:
             problems.append(_problem(e, path))
     if not problems:
         total = 0
         for rank in range(manifest.world_size):
             try:
-                _, slots = retrying(functools.partial(read_rank_outline, step_dir, manifest, rank))
+                _, slots = retrying(functools.partial(read_rank_outline, step_dir, manifest, rank, index))
                 total += sum(s.end - s.begin for s in slots.values())
             except CheckpointError as e:
                 problems.append(_problem(e, step_dir))
@@ -951,9 +1016,12 @@ def _problem(e: CheckpointError, where: str) -> Problem:
     return Problem(path, _short(e))
 
 
-def _file_crc_retrying(path: str, size: int, advance: Callable[[int], None] | None) -> int:
-    """:func:`file_crc`, tried again after an I/O error (``_readfault.retrying``); ``advance``
-    counts each byte once however often it was read."""
+def _file_crc_retrying(
+    path: str, size: int, advance: Callable[[int], None] | None, blocks: Sequence[tuple[int, int, int, str]] = ()
+) -> tuple[int, RangeCheck]:
+    """:func:`file_crc` with a fresh :class:`RangeCheck` of ``blocks`` (the index's blocks in
+    this file), tried again after an I/O error (``_readfault.retrying``); ``advance`` counts
+    each byte once however often it was read."""
     pos = high = 0
 
     def tick(n: int) -> None:
@@ -963,10 +1031,11 @@ def _file_crc_retrying(path: str, size: int, advance: Callable[[int], None] | No
             advance(pos - high)
             high = pos
 
-    def once() -> int:
+    def once() -> tuple[int, RangeCheck]:
         nonlocal pos
         pos = 0
-        return file_crc(path, size, tick)
+        check = RangeCheck(blocks)
+        return file_crc(path, size, tick, check), check
 
     return retrying(once)
 
