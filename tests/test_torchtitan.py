@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import _torchtitan
@@ -207,6 +208,46 @@ def test_config_refuses_what_it_does_not_support() -> None:
     assert Config(enable=False).build(
         dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None,
     ).save(10) is False  # fmt: skip
+
+
+def test_example_keeps_the_checkpoint_options_and_the_cli_overrides_them() -> None:
+    """examples/torchtitan_asyncckpt.py swaps the manager keeping torchtitan's options, and
+    torchtitan's launcher (tyro, with its registry) parses ``--checkpoint.*`` into the new Config."""
+    _base()
+    _torchtitan.prepare()
+    import tyro
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config.manager import custom_registry
+
+    from asyncckpt.integrations.torchtitan import AsyncckptCheckpointManager
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import torchtitan_asyncckpt as example
+    finally:
+        sys.path.pop(0)
+    theirs = CheckpointManager.Config(folder="ck", interval=7, keep_latest_k=4, exclude_from_loading=["dataloader"])
+    config = example.use_asyncckpt(SimpleNamespace(checkpoint=theirs), timeout=120.0)
+    ours = config.checkpoint
+    assert type(ours) is AsyncckptCheckpointManager.Config and ours.enable
+    assert (ours.folder, ours.interval, ours.keep_latest_k, ours.exclude_from_loading, ours.timeout) == (
+        "ck", 7, 4, ["dataloader"], 120.0,
+    )  # fmt: skip
+    args = [
+        "--interval",
+        "5",
+        "--timeout",
+        "60",
+        "--max_pending",
+        "2",
+        "--exclude_from_loading",
+        "dataloader",
+        "lr_scheduler",
+    ]
+    parsed = tyro.cli(type(ours), args=args, default=ours, registry=custom_registry)
+    assert (parsed.interval, parsed.timeout, parsed.max_pending, parsed.exclude_from_loading) == (
+        5, 60.0, 2, ["dataloader", "lr_scheduler"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
