@@ -223,6 +223,9 @@ def main() -> None:
                 _write_json(os.path.join(job["dump"], f"saved-{ts.step}"), {})
     ck.close()
     if rank == 0:
+        if job["manager"] == "asyncckpt":  # rank 0's saves: staged -> committed (durable), on average
+            st = ck.checkpointer.statistics()
+            result["durable_s_mean"] = st.total_s / max(1, st.saves_committed)
         _write_json(os.path.join(out, "result.json"), result)
     dist.destroy_process_group()
 
