@@ -210,6 +210,70 @@ def test_config_refuses_what_it_does_not_support() -> None:
     ).save(10) is False  # fmt: skip
 
 
+def _one_process_manager(folder: Path, model: torch.nn.Module, ts: Any, **options: Any) -> Any:
+    """The manager as torchtitan's trainer builds it, for one process (no process group)."""
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from asyncckpt.integrations.torchtitan import AsyncckptCheckpointManager
+
+    opt = default_adamw(lr=0.1)
+    opt.implementation = "for-loop"
+    optimizers = opt.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=10)
+    config = AsyncckptCheckpointManager.Config(enable=True, folder=folder.name, interval=2, **options)
+    return config.build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": ts}, sd_adapter=None, base_folder=str(folder.parent),
+    )  # fmt: skip
+
+
+# torchtitan's LRSchedulersContainer.load_state_dict calls get_lr() outside step(): torch warns
+@pytest.mark.filterwarnings("ignore:To get the last learning rate computed by the scheduler:UserWarning")
+def test_model_only_export_load_step_and_initial_load_path(tmp_path: Path) -> None:
+    """One process: the last save is the model alone in export_dtype; a resume refuses it (it is
+    a finished run's export) but ``load_step`` reaches it and full steps; another run starts
+    from a step via ``initial_load_path`` (model only); an excluded key that is no state raises."""
+    _base()
+    _torchtitan.prepare()
+    from _torchtitan_worker import TrainState
+
+    torch.manual_seed(0)
+    model, ts = torch.nn.Linear(4, 3), TrainState()
+    ck = _one_process_manager(tmp_path / "ck", model, ts, export_dtype="bfloat16")
+    assert ck.load() is False  # a fresh start
+    ts.step = 2
+    assert ck.save(1) is False and ck.save(2) is True  # interval 2
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ts.step = 3
+    assert ck.save(3, last_step=True) is True  # durable when it returns
+    ck.close()
+    export = asyncckpt.load(str(tmp_path / "ck"), 3)
+    assert sorted(export) == ["asyncckpt_torchtitan", "model"] and export["model"]["weight"].dtype == torch.bfloat16
+    assert torch.equal(export["model"]["weight"], model.weight.detach().to(torch.bfloat16))
+
+    fresh, ts2 = torch.nn.Linear(4, 3), TrainState()
+    ck = _one_process_manager(tmp_path / "ck", fresh, ts2)
+    with pytest.raises(ValueError, match="model-only export of a finished run"):
+        ck.load()
+    assert ck.load(step=2) is True and ts2.step == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    with pytest.raises(FileNotFoundError, match="load_step=7"):
+        ck.load(step=7)
+    ck.close()
+
+    other, ts3 = torch.nn.Linear(4, 3), TrainState()
+    ck = _one_process_manager(tmp_path / "new", other, ts3, initial_load_path=str(tmp_path / "ck" / "step_00000002"))
+    assert ck.load() is True and ts3.step == 0  # model only: the new run starts at step 0
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in saved.items())
+    ck.close()
+    ck = _one_process_manager(tmp_path / "ck", torch.nn.Linear(4, 3), TrainState(), exclude_from_loading=["ema"])
+    with pytest.raises(ValueError, match="ema not found in state_dict"):
+        ck.load(step=2)
+    ck.close()
+
+
 def test_example_keeps_the_checkpoint_options_and_the_cli_overrides_them() -> None:
     """examples/torchtitan_asyncckpt.py swaps the manager keeping torchtitan's options, and
     torchtitan's launcher (tyro, with its registry) parses ``--checkpoint.*`` into the new Config."""
