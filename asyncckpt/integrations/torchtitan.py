@@ -271,14 +271,7 @@ class AsyncckptCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
                 "full checkpoint's step, or use another checkpoint folder"
             )
         into = self._targets(model_only)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        resharding = manifest.world_size != world
-        if resharding and into.get(DATALOADER) is not None:
-            raise ValueError(
-                f"step {step} in {root} was saved by {manifest.world_size} ranks and this job has {world}: the "
-                "dataloader state cannot be resharded (torchtitan asserts the same, pytorch/torchtitan#811); "
-                "add 'dataloader' to checkpoint.exclude_from_loading to start its data afresh"
-            )
+        resharding = _check_reshardable(into, manifest.world_size, f"step {step} in {root}")
         log.info("asyncckpt: loading step %d from %s%s", step, root, " (model only)" if model_only else "")
         # per_rank="rank0" across a change of world size: the dataloader (per rank) is excluded
         # by then, and the other plain values are the same on every saved rank
@@ -310,15 +303,22 @@ class AsyncckptCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
         step_dir, manifest = reading.resolve_step(root, step)  # None: the newest that is complete
         model_only = self.initial_load_model_only or bool(_step_meta(step_dir, manifest).get("model_only"))
         into = self._targets(model_only)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        same = manifest.world_size == world
-        if not same and into.get(DATALOADER) is not None:
-            raise ValueError(
-                f"{step_dir} was saved by {manifest.world_size} ranks and this job has {world}: the dataloader "
-                "state cannot be resharded; add 'dataloader' to checkpoint.exclude_from_loading"
-            )
+        same = not _check_reshardable(into, manifest.world_size, step_dir)
         log.info("asyncckpt: initial load of %s%s", step_dir, " (model only)" if model_only else "")
         load(root, manifest.step, into=into, rank=_rank() if same else None, per_rank="rank0")
+
+
+def _check_reshardable(into: dict[str, Any], saved_world: int, what: str) -> bool:
+    """Whether loading ``what`` (saved by ``saved_world`` ranks) into ``into`` changes the world
+    size; ``ValueError`` if it does and ``into`` holds the dataloader, whose state cannot follow."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saved_world != world and into.get(DATALOADER) is not None:
+        raise ValueError(
+            f"{what} was saved by {saved_world} ranks and this job has {world}: the dataloader state cannot "
+            "be resharded (torchtitan asserts the same, pytorch/torchtitan#811); add 'dataloader' to "
+            "checkpoint.exclude_from_loading to start its data afresh"
+        )
+    return saved_world != world
 
 
 def _rank() -> int:
