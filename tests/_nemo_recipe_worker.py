@@ -104,6 +104,7 @@ class TinyRecipe(BaseRecipe):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
+        self.peft_config = None  # as the recipe sets it without a peft: section
         # lists, as the recipe holds them (one optimizer and scheduler per model part)
         self.optimizer = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)]
         self.lr_scheduler = [OptimizerParamScheduler(

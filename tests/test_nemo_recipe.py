@@ -99,13 +99,17 @@ def _done(events: list[dict[str, Any]]) -> dict[str, str]:
     return dict(d)
 
 
-def _check_dir(ckpt_dir: Path) -> dict[str, int]:
-    """Every ``epoch_E_step_S`` folder points at a complete step that loads (CRC-verified);
-    ``LATEST``, if there is one yet, points at one of them. Returns folder name -> step."""
+def _check_dir(ckpt_dir: Path, nemo_folders: tuple[str, ...] = ()) -> dict[str, int]:
+    """Every ``epoch_E_step_S`` folder (but ``nemo_folders``, which NeMo wrote itself) points
+    at a complete step that loads (CRC-verified); ``LATEST``, if there is one yet, points at
+    one of them. Returns folder name -> step."""
     root = ckpt_dir / folders.ROOT_NAME
     found = {}
     for _, path in folders.checkpoint_folders(str(ckpt_dir)):
         p = folders.read_pointer(path)
+        if Path(path).name in nemo_folders:
+            assert p is None
+            continue
         assert p is not None and Path(p.root) == root, path
         state = asyncckpt.load(str(root), p.step, rank=0)  # verifies every CRC-32C
         assert state["meta"] == {"format": "asyncckpt-nemo-automodel/1", "epoch": p.epoch, "step": p.global_step}
@@ -158,3 +162,36 @@ def test_killed_recipe_resumes_bit_exactly(nemo_python: str, tmp_path: Path) -> 
     print(f"\nnemo recipe (2 gloo ranks, FSDP2 tiny Llama): killed after the save of step 5 was handed "
           f"over; LATEST then named {latest}, newest committed step {newest.step}; resumed at step "
           f"{newest.step + 1}, bit-identical; save_checkpoint blocked {min(blocking):.3f}-{max(blocking):.3f} s")
+
+
+@pytest.mark.slow  # three more runs of the recipe (~40 s on a quiet 2-core machine)
+def test_switch_from_nemo_checkpoints_and_fall_back_over_a_corrupt_step(nemo_python: str, tmp_path: Path) -> None:
+    args = ("--max-steps", "8", "--ckpt-every", "2")
+    ckpt_dir = tmp_path / "ckpt"
+    # NeMo's own save (DCP + safetensors folders, its LATEST), uninterrupted: the reference
+    nemo = _run(nemo_python, tmp_path, "nemo", "nemo", ckpt_dir, *args)
+    own = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("epoch"))
+    assert own == [f"epoch_0_step_{s}" for s in (1, 3, 5, 7)]
+    # a job switches to asyncckpt, resuming from NeMo's folder of step 3 through NeMo's own loader
+    switched = _run(nemo_python, tmp_path, "switched", "asyncckpt", ckpt_dir, *args, "--restore-from", "epoch_0_step_3")
+    nemo_own = ("epoch_0_step_1", "epoch_0_step_3")
+    for r in range(WORLD):
+        run = _steps(switched[r])
+        assert set(run) == {4, 5, 6, 7} and run == {s: _steps(nemo[r])[s] for s in run}
+        assert _done(switched[r]) == _done(nemo[r])
+    found = _check_dir(ckpt_dir, nemo_own)  # NeMo's folders of steps 5 and 7 were replaced by ours
+    assert found == {"epoch_0_step_5": 5, "epoch_0_step_7": 7}, found
+    # the newest step is damaged: LATEST names it, the resume falls back to step 5
+    shard = ckpt_dir / folders.ROOT_NAME / "step_00000007" / "rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fallback = _run(nemo_python, tmp_path, "fallback", "asyncckpt", ckpt_dir, *args)
+    for r in range(WORLD):
+        assert [e["step"] for e in fallback[r] if e["event"] == "resumed"] == [6]
+        run = _steps(fallback[r])
+        assert set(run) == {6, 7} and run == {s: _steps(nemo[r])[s] for s in run}
+        assert _done(fallback[r]) == _done(nemo[r])
+    found = _check_dir(ckpt_dir, nemo_own)  # step 7 saved again as asyncckpt step 8; the damaged one is gone
+    assert found["epoch_0_step_7"] == 8
+    assert Path(folders.read_link(str(ckpt_dir), "LATEST") or "").name == "epoch_0_step_7"
