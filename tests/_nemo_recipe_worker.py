@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import sys
 import time
@@ -129,8 +128,6 @@ class TinyRecipe(BaseRecipe):
     def run(self, event: Any) -> None:
         self.model.train()
         event("resumed", step=self.step_scheduler.step, epoch=self.step_scheduler.epoch)
-        if os.environ.get("NEMO_WORKER_DEBUG"):
-            event("digest", step=self.step_scheduler.step - 1, digest=digest(self))
         for epoch in self.step_scheduler.epochs:
             self.step_scheduler.set_epoch(epoch)
             for batches in self.step_scheduler:
@@ -141,8 +138,6 @@ class TinyRecipe(BaseRecipe):
                     t0 = time.perf_counter()
                     self.save_checkpoint(epoch, self.step_scheduler.step, loss)
                     event("saved", step=self.step_scheduler.step, epoch=epoch, blocking_s=time.perf_counter() - t0)
-                    if os.environ.get("NEMO_WORKER_DEBUG"):
-                        event("digest", step=self.step_scheduler.step, digest=digest(self))
         t0 = time.perf_counter()
         self._finalize_and_close_checkpointer()
         event("finalized", s=time.perf_counter() - t0)
