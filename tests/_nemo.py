@@ -26,6 +26,19 @@ from typing import Any
 
 VERSION = "0.7.0"
 SKIP = "needs nemo-automodel/: pip install --no-deps --target DIR nemo-automodel==0.7.0; ASYNCCKPT_NEMO_PATH=DIR"
+RECIPE_SKIP = (
+    "needs nemo-automodel/ installed with its dependencies in its own virtualenv (`make nemo-venv`: "
+    ".venv/nemo-venv), or ASYNCCKPT_NEMO_PYTHON=the python of one"
+)
+
+
+def python() -> str | None:
+    """The Python of the virtualenv that holds nemo-automodel with the dependencies its
+    checkpoint and recipe code imports (``make nemo-venv`` builds ``.venv/nemo-venv``; it
+    cannot share the test virtualenv: nemo-automodel 0.7.0 pins transformers 5.18.0), or
+    ``None``. ``ASYNCCKPT_NEMO_PYTHON`` overrides the place."""
+    path = os.environ.get("ASYNCCKPT_NEMO_PYTHON") or os.path.join(sys.prefix, "nemo-venv", "bin", "python")
+    return path if os.access(path, os.X_OK) else None
 
 
 def _package_dir() -> pathlib.Path | None:
