@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from ._every_rank import on_every_rank
     from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-    from ._lifecycle import SaveState
     from ._storage import ensure_dir
+    from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
 
 __version__ = "0.1.0"
@@ -52,7 +52,7 @@ _LAZY = {
     "CheckpointerStatistics": "._info",
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",
-    "SaveState": "._lifecycle",
+    "SaveState": ".format._lifecycle",
     "ensure_dir": "._storage",
     "on_every_rank": "._every_rank",
     "import_dcp": ".integrations.dcp",

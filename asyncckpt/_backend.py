@@ -23,14 +23,14 @@ import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import _manifest
 from ._discovery import observe_step, open_step, read_manifest
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._info import CheckpointInfo
-from ._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ._retention import leftovers, retire, set_aside
-from ._stepstates import save_action, state_of
 from ._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
+from .format import _manifest
+from .format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from .format._stepstates import save_action, state_of
 
 if TYPE_CHECKING:
     from ._commit import SaveJob

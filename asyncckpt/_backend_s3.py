@@ -51,9 +51,7 @@ from typing import TYPE_CHECKING, Any
 from ._backend import check_deadline
 from ._errors import CheckpointCorruptError
 from ._info import CheckpointInfo
-from ._layout import step_dir_name
 from ._lease import Lease
-from ._manifest import decode
 from ._objstore import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
 from ._remote import (
     _abort_stale_uploads,
@@ -65,8 +63,10 @@ from ._remote import (
 )
 from ._remote_leftovers import remove_dead
 from ._remote_steps import observe_step, set_aside
-from ._stepstates import save_action, state_of
 from ._storage import Staged, WriteResult, until_staged
+from .format._layout import step_dir_name
+from .format._manifest import decode
+from .format._stepstates import save_action, state_of
 
 if TYPE_CHECKING:
     from ._commit import SaveJob

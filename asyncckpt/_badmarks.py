@@ -29,8 +29,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ._layout import META_DIR, step_dir_name, token_of
-from ._stepstates import Mark
+from .format._layout import META_DIR, step_dir_name, token_of
+from .format._stepstates import Mark
 
 if TYPE_CHECKING:
     from ._objstore import ObjectStore
@@ -91,7 +91,7 @@ def _parse(raw: bytes, step: int, attempt: str | None) -> dict[str, Any] | None:
 
 
 def as_mark(mark: dict[str, Any]) -> Mark:
-    """The :class:`~asyncckpt._stepstates.Mark` of a mark's JSON."""
+    """The :class:`~asyncckpt.format._stepstates.Mark` of a mark's JSON."""
     t = mark.get("time")
     return Mark(str(mark.get("path") or ""), str(mark.get("reason") or "failed verification"),
                 float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None)  # fmt: skip

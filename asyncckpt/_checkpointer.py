@@ -50,21 +50,21 @@ from ._errors import (
     SaveTimeoutError,
     with_global_ranks,
 )
-from ._format import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
-from ._gcpause import paused_gc
 from ._handle import SaveHandle, SaveRecord
-from ._header import round_up
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ._iopool import IOPool
-from ._layout import check_step, step_dir_name
-from ._lifecycle import SaveState
 from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
 from ._retention import retire
 from ._staging import Arena, StageProgress, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
-from ._structure import TensorRef, flatten, tree_json
 from ._writer import StartGate, WriterThread
+from .format._gcpause import paused_gc
+from .format._header import round_up
+from .format._layout import check_step, step_dir_name
+from .format._lifecycle import SaveState
+from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
+from .format._structure import TensorRef, flatten, tree_json
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -1812,7 +1812,7 @@ def _spread_replica_writes(
     """``flatten``'s DTensors and tensors with each replicated box written by the replica
     ``_sharding.spread_writers`` picks instead of the lowest one (HSDP: spread over the
     replica dim); the tensors to stage follow: this rank's local shards it now writes."""
-    from . import _sharding
+    from .format import _sharding
 
     infos = _sharding.spread_writers([info for _, info, _ in found])
     before = {name for name, info, _ in found if info.writer}

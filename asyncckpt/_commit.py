@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import _committable, _dedupe, _index, _manifest
+from . import _committable, _dedupe
 from ._backend import Backend, PosixBackend, _PhaseTimeout
 from ._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
 from ._errors import (
@@ -49,11 +49,12 @@ from ._errors import (
     describe_ranks,
     with_global_ranks,
 )
-from ._format import ShardLayout
 from ._info import CheckpointInfo, SaveStatistics
-from ._lifecycle import SaveEvent, SaveState, advance
 from ._staging import Arena, StageProgress
 from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
+from .format import _index, _manifest
+from .format._lifecycle import SaveEvent, SaveState, advance
+from .format._safetensors import ShardLayout
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

@@ -39,13 +39,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ._badmarks import marks
-from ._bounds import MAX_MANIFEST_BYTES
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._info import CheckpointInfo
-from ._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
-from ._manifest import MANIFEST, Manifest, decode
 from ._readfault import read_error
-from ._stepstates import Fault, Mark, Seen, Steps, decide, state_of
+from .format._bounds import MAX_MANIFEST_BYTES
+from .format._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
+from .format._manifest import MANIFEST, Manifest, decode
+from .format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 
 if TYPE_CHECKING:
     from ._remote import RemoteCheckpointInfo

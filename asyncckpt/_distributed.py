@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ._checksum import crc32c
 from ._coordination import CALL_S, CLIENT_S, is_store_timeout, lost_message
 from ._errors import CoordinationLost
+from .format._checksum import crc32c
 
 _count_lock = threading.Lock()
 _instances: dict[str, int] = {}

@@ -9,7 +9,7 @@ from collections.abc import Generator
 from typing import Any
 
 from ._info import CheckpointInfo, SaveStatistics
-from ._lifecycle import SaveState
+from .format._lifecycle import SaveState
 
 
 class SaveRecord:

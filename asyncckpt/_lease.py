@@ -69,10 +69,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._errors import RootInUseError
-from ._layout import META_DIR
 from ._objstore import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._ownership import _process_start_time, describe_owner
 from ._writer import WriterThread
+from .format._layout import META_DIR
 
 log = logging.getLogger("asyncckpt")
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._errors import RootInUseError, RootNotWritableError
-from ._layout import META_DIR
+from .format._layout import META_DIR
 
 LOCK = "owner.lock"
 RECORD = "owner.json"

@@ -35,14 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _ownership
-from ._bounds import MAX_MANIFEST_BYTES
 from ._discovery import complete_checkpoints, pin_step, read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._fileio import read_exact, reserve, write_all
-from ._layout import aside_key, check_step, step_dir_name, tmp_dir_name
-from ._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
-from ._layout import manifest_key as manifest_key
-from ._manifest import MANIFEST, Manifest, decode
 from ._objstore import ObjectStore, ObjectStoreError, gather_or_cancel
 from ._remote_steps import (  # "as": re-exported, for the modules that import them from here
     aside_keys,
@@ -57,6 +52,11 @@ from ._remote_steps import open_step as open_step
 from ._remote_steps import read_manifest as read_manifest
 from ._remote_steps import retire as _retire_steps
 from ._storage import remove_tree
+from .format._bounds import MAX_MANIFEST_BYTES
+from .format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
+from .format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
+from .format._layout import manifest_key as manifest_key
+from .format._manifest import MANIFEST, Manifest, decode
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -199,7 +199,7 @@ class RemoteStep:
 
 def _rows(p: Any) -> list[RemoteStep]:
     """The ``ls`` rows of one observed step prefix (``_remote_steps.StepPrefix``)."""
-    from ._stepstates import state_of, why_bad
+    from .format._stepstates import state_of, why_bad
 
     def newest(objs: list[Any]) -> float | None:
         return max((o.last_modified.timestamp() for o in objs), default=None)

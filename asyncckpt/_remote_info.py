@@ -8,14 +8,14 @@ one. Every defect is ``CheckpointCorruptError`` naming the object's URL.
 
 from __future__ import annotations
 
-from ._bounds import check_structure_size, parse_structure
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ._header import TensorSlot
-from ._index import INDEX, MAX_INDEX_BYTES
-from ._layout import data_prefix, step_dir_name
-from ._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from ._objstore import ObjectIntegrityError, ObjectStore
 from ._remote_steps import newest_resumable, open_step
+from .format._bounds import check_structure_size, parse_structure
+from .format._header import TensorSlot
+from .format._index import INDEX, MAX_INDEX_BYTES
+from .format._layout import data_prefix, step_dir_name
+from .format._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from .reading import (
     Entry,
     check_rank,

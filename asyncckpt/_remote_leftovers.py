@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._badmarks import store_marks
-from ._layout import step_dir_name
 from ._objstore import ObjectStore, ObjectStoreError
 from ._remote_steps import StepPrefix, candidate_steps, observe_step
-from ._stepstates import state_of, why_bad
+from .format._layout import step_dir_name
+from .format._stepstates import state_of, why_bad
 
 log = logging.getLogger("asyncckpt")
 

@@ -30,12 +30,12 @@ from . import _load
 from ._badmarks import record_on_store, store_marks
 from ._discovery import KnownBad
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._layout import check_step, token_of
 from ._load_global import PER_RANK, PerRank, Reader
-from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
 from ._runs import check_choice
+from .format._layout import check_step, token_of
+from .format._manifest import Manifest
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -102,7 +102,7 @@ class StoreFiles:
         return self._sources[name]
 
     def read(self, name: str, expected_crc: int | None) -> bytes:
-        from ._checksum import crc32c
+        from .format._checksum import crc32c
 
         size = self.size(name)
         try:

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 from ._badmarks import clear_on_store, record_on_store
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._index import INDEX
-from ._layout import data_prefix, manifest_key
-from ._manifest import Manifest
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._remote_steps import check_objects, read_manifest
+from .format._index import INDEX
+from .format._layout import data_prefix, manifest_key
+from .format._manifest import Manifest
 from .reading import Problem, _short, parse_index
 
 

@@ -26,10 +26,10 @@ from ._discovery import Vanished, newest_complete, pin_step
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
-from ._manifest import Manifest, shard_name, tree_name
 from ._readfault import fault_of, retrying
 from ._runs import check_choice
 from ._stepfiles import PinnedFiles, StepFiles
+from .format._manifest import Manifest, shard_name, tree_name
 
 log = logging.getLogger("asyncckpt")
 

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._errors import CheckpointCorruptError, CheckpointError
-from ._layout import step_dir_name
+from .format._layout import step_dir_name
 
 if TYPE_CHECKING:
-    from ._manifest import Manifest
     from ._objstore import ObjectStore
+    from .format._manifest import Manifest
 
 log = logging.getLogger("asyncckpt")
 

@@ -29,10 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import _index
 from ._badmarks import clear, marks, record_bad
-from ._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
-from ._checksum import RangeCheck, crc32c
 from ._discovery import (
     KnownBad,
     Vanished,
@@ -46,12 +43,15 @@ from ._discovery import (
     read_manifest,
 )
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._gcpause import paused_gc
-from ._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
-from ._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
-from ._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ._readfault import fault_of, read_error, retrying
-from ._stepstates import Mark, Seen, State, state_of
+from .format import _index
+from .format._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
+from .format._checksum import RangeCheck, crc32c
+from .format._gcpause import paused_gc
+from .format._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
+from .format._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
+from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from .format._stepstates import Mark, Seen, State, state_of
 
 __all__ = [
     "Entry",
@@ -90,7 +90,7 @@ _TIME_RANGE = (0.0, 2.0**33)
 #: Tags this module decodes itself; any other ``$tag`` node is shown as stored.
 _CORE_TAGS = frozenset({"$dict", "$tuple", "$tensor", "$float", "$bytes"})
 
-#: Tags of single values (see asyncckpt._structure), shown as their tag and JSON.
+#: Tags of single values (see asyncckpt.format._structure), shown as their tag and JSON.
 _VALUE_TAGS = frozenset(
     "$np $complex $bytearray $size $dtype $device $generator $path $date $timedelta $datetime".split()
 )
@@ -758,7 +758,7 @@ def _outline(
             elif tag == "$tuple" and isinstance(val, list):
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
             elif tag in ("$odict", "$defaultdict") and isinstance(val, list) and len(val) == 2:
-                # shown as the dict they hold (see asyncckpt._structure for the node shapes)
+                # shown as the dict they hold (see asyncckpt.format._structure for the node shapes)
                 walk({"$dict": val[0] if tag == "$odict" else val[1]}, path, label, depth)
                 return
             elif tag in ("$set", "$frozenset") and isinstance(val, list):

@@ -32,8 +32,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from asyncckpt._checksum import crc32c  # noqa: E402
-from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode  # noqa: E402
+from asyncckpt.format._checksum import crc32c  # noqa: E402
+from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode  # noqa: E402
 
 STEP2 = "step_00000002"
 SHARD, TREE = "rank00000.safetensors", "rank00000.json"

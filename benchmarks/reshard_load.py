@@ -113,10 +113,10 @@ def rank_save(rank: int, port: int, mib: int, root: str, dcp_dir: str) -> dict[s
 
 def _needed_ranges(root: str, msd: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(file, first byte, length) of every copy this rank's shards need, as the loader plans them."""
-    from asyncckpt import _index
     from asyncckpt._discovery import read_manifest
     from asyncckpt._load_global import targets_of
-    from asyncckpt._reshard import plan_reads
+    from asyncckpt.format import _index
+    from asyncckpt.format._reshard import plan_reads
 
     step_dir = os.path.join(root, "step_00000001")
     manifest = read_manifest(step_dir)
@@ -332,7 +332,8 @@ def _du(path: str) -> int:
 def run(mib: int, repeats: int, scratch: str) -> dict[str, Any]:
     import torch
 
-    from asyncckpt import _index, _readinto
+    from asyncckpt import _readinto
+    from asyncckpt.format import _index
 
     root, dcp_dir, out = (os.path.join(scratch, n) for n in ("ack", "dcp", "res"))
     common = [str(mib), root, dcp_dir, str(repeats)]

@@ -211,7 +211,7 @@ async def _get(method: str, endpoint: str, key: str, out: memoryview, part: int,
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from asyncckpt._checksum import crc32c
+    from asyncckpt.format._checksum import crc32c
 
     size = args.size
     buf = bytearray(size)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import Checkpointer, SaveError, _commit, _index
+from asyncckpt import Checkpointer, SaveError, _commit
+from asyncckpt.format import _index
 
 
 def replicated(step: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from asyncckpt._layout import step_dir_name
+from asyncckpt.format._layout import step_dir_name
 
 
 def dir_problem(root: Path, step: int) -> str | None:

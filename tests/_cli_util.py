@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import read_manifest
-from asyncckpt._manifest import MANIFEST, FileEntry, encode
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-META_DIR = ".asyncckpt"  # asyncckpt._layout.META_DIR: the root's metadata, never a checkpoint
+META_DIR = ".asyncckpt"  # asyncckpt.format._layout.META_DIR: the root's metadata, never a checkpoint
 STEP_LEAF = os.path.join("step_00000297", "rng")
 
 

@@ -295,7 +295,7 @@ def wide_state(world: int) -> dict[str, Any]:
 
 def save_wide(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> None:
     """The wide state saved with 4 KiB block CRCs (the reader takes the size from the index)."""
-    from asyncckpt import _index
+    from asyncckpt.format import _index
 
     _index.BLOCK = 4096
     state = wide_state(world)

@@ -1,5 +1,5 @@
 """A rank of the DTensor layout test: init gloo, build every layout in turn, report what
-asyncckpt._sharding says about each DTensor (and whether it matches ``full_tensor()``).
+asyncckpt.format._sharding says about each DTensor (and whether it matches ``full_tensor()``).
 
 Run as ``python _shard_worker.py RANK WORLD PORT OUT``; writes ``OUT.RANK.json``.
 """
@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from asyncckpt import _sharding
-from asyncckpt._reshard import check_tiling
+from asyncckpt.format import _sharding
+from asyncckpt.format._reshard import check_tiling
 
 
 class Net(nn.Module):

@@ -42,7 +42,7 @@ from _crash_worker import IDLE_S, KEEP_LAST, expected_state
 from conftest import assert_same
 
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
-from asyncckpt._layout import META_DIR
+from asyncckpt.format._layout import META_DIR
 
 WORKER = Path(__file__).with_name("_crash_worker.py")
 REPO = Path(__file__).resolve().parents[1]

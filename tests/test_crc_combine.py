@@ -10,8 +10,8 @@ import random
 import crc32c as _crc
 import pytest
 
-from asyncckpt._checksum import crc32c_append_zeros, crc32c_combine, crc32c_shift
-from asyncckpt._index import block_crcs
+from asyncckpt.format._checksum import crc32c_append_zeros, crc32c_combine, crc32c_shift
+from asyncckpt.format._index import block_crcs
 
 _POLY = 0x82F63B78
 

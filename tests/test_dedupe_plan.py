@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import _dedupe, _sharding
-from asyncckpt._format import plan_layout
+from asyncckpt import _dedupe
+from asyncckpt.format import _sharding
+from asyncckpt.format._safetensors import plan_layout
 
 pytestmark = pytest.mark.skipif(not _sharding.AVAILABLE, reason="needs torch.distributed")
 

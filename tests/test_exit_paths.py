@@ -23,7 +23,7 @@ from _ranks import run_ranks as launch
 from conftest import FaultOps, make_state
 
 from asyncckpt import Checkpointer, SaveError, SaveTimeoutError, find_latest, load
-from asyncckpt._layout import META_DIR
+from asyncckpt.format._layout import META_DIR
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_exit_worker.py")

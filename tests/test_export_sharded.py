@@ -20,8 +20,8 @@ from safetensors.torch import load_file, load_model
 
 import asyncckpt
 from asyncckpt._export import bands, contiguous_in, linear
-from asyncckpt._reshard import Box
 from asyncckpt.cli import main
+from asyncckpt.format._reshard import Box
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_export_worker.py")

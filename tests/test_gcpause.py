@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer, CheckpointNotFoundError, _readinto, load
-from asyncckpt._gcpause import paused_gc
+from asyncckpt.format._gcpause import paused_gc
 
 
 @pytest.fixture(autouse=True)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, find_latest, load
-from asyncckpt._bounds import MAX_MANIFEST_FILES
-from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
+from asyncckpt.format._bounds import MAX_MANIFEST_FILES
+from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode
 
 #: The fixed limits these files were first refused by (2**23 JSON items, a 256 MiB structure
 #: file, 2**19 tensors per shard) refused honest states too (issue 26): the bounds now scale

@@ -44,11 +44,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointNotFoundError, find_latest, load
-from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import complete_checkpoints
-from asyncckpt._format import ST_TO_DTYPE
-from asyncckpt._header import MAX_HEADER
-from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.format._header import MAX_HEADER
+from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode
+from asyncckpt.format._safetensors import ST_TO_DTYPE
 
 STEP2 = "step_00000002"
 SHARD, TREE = "rank00000.safetensors", "rank00000.json"
@@ -589,7 +589,7 @@ def _hostile_shards() -> dict[str, tuple[bytes, list[str], bool]]:
 
 @pytest.mark.parametrize("where", ["top", "nested"])
 def test_a_duplicate_key_in_a_shard_header_is_refused_by_name(where: str) -> None:
-    from asyncckpt._header import parse_header
+    from asyncckpt.format._header import parse_header
 
     entry = '{"dtype":"F32","shape":[4],"data_offsets":[0,16]}'
     text = (f'{{"w":{entry},"w":{entry}}}' if where == "top"

@@ -18,8 +18,8 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer, RootInUseError, RootNotWritableError, SaveError
 from asyncckpt._discovery import open_step
-from asyncckpt._layout import META_DIR
 from asyncckpt._storage import OsOps
+from asyncckpt.format._layout import META_DIR
 from asyncckpt.reading import verify_step
 
 

@@ -12,7 +12,7 @@ import torch
 from conftest import make_state
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError, find_latest, load
-from asyncckpt._manifest import MANIFEST
+from asyncckpt.format._manifest import MANIFEST
 
 
 def _two_steps(root: Path) -> Path:
@@ -86,7 +86,7 @@ def test_marker_missing_means_not_found_and_garbage_marker_means_corrupt(tmp_pat
 
 
 def test_manifest_with_path_traversal_is_rejected(tmp_path: Path) -> None:
-    from asyncckpt._manifest import FileEntry, encode
+    from asyncckpt.format._manifest import FileEntry, encode
 
     root = tmp_path / "ck"
     step2 = _two_steps(root)

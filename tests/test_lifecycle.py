@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from asyncckpt._lifecycle import TRANSITIONS, InvalidTransition, SaveEvent, SaveState, advance
+from asyncckpt.format._lifecycle import TRANSITIONS, InvalidTransition, SaveEvent, SaveState, advance
 
 HAPPY = [SaveEvent.START_WRITE, SaveEvent.FILES_DURABLE, SaveEvent.START_COMMIT, SaveEvent.COMMITTED]
 

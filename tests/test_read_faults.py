@@ -29,7 +29,7 @@ from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointReadError, _readfault
 from asyncckpt._badmarks import bad_mark, mark_name, record_bad
-from asyncckpt._manifest import MANIFEST, decode
+from asyncckpt.format._manifest import MANIFEST, decode
 
 WORKER = str(Path(__file__).with_name("_readfault_worker.py"))
 SHARD = "rank00000.safetensors"

@@ -17,7 +17,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, _readinto, load
-from asyncckpt._checksum import crc32c_combine
+from asyncckpt.format._checksum import crc32c_combine
 
 SHARD = "rank00000.safetensors"
 
@@ -436,7 +436,7 @@ def test_expanded_target_keeps_the_old_error(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- read_blocks (resharded loads)
 @pytest.mark.parametrize("length", [0, 1, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 7])
 def test_block_crcs_match_the_whole_and_each_block(length: int) -> None:
-    from asyncckpt._index import block_crcs
+    from asyncckpt.format._index import block_crcs
 
     data = os.urandom(length)
     whole, blocks = block_crcs(memoryview(data), 4096)

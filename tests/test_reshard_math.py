@@ -1,4 +1,4 @@
-"""The resharding math of asyncckpt._reshard against real tensors and torch slicing."""
+"""The resharding math of asyncckpt.format._reshard against real tensors and torch slicing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt._reshard import (
+from asyncckpt.format._reshard import (
     MAX_CHUNKS,
     Box,
     ChunkRead,

@@ -22,9 +22,9 @@ from conftest import assert_same
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError
 from asyncckpt._badmarks import bad_mark
-from asyncckpt._checksum import crc32c
 from asyncckpt._discovery import read_manifest
-from asyncckpt._manifest import MANIFEST, FileEntry, decode, encode
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -315,7 +315,7 @@ def test_corrupt_chunk_read_by_one_rank_is_named_on_every_rank_and_the_fallback_
 
 def _copy_step(root: Path, src: int, dst: int) -> None:
     """Step ``dst`` as a copy of step ``src`` (its manifest resealed with the new step)."""
-    from asyncckpt import _manifest
+    from asyncckpt.format import _manifest
 
     d = root / f"step_{dst:08d}"
     shutil.copytree(root / f"step_{src:08d}", d)
@@ -348,11 +348,12 @@ def _rchar() -> int:
 def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[torch.Tensor, int, int]:
     """The box of ``name`` read as a resharded load reads it (the checked pass, into a fresh
     tensor); with the bytes the reads asked the kernel for and the bytes of the chunks it touches."""
-    from asyncckpt import _index, _load_global
+    from asyncckpt import _load_global
     from asyncckpt._discovery import pin_step
-    from asyncckpt._format import ST_TO_DTYPE
-    from asyncckpt._reshard import plan_reads
     from asyncckpt._stepfiles import PinnedFiles
+    from asyncckpt.format import _index
+    from asyncckpt.format._reshard import plan_reads
+    from asyncckpt.format._safetensors import ST_TO_DTYPE
 
     with pin_step(str(root), 1) as pinned:
         manifest = pinned.manifest
@@ -375,8 +376,8 @@ def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[tor
 def _rewrite_index(root: Path, edit: Any) -> None:
     """Apply ``edit`` to the step's index document and reseal the manifest over the result
     (so only the index's content is wrong, not its listed size or CRC)."""
-    from asyncckpt import _manifest
-    from asyncckpt._checksum import crc32c
+    from asyncckpt.format import _manifest
+    from asyncckpt.format._checksum import crc32c
 
     step_dir = root / STEP
     doc = json.loads((step_dir / "index.json").read_text())
@@ -420,7 +421,7 @@ def _old_format(root: Path) -> None:
 def test_partial_reads_read_only_the_covering_blocks(
     wide: Any, name: str, offsets: tuple[int, int], sizes: tuple[int, int], at_most: float
 ) -> None:
-    from asyncckpt._reshard import Box
+    from asyncckpt.format._reshard import Box
 
     root, ref = wide
     box = Box(offsets, sizes)
@@ -438,7 +439,7 @@ def test_partial_reads_read_only_the_covering_blocks(
 
 
 def test_corrupt_block_is_named_and_blocks_not_needed_are_not_read(wide: Any, tmp_path: Path) -> None:
-    from asyncckpt._reshard import Box
+    from asyncckpt.format._reshard import Box
 
     root, ref = wide
     copy = tmp_path / "ck"
@@ -468,7 +469,7 @@ def test_corrupt_block_is_named_and_blocks_not_needed_are_not_read(wide: Any, tm
 
 
 def test_index_without_block_crcs_still_loads(wide: Any, tmp_path: Path) -> None:
-    from asyncckpt._reshard import Box
+    from asyncckpt.format._reshard import Box
 
     root, ref = wide
     copy = tmp_path / "ck"

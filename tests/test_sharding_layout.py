@@ -1,4 +1,4 @@
-"""DTensor layouts as asyncckpt._sharding reports them, on real gloo ranks (FSDP2, TP, FSDP x TP,
+"""DTensor layouts as asyncckpt.format._sharding reports them, on real gloo ranks (FSDP2, TP, FSDP x TP,
 HSDP, uneven and empty shards), checked against ``full_tensor()`` and the unsharded originals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from _ranks import free_port, log_tail, run_ranks
 
-from asyncckpt._reshard import Box, check_tiling
+from asyncckpt.format._reshard import Box, check_tiling
 
 WORKER = str(Path(__file__).with_name("_shard_worker.py"))
 

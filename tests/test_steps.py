@@ -23,8 +23,8 @@ from _cli_util import run_cli
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt._layout import step_dir_name
 from asyncckpt._storage import OsOps
+from asyncckpt.format._layout import step_dir_name
 
 WAIT_S = 30.0
 
@@ -142,7 +142,7 @@ def test_allow_earlier_steps_keeps_the_most_recently_committed(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_the_largest_step_saves_lists_loads_and_is_retained(tmp_path: Path) -> None:
-    from asyncckpt._layout import MAX_STEP
+    from asyncckpt.format._layout import MAX_STEP
 
     assert MAX_STEP == 2**63 - 1
     top = [2**63 - 3, 2**63 - 2, 2**63 - 1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt._stepstates import Fault, Mark, Seen, decide, save_action, state_of, victims
+from asyncckpt.format._stepstates import Fault, Mark, Seen, decide, save_action, state_of, victims
 
 
 def seen(step: int, state_: str) -> Seen:

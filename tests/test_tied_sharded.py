@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 
 import asyncckpt
-from asyncckpt import _index, reading
+from asyncckpt import reading
 from asyncckpt._discovery import open_step
+from asyncckpt.format import _index
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_tied_worker.py")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer, load
-from asyncckpt._structure import flatten, unflatten
+from asyncckpt.format._structure import flatten, unflatten
 
 NP_DTYPES = [
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",

@@ -15,9 +15,9 @@ from typing import Any
 from .. import _ownership
 from .._badmarks import clear
 from .._errors import CheckpointNotFoundError
-from .._layout import deleting_dir_name
 from .._retention import choose_victims, leftovers, retire
 from .._storage import DEFAULT_OPS, Storage, remove_tree
+from ..format._layout import deleting_dir_name
 from ..reading import complete_checkpoints, scan, usage
 from ._args import command, positive_int, seconds
 from ._print import PROG, dump_json, human_age, human_bytes, say

@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any
 
-from .._header import TensorSlot
-from .._manifest import Manifest
+from ..format._header import TensorSlot
+from ..format._manifest import Manifest
 from ..reading import Entry, local_time, read_rank_outline, resolve_step_noting, timestamp
 from ._args import add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_age, human_bytes, say
@@ -131,9 +131,9 @@ def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> 
 
 
 def _run_remote(args: argparse.Namespace) -> int:
-    from .._layout import step_dir_name
     from .._remote import open_store, run_sync
     from .._remote_info import remote_rank_outline, resolve_remote_step
+    from ..format._layout import step_dir_name
 
     store = open_store(args.root, storage_options(args))
     deadline = time.monotonic() + deadline_s(args)

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .._layout import step_dir_name
-from .._manifest import Manifest
 from .._readfault import fault_of
+from ..format._layout import step_dir_name
+from ..format._manifest import Manifest
 from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._bounds import json_items
-from .._format import DTYPE_TO_ST, ST_TO_DTYPE
+from ..format._bounds import json_items
+from ..format._safetensors import DTYPE_TO_ST, ST_TO_DTYPE
 
 FILE = "dcp.json"
 FORMAT = "asyncckpt-dcp/1"

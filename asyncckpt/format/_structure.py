@@ -57,7 +57,7 @@ import orjson
 import torch
 
 from ._bounds import MAX_DEPTH, recursion_room
-from ._format import DTYPE_TO_ST, PLAIN_TENSORS
+from ._safetensors import DTYPE_TO_ST, PLAIN_TENSORS
 
 #: The wrapper prefix ``torch.compile`` puts before every key of a module state dict.
 COMPILE_PREFIX = "_orig_mod."

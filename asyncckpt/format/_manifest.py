@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import CheckpointCorruptError
 from ._bounds import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, MAX_MANIFEST_ITEMS, json_items
 from ._checksum import crc32c
-from ._errors import CheckpointCorruptError
 
 MANIFEST = "manifest.json"
 FORMAT = "asyncckpt/1"

@@ -50,8 +50,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .._errors import CheckpointCorruptError, CheckpointError
 from ._checksum import crc32c
-from ._errors import CheckpointCorruptError, CheckpointError
 from ._gcpause import paused_gc
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
