@@ -52,19 +52,19 @@ from ._errors import (
 )
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from ._iopool import IOPool
 from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
 from ._retention import retire
 from ._staging import Arena, StageProgress, StagingPool
 from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
-from ._writer import StartGate, WriterThread
 from .format._gcpause import paused_gc
 from .format._header import round_up
 from .format._layout import check_step, step_dir_name
 from .format._lifecycle import SaveState
 from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
 from .format._structure import TensorRef, flatten, tree_json
+from .threads._iopool import IOPool
+from .threads._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
     from ._lease import Lease

@@ -71,8 +71,8 @@ from typing import Any
 from ._errors import RootInUseError
 from ._objstore import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ._ownership import _process_start_time, describe_owner
-from ._writer import WriterThread
 from .format._layout import META_DIR
+from .threads._writer import WriterThread
 
 log = logging.getLogger("asyncckpt")
 

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 from ._errors import CheckpointCorruptError, RankFailure, SaveError
 from ._handle import SaveRecord
 from ._info import CheckpointInfo
-from ._iopool import IOPool
-from ._writer import WriterThread
+from .threads._iopool import IOPool
+from .threads._writer import WriterThread
 
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
     from ._lease import Lease

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import Checkpointer, RootInUseError, _checkpointer, _ownership, _rootstart, _writer
+from asyncckpt import Checkpointer, RootInUseError, _checkpointer, _ownership, _rootstart
+from asyncckpt.threads import _writer
 
 N = 1 << 16  # floats per state: big enough that a torn write shows, small enough to be quick
 

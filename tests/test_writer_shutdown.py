@@ -8,7 +8,7 @@ import concurrent.futures
 import threading
 import time
 
-from asyncckpt._writer import WriterThread
+from asyncckpt.threads._writer import WriterThread
 
 
 def test_a_submit_that_lands_while_the_loop_winds_down_is_settled() -> None:
