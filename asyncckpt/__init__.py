@@ -34,12 +34,12 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, load
     from ._discovery import find_latest
-    from ._every_rank import on_every_rank
     from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
     from ._storage import ensure_dir
     from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
+    from .ranks._every_rank import on_every_rank
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,7 @@ _LAZY = {
     "SaveStatistics": "._info",
     "SaveState": ".format._lifecycle",
     "ensure_dir": "._storage",
-    "on_every_rank": "._every_rank",
+    "on_every_rank": ".ranks._every_rank",
     "import_dcp": ".integrations.dcp",
 }
 

@@ -26,21 +26,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import (
-    _agree,
-    _dedupe,
-    _discovery,
-    _distributed,
-    _load,
-    _load_global,
-    _readfault,
-    _resume,
-    _rootstart,
-    _runs,
-)
+from . import _dedupe, _discovery, _load, _load_global, _readfault, _resume, _rootstart, _runs
 from ._backend import Backend, PosixBackend
 from ._commit import SaveJob, run_save
-from ._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -63,6 +51,8 @@ from .format._layout import check_step, step_dir_name
 from .format._lifecycle import SaveState
 from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
 from .format._structure import TensorRef, flatten, tree_json
+from .ranks import _agree, _distributed
+from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from .threads._iopool import IOPool
 from .threads._writer import StartGate, WriterThread
 

@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 
 from . import _committable, _dedupe
 from ._backend import Backend, PosixBackend, _PhaseTimeout
-from ._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
 from ._errors import (
     CoordinationLost,
     RankFailure,
@@ -55,6 +54,7 @@ from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 from .format import _index, _manifest
 from .format._lifecycle import SaveEvent, SaveState, advance
 from .format._safetensors import ShardLayout
+from .ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

@@ -17,12 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from . import _discovery, _ownership, _sharedroot
-from ._distributed import DistContext
+from . import _discovery, _ownership
 from ._errors import CheckpointError
 from ._ownership import Ownership
 from ._retention import leftovers, remove_leftovers
 from ._storage import OsOps, ensure_dir
+from .ranks import _sharedroot
+from .ranks._distributed import DistContext
 
 if TYPE_CHECKING:
     from ._lease import Lease

@@ -193,7 +193,8 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
     local = sum(v.to_local().numel() * v.to_local().element_size() for v in msd.values())
     buf = memoryview(bytearray(nbytes))
     # the verified load's profile: its phases, timed where they run (rank 0, that variant only)
-    from asyncckpt import _agree, _resume
+    from asyncckpt import _resume
+    from asyncckpt.ranks import _agree
 
     phases: dict[str, list[float]] = {}
     profiling = {"on": False}

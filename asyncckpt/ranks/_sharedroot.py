@@ -23,9 +23,9 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from .._errors import CheckpointError, CoordinationLost, describe_ranks
 from ._coordination import CALL_S, is_store_timeout, lost_message
 from ._distributed import DistContext
-from ._errors import CheckpointError, CoordinationLost, describe_ranks
 
 #: The token's name in the root: a dot file no reader or clean-up looks at.
 TOKEN_PREFIX = ".asyncckpt-shared-"

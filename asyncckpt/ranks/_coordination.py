@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ._errors import CoordinationLost, RankFailure
+from .._errors import CoordinationLost, RankFailure
 
 log = logging.getLogger("asyncckpt")
 

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import RankFailure, RanksFailedError, RanksTimeoutError, with_global_ranks
 from . import _agree, _distributed
-from ._errors import RankFailure, RanksFailedError, RanksTimeoutError, with_global_ranks
 
 #: Calls per group so far: the n-th call on every rank of a group is the same call (as with
 #: any collective, every rank must make the same calls in the same order).
