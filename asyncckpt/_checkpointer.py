@@ -40,7 +40,6 @@ from ._errors import (
 )
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from ._mirror import Mirror, UploadRecord, check_options
 from ._ownership import Ownership
 from ._retention import retire
 from ._staging import Arena, StageProgress, StagingPool
@@ -53,12 +52,13 @@ from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_spl
 from .format._structure import TensorRef, flatten, tree_json
 from .ranks import _agree, _distributed
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
+from .save._mirror import Mirror, UploadRecord, check_options
 from .threads._iopool import IOPool
 from .threads._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
     from ._lease import Lease
-    from ._remote import RemoteCheckpointInfo
+    from .roots.objstore._remote import RemoteCheckpointInfo
 
 OnError = Literal["raise", "warn"]
 DirectIO = Literal["auto", "on", "off"]
@@ -475,7 +475,7 @@ class Checkpointer:
             rt.ownership = ownership
             rt.lease = lease
             if store is not None:
-                from ._backend_s3 import ObjectBackend
+                from .roots.objstore._backend import ObjectBackend
 
                 rt.backend = ObjectBackend(store, lease, surveyed)
             else:
@@ -773,8 +773,8 @@ class Checkpointer:
 
         def look() -> list[int]:
             if self._store is not None:
-                from ._remote import run_sync
-                from ._remote_steps import step_states
+                from .roots.objstore._remote import run_sync
+                from .roots.objstore._steps import step_states
 
                 store, timeout = self._store, self.timeout
                 states = run_sync(lambda: step_states(store, time.monotonic() + timeout))
@@ -1332,7 +1332,7 @@ class Checkpointer:
         if found is None:
             return None
         if len(found) == 7:
-            from ._remote import RemoteCheckpointInfo
+            from .roots.objstore._remote import RemoteCheckpointInfo
 
             return RemoteCheckpointInfo(*found)
         step, nbytes, world_size, created, run = found
@@ -1458,7 +1458,7 @@ class Checkpointer:
         """The newest complete step of this Checkpointer's root (no collective); on a store
         within ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
         if self._store is not None:
-            from ._remote import newest_complete, run_sync
+            from .roots.objstore._remote import newest_complete, run_sync
 
             store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
             found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
@@ -1929,19 +1929,19 @@ def _open_store_root(
         raise ValueError("allow_earlier_steps=True is not supported on an object-store root yet")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a mapping of str to str, not {type(storage_options).__name__}")
-    from ._remote import open_store
+    from .roots.objstore._remote import open_store
 
     return open_store(url, storage_options)
 
 
 def _remote_steps(store: Any, timeout: float) -> list[int]:
-    from ._remote import complete_steps, run_sync
+    from .roots.objstore._remote import complete_steps, run_sync
 
     return [m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout))]
 
 
 def _remote_info(store: Any, m: Any) -> RemoteCheckpointInfo:
-    from ._remote import info_of
+    from .roots.objstore._remote import info_of
 
     info: RemoteCheckpointInfo = info_of(store, m)
     return info

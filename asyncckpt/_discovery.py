@@ -48,7 +48,7 @@ from .format._manifest import MANIFEST, Manifest, decode
 from .format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 
 if TYPE_CHECKING:
-    from ._remote import RemoteCheckpointInfo
+    from .roots.objstore._remote import RemoteCheckpointInfo
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ._objstore import ObjectIntegrityError, ObjectStore
-from ._remote_steps import newest_resumable, open_step
 from .format._bounds import check_structure_size, parse_structure
 from .format._header import TensorSlot
 from .format._index import INDEX, MAX_INDEX_BYTES
@@ -24,6 +23,7 @@ from .reading import (
     rank_outline,
     slots_of_header,
 )
+from .roots.objstore._steps import newest_resumable, open_step
 
 
 async def resolve_remote_step(

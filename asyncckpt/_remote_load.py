@@ -32,10 +32,18 @@ from ._discovery import KnownBad
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._load_global import PER_RANK, PerRank, Reader
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
-from ._remote import DEFAULT_DEADLINE_S, candidate_steps, data_prefix, manifest_key, open_step, open_store, run_sync
 from ._runs import check_choice
 from .format._layout import check_step, token_of
 from .format._manifest import Manifest
+from .roots.objstore._remote import (
+    DEFAULT_DEADLINE_S,
+    candidate_steps,
+    data_prefix,
+    manifest_key,
+    open_step,
+    open_store,
+    run_sync,
+)
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 What ``asyncckpt verify s3://...`` runs. Torch-free. A step passes when its manifest decodes
 (its own checksum, its step), one LIST of its attempt prefix shows exactly the manifest's
-objects with their sizes (the completeness rule of :mod:`asyncckpt._remote`), and every
+objects with their sizes (the completeness rule of :mod:`asyncckpt.roots.objstore._remote`), and every
 object's CRC-32C, recomputed from ranged GETs, is the manifest's, and a global index passes
 the loader's own validator (``_index.parse``). The per-rank structure check that a local
 verify adds (tree against shard header and index, every block CRC of the index) needs the
@@ -19,11 +19,11 @@ from collections.abc import Callable
 from ._badmarks import clear_on_store, record_on_store
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
-from ._remote_steps import check_objects, read_manifest
 from .format._index import INDEX
 from .format._layout import data_prefix, manifest_key
 from .format._manifest import Manifest
 from .reading import Problem, _short, parse_index
+from .roots.objstore._steps import check_objects, read_manifest
 
 
 async def open_for_verify(store: ObjectStore, step: int, deadline: float) -> tuple[Manifest, int]:

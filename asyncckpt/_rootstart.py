@@ -115,8 +115,8 @@ def remote_start(lease: Lease, timeout: float, start: float) -> tuple[list[int],
     One deadline for all of it, counted from ``start`` (the constructor's call):
     ``min(timeout, 120 s)``, or up to twice the lease's TTL when ``timeout`` allows, to
     wait out a dead owner's lease; a store that does not answer fails it by then."""
-    from ._remote import run_sync
-    from ._remote_leftovers import remove_dead
+    from .roots.objstore._leftovers import remove_dead
+    from .roots.objstore._remote import run_sync
 
     budget = min(timeout, START_S)
     end = start + max(budget, min(timeout, 2 * lease.ttl + 10.0))

@@ -106,7 +106,7 @@ def local_newest(root: str) -> Newest | None:
 
 async def store_newest(store: ObjectStore, deadline: float) -> Newest | None:
     """The newest resumable step on ``store`` and its run (``None``: there is none)."""
-    from ._remote import newest_complete
+    from .roots.objstore._remote import newest_complete
 
     found = await newest_complete(store, deadline)
     return None if found is None else Newest(found[0].step, found[0].run)
@@ -135,7 +135,7 @@ def survey_store(store: ObjectStore, timeout: float) -> Newest | None:
     """
     import time
 
-    from ._remote import run_sync
+    from .roots.objstore._remote import run_sync
 
     try:
         return run_sync(lambda: store_newest(store, time.monotonic() + timeout))
@@ -166,7 +166,7 @@ def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None)
     import time
 
     from ._errors import CheckpointCorruptError
-    from ._remote import read_manifest, run_sync
+    from .roots.objstore._remote import read_manifest, run_sync
 
     try:
         found = run_sync(lambda: read_manifest(store, step, time.monotonic() + timeout))
@@ -209,7 +209,7 @@ async def newest_of_run(
     """The newest resumable step on ``store`` not in ``skip`` that belongs to ``run`` (any run
     with ``None``), and the newer ones of other runs passed over (newest first). Newer steps
     passed over as corrupt or known bad are put in ``bad``."""
-    from ._remote_steps import newest_resumable
+    from .roots.objstore._steps import newest_resumable
 
     passed: list[Manifest] = []
     skipped = set(skip)

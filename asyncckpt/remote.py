@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from ._remote import (
+from .roots.objstore._remote import (
     DEFAULT_DEADLINE_S,
     PushResult,
     RemoteCheckpointInfo,

@@ -9,11 +9,11 @@ import time
 from typing import Any
 
 from .._lease import Lease, held
-from .._remote import open_store, retire_remote, run_sync
-from .._remote_leftovers import remove, survey
-from .._remote_steps import remove_bad
 from ..format._layout import aside_key, data_prefix
 from ..format._stepstates import state_of, victims, why_bad
+from ..roots.objstore._leftovers import remove, survey
+from ..roots.objstore._remote import open_store, retire_remote, run_sync
+from ..roots.objstore._steps import remove_bad
 from ._args import UsageError
 from ._remote_args import deadline_s, storage_options
 from .gc import Report

@@ -8,11 +8,11 @@ import time
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .._remote import candidate_steps, open_store, run_sync
-from .._remote_steps import newest_resumable
 from .._remote_verify import open_for_verify, verify_remote_step
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
+from ..roots.objstore._remote import candidate_steps, open_store, run_sync
+from ..roots.objstore._steps import newest_resumable
 from ._print import PROG, Progress, say
 from ._remote_args import deadline_s, storage_options
 from .info import note_passed_over

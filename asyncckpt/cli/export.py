@@ -233,8 +233,8 @@ def _run_remote(args: argparse.Namespace) -> int:
     temporary root beside OUT, on OUT's file system, exported from there, then removed."""
     import tempfile
 
-    from .._remote import open_store, pull, run_sync
     from .._remote_info import resolve_remote_step
+    from ..roots.objstore._remote import open_store, pull, run_sync
 
     url: str = args.root
     opts = storage_options(args)

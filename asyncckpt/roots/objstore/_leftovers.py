@@ -27,11 +27,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._badmarks import store_marks
-from ._objstore import ObjectStore, ObjectStoreError
-from ._remote_steps import StepPrefix, candidate_steps, observe_step
-from .format._layout import step_dir_name
-from .format._stepstates import state_of, why_bad
+from ..._badmarks import store_marks
+from ..._objstore import ObjectStore, ObjectStoreError
+from ...format._layout import step_dir_name
+from ...format._stepstates import state_of, why_bad
+from ._steps import StepPrefix, candidate_steps, observe_step
 
 log = logging.getLogger("asyncckpt")
 
