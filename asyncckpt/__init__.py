@@ -33,13 +33,13 @@ from ._errors import (
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, load
-    from ._discovery import find_latest
     from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-    from ._storage import ensure_dir
     from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
+    from .roots.posix._discovery import find_latest
+    from .roots.posix._storage import ensure_dir
 
 __version__ = "0.1.0"
 
@@ -47,13 +47,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "._checkpointer",
     "load": "._checkpointer",
-    "find_latest": "._discovery",
+    "find_latest": ".roots.posix._discovery",
     "SaveHandle": "._handle",
     "CheckpointerStatistics": "._info",
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",
     "SaveState": ".format._lifecycle",
-    "ensure_dir": "._storage",
+    "ensure_dir": ".roots.posix._storage",
     "on_every_rank": ".ranks._every_rank",
     "import_dcp": ".integrations.dcp",
 }

@@ -26,8 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _dedupe, _discovery, _load, _load_global, _readfault, _resume, _rootstart, _runs
-from ._backend import Backend, PosixBackend
+from . import _dedupe, _load, _load_global, _resume
 from ._commit import SaveJob, run_save
 from ._errors import (
     CheckpointCorruptError,
@@ -40,10 +39,7 @@ from ._errors import (
 )
 from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from ._ownership import Ownership
-from ._retention import retire
 from ._staging import Arena, StageProgress, StagingPool
-from ._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
 from .format._gcpause import paused_gc
 from .format._header import round_up
 from .format._layout import check_step, step_dir_name
@@ -52,12 +48,18 @@ from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_spl
 from .format._structure import TensorRef, flatten, tree_json
 from .ranks import _agree, _distributed
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
+from .roots import _readfault, _rootstart, _runs
+from .roots._backend import Backend, PosixBackend
+from .roots.posix import _discovery
+from .roots.posix._ownership import Ownership
+from .roots.posix._retention import retire
+from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
 from .save._mirror import Mirror, UploadRecord, check_options
 from .threads._iopool import IOPool
 from .threads._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
-    from ._lease import Lease
+    from .roots.objstore._lease import Lease
     from .roots.objstore._remote import RemoteCheckpointInfo
 
 OnError = Literal["raise", "warn"]
@@ -361,7 +363,7 @@ class Checkpointer:
         store = None
         if isinstance(root, str) and root.startswith("s3://"):
             store = _open_store_root(root, mirror, keep_last_remote, storage_options, direct_io, allow_earlier_steps)
-            from ._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
+            from .roots.objstore._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
 
             ttl = check_ttl(lease_ttl) if lease_ttl is not None else DEFAULT_TTL_S
         else:
@@ -371,7 +373,7 @@ class Checkpointer:
                     raise ValueError(
                         "lease_ttl applies to an object-store root (s3://...) or a mirror=; a local root is locked"
                     )
-                from ._lease import check_ttl  # obstore: only for tier mode
+                from .roots.objstore._lease import check_ttl  # obstore: only for tier mode
 
                 lease_ttl = check_ttl(lease_ttl)  # the mirror's lease (taken at its first upload)
         if not isinstance(root, (str, os.PathLike)):
@@ -1894,7 +1896,7 @@ def _exit_hook() -> None:
         for r in failures:
             unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
     if settle:
-        from ._objstore import _let_runtime_settle
+        from .roots.objstore._client import _let_runtime_settle
 
         _let_runtime_settle()
     if unseen:

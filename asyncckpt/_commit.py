@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import _committable, _dedupe
-from ._backend import Backend, PosixBackend, _PhaseTimeout
 from ._errors import (
     CoordinationLost,
     RankFailure,
@@ -50,11 +49,12 @@ from ._errors import (
 )
 from ._info import CheckpointInfo, SaveStatistics
 from ._staging import Arena, StageProgress
-from ._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 from .format import _index, _manifest
 from .format._lifecycle import SaveEvent, SaveState, advance
 from .format._safetensors import ShardLayout
 from .ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
+from .roots._backend import Backend, PosixBackend, _PhaseTimeout
+from .roots.posix._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

@@ -50,9 +50,7 @@ import numpy as np
 import torch
 
 from . import _readinto
-from ._discovery import read_regular_file
 from ._errors import CheckpointCorruptError, CheckpointError
-from ._readfault import read_error
 from ._stepfiles import StepFiles
 from .format._bounds import check_memory, check_structure_size, human, parse_structure
 from .format._checksum import crc32c, crc32c_combine
@@ -61,6 +59,8 @@ from .format._header import TensorSlot, declared_length, parse_header, validate_
 from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from .format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
 from .format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
+from .roots._readfault import read_error
+from .roots.posix._discovery import read_regular_file
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: dtypes whose tensors ``Tensor.numpy()`` converts

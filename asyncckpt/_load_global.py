@@ -41,7 +41,6 @@ import torch
 from . import _readinto
 from ._errors import CheckpointCorruptError, CheckpointError
 from ._load import _check_tree_size, byte_view, read_shard_fd
-from ._readfault import read_error
 from ._stepfiles import StepFiles
 from .format import _index
 from .format._bounds import check_memory, parse_structure
@@ -49,6 +48,7 @@ from .format._manifest import Manifest, shard_name, tree_name
 from .format._reshard import Box, plan_reads
 from .format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
 from .format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
+from .roots._readfault import read_error
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")

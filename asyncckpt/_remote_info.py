@@ -9,7 +9,6 @@ one. Every defect is ``CheckpointCorruptError`` naming the object's URL.
 from __future__ import annotations
 
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ._objstore import ObjectIntegrityError, ObjectStore
 from .format._bounds import check_structure_size, parse_structure
 from .format._header import TensorSlot
 from .format._index import INDEX, MAX_INDEX_BYTES
@@ -23,6 +22,7 @@ from .reading import (
     rank_outline,
     slots_of_header,
 )
+from .roots.objstore._client import ObjectIntegrityError, ObjectStore
 from .roots.objstore._steps import newest_resumable, open_step
 
 

@@ -27,14 +27,13 @@ from typing import Any, TypeVar
 import torch
 
 from . import _load
-from ._badmarks import record_on_store, store_marks
-from ._discovery import KnownBad
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ._load_global import PER_RANK, PerRank, Reader
-from ._objstore import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
-from ._runs import check_choice
 from .format._layout import check_step, token_of
 from .format._manifest import Manifest
+from .roots._badmarks import record_on_store, store_marks
+from .roots._runs import check_choice
+from .roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from .roots.objstore._remote import (
     DEFAULT_DEADLINE_S,
     candidate_steps,
@@ -44,6 +43,7 @@ from .roots.objstore._remote import (
     open_store,
     run_sync,
 )
+from .roots.posix._discovery import KnownBad
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

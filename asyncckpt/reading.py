@@ -29,8 +29,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ._badmarks import clear, marks, record_bad
-from ._discovery import (
+from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .format import _index
+from .format._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
+from .format._checksum import RangeCheck, crc32c
+from .format._gcpause import paused_gc
+from .format._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
+from .format._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
+from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from .format._stepstates import Mark, Seen, State, state_of
+from .roots._badmarks import clear, marks, record_bad
+from .roots._readfault import fault_of, read_error, retrying
+from .roots.posix._discovery import (
     KnownBad,
     Vanished,
     candidate_steps,
@@ -42,16 +52,6 @@ from ._discovery import (
     open_step,
     read_manifest,
 )
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._readfault import fault_of, read_error, retrying
-from .format import _index
-from .format._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
-from .format._checksum import RangeCheck, crc32c
-from .format._gcpause import paused_gc
-from .format._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
-from .format._layout import META_DIR, parse_aside, parse_leftover, parse_step_dir, step_dir_name
-from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
-from .format._stepstates import Mark, Seen, State, state_of
 
 __all__ = [
     "Entry",

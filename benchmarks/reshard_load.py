@@ -113,10 +113,10 @@ def rank_save(rank: int, port: int, mib: int, root: str, dcp_dir: str) -> dict[s
 
 def _needed_ranges(root: str, msd: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(file, first byte, length) of every copy this rank's shards need, as the loader plans them."""
-    from asyncckpt._discovery import read_manifest
     from asyncckpt._load_global import targets_of
     from asyncckpt.format import _index
     from asyncckpt.format._reshard import plan_reads
+    from asyncckpt.roots.posix._discovery import read_manifest
 
     step_dir = os.path.join(root, "step_00000001")
     manifest = read_manifest(step_dir)

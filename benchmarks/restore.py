@@ -53,7 +53,7 @@ from states import StateSpec, build_state, checksums, copy_into, format_size, mu
 
 import asyncckpt  # noqa: E402
 from asyncckpt import _readinto  # noqa: E402
-from asyncckpt._discovery import read_manifest  # noqa: E402
+from asyncckpt.roots.posix._discovery import read_manifest  # noqa: E402
 
 
 def _parallel_read(path: str, view: memoryview, nbytes: int, threads: int) -> None:

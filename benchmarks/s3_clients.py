@@ -6,7 +6,7 @@
 
 Upload methods (each sends the same buffer, multipart, same part size and concurrency):
 
-* ``asyncckpt``   - :meth:`asyncckpt._objstore.ObjectStore.put_file` (obstore underneath, plus
+* ``asyncckpt``   - :meth:`asyncckpt.roots.objstore._client.ObjectStore.put_file` (obstore underneath, plus
   CRC-32C of the source alongside and a HEAD to check the stored size);
 * ``obstore``     - raw ``obstore.put_async`` of part-sized memoryview slices, unsigned payload;
 * ``aiobotocore`` - create / upload_part / complete, one ``bytes`` copy per part (its body
@@ -96,7 +96,7 @@ def _opts(endpoint: str) -> dict[str, str]:
 async def _put(method: str, endpoint: str, key: str, mv: memoryview, part: int, conc: int) -> None:
     size = mv.nbytes
     if method == "asyncckpt":
-        from asyncckpt._objstore import ObjectStore
+        from asyncckpt.roots.objstore._client import ObjectStore
 
         st = ObjectStore(f"s3://{BUCKET}", _opts(endpoint), part_size=part, max_concurrency=conc)
         await st.put_file(key, mv, time.monotonic() + 3600)
@@ -150,7 +150,7 @@ async def _get(method: str, endpoint: str, key: str, out: memoryview, part: int,
     sem = asyncio.Semaphore(conc)
     ranges = list(range(0, size, part))
     if method == "asyncckpt":
-        from asyncckpt._objstore import ObjectStore
+        from asyncckpt.roots.objstore._client import ObjectStore
 
         st = ObjectStore(f"s3://{BUCKET}", _opts(endpoint), part_size=part, max_concurrency=conc)
         await st.get_range_into(key, 0, out, time.monotonic() + 3600)

@@ -3,7 +3,7 @@ obstore's ``mode={"e_tag": ...}``, well enough to hold a root lease by compare-a
 
 Run: ``.venv/bin/python benchmarks/s3_if_match.py [--trials 20] [--racers 8]``. Prints one line
 per question and a JSON summary (saved under benchmarks/results/ by hand). What the lease
-(``asyncckpt/_lease.py``) relies on:
+(``asyncckpt/roots/objstore/_lease.py``) relies on:
 
 1. a conditional update with the current ETag succeeds and returns the new ETag;
 2. one with a stale ETag fails (``PreconditionError``) and leaves the object unchanged;

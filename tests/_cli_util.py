@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncckpt._discovery import read_manifest
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
+from asyncckpt.roots.posix._discovery import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 

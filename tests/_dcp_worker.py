@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import asyncckpt
-from asyncckpt._storage import OsOps
 from asyncckpt.integrations.dcp import StorageReader, StorageWriter
+from asyncckpt.roots.posix._storage import OsOps
 
 
 def tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import Checkpointer, _readfault
-from asyncckpt._badmarks import bad_mark, record_bad
-from asyncckpt._discovery import read_manifest
+from asyncckpt import Checkpointer
+from asyncckpt.roots import _readfault
+from asyncckpt.roots._badmarks import bad_mark, record_bad
+from asyncckpt.roots.posix._discovery import read_manifest
 
 
 def state_for(rank: int, step: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt._storage import OsOps
+from asyncckpt.roots.posix._storage import OsOps
 
 
 def make_state(seed: int, n: int = 4, numel: int = 1024) -> dict[str, Any]:

@@ -69,8 +69,8 @@ from typing import Any
 import torch
 
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
-from asyncckpt._storage import OsOps
 from asyncckpt.format._layout import parse_step_dir, step_dir_name
+from asyncckpt.roots.posix._storage import OsOps
 
 #: kinds that change the namespace, carry data, or are durability barriers
 NAMESPACE = ("mkdir", "create", "rename", "unlink", "rmdir")

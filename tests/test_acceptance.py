@@ -32,11 +32,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, _commit, load
-from asyncckpt._discovery import open_step, read_manifest
 from asyncckpt.format import _header, _manifest
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.format._structure import MAX_DEPTH
 from asyncckpt.reading import file_crc, read_rank_outline, verify_step
+from asyncckpt.roots.posix._discovery import open_step, read_manifest
 
 HERE = Path(__file__).resolve().parent
 

@@ -33,7 +33,7 @@ import pytest
 from _cli_util import run_cli
 
 from asyncckpt import Checkpointer
-from asyncckpt._storage import OsOps, remove_tree
+from asyncckpt.roots.posix._storage import OsOps, remove_tree
 
 RACE_S = 4.0
 LEFTOVER = "step_00000005.tmp-00c0ffee"

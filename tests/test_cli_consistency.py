@@ -19,10 +19,10 @@ import torch
 from _cli_util import REPO, run_cli, strict_json
 
 from asyncckpt import Checkpointer, find_latest
-from asyncckpt._badmarks import bad_mark
-from asyncckpt._discovery import read_manifest
 from asyncckpt.cli import main
 from asyncckpt.cli._print import Progress
+from asyncckpt.roots._badmarks import bad_mark
+from asyncckpt.roots.posix._discovery import read_manifest
 
 WORLD = 1
 

@@ -36,7 +36,7 @@ from hypothesis.control import currently_in_test_context
 
 import asyncckpt
 from asyncckpt import reading
-from asyncckpt._discovery import read_manifest
+from asyncckpt.roots.posix._discovery import read_manifest
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 

@@ -216,7 +216,8 @@ def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim
 
 def _verify(root: Path, step: int) -> list[Any]:
     """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
-    from asyncckpt import _discovery, reading
+    from asyncckpt import reading
+    from asyncckpt.roots.posix import _discovery
 
     step_dir, manifest = _discovery.open_step(str(root), step)
     return reading.verify_step(str(root), step_dir, manifest, record=False)

@@ -17,9 +17,9 @@ import pytest
 from conftest import make_state
 
 from asyncckpt import Checkpointer, RootInUseError
-from asyncckpt._ownership import RECORD
-from asyncckpt._storage import OsOps
 from asyncckpt.format._layout import META_DIR
+from asyncckpt.roots.posix._ownership import RECORD
+from asyncckpt.roots.posix._storage import OsOps
 
 
 def _asyncckpt_threads() -> list[threading.Thread]:

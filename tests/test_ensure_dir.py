@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt._storage import OsOps, StaleDirectoryError, ensure_dir
+from asyncckpt.roots.posix._storage import OsOps, StaleDirectoryError, ensure_dir
 
 
 class StaleOps(OsOps):

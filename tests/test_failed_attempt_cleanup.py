@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from asyncckpt._backend import remove_part
+from asyncckpt.roots._backend import remove_part
 
 
 def _attempt(d: Path, ranks: range) -> Path:

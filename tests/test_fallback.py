@@ -16,8 +16,8 @@ from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError
-from asyncckpt._badmarks import bad_mark
 from asyncckpt.format._manifest import MANIFEST, decode
+from asyncckpt.roots._badmarks import bad_mark
 
 WORKER = str(Path(__file__).with_name("_fallback_worker.py"))
 

@@ -1,4 +1,4 @@
-"""``asyncckpt._fileio``: space reserved before the first byte, exact reads, whole writes,
+"""``asyncckpt.roots.posix._fileio``: space reserved before the first byte, exact reads, whole writes,
 every failure an ``OSError`` naming the file (real file systems: the test's disk, a full tmpfs)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncckpt import CheckpointCorruptError
-from asyncckpt._fileio import read_exact, reserve, write_all
+from asyncckpt.roots.posix._fileio import read_exact, reserve, write_all
 
 MiB = 1024 * 1024
 

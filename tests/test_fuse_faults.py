@@ -35,9 +35,9 @@ from conftest import assert_same, make_state
 from faultfs import FaultFS, FaultFSUnavailable, _mounted, rule, unavailable_reason
 
 from asyncckpt import Checkpointer, SaveError, find_latest, load
-from asyncckpt._storage import StaleDirectoryError, ensure_dir
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._layout import META_DIR
+from asyncckpt.roots.posix._storage import StaleDirectoryError, ensure_dir
 
 WORKER = str(Path(__file__).with_name("_fault_worker.py"))
 STEP_LEAF = "step_00000297/rng"

@@ -17,10 +17,10 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer, RootInUseError, RootNotWritableError, SaveError
-from asyncckpt._discovery import open_step
-from asyncckpt._storage import OsOps
 from asyncckpt.format._layout import META_DIR
 from asyncckpt.reading import verify_step
+from asyncckpt.roots.posix._discovery import open_step
+from asyncckpt.roots.posix._storage import OsOps
 
 
 def _state(v: float) -> dict[str, Any]:

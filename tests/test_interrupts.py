@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import Checkpointer, RootInUseError, _checkpointer, _ownership, _rootstart
+from asyncckpt import Checkpointer, RootInUseError, _checkpointer
+from asyncckpt.roots import _rootstart
+from asyncckpt.roots.posix import _ownership
 from asyncckpt.threads import _writer
 
 N = 1 << 16  # floats per state: big enough that a torn write shows, small enough to be quick

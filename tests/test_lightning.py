@@ -28,8 +28,8 @@ from lightning.fabric.utilities.data import AttributeDict
 
 from asyncckpt import SaveError
 from asyncckpt._errors import CheckpointError
-from asyncckpt._storage import OsOps
 from asyncckpt.integrations.lightning import ROOT_NAME, AsyncckptCheckpointIO, load_checkpoint, read_pointer
+from asyncckpt.roots.posix._storage import OsOps
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice (num_workers, ...)

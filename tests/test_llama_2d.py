@@ -16,7 +16,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
 from asyncckpt import reading
-from asyncckpt._discovery import read_manifest
+from asyncckpt.roots.posix._discovery import read_manifest
 
 pytest.importorskip("transformers")
 

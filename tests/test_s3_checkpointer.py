@@ -40,7 +40,7 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
 
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, SaveTimeoutError
-from asyncckpt._objstore import ConditionalWriteUnsupportedError
+from asyncckpt.roots.objstore._client import ConditionalWriteUnsupportedError
 
 HERE = Path(__file__).parent
 BUCKET = "direct-bucket"

@@ -221,7 +221,7 @@ def test_a_lease_taken_over_mid_save_fails_that_save_before_its_commit(
     s3: S3Server, proxy: FaultProxy, url: str, guard: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not guard:  # the lease checks off: the job that lost its lease commits (what the guard prevents)
-        from asyncckpt._lease import Lease
+        from asyncckpt.roots.objstore._lease import Lease
 
         async def confirm(self: Lease, need: float) -> float:
             return time.monotonic() + 60

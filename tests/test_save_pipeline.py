@@ -23,7 +23,8 @@ import torch
 from conftest import FaultOps, assert_same
 
 import asyncckpt
-from asyncckpt import Checkpointer, SaveError, _staging, _storage, find_latest, load
+from asyncckpt import Checkpointer, SaveError, _staging, find_latest, load
+from asyncckpt.roots.posix import _storage
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 20.0
@@ -174,7 +175,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
     code = textwrap.dedent(f"""
         import os, signal, threading, torch
         from asyncckpt import Checkpointer, _staging
-        from asyncckpt._storage import OsOps
+        from asyncckpt.roots.posix._storage import OsOps
 
         first = threading.Event()
 

@@ -16,7 +16,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, CheckpointError, reading
-from asyncckpt._discovery import open_step
+from asyncckpt.roots.posix._discovery import open_step
 
 WORKER = str(Path(__file__).with_name("_global_worker.py"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -349,11 +349,11 @@ def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[tor
     """The box of ``name`` read as a resharded load reads it (the checked pass, into a fresh
     tensor); with the bytes the reads asked the kernel for and the bytes of the chunks it touches."""
     from asyncckpt import _load_global
-    from asyncckpt._discovery import pin_step
     from asyncckpt._stepfiles import PinnedFiles
     from asyncckpt.format import _index
     from asyncckpt.format._reshard import plan_reads
     from asyncckpt.format._safetensors import ST_TO_DTYPE
+    from asyncckpt.roots.posix._discovery import pin_step
 
     with pin_step(str(root), 1) as pinned:
         manifest = pinned.manifest

@@ -23,8 +23,8 @@ from _cli_util import run_cli
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt._storage import OsOps
 from asyncckpt.format._layout import step_dir_name
+from asyncckpt.roots.posix._storage import OsOps
 
 WAIT_S = 30.0
 

@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 import asyncckpt
 from asyncckpt import reading
-from asyncckpt._discovery import open_step
 from asyncckpt.format import _index
+from asyncckpt.roots.posix._discovery import open_step
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_tied_worker.py")

@@ -40,8 +40,8 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
 
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, remote
-from asyncckpt._objstore import ObjectStoreError
 from asyncckpt.reading import complete_checkpoints
+from asyncckpt.roots.objstore._client import ObjectStoreError
 from asyncckpt.save._mirror import UploadRecord
 
 BUCKET = "tier-bucket"

@@ -29,9 +29,9 @@ except ImportError as e:  # CI refuses this skip ("needs transformers/")
 import _hf_worker as w
 
 from asyncckpt import CheckpointCorruptError, CheckpointError, SaveError
-from asyncckpt._storage import OsOps
 from asyncckpt.integrations import _hf_folders as folders
 from asyncckpt.integrations.transformers import AsyncckptTrainer
+from asyncckpt.roots.posix._storage import OsOps
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -8,9 +8,9 @@ import math
 import time
 from typing import Any
 
-from .._lease import Lease, held
 from ..format._layout import aside_key, data_prefix
 from ..format._stepstates import state_of, victims, why_bad
+from ..roots.objstore._lease import Lease, held
 from ..roots.objstore._leftovers import remove, survey
 from ..roots.objstore._remote import open_store, retire_remote, run_sync
 from ..roots.objstore._steps import remove_bad

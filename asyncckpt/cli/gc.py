@@ -12,13 +12,13 @@ import time
 import uuid
 from typing import Any
 
-from .. import _ownership
-from .._badmarks import clear
 from .._errors import CheckpointNotFoundError
-from .._retention import choose_victims, leftovers, retire
-from .._storage import DEFAULT_OPS, Storage, remove_tree
 from ..format._layout import deleting_dir_name
 from ..reading import complete_checkpoints, scan, usage
+from ..roots._badmarks import clear
+from ..roots.posix import _ownership
+from ..roots.posix._retention import choose_victims, leftovers, retire
+from ..roots.posix._storage import DEFAULT_OPS, Storage, remove_tree
 from ._args import command, positive_int, seconds
 from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options

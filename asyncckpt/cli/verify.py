@@ -8,10 +8,10 @@ import sys
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .._readfault import fault_of
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
 from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
+from ..roots._readfault import fault_of
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options

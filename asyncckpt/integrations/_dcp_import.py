@@ -26,8 +26,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from .._storage import DEFAULT_OPS, OsOps, ensure_dir, remove_tree
 from ..format._layout import check_step
+from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir, remove_tree
 from . import _dcp_meta, _dcp_step
 
 log = logging.getLogger("asyncckpt")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from .._handle import SaveHandle
 from .._info import CheckpointInfo
-from .._storage import remove_tree
 from ..format._layout import deleting_dir_name, step_dir_name
+from ..roots.posix._storage import remove_tree
 
 log = logging.getLogger("asyncckpt")
 

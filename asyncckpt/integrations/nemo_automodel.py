@@ -82,8 +82,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._checkpointer import Checkpointer
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .._storage import remove_tree
 from ..ranks._every_rank import on_every_rank
+from ..roots.posix._storage import remove_tree
 from . import _nemo_folders as folders
 from ._publish import Publisher
 

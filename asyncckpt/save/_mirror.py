@@ -41,8 +41,8 @@ from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
 
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
-    from .._lease import Lease
-    from .._objstore import ObjectStore
+    from ..roots.objstore._client import ObjectStore
+    from ..roots.objstore._lease import Lease
     from ..roots.objstore._remote import RemoteCheckpointInfo
 
 log = logging.getLogger("asyncckpt")
@@ -252,7 +252,7 @@ class Mirror:
     async def _look_above(self, step: int, deadline: float) -> None:
         """After the first upload under a newly taken lease: warn when the store holds a step
         above ``step`` (written before this job held the prefix; ``_runs.warn_above``)."""
-        from .._runs import store_newest, warn_above
+        from ..roots._runs import store_newest, warn_above
 
         assert self.run is not None
         try:
@@ -264,7 +264,7 @@ class Mirror:
         """The prefix's lease, taken now if this job does not hold it yet: ``RootInUseError``
         naming the holder while another live job writes the prefix (this upload fails, the next
         commit's tries again); once taken over, final: every later upload fails with it."""
-        from .._lease import DEFAULT_TTL_S, Lease
+        from ..roots.objstore._lease import DEFAULT_TTL_S, Lease
 
         lease = self._lease
         if lease is not None:
@@ -311,7 +311,7 @@ class Mirror:
         over, with a WARNING naming them (``_runs``). With ``warn`` (a load's choice), each
         newer step passed over as corrupt or known bad is a WARNING too, as a load that falls
         back logs it."""
-        from .._runs import newest_of_run, warn_other_runs
+        from ..roots._runs import newest_of_run, warn_other_runs
         from ..roots.objstore._remote import info_of, run_sync
 
         async def go() -> RemoteCheckpointInfo | None:

@@ -48,15 +48,15 @@ import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..._backend import check_deadline
 from ..._errors import CheckpointCorruptError
 from ..._info import CheckpointInfo
-from ..._lease import Lease
-from ..._objstore import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
-from ..._storage import Staged, WriteResult, until_staged
 from ...format._layout import step_dir_name
 from ...format._manifest import decode
 from ...format._stepstates import save_action, state_of
+from .._backend import check_deadline
+from ..posix._storage import Staged, WriteResult, until_staged
+from ._client import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
+from ._lease import Lease
 from ._leftovers import remove_dead
 from ._remote import _abort_stale_uploads, _sweep_dead_attempts, data_prefix, manifest_key, read_manifest, retire_remote
 from ._steps import observe_step, set_aside

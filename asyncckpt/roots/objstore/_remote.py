@@ -34,17 +34,17 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ... import _ownership
-from ..._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..._fileio import read_exact, reserve, write_all
-from ..._objstore import ObjectStore, ObjectStoreError, gather_or_cancel
-from ..._storage import remove_tree
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
 from ...format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
 from ...format._layout import manifest_key as manifest_key
 from ...format._manifest import MANIFEST, Manifest, decode
+from ..posix import _ownership
+from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
+from ..posix._fileio import read_exact, reserve, write_all
+from ..posix._storage import remove_tree
+from ._client import ObjectStore, ObjectStoreError, gather_or_cancel
 from ._steps import aside_keys, check_attempt, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects
@@ -53,7 +53,7 @@ from ._steps import read_manifest as read_manifest
 from ._steps import retire as _retire_steps
 
 if TYPE_CHECKING:
-    from ..._lease import Lease
+    from ._lease import Lease
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -426,7 +426,7 @@ def push(
     store = open_store(url, storage_options, **kwargs)
 
     async def go() -> list[PushResult]:
-        from ..._lease import held  # the prefix's lease: no push into a prefix a live job writes
+        from ._lease import held  # the prefix's lease: no push into a prefix a live job writes
 
         deadline = time.monotonic() + deadline_s
         await store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced

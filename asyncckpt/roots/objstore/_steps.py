@@ -24,17 +24,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..._badmarks import clear_on_store, store_marks
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..._objstore import ObjectInfo, ObjectIntegrityError, ObjectNotFoundError, ObjectStore
-from ..._runs import same_run
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of, victims
+from .._badmarks import clear_on_store, store_marks
+from .._runs import same_run
+from ._client import ObjectInfo, ObjectIntegrityError, ObjectNotFoundError, ObjectStore
 
 if TYPE_CHECKING:
-    from ..._lease import Lease
+    from ._lease import Lease
 
 log = logging.getLogger("asyncckpt")
 

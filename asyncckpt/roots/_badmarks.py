@@ -29,11 +29,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from .format._layout import META_DIR, step_dir_name, token_of
-from .format._stepstates import Mark
+from ..format._layout import META_DIR, step_dir_name, token_of
+from ..format._stepstates import Mark
 
 if TYPE_CHECKING:
-    from ._objstore import ObjectStore
+    from .objstore._client import ObjectStore
 
 _BAD = "bad"
 #: A mark file larger than this is ignored (it is ours and tiny; anything else is hostile).
@@ -192,7 +192,7 @@ async def record_on_store(
 ) -> bool:
     """Remember on the store that ``step`` (manifest ``attempt``) failed verification at
     ``url``. Returns whether the mark was written (False: the store refused or failed)."""
-    from ._objstore import ObjectStoreError
+    from .objstore._client import ObjectStoreError
 
     try:
         await store.put_file(STORE_PREFIX + mark_name(step, attempt), memoryview(_body(step, attempt, url, reason)),
@@ -205,7 +205,7 @@ async def record_on_store(
 async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, str], Mark]:
     """Every mark on the store: (step, ``token_of(attempt)``) -> mark (one LIST, and one GET
     per mark). A store failure propagates; a mark gone meanwhile or malformed is ignored."""
-    from ._objstore import ObjectIntegrityError, ObjectNotFoundError
+    from .objstore._client import ObjectIntegrityError, ObjectNotFoundError
 
     out: dict[tuple[int, str], Mark] = {}
     listed = sorted(o.key for o in await store.list(STORE_PREFIX, deadline))
@@ -227,7 +227,7 @@ async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, st
 async def clear_on_store(store: ObjectStore, step: int, attempt: str, deadline: float) -> bool:
     """Drop the store's mark of ``attempt`` of ``step``; returns whether a delete was sent
     without error (deleting an absent key is not an error on S3)."""
-    from ._objstore import ObjectStoreError
+    from .objstore._client import ObjectStoreError
 
     try:
         await store.delete([STORE_PREFIX + mark_name(step, attempt)], deadline)

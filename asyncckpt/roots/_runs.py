@@ -40,12 +40,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._errors import CheckpointCorruptError, CheckpointError
-from .format._layout import step_dir_name
+from .._errors import CheckpointCorruptError, CheckpointError
+from ..format._layout import step_dir_name
 
 if TYPE_CHECKING:
-    from ._objstore import ObjectStore
-    from .format._manifest import Manifest
+    from ..format._manifest import Manifest
+    from .objstore._client import ObjectStore
 
 log = logging.getLogger("asyncckpt")
 
@@ -92,7 +92,7 @@ def decide(local: Newest | None, store: Newest | None) -> str:
 
 def local_newest(root: str) -> Newest | None:
     """The newest resumable step under local ``root`` and its run (``None``: there is none)."""
-    from ._discovery import newest_complete, open_step
+    from .posix._discovery import newest_complete, open_step
 
     info = newest_complete(root)
     if info is None:
@@ -106,7 +106,7 @@ def local_newest(root: str) -> Newest | None:
 
 async def store_newest(store: ObjectStore, deadline: float) -> Newest | None:
     """The newest resumable step on ``store`` and its run (``None``: there is none)."""
-    from .roots.objstore._remote import newest_complete
+    from .objstore._remote import newest_complete
 
     found = await newest_complete(store, deadline)
     return None if found is None else Newest(found[0].step, found[0].run)
@@ -135,7 +135,7 @@ def survey_store(store: ObjectStore, timeout: float) -> Newest | None:
     """
     import time
 
-    from .roots.objstore._remote import run_sync
+    from .objstore._remote import run_sync
 
     try:
         return run_sync(lambda: store_newest(store, time.monotonic() + timeout))
@@ -165,8 +165,8 @@ def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None)
     now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
     import time
 
-    from ._errors import CheckpointCorruptError
-    from .roots.objstore._remote import read_manifest, run_sync
+    from .._errors import CheckpointCorruptError
+    from .objstore._remote import read_manifest, run_sync
 
     try:
         found = run_sync(lambda: read_manifest(store, step, time.monotonic() + timeout))
@@ -209,7 +209,7 @@ async def newest_of_run(
     """The newest resumable step on ``store`` not in ``skip`` that belongs to ``run`` (any run
     with ``None``), and the newer ones of other runs passed over (newest first). Newer steps
     passed over as corrupt or known bad are put in ``bad``."""
-    from .roots.objstore._steps import newest_resumable
+    from .objstore._steps import newest_resumable
 
     passed: list[Manifest] = []
     skipped = set(skip)
@@ -255,7 +255,7 @@ def choice(step: int, m: Manifest | None) -> list[Any]:
 
 def local_choice(root: str, step: int) -> list[Any]:
     """:func:`choice` for ``step`` under local ``root``, as rank 0 sees it now."""
-    from ._discovery import pin_step
+    from .posix._discovery import pin_step
 
     try:
         with pin_step(root, step) as pinned:

@@ -17,16 +17,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from . import _discovery, _ownership
-from ._errors import CheckpointError
-from ._ownership import Ownership
-from ._retention import leftovers, remove_leftovers
-from ._storage import OsOps, ensure_dir
-from .ranks import _sharedroot
-from .ranks._distributed import DistContext
+from .._errors import CheckpointError
+from ..ranks import _sharedroot
+from ..ranks._distributed import DistContext
+from .posix import _discovery, _ownership
+from .posix._ownership import Ownership
+from .posix._retention import leftovers, remove_leftovers
+from .posix._storage import OsOps, ensure_dir
 
 if TYPE_CHECKING:
-    from ._lease import Lease
+    from .objstore._lease import Lease
 
 #: Longest a construction waits in all, whatever ``timeout`` (a store that does not answer, a
 #: rank that does not see the root): what the constructor's waits are bounded by.
@@ -115,8 +115,8 @@ def remote_start(lease: Lease, timeout: float, start: float) -> tuple[list[int],
     One deadline for all of it, counted from ``start`` (the constructor's call):
     ``min(timeout, 120 s)``, or up to twice the lease's TTL when ``timeout`` allows, to
     wait out a dead owner's lease; a store that does not answer fails it by then."""
-    from .roots.objstore._leftovers import remove_dead
-    from .roots.objstore._remote import run_sync
+    from .objstore._leftovers import remove_dead
+    from .objstore._remote import run_sync
 
     budget = min(timeout, START_S)
     end = start + max(budget, min(timeout, 2 * lease.ttl + 10.0))

@@ -38,17 +38,17 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ._badmarks import marks
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._info import CheckpointInfo
-from ._readfault import read_error
-from .format._bounds import MAX_MANIFEST_BYTES
-from .format._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
-from .format._manifest import MANIFEST, Manifest, decode
-from .format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
+from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from ..._info import CheckpointInfo
+from ...format._bounds import MAX_MANIFEST_BYTES
+from ...format._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
+from ...format._manifest import MANIFEST, Manifest, decode
+from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
+from .._badmarks import marks
+from .._readfault import read_error
 
 if TYPE_CHECKING:
-    from .roots.objstore._remote import RemoteCheckpointInfo
+    from ..objstore._remote import RemoteCheckpointInfo
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -453,7 +453,7 @@ def find_latest(
     see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
     """
     if isinstance(root, str) and root.startswith("s3://"):
-        from .remote import find_latest as find_latest_remote
+        from ...remote import find_latest as find_latest_remote
 
         return find_latest_remote(root, storage_options=storage_options)
     return newest_complete(root)

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ._errors import CheckpointCorruptError
+from ..._errors import CheckpointCorruptError
 
 #: errnos that mean "this file system cannot preallocate" (then the file is only extended).
 _UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})

@@ -68,11 +68,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import RootInUseError
-from ._objstore import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
-from ._ownership import _process_start_time, describe_owner
-from .format._layout import META_DIR
-from .threads._writer import WriterThread
+from ..._errors import RootInUseError
+from ...format._layout import META_DIR
+from ...threads._writer import WriterThread
+from ..posix._ownership import _process_start_time, describe_owner
+from ._client import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
 
 log = logging.getLogger("asyncckpt")
 

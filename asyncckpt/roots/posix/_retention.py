@@ -18,11 +18,11 @@ import logging
 import os
 import uuid
 
+from ..._info import CheckpointInfo
+from ...format._layout import aside_dir_name, deleting_dir_name, parse_leftover, step_dir_name
+from ...format._stepstates import victims as _victims
 from ._discovery import complete_checkpoints
-from ._info import CheckpointInfo
 from ._storage import DEFAULT_OPS, OsOps, Storage, remove_tree
-from .format._layout import aside_dir_name, deleting_dir_name, parse_leftover, step_dir_name
-from .format._stepstates import victims as _victims
 
 log = logging.getLogger("asyncckpt")
 

@@ -29,8 +29,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import RootInUseError, RootNotWritableError
-from .format._layout import META_DIR
+from ..._errors import RootInUseError, RootNotWritableError
+from ...format._layout import META_DIR
 
 LOCK = "owner.lock"
 RECORD = "owner.json"

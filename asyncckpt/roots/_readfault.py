@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Literal, TypeVar
 
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

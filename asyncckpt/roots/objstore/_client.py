@@ -69,10 +69,10 @@ except ImportError as _missing:  # an optional dependency: say which extra bring
         f"pip install 'asyncckpt[s3]' (obstore could not be imported: {_missing})"
     ) from _missing
 
-from ._errors import CheckpointError
+from ..._errors import CheckpointError
+from ...format._checksum import crc32c, crc32c_combine
+from ...format._layout import META_DIR
 from ._s3uploads import S3Credentials, Upload, UploadsClient, UploadsError
-from .format._checksum import crc32c, crc32c_combine
-from .format._layout import META_DIR
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")

@@ -32,8 +32,8 @@ from typing import Any, Protocol, TypeVar
 
 import aiofiles.os
 
-from .format._checksum import crc32c
-from .format._header import ALIGN, round_up
+from ...format._checksum import crc32c
+from ...format._header import ALIGN, round_up
 
 T = TypeVar("T")
 log = logging.getLogger("asyncckpt")

@@ -23,17 +23,17 @@ import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._discovery import observe_step, open_step, read_manifest
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ._info import CheckpointInfo
-from ._retention import leftovers, retire, set_aside
-from ._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
-from .format import _manifest
-from .format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
-from .format._stepstates import save_action, state_of
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .._info import CheckpointInfo
+from ..format import _manifest
+from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from ..format._stepstates import save_action, state_of
+from .posix._discovery import observe_step, open_step, read_manifest
+from .posix._retention import leftovers, retire, set_aside
+from .posix._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
 
 if TYPE_CHECKING:
-    from ._commit import SaveJob
+    from .._commit import SaveJob
 
 log = logging.getLogger("asyncckpt")
 
