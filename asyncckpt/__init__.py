@@ -33,13 +33,13 @@ from ._errors import (
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, load
-    from ._handle import SaveHandle
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
     from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
     from .roots.posix._discovery import find_latest
     from .roots.posix._storage import ensure_dir
+    from .save._handle import SaveHandle
 
 __version__ = "0.1.0"
 
@@ -48,7 +48,7 @@ _LAZY = {
     "Checkpointer": "._checkpointer",
     "load": "._checkpointer",
     "find_latest": ".roots.posix._discovery",
-    "SaveHandle": "._handle",
+    "SaveHandle": ".save._handle",
     "CheckpointerStatistics": "._info",
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",

@@ -26,8 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _dedupe, _load, _load_global, _resume
-from ._commit import SaveJob, run_save
+from . import _load, _load_global, _resume
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -37,9 +36,7 @@ from ._errors import (
     SaveTimeoutError,
     with_global_ranks,
 )
-from ._handle import SaveHandle, SaveRecord
 from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from ._staging import Arena, StageProgress, StagingPool
 from .format._gcpause import paused_gc
 from .format._header import round_up
 from .format._layout import check_step, step_dir_name
@@ -54,7 +51,11 @@ from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
+from .save import _dedupe
+from .save._commit import SaveJob, run_save
+from .save._handle import SaveHandle, SaveRecord
 from .save._mirror import Mirror, UploadRecord, check_options
+from .save._staging import Arena, StageProgress, StagingPool
 from .threads._iopool import IOPool
 from .threads._writer import StartGate, WriterThread
 

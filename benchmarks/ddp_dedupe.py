@@ -31,18 +31,18 @@ TARGET = 0.4  # issue 10: deduplicated time to durable at 4 ranks <= 0.4 x the r
 
 #: the writer-side steps ``--phases`` times (private functions: a profile, not an API)
 PHASES = (
-    ("_dedupe", "digests", False),
-    ("_dedupe", "image", False),
-    ("_index", "rank_part", False),
-    ("_coordination", "StoreCoordinator.begin", True),
-    ("_coordination", "StoreCoordinator.exchange", True),
-    ("_coordination", "StoreCoordinator.report", True),
-    ("_coordination", "StoreCoordinator.decide", True),
-    ("_storage", "Storage.write_file", True),
-    ("_storage", "Storage.write_bytes", True),
-    ("_backend", "PosixBackend.prepare", True),
-    ("_backend", "PosixBackend.seal", True),
-    ("_commit", "_commit", True),
+    ("save._dedupe", "digests", False),
+    ("save._dedupe", "image", False),
+    ("format._index", "rank_part", False),
+    ("ranks._coordination", "StoreCoordinator.begin", True),
+    ("ranks._coordination", "StoreCoordinator.exchange", True),
+    ("ranks._coordination", "StoreCoordinator.report", True),
+    ("ranks._coordination", "StoreCoordinator.decide", True),
+    ("roots.posix._storage", "Storage.write_file", True),
+    ("roots.posix._storage", "Storage.write_bytes", True),
+    ("roots._backend", "PosixBackend.prepare", True),
+    ("roots._backend", "PosixBackend.seal", True),
+    ("save._commit", "_commit", True),
 )
 
 

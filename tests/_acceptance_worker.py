@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import Checkpointer, SaveError, _commit
+from asyncckpt import Checkpointer, SaveError
 from asyncckpt.format import _index
+from asyncckpt.save import _commit
 
 
 def replicated(step: int) -> dict[str, Any]:

@@ -31,12 +31,13 @@ from conftest import FaultOps, assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, _commit, load
+from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, load
 from asyncckpt.format import _header, _manifest
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.format._structure import MAX_DEPTH
 from asyncckpt.reading import file_crc, read_rank_outline, verify_step
 from asyncckpt.roots.posix._discovery import open_step, read_manifest
+from asyncckpt.save import _commit
 
 HERE = Path(__file__).resolve().parent
 

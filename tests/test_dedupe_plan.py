@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import _dedupe
 from asyncckpt.format import _sharding
 from asyncckpt.format._safetensors import plan_layout
+from asyncckpt.save import _dedupe
 
 pytestmark = pytest.mark.skipif(not _sharding.AVAILABLE, reason="needs torch.distributed")
 

@@ -184,7 +184,7 @@ def test_owner_in_another_process_refuses_writers_serves_readers_and_dies_withou
 # ---------------------------------------------------------------- who the refusal names, in a tight race
 SLOW_OWNER = """
 import fcntl, json, os, socket, sys, time
-from asyncckpt import _ownership
+from asyncckpt.roots.posix import _ownership
 root, delay = sys.argv[1], float(sys.argv[2])
 meta = os.path.join(root, ".asyncckpt")
 os.makedirs(meta, exist_ok=True)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import _dedupe
 from asyncckpt.format import _index
 from asyncckpt.format._safetensors import plan_layout
+from asyncckpt.save import _dedupe
 
 
 def part(file: str, tensors: dict[str, Any], writers: dict[str, int] | None = None) -> dict[str, Any]:

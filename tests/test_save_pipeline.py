@@ -23,8 +23,9 @@ import torch
 from conftest import FaultOps, assert_same
 
 import asyncckpt
-from asyncckpt import Checkpointer, SaveError, _staging, find_latest, load
+from asyncckpt import Checkpointer, SaveError, find_latest, load
 from asyncckpt.roots.posix import _storage
+from asyncckpt.save import _staging
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 20.0
@@ -174,7 +175,8 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
     marker = tmp_path / "streamed"
     code = textwrap.dedent(f"""
         import os, signal, threading, torch
-        from asyncckpt import Checkpointer, _staging
+        from asyncckpt import Checkpointer
+        from asyncckpt.save import _staging
         from asyncckpt.roots.posix._storage import OsOps
 
         first = threading.Event()

@@ -143,7 +143,7 @@ def test_import_without_torch_distributed() -> None:
     code = (
         "import torch, torch.distributed\n"
         "torch.distributed.is_available = lambda: False\n"
-        "from asyncckpt import _sharding\n"
+        "from asyncckpt.format import _sharding\n"
         "assert not _sharding.AVAILABLE and not _sharding.is_dtensor(torch.zeros(1))\n"
         "try:\n    _sharding.describe('k', torch.zeros(1))\nexcept TypeError as e:\n    print('refused', e)\n"
     )

@@ -19,10 +19,10 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from .._handle import SaveHandle
 from .._info import CheckpointInfo
 from ..format._layout import deleting_dir_name, step_dir_name
 from ..roots.posix._storage import remove_tree
+from ..save._handle import SaveHandle
 
 log = logging.getLogger("asyncckpt")
 

@@ -35,10 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
-from .._handle import SaveRecord
 from .._info import CheckpointInfo
 from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
+from ._handle import SaveRecord
 
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
     from ..roots.objstore._client import ObjectStore

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from ._info import CheckpointInfo, SaveStatistics
-from .format._lifecycle import SaveState
+from .._info import CheckpointInfo, SaveStatistics
+from ..format._lifecycle import SaveState
 
 
 class SaveRecord:

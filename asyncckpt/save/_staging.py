@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .format._header import ALIGN, round_up
-from .format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
+from ..format._header import ALIGN, round_up
+from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
 
 #: Bytes per staging group: the unit the copy hands to the writer (and to the helper thread).
 GROUP = 8 * 1024 * 1024

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-from ._errors import CheckpointCorruptError
-from .format import _index, _manifest
+from .._errors import CheckpointCorruptError
+from ..format import _index, _manifest
 
 
 def check_manifest(loc: str, body: bytes) -> None:

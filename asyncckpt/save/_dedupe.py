@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..format._header import ITEMSIZE, round_up
+from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout
 from ._staging import StageProgress
-from .format._header import ITEMSIZE, round_up
-from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout
 
 HASH = "xxh3-128"
 

@@ -38,23 +38,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .._errors import CoordinationLost, RankFailure, SaveError, SaveTimeoutError, describe_ranks, with_global_ranks
+from .._info import CheckpointInfo, SaveStatistics
+from ..format import _index, _manifest
+from ..format._lifecycle import SaveEvent, SaveState, advance
+from ..format._safetensors import ShardLayout
+from ..ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
+from ..roots._backend import Backend, PosixBackend, _PhaseTimeout
+from ..roots.posix._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 from . import _committable, _dedupe
-from ._errors import (
-    CoordinationLost,
-    RankFailure,
-    SaveError,
-    SaveTimeoutError,
-    describe_ranks,
-    with_global_ranks,
-)
-from ._info import CheckpointInfo, SaveStatistics
 from ._staging import Arena, StageProgress
-from .format import _index, _manifest
-from .format._lifecycle import SaveEvent, SaveState, advance
-from .format._safetensors import ShardLayout
-from .ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
-from .roots._backend import Backend, PosixBackend, _PhaseTimeout
-from .roots.posix._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
