@@ -26,7 +26,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _load, _load_global, _resume
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,6 +42,7 @@ from .format._layout import check_step, step_dir_name
 from .format._lifecycle import SaveState
 from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
 from .format._structure import TensorRef, flatten, tree_json
+from .loading import _load, _load_global, _resume
 from .ranks import _agree, _distributed
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from .roots import _readfault, _rootstart, _runs
@@ -1477,7 +1477,7 @@ class Checkpointer:
         ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
         picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
         every rank fall back to the same older step; an explicit step raises on every rank)."""
-        from . import _remote_load
+        from .loading import _remote_load
 
         if mmap:
             raise ValueError(f"mmap=True needs a local root, not {self.root}")
@@ -1497,7 +1497,7 @@ class Checkpointer:
         agree to retry. As on a file system: a step without a global index is read into the
         targets at once unless ``verify_first`` (then restored once every rank verified); an
         indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
-        from . import _remote_load
+        from .loading import _remote_load
 
         return _remote_load.load(
             self.root, step, into=None if reader.verify_first else reader.into, verify=verify, rank=shard,
@@ -1538,7 +1538,7 @@ class Checkpointer:
         (``load()`` with no step) a step that does not verify is logged and the newest older
         one of this run on either tier loads instead. Each rank reads its own shard (no
         agreement round: see README), so a read ``reader`` defers is finished at once."""
-        from . import _remote_load
+        from .loading import _remote_load
 
         assert self._mirror is not None
         mirror = self._mirror

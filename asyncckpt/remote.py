@@ -50,7 +50,7 @@ def load(
     loads a local one: the same rules and arguments (``rank``, ``per_rank``, ``into=`` read
     straight into and checksummed as the bytes land, ``verify_first``), DTensors assembled or
     resharded onto ``into``'s, by ranged GETs (CRC-32C verified), all within ``deadline_s``."""
-    from ._remote_load import load as _load
+    from .loading._remote_load import load as _load
 
     return _load(url, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
                  verify_first=verify_first, storage_options=storage_options, deadline_s=deadline_s)

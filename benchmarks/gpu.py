@@ -63,7 +63,7 @@ from restore import _parallel_read  # noqa: E402
 from states import StateSpec, build_state, checksums, copy_into, format_size, mutate, parse_size  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt import _readinto  # noqa: E402
+from asyncckpt.loading import _readinto  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

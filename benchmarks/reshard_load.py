@@ -113,9 +113,9 @@ def rank_save(rank: int, port: int, mib: int, root: str, dcp_dir: str) -> dict[s
 
 def _needed_ranges(root: str, msd: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(file, first byte, length) of every copy this rank's shards need, as the loader plans them."""
-    from asyncckpt._load_global import targets_of
     from asyncckpt.format import _index
     from asyncckpt.format._reshard import plan_reads
+    from asyncckpt.loading._load_global import targets_of
     from asyncckpt.roots.posix._discovery import read_manifest
 
     step_dir = os.path.join(root, "step_00000001")
@@ -183,7 +183,7 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import asyncckpt
-    from asyncckpt import _load_global
+    from asyncckpt.loading import _load_global
 
     _init(rank, 2, port)
     model = _model(mib, seed=2)
@@ -193,7 +193,7 @@ def rank_load(rank: int, port: int, mib: int, root: str, dcp_dir: str, repeats: 
     local = sum(v.to_local().numel() * v.to_local().element_size() for v in msd.values())
     buf = memoryview(bytearray(nbytes))
     # the verified load's profile: its phases, timed where they run (rank 0, that variant only)
-    from asyncckpt import _resume
+    from asyncckpt.loading import _resume
     from asyncckpt.ranks import _agree
 
     phases: dict[str, list[float]] = {}
@@ -333,8 +333,8 @@ def _du(path: str) -> int:
 def run(mib: int, repeats: int, scratch: str) -> dict[str, Any]:
     import torch
 
-    from asyncckpt import _readinto
     from asyncckpt.format import _index
+    from asyncckpt.loading import _readinto
 
     root, dcp_dir, out = (os.path.join(scratch, n) for n in ("ack", "dcp", "res"))
     common = [str(mib), root, dcp_dir, str(repeats)]

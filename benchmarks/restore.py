@@ -52,7 +52,7 @@ from measure import PeakMemory, drop_cache, summary, trim_heap  # noqa: E402
 from states import StateSpec, build_state, checksums, copy_into, format_size, mutate, parse_size  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt import _readinto  # noqa: E402
+from asyncckpt.loading import _readinto  # noqa: E402
 from asyncckpt.roots.posix._discovery import read_manifest  # noqa: E402
 
 

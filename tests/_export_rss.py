@@ -12,8 +12,8 @@ import sys
 
 import torch  # noqa: F401 - imported before the baseline is taken
 
-import asyncckpt._export
-import asyncckpt._resume  # noqa: F401
+import asyncckpt.loading._export
+import asyncckpt.loading._resume  # noqa: F401
 from asyncckpt.cli import main
 
 

@@ -325,7 +325,8 @@ def load_corrupt(rank: int, world: int, root: str, out: str, res: dict[str, Any]
     ``verify_first=True``; then with the agreement off (a test-only switch) and in the default
     one pass (``verify_first=False``), where targets are written; then ``load(step=None)`` into
     the same, now dirty, targets, which must fall back to the intact step 1 and restore them all."""
-    from asyncckpt import CheckpointCorruptError, _load_global
+    from asyncckpt import CheckpointCorruptError
+    from asyncckpt.loading import _load_global
 
     def targets(seed: int) -> dict[str, Any]:
         model, optim = build(world, seed=seed)

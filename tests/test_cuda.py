@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, _readinto
+from asyncckpt import CheckpointCorruptError
+from asyncckpt.loading import _readinto
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
 import asyncckpt
-from asyncckpt._export import bands, contiguous_in, linear
 from asyncckpt.cli import main
 from asyncckpt.format._reshard import Box
+from asyncckpt.loading._export import bands, contiguous_in, linear
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_export_worker.py")
@@ -290,7 +290,7 @@ def test_corrupt_plain_value_of_an_indexed_step_and_a_truncated_shard(
 def test_export_survives_the_retirement_of_its_step(tmp_path: Path) -> None:
     """Every file is opened before anything is written: retention removing the step while
     the export runs (a job saving with keep_last) does not break it."""
-    from asyncckpt._export import open_export
+    from asyncckpt.loading._export import open_export
 
     root, dest = tmp_path / "root", tmp_path / "o.safetensors"
     with asyncckpt.Checkpointer(root, keep_last=1) as ck:
@@ -310,7 +310,7 @@ def test_sharded_export_survives_the_removal_of_its_step(
 ) -> None:
     """The chunks lie in every rank's file: all of them are open before the removal (as
     retention does it: rename, then remove the tree)."""
-    from asyncckpt._export import open_export
+    from asyncckpt.loading._export import open_export
 
     root, dest = tmp_path / "root", tmp_path / "o.safetensors"
     shutil.copytree(on4[0], root)

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import Checkpointer, CheckpointNotFoundError, _readinto, load
+from asyncckpt import Checkpointer, CheckpointNotFoundError, load
 from asyncckpt.format._gcpause import paused_gc
+from asyncckpt.loading import _readinto
 
 
 @pytest.fixture(autouse=True)

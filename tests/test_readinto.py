@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, Checkpointer, _readinto, load
+from asyncckpt import CheckpointCorruptError, Checkpointer, load
 from asyncckpt.format._checksum import crc32c_combine
+from asyncckpt.loading import _readinto
 
 SHARD = "rank00000.safetensors"
 

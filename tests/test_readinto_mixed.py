@@ -14,7 +14,8 @@ import crc32c as _crc
 import pytest
 import torch
 
-from asyncckpt import CheckpointCorruptError, _readinto
+from asyncckpt import CheckpointCorruptError
+from asyncckpt.loading import _readinto
 
 _DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

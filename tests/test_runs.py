@@ -147,7 +147,7 @@ def test_two_ranks_whose_views_hold_different_commits_of_a_step_both_refuse_the_
 def test_a_collective_load_names_the_commit_it_chose(tmp_path: Path) -> None:
     """The check itself, on one process: a read of another attempt than the one chosen raises
     ``CheckpointError`` (not corrupt: nothing is marked), the chosen one loads."""
-    from asyncckpt import _resume
+    from asyncckpt.loading import _resume
     from asyncckpt.roots import _runs
 
     root = tmp_path / "ck"

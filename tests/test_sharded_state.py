@@ -348,11 +348,11 @@ def _rchar() -> int:
 def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[torch.Tensor, int, int]:
     """The box of ``name`` read as a resharded load reads it (the checked pass, into a fresh
     tensor); with the bytes the reads asked the kernel for and the bytes of the chunks it touches."""
-    from asyncckpt import _load_global
-    from asyncckpt._stepfiles import PinnedFiles
     from asyncckpt.format import _index
     from asyncckpt.format._reshard import plan_reads
     from asyncckpt.format._safetensors import ST_TO_DTYPE
+    from asyncckpt.loading import _load_global
+    from asyncckpt.loading._stepfiles import PinnedFiles
     from asyncckpt.roots.posix._discovery import pin_step
 
     with pin_step(str(root), 1) as pinned:

@@ -150,7 +150,7 @@ def test_keep_last_remote_never_retires_the_step_just_uploaded_nor_another_runs_
 def test_an_object_store_root_carries_its_run_and_a_load_of_one_commit_refuses_another(
     tmp_path: Path, s3: S3Server, url: str
 ) -> None:
-    from asyncckpt import _remote_load
+    from asyncckpt.loading import _remote_load
 
     o = opts(s3.endpoint)
     with Checkpointer(url, storage_options=o, timeout=60) as ck:

@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .._remote_verify import open_for_verify, verify_remote_step
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
+from ..loading._remote_verify import open_for_verify, verify_remote_step
 from ..roots.objstore._remote import candidate_steps, open_store, run_sync
 from ..roots.objstore._steps import newest_resumable
 from ._print import PROG, Progress, say

@@ -1,6 +1,6 @@
 """``asyncckpt export``: one rank's tensors as a flat name->tensor .safetensors or .pt file.
 
-A ``.safetensors`` export streams (``asyncckpt._export``): the header first, then each
+A ``.safetensors`` export streams (``asyncckpt.loading._export``): the header first, then each
 tensor's bytes, assembled from a sharded checkpoint's chunks into full global tensors, read
 and checksummed one bounded piece at a time, so a model larger than memory exports. A ``.pt``
 export loads the selected tensors (``torch.save`` needs them all in memory). Tied tensors are
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
         )
-    from .._export import dotted  # torch: only this command needs it
+    from ..loading._export import dotted  # torch: only this command needs it
 
     if dest.lower().endswith(".safetensors"):
         tensors, keys, skipped, dropped = _stream(args, manifest.step, dest)
@@ -233,7 +233,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     temporary root beside OUT, on OUT's file system, exported from there, then removed."""
     import tempfile
 
-    from .._remote_info import resolve_remote_step
+    from ..loading._remote_info import resolve_remote_step
     from ..roots.objstore._remote import open_store, pull, run_sync
 
     url: str = args.root
@@ -288,7 +288,7 @@ def _remove_dead_exports(parent: str) -> None:
 
 
 def _export_nbytes(src: Any) -> int:
-    from .._export import nbytes_of
+    from ..loading._export import nbytes_of
 
     return nbytes_of(src)
 
@@ -300,8 +300,8 @@ def _stream(
     output name, the key paths of every tensor of the rank, those of the skipped values, and
     the tied names left out. A checksum failure is also recorded as the step's bad mark, as
     a load would (an I/O error is not: it says nothing about the checkpoint)."""
-    from .. import _export, _resume  # torch: only this command needs it
     from .._errors import CheckpointCorruptError
+    from ..loading import _export, _resume  # torch: only this command needs it
 
     with _export.open_export(args.root, step, args.rank) as ex:
         selected = select_key(ex.named, args.key)

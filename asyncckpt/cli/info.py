@@ -131,8 +131,8 @@ def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> 
 
 
 def _run_remote(args: argparse.Namespace) -> int:
-    from .._remote_info import remote_rank_outline, resolve_remote_step
     from ..format._layout import step_dir_name
+    from ..loading._remote_info import remote_rank_outline, resolve_remote_step
     from ..roots.objstore._remote import open_store, run_sync
 
     store = open_store(args.root, storage_options(args))

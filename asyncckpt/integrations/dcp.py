@@ -46,14 +46,14 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from .. import _readinto
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
-from .._load import byte_view
-from .._stepfiles import PinnedFiles
 from ..format import _index
 from ..format._layout import MAX_STEP, check_step, parse_step_dir, step_dir_name
 from ..format._manifest import Manifest
 from ..format._safetensors import ST_TO_DTYPE
+from ..loading import _readinto
+from ..loading._load import byte_view
+from ..loading._stepfiles import PinnedFiles
 from ..roots.objstore._remote import is_url
 from ..roots.posix._discovery import pin_step
 from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir

@@ -26,15 +26,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _load
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ._load_global import PER_RANK, PerRank, Reader
-from .format._layout import check_step, token_of
-from .format._manifest import Manifest
-from .roots._badmarks import record_on_store, store_marks
-from .roots._runs import check_choice
-from .roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
-from .roots.objstore._remote import (
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from ..format._layout import check_step, token_of
+from ..format._manifest import Manifest
+from ..roots._badmarks import record_on_store, store_marks
+from ..roots._runs import check_choice
+from ..roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ..roots.objstore._remote import (
     DEFAULT_DEADLINE_S,
     candidate_steps,
     data_prefix,
@@ -43,7 +41,9 @@ from .roots.objstore._remote import (
     open_store,
     run_sync,
 )
-from .roots.posix._discovery import KnownBad
+from ..roots.posix._discovery import KnownBad
+from . import _load
+from ._load_global import PER_RANK, PerRank, Reader
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class StoreFiles:
         return self._sources[name]
 
     def read(self, name: str, expected_crc: int | None) -> bytes:
-        from .format._checksum import crc32c
+        from ..format._checksum import crc32c
 
         size = self.size(name)
         try:
@@ -186,7 +186,7 @@ def load(
     must have been saved at it. The caller of ``reader`` restores into its targets; otherwise
     this function does. ``expect`` (with an explicit ``step``): the manifest attempt of the commit
     a collective load agreed on; another commit of the step raises ``CheckpointError`` before anything is read."""
-    from ._checkpointer import _prefixes
+    from .._checkpointer import _prefixes
 
     prefixes = _prefixes(strip_prefixes)
     if step is not None:

@@ -38,17 +38,17 @@ from typing import Any, Literal
 
 import torch
 
+from .._errors import CheckpointCorruptError, CheckpointError
+from ..format import _index
+from ..format._bounds import check_memory, parse_structure
+from ..format._manifest import Manifest, shard_name, tree_name
+from ..format._reshard import Box, plan_reads
+from ..format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
+from ..format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
+from ..roots._readfault import read_error
 from . import _readinto
-from ._errors import CheckpointCorruptError, CheckpointError
 from ._load import _check_tree_size, byte_view, read_shard_fd
 from ._stepfiles import StepFiles
-from .format import _index
-from .format._bounds import check_memory, parse_structure
-from .format._manifest import Manifest, shard_name, tree_name
-from .format._reshard import Box, plan_reads
-from .format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
-from .format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
-from .roots._readfault import read_error
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
@@ -127,7 +127,7 @@ def describe_for_index(
     ``"twin"`` candidate when its DTensor's mesh has fewer ranks than the job: ranks outside
     that mesh may hold the same box of the same global tensor (FSDP over ``mesh["dp"]`` of a
     dp x tp mesh: one sub-mesh per tp column), which only the dedupe round can see."""
-    from .format._sharding import mesh_key
+    from ..format._sharding import mesh_key
 
     tied_to: dict[str, list[str]] = {}
     for alias, target in (aliases or {}).items():

@@ -31,9 +31,9 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from ._errors import CheckpointCorruptError, CheckpointError
-from .format._checksum import crc32c, crc32c_combine
-from .threads._iopool import IOPool
+from .._errors import CheckpointCorruptError, CheckpointError
+from ..format._checksum import crc32c, crc32c_combine
+from ..threads._iopool import IOPool
 
 #: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
 THREADS = 4

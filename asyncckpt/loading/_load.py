@@ -49,18 +49,18 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .._errors import CheckpointCorruptError, CheckpointError
+from ..format._bounds import check_memory, check_structure_size, human, parse_structure
+from ..format._checksum import crc32c, crc32c_combine
+from ..format._gcpause import paused_gc
+from ..format._header import TensorSlot, declared_length, parse_header, validate_header
+from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
+from ..format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
+from ..roots._readfault import read_error
+from ..roots.posix._discovery import read_regular_file
 from . import _readinto
-from ._errors import CheckpointCorruptError, CheckpointError
 from ._stepfiles import StepFiles
-from .format._bounds import check_memory, check_structure_size, human, parse_structure
-from .format._checksum import crc32c, crc32c_combine
-from .format._gcpause import paused_gc
-from .format._header import TensorSlot, declared_length, parse_header, validate_header
-from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
-from .format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from .format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
-from .roots._readfault import read_error
-from .roots.posix._discovery import read_regular_file
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: dtypes whose tensors ``Tensor.numpy()`` converts

@@ -39,21 +39,21 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointCorruptError
+from .._errors import CheckpointCorruptError
+from ..format import _index
+from ..format._bounds import parse_structure
+from ..format._checksum import crc32c
+from ..format._header import TensorSlot
+from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ..format._reshard import Box, SavedChunk, intersect
+from ..format._safetensors import ST_TO_DTYPE, plan_layout
+from ..format._structure import resolve_dtensor_aliases, unflatten
+from ..roots._readfault import read_error
+from ..roots.posix._discovery import PinnedStep, pin_step
+from ..roots.posix._fileio import read_exact, reserve, write_all
 from ._load import _check_tree_size, byte_view, read_header
 from ._load_global import indexed
 from ._stepfiles import read_all
-from .format import _index
-from .format._bounds import parse_structure
-from .format._checksum import crc32c
-from .format._header import TensorSlot
-from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
-from .format._reshard import Box, SavedChunk, intersect
-from .format._safetensors import ST_TO_DTYPE, plan_layout
-from .format._structure import resolve_dtensor_aliases, unflatten
-from .roots._readfault import read_error
-from .roots.posix._discovery import PinnedStep, pin_step
-from .roots.posix._fileio import read_exact, reserve, write_all
 
 #: The size of one piece in flight (there are two: the band and the bounce buffer).
 _BAND = 8 * 1024 * 1024

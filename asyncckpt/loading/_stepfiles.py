@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from ._errors import CheckpointCorruptError
+from .._errors import CheckpointCorruptError
+from ..format._checksum import crc32c
+from ..format._manifest import MANIFEST, Manifest
+from ..roots.posix._discovery import PinnedStep
 from ._readinto import Source
-from .format._checksum import crc32c
-from .format._manifest import MANIFEST, Manifest
-from .roots.posix._discovery import PinnedStep
 
 
 class StepFiles(Protocol):

@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from ..format._manifest import Manifest, shard_name, tree_name
+from ..roots._badmarks import clear, record_bad
+from ..roots._readfault import fault_of, retrying
+from ..roots._runs import check_choice
+from ..roots.posix._discovery import Vanished, newest_complete, pin_step
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
 from ._stepfiles import PinnedFiles, StepFiles
-from .format._manifest import Manifest, shard_name, tree_name
-from .roots._badmarks import clear, record_bad
-from .roots._readfault import fault_of, retrying
-from .roots._runs import check_choice
-from .roots.posix._discovery import Vanished, newest_complete, pin_step
 
 log = logging.getLogger("asyncckpt")
 
