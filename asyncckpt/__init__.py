@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .ranks._every_rank import on_every_rank
     from .roots.posix._discovery import find_latest
     from .roots.posix._storage import ensure_dir
-    from .save._handle import SaveHandle
+    from .saving._handle import SaveHandle
 
 __version__ = "0.1.0"
 
@@ -48,7 +48,7 @@ _LAZY = {
     "Checkpointer": "._checkpointer",
     "load": "._checkpointer",
     "find_latest": ".roots.posix._discovery",
-    "SaveHandle": ".save._handle",
+    "SaveHandle": ".saving._handle",
     "CheckpointerStatistics": "._info",
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",

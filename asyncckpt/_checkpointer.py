@@ -51,11 +51,11 @@ from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
-from .save import _dedupe
-from .save._commit import SaveJob, run_save
-from .save._handle import SaveHandle, SaveRecord
-from .save._mirror import Mirror, UploadRecord, check_options
-from .save._staging import Arena, StageProgress, StagingPool
+from .saving import _dedupe
+from .saving._commit import SaveJob, run_save
+from .saving._handle import SaveHandle, SaveRecord
+from .saving._mirror import Mirror, UploadRecord, check_options
+from .saving._staging import Arena, StageProgress, StagingPool
 from .threads._iopool import IOPool
 from .threads._writer import StartGate, WriterThread
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from asyncckpt import Checkpointer, SaveError
 from asyncckpt.format import _index
-from asyncckpt.save import _commit
+from asyncckpt.saving import _commit
 
 
 def replicated(step: int) -> dict[str, Any]:

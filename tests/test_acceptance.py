@@ -37,7 +37,7 @@ from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.format._structure import MAX_DEPTH
 from asyncckpt.reading import file_crc, read_rank_outline, verify_step
 from asyncckpt.roots.posix._discovery import open_step, read_manifest
-from asyncckpt.save import _commit
+from asyncckpt.saving import _commit
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,7 +13,7 @@ import torch
 
 from asyncckpt.format import _sharding
 from asyncckpt.format._safetensors import plan_layout
-from asyncckpt.save import _dedupe
+from asyncckpt.saving import _dedupe
 
 pytestmark = pytest.mark.skipif(not _sharding.AVAILABLE, reason="needs torch.distributed")
 

@@ -13,7 +13,7 @@ import torch
 
 from asyncckpt.format import _index
 from asyncckpt.format._safetensors import plan_layout
-from asyncckpt.save import _dedupe
+from asyncckpt.saving import _dedupe
 
 
 def part(file: str, tensors: dict[str, Any], writers: dict[str, int] | None = None) -> dict[str, Any]:

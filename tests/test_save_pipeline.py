@@ -25,7 +25,7 @@ from conftest import FaultOps, assert_same
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, find_latest, load
 from asyncckpt.roots.posix import _storage
-from asyncckpt.save import _staging
+from asyncckpt.saving import _staging
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 20.0
@@ -176,7 +176,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
     code = textwrap.dedent(f"""
         import os, signal, threading, torch
         from asyncckpt import Checkpointer
-        from asyncckpt.save import _staging
+        from asyncckpt.saving import _staging
         from asyncckpt.roots.posix._storage import OsOps
 
         first = threading.Event()

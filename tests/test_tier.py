@@ -42,7 +42,7 @@ import asyncckpt
 from asyncckpt import Checkpointer, SaveError, remote
 from asyncckpt.reading import complete_checkpoints
 from asyncckpt.roots.objstore._client import ObjectStoreError
-from asyncckpt.save._mirror import UploadRecord
+from asyncckpt.saving._mirror import UploadRecord
 
 BUCKET = "tier-bucket"
 SECRET = "asyncckpt-test-secret"

@@ -33,7 +33,7 @@ from .posix._retention import leftovers, retire, set_aside
 from .posix._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
 
 if TYPE_CHECKING:
-    from ..save._commit import SaveJob
+    from ..saving._commit import SaveJob
 
 log = logging.getLogger("asyncckpt")
 

@@ -62,7 +62,7 @@ from ._remote import _abort_stale_uploads, _sweep_dead_attempts, data_prefix, ma
 from ._steps import observe_step, set_aside
 
 if TYPE_CHECKING:
-    from ...save._commit import SaveJob
+    from ...saving._commit import SaveJob
 
 log = logging.getLogger("asyncckpt")
 
