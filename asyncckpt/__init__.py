@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
-    from .roots.posix._discovery import find_latest
+    from .roots._find import find_latest
     from .roots.posix._storage import ensure_dir
     from .saving._handle import SaveHandle
 
@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "._checkpointer",
     "load": "._checkpointer",
-    "find_latest": ".roots.posix._discovery",
+    "find_latest": ".roots._find",
     "SaveHandle": ".saving._handle",
     "CheckpointerStatistics": "._info",
     "CheckpointInfo": "._info",

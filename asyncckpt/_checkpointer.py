@@ -41,16 +41,18 @@ from .format._header import round_up
 from .format._layout import check_step, step_dir_name
 from .format._lifecycle import SaveState
 from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
-from .format._structure import TensorRef, flatten, tree_json
+from .format._structure import TensorRef, check_strip_prefixes, flatten, tree_json
 from .loading import _load, _load_global, _resume
+from .loading._stepfiles import NoSuchShard
 from .ranks import _agree, _distributed
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from .roots import _readfault, _rootstart, _runs
 from .roots._backend import Backend, PosixBackend
+from .roots._scheme import is_url
 from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
-from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, _metered, current_meter
+from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
 from .saving import _dedupe
 from .saving._commit import SaveJob, run_save
 from .saving._handle import SaveHandle, SaveRecord
@@ -174,7 +176,7 @@ class _Runtime:
         assert self.coord_pool is not None
         meter = current_meter.get()
         if meter is not None:
-            fn = _metered(fn, meter)
+            fn = metered(fn, meter)
         return await asyncio.get_running_loop().run_in_executor(self.coord_pool, fn, *args)
 
     def stop_when_idle(self, futures: list[concurrent.futures.Future[Any]], timeout: float) -> None:
@@ -360,9 +362,9 @@ class Checkpointer:
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
-        self.strip_prefixes = _prefixes(strip_prefixes)
+        self.strip_prefixes = check_strip_prefixes(strip_prefixes)
         store = None
-        if isinstance(root, str) and root.startswith("s3://"):
+        if is_url(root):
             store = _open_store_root(root, mirror, keep_last_remote, storage_options, direct_io, allow_earlier_steps)
             from .roots.objstore._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
 
@@ -497,7 +499,7 @@ class Checkpointer:
             self._start_run(committed)  # the run this job continues (_runs)
             if self._mirror is not None and self.rank == 0 and committed:
                 # a local commit the last job may not have uploaded: push it (a no-op if it is there)
-                newest = _discovery.find_latest(self.root)
+                newest = _discovery.newest_complete(self.root)
                 if isinstance(newest, CheckpointInfo):
                     self._track_upload(newest)
             _live.add(self)
@@ -1466,7 +1468,7 @@ class Checkpointer:
             store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
             found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
             return None if found is None else _remote_info(store, found[0])
-        return _discovery.find_latest(self.root)
+        return _discovery.newest_complete(self.root)
 
     def _load_store_root(
         self, step: int | None, shard: int, verify: bool, mmap: bool, expect: int | None,
@@ -1521,7 +1523,7 @@ class Checkpointer:
                     return None
                 return _runs.store_choice(self._mirror.store, step, self.timeout, self._run_id)
             far = self._mirror.latest(warn=True)
-            near = _discovery.find_latest(self.root)
+            near = _discovery.newest_complete(self.root)
             if far is not None and (near is None or far.step > near.step):
                 return [far.step, far.attempt, far.run]
             return None
@@ -1557,7 +1559,7 @@ class Checkpointer:
             if not fall_back:
                 raise
             log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
-        near = _discovery.find_latest(self.root)
+        near = _discovery.newest_complete(self.root)
         if near is not None:
             state = _resume.load_newest(self.root, rank=shard, verify=verify, world_size=expect, into=reader.into,
                                         strip_prefixes=self.strip_prefixes, reader=reader,
@@ -1656,7 +1658,7 @@ class Checkpointer:
             reader.abandon()
             if kind == "error":
                 if error is not None:
-                    if isinstance(error, _discovery.Vanished | _resume.NoSuchShard):
+                    if isinstance(error, _discovery.Vanished | NoSuchShard):
                         raise CheckpointNotFoundError(str(error)) from None
                     raise error
                 raise _resume.error_from(chosen, verdict["failures"])
@@ -1769,7 +1771,7 @@ def load(
     _load.check_mmap(mmap, into)
     if type(verify_first) is not bool:
         raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
-    if isinstance(root, str) and root.startswith("s3://"):
+    if is_url(root):
         if mmap:
             raise ValueError("mmap=True needs a local root, not an s3:// URL")
         from .remote import load as load_remote
@@ -1778,7 +1780,7 @@ def load(
             root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
             verify_first=verify_first, storage_options=storage_options,
         )  # fmt: skip
-    prefixes = _prefixes(strip_prefixes)
+    prefixes = check_strip_prefixes(strip_prefixes)
     if step is not None:
         check_step(step)
     if rank is not None and (not _is_int(rank) or rank < 0):
@@ -1816,15 +1818,6 @@ def _spread_replica_writes(
     kept = [r for r in refs if r.name not in before or r.name in after]
     added = [TensorRef(name, info.local.detach()) for name, info in after.items() if name not in before]
     return spread, kept + added
-
-
-def _prefixes(value: Sequence[str]) -> tuple[str, ...]:
-    """``strip_prefixes`` checked: a sequence of non-empty str, each ending in ``.``."""
-    if isinstance(value, str) or not all(isinstance(p, str) and len(p) > 1 and p.endswith(".") for p in value):
-        raise ValueError(
-            f"strip_prefixes must be a sequence of key prefixes ending in '.', e.g. ('module.',), not {value!r}"
-        )
-    return tuple(value)
 
 
 def _inside_save(frame: Any, ck: Checkpointer) -> bool:
@@ -1897,9 +1890,9 @@ def _exit_hook() -> None:
         for r in failures:
             unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
     if settle:
-        from .roots.objstore._client import _let_runtime_settle
+        from .roots.objstore._client import let_runtime_settle
 
-        _let_runtime_settle()
+        let_runtime_settle()
     if unseen:
         for line in unseen:
             print(line, file=sys.stderr)

@@ -168,6 +168,16 @@ def with_global_ranks(failures: Mapping[int, RankFailure], ranks: Sequence[int] 
     return out
 
 
+def without_path(e: CheckpointError) -> str:
+    """The message of ``e`` without the trailing ``: path`` the library appends (for a report
+    that names the path in a column of its own)."""
+    msg = str(e)
+    path = getattr(e, "path", None)
+    if path and msg.endswith(f": {path}"):
+        msg = msg[: -len(path) - 2]
+    return msg
+
+
 def describe_ranks(group_ranks: Sequence[int], ranks: Sequence[int] | None) -> str:
     """``[1, 2]``, or ``[1, 2] (global [5, 6])`` when the group's ranks are not the global ones."""
     text = str(list(group_ranks))

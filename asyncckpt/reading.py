@@ -29,7 +29,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    without_path,
+)
 from .format import _index
 from .format._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
 from .format._checksum import RangeCheck, crc32c
@@ -39,6 +45,7 @@ from .format._layout import META_DIR, parse_aside, parse_leftover, parse_step_di
 from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from .format._stepstates import Mark, Seen, State, state_of
 from .roots._badmarks import clear, marks, record_bad
+from .roots._find import find_latest
 from .roots._readfault import fault_of, read_error, retrying
 from .roots.posix._discovery import (
     KnownBad,
@@ -46,7 +53,6 @@ from .roots.posix._discovery import (
     candidate_steps,
     check_files,
     complete_checkpoints,
-    find_latest,
     newest_complete,
     observe_committed,
     open_step,
@@ -229,15 +235,6 @@ def usage(path: str) -> _Usage:
     return _Usage(size, files, len(ranks) or None, newest)
 
 
-def _short(e: CheckpointError) -> str:
-    """The message of ``e`` without the trailing ``: path`` the library appends."""
-    msg = str(e)
-    path = getattr(e, "path", None)
-    if path and msg.endswith(f": {path}"):
-        msg = msg[: -len(path) - 2]
-    return msg
-
-
 def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
     """Why the files of ``step_dir`` do not match ``manifest`` (the library's order of checks)."""
     try:
@@ -294,19 +291,19 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         if isinstance(err, CheckpointNotFoundError):
             problem, reason = "no-marker", "no completion marker (manifest.json is missing)"
         elif isinstance(err, CheckpointReadError):
-            problem, reason = "unreadable", _short(err)
+            problem, reason = "unreadable", without_path(err)
         elif isinstance(err, CheckpointCorruptError) and not isinstance(err, KnownBad):
             try:
                 manifest = read_manifest(path)
             except CheckpointError as me:
-                problem, reason = "corrupt-manifest", f"corrupt manifest: {_short(me)}"
+                problem, reason = "corrupt-manifest", f"corrupt manifest: {without_path(me)}"
             else:
                 if manifest.step != step:
                     problem, reason = "step-mismatch", f"the manifest is for step {manifest.step}"
                 else:
                     problem, reason = _diagnose_files(path, manifest)
                     if problem == "unreadable":
-                        reason = _short(err)
+                        reason = without_path(err)
     state: State = state_of(Seen(step, name, "committed", mark=mark)) if problem is None else (
         "bad" if problem in _PROVEN else "incomplete")
     created: float | None
@@ -1012,8 +1009,8 @@ def _problem(e: CheckpointError, where: str) -> Problem:
     """``e`` as the problem of a file (``where`` if it names none)."""
     path = getattr(e, "path", None) or where
     if fault_of(e) == "io":
-        return Problem(path, f"I/O error, not damage ({_short(e)})", io=True)
-    return Problem(path, _short(e))
+        return Problem(path, f"I/O error, not damage ({without_path(e)})", io=True)
+    return Problem(path, without_path(e))
 
 
 def _file_crc_retrying(

@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from .roots._scheme import is_url
 from .roots.objstore._remote import (
     DEFAULT_DEADLINE_S,
     PushResult,
     RemoteCheckpointInfo,
     RemoteStep,
     find_latest,
-    is_url,
     pull,
     push,
     scan,

@@ -193,7 +193,7 @@ fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 print("locked", flush=True)
 time.sleep(delay)  # the owner between its lock and its record, in slow motion
 _ownership._write_record(meta, {"host": socket.gethostname(), "pid": os.getpid(),
-    "start_time": _ownership._process_start_time(), "ranks": [0], "since": time.time()})
+    "start_time": _ownership.process_start_time(), "ranks": [0], "since": time.time()})
 print("recorded", flush=True)
 time.sleep(120)
 """

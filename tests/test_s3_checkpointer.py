@@ -165,7 +165,7 @@ def test_a_fault_fails_the_save_within_its_deadline_and_the_next_save_commits(
             assert type(err) is err_type, err
         assert took < deadline + 25, took  # the deadline, plus the bounded clean-up
         failure = err.failures[0]
-        assert failure.exc_type.startswith("ObjectStore") or failure.exc_type in ("_PhaseTimeout", "TimeoutError")
+        assert failure.exc_type.startswith("ObjectStore") or failure.exc_type in ("PhaseTimeout", "TimeoutError")
         if exc_type is not None:
             assert failure.exc_type == exc_type, failure
         assert SECRET not in str(err) and SECRET not in repr(err.failures)

@@ -301,7 +301,7 @@ def test_metered_calls_use_the_thread_clock_of_the_thread_that_ran_them() -> Non
         while _storage.thread_cpu() - c0 < 0.05:
             pass
 
-    t = threading.Thread(target=lambda: (_storage._metered(spin, meter)(), _storage._metered(idle, meter)()))
+    t = threading.Thread(target=lambda: (_storage.metered(spin, meter)(), _storage.metered(idle, meter)()))
     t.start()
     main_spin()
     t.join(GATE_S)

@@ -16,7 +16,7 @@ from ..roots.objstore._remote import open_store, retire_remote, run_sync
 from ..roots.objstore._steps import remove_bad
 from ._args import UsageError
 from ._remote_args import deadline_s, storage_options
-from .gc import Report
+from ._reports import Report
 
 _WHAT = {
     "uncommitted": "leftover of a save or push that never committed",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..roots._scheme import is_url
 from ._args import UsageError
 
 DEFAULT_DEADLINE_S = 3600.0
@@ -57,7 +58,7 @@ def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
 
 def check_url(url: str) -> str:
     """``url`` if it is an ``s3://`` URL, else a usage error."""
-    if not url.startswith("s3://"):
+    if not is_url(url):
         raise UsageError(f"URL must be s3://bucket/prefix, not {url!r}")
     return url
 

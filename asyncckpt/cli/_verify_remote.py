@@ -15,8 +15,8 @@ from ..roots.objstore._remote import candidate_steps, open_store, run_sync
 from ..roots.objstore._steps import newest_resumable
 from ._print import PROG, Progress, say
 from ._remote_args import deadline_s, storage_options
+from ._reports import report, summarize
 from .info import note_passed_over
-from .verify import report, summarize
 
 
 def run_remote(args: argparse.Namespace) -> int:

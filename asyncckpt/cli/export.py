@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..format._layout import parse_aside, parse_leftover, parse_step_dir
 from ..reading import resolve_step_noting
+from ..roots._scheme import is_url
 from ..roots.posix._storage import DEFAULT_OPS
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     dest: str = args.to
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
-    if args.root.startswith("s3://"):
+    if is_url(args.root):
         return _run_remote(args)
     refuse_remote_options(args, args.root)
     parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))

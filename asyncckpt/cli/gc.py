@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
-import sys
 import time
 import uuid
 from typing import Any
@@ -16,12 +15,13 @@ from .._errors import CheckpointNotFoundError
 from ..format._layout import deleting_dir_name
 from ..reading import complete_checkpoints, scan, usage
 from ..roots._badmarks import clear
+from ..roots._scheme import is_url
 from ..roots.posix import _ownership
 from ..roots.posix._retention import choose_victims, leftovers, retire
 from ..roots.posix._storage import DEFAULT_OPS, Storage, remove_tree
 from ._args import command, positive_int, seconds
-from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
+from ._reports import Report
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     one writer at a time, and gc removes files. ``--dry-run`` reads only.
     """
     root: str = args.root
-    if root.startswith("s3://"):
+    if is_url(root):
         from ._gc_remote import run_remote  # imports obstore: only for URLs
 
         return run_remote(args)
@@ -97,80 +97,6 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, root)
     finally:
         own.release()
-
-
-class Report:
-    """What a gc run did, said as it goes (text) or as one JSON document at the end: the same
-    lines and shape for a local root and an ``s3://`` one."""
-
-    def __init__(self, root: str, dry: bool, text: bool, min_age: float) -> None:
-        self.dry, self.text, self.min_age = dry, text, min_age
-        self.doc: dict[str, Any] = {"root": root, "dry_run": dry, "removed": [], "kept": [], "retired": []}
-        self.freed = 0
-
-    def kept(self, name: str, age: float) -> None:
-        self.doc["kept"].append({"name": name, "age_s": round(age, 3)})
-        if self.text:
-            say(
-                f"kept {name}: modified {human_age(age)} ago, a save may still be writing it "
-                f"(--min-age {self.min_age:g}s; pass --min-age 0 to remove it)"
-            )
-
-    def removed(self, name: str, what: str, size: int) -> None:
-        self.doc["removed"].append({"name": name, "size": size})
-        if self.text:
-            say(f"{'would remove' if self.dry else 'removed'} {name} ({what}, {human_bytes(size)})")
-        self.freed += size
-
-    def retired(self, step: int, size: int) -> None:
-        self.doc["retired"].append({"step": step, "size": size})
-        if self.text:
-            say(f"{'would retire' if self.dry else 'retired'} step {step} ({human_bytes(size)})")
-        self.freed += size
-
-    def keeping(self, steps: list[int]) -> None:
-        self.doc["kept_steps"] = steps
-        if steps and self.text:
-            say(f"keeping {len(steps)} complete checkpoint(s): step {', '.join(map(str, steps))}")
-
-    def left_alone(self, name: str, problem: str | None, reason: str | None) -> None:
-        self.doc.setdefault("left_alone", []).append({"name": name, "problem": problem, "reason": reason})
-        if self.text:
-            say(f"left alone {name}: incomplete, {reason}; inspect it and remove it by hand if unwanted")
-
-    def bad(self, name: str, step: int, what: str, reason: str, size: int, removed: bool) -> None:
-        """A known-bad step (``what="bad"``) or a bad attempt set aside (``"aside"``): removed
-        (``--remove-bad``) or kept for inspection, never counted by ``--keep-last``."""
-        self.doc.setdefault("bad", []).append(
-            {"name": name, "step": step, "kind": what, "reason": reason, "size": size, "removed": removed})
-        if removed:
-            self.freed += size
-        if not self.text:
-            return
-        label = "known bad" if what == "bad" else "bad attempt set aside"
-        if removed:
-            say(f"{'would remove' if self.dry else 'removed'} {name} ({label}: {reason}, {human_bytes(size)})")
-        else:
-            say(f"kept {name}: {label}, {reason}; never counted by --keep-last, load() passes over it "
-                "(--remove-bad removes it)")
-
-    def newest_bad(self, step: int, newest: int | None) -> None:
-        """The highest step is known bad: say what resumes instead."""
-        self.doc["newest_known_bad"] = step
-        if self.text:
-            instead = f"step {newest} is the newest resumable one" if newest is not None else "nothing is resumable"
-            say(f"{PROG}: warning: step {step}, the highest, is known bad; {instead}", sys.stderr)
-
-    def finish(self) -> int:
-        self.doc.setdefault("kept_steps", [])
-        self.doc.setdefault("left_alone", [])
-        self.doc.setdefault("bad", [])
-        self.doc["freed"] = self.freed
-        if self.text:
-            say(f"{'would free' if self.dry else 'freed'} {human_bytes(self.freed)}")
-        else:
-            dump_json(self.doc)
-        return 0
 
 
 def _remove_bad(root: str, name: str, step: int, attempt: str | None) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from ..format._header import TensorSlot
 from ..format._manifest import Manifest
 from ..reading import Entry, local_time, read_rank_outline, resolve_step_noting, timestamp
+from ..roots._scheme import is_url
 from ._args import add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
@@ -113,7 +114,7 @@ def lines(entries: list[Entry], full: bool) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the saved keys of one rank of one step: tensors with dtype/shape/bytes, other values as saved."""
-    if args.root.startswith("s3://"):
+    if is_url(args.root):
         return _run_remote(args)
     refuse_remote_options(args, args.root)
     step_dir, manifest, passed = resolve_step_noting(args.root, args.step)

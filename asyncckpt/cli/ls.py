@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ..reading import scan
+from ..roots._scheme import is_url
 from ._args import command
 from ._print import PROG, dump_json, human_age, human_bytes, say, table
 from ._remote_args import add_storage_options, refuse_remote_options
@@ -35,7 +36,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Print one row per step directory (newest last); ``--json`` prints a JSON list."""
     root: str = args.root
-    if root.startswith("s3://"):
+    if is_url(root):
         from ._ls_remote import run_remote  # imports obstore: only for URLs
 
         return run_remote(args)

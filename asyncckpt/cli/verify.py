@@ -10,11 +10,13 @@ from typing import Any
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
-from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
+from ..reading import candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
 from ..roots._readfault import fault_of
+from ..roots._scheme import is_url
 from ._args import command, non_negative_int
-from ._print import PROG, Progress, dump_json, human_bytes, say
+from ._print import PROG, Progress, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
+from ._reports import report, summarize
 from .info import note_passed_over
 
 
@@ -71,7 +73,7 @@ def _steps(root: str, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Verify the chosen steps; one ``ok`` line per good step, one error line per problem."""
     root: str = args.root
-    if root.startswith("s3://"):
+    if is_url(root):
         from ._verify_remote import run_remote
 
         return run_remote(args)
@@ -102,40 +104,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     return summarize(results, os.path.abspath(root), len(steps), args.json)
-
-
-def report(
-    results: list[dict[str, Any]], step: int, problems: list[Problem], where: str, files: int, nbytes: int,
-    as_json: bool,
-) -> None:
-    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
-    # retired by a running job while we read it: gone, not damaged; an I/O error: unreadable
-    # (the storage failed, the data may be fine: nothing was marked)
-    status = (
-        "ok" if not problems
-        else "not found" if all(p.vanished for p in problems)
-        else "unreadable" if all(p.io or p.vanished for p in problems)
-        else "corrupt"
-    )  # fmt: skip
-    results.append({
-        "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
-        "problems": [{"path": p.path, "reason": p.reason} for p in problems],
-    })  # fmt: skip
-    if as_json:
-        return
-    for p in problems:
-        say(f"{PROG}: step {step}: {status}: {p}", sys.stderr)
-    if not problems:
-        say(f"step {step}: ok ({files} files, {human_bytes(nbytes)} verified)")
-
-
-def summarize(results: list[dict[str, Any]], root: str, asked: int, as_json: bool) -> int:
-    """Print the closing summary (or the JSON document) and return the exit status: 0 when
-    every result is ok."""
-    results.sort(key=lambda r: int(r["step"]))
-    good = sum(1 for r in results if r["ok"])
-    if as_json:
-        dump_json({"root": root, "ok": good, "failed": len(results) - good, "steps": results})
-    elif asked > 1:
-        say(f"{good} of {asked} checkpoints ok")
-    return 0 if good == len(results) else 1

@@ -41,6 +41,7 @@ from typing import Any
 
 from ._checksum import crc32c, crc32c_append_zeros, crc32c_shift
 from ._header import ITEMSIZE
+from ._reshard import Box, SavedChunk, check_chunk_index, check_tiling
 
 log = logging.getLogger("asyncckpt")
 
@@ -217,8 +218,6 @@ def _check_one_layout(name: str, e: dict[str, Any], found: Mapping[Any, int]) ->
     """``ValueError`` naming the layouts when the chunks ranks wrote of one DTensor, laid out
     differently on different meshes, do not tile it (the index must describe each global
     tensor once; equal boxes were merged already)."""
-    from ._reshard import Box, check_tiling
-
     try:
         check_tiling(e["shape"], [Box(tuple(c[0]), tuple(c[1])) for c in e["chunks"]], name)
     except ValueError as err:
@@ -341,8 +340,6 @@ def _crc_list(v: object, count: int) -> bool:
 
 
 def _parse_tensors(tensors: dict[str, Any], file_sizes: Mapping[str, int], block: int | None) -> dict[str, Any]:
-    from ._reshard import Box, SavedChunk, check_chunk_index
-
     out: dict[str, Any] = {}
     for name, e in tensors.items():
         if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not _ints(e.get("shape")):

@@ -201,3 +201,9 @@ def save_action(state: State | None) -> SaveAction:
     if state == "bad":
         return "set-aside"
     return "refuse"
+
+
+def same_run(a: str | None, b: str | None) -> bool:
+    """Whether two steps may belong to one run: equal ids, or either one without a run
+    (written before runs were recorded: it cannot be told apart, so it is not refused)."""
+    return a is None or b is None or a == b

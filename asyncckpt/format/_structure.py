@@ -49,7 +49,7 @@ import json
 import math
 import pathlib
 import zoneinfo
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -276,6 +276,15 @@ def _refusal(obj: Any, where: str) -> TypeError:
                 hint = f"save {base.__name__}(x): subclasses of {base.__name__} are not saved as such"
                 break
     return TypeError(f"unsupported object of type {_type_name(obj)} at {where!r}: {hint}")
+
+
+def check_strip_prefixes(value: Sequence[str]) -> tuple[str, ...]:
+    """``strip_prefixes`` checked: a sequence of non-empty str, each ending in ``.``."""
+    if isinstance(value, str) or not all(isinstance(p, str) and len(p) > 1 and p.endswith(".") for p in value):
+        raise ValueError(
+            f"strip_prefixes must be a sequence of key prefixes ending in '.', e.g. ('module.',), not {value!r}"
+        )
+    return tuple(value)
 
 
 def strip_state_dict_prefixes(sd: Mapping[str, Any], prefixes: Iterable[str]) -> tuple[dict[str, Any], Any]:

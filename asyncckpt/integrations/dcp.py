@@ -54,7 +54,7 @@ from ..format._safetensors import ST_TO_DTYPE
 from ..loading import _readinto
 from ..loading._load import byte_view
 from ..loading._stepfiles import PinnedFiles
-from ..roots.objstore._remote import is_url
+from ..roots._scheme import is_url
 from ..roots.posix._discovery import pin_step
 from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir
 from . import _dcp_meta, _dcp_step

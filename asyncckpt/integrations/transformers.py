@@ -55,6 +55,7 @@ from transformers.trainer_utils import SaveStrategy
 from .._checkpointer import Checkpointer, load
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._info import CheckpointInfo
+from ..roots._scheme import is_url
 from . import _hf_folders as folders
 from ._publish import Publisher, write_durably
 
@@ -88,7 +89,7 @@ class AsyncckptTrainerMixin:
             if k in options:
                 hint = " (use TrainingArguments(save_total_limit=))" if k == "keep_last" else ""
                 raise TypeError(f"asyncckpt_options: {k!r} is managed by {type(self).__name__}{hint}")
-        if asyncckpt_root is not None and os.fspath(asyncckpt_root).startswith("s3://"):
+        if asyncckpt_root is not None and is_url(os.fspath(asyncckpt_root)):
             raise ValueError(
                 "asyncckpt_root must be a local directory (checkpoint-N folders point into it); for an object "
                 "store use asyncckpt_options={'mirror': 's3://...'}"

@@ -51,7 +51,7 @@ from ..format._structure import resolve_dtensor_aliases, unflatten
 from ..roots._readfault import read_error
 from ..roots.posix._discovery import PinnedStep, pin_step
 from ..roots.posix._fileio import read_exact, reserve, write_all
-from ._load import _check_tree_size, byte_view, read_header
+from ._load import byte_view, check_tree_size, read_header
 from ._load_global import indexed
 from ._stepfiles import read_all
 
@@ -405,7 +405,7 @@ def _tree(pinned: PinnedStep, manifest: Manifest, rank: int) -> Any:
         entry = manifest.file(name)
     except CheckpointCorruptError:
         raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(pinned.path, MANIFEST)) from None
-    _check_tree_size(path, entry.size)
+    check_tree_size(path, entry.size)
     fd = pinned.open_file(name, entry.size)
     try:
         raw = read_all(fd, entry.size)

@@ -212,13 +212,13 @@ def _destinations(
     return first, into
 
 
-def _check_tree_size(path: str, size: int) -> None:
+def check_tree_size(path: str, size: int) -> None:
     check_structure_size(size, path)  # (the bound every reader shares)
 
 
 def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
     """Read and parse one rank's structure file (bounded: see ``_bounds``)."""
-    _check_tree_size(path, size)
+    check_tree_size(path, size)
     try:
         raw = read_regular_file(path, size)
     except OSError as e:
@@ -292,7 +292,7 @@ def load_files(
     tree_size, shard_size = files.size(tree_name_), files.size(shard_name_)
     tree_crc, shard_crc = manifest.file(tree_name_).crc32c, manifest.file(shard_name_).crc32c
     tree_path, shard_path = files.path(tree_name_), files.path(shard_name_)
-    _check_tree_size(tree_path, tree_size)
+    check_tree_size(tree_path, tree_size)
     files.source(tree_name_)
     shard_fd = files.source(shard_name_)
     try:

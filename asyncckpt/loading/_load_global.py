@@ -47,8 +47,8 @@ from ..format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
 from ..format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
 from ..roots._readfault import read_error
 from . import _readinto
-from ._load import _check_tree_size, byte_view, read_shard_fd
-from ._stepfiles import StepFiles
+from ._load import byte_view, check_tree_size, read_shard_fd
+from ._stepfiles import NoSuchShard, StepFiles
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
@@ -219,8 +219,6 @@ def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, pl
     del raw
     if reader.rank is not None:
         if reader.rank >= saved:
-            from ._resume import NoSuchShard
-
             raise NoSuchShard(f"step {manifest.step} was saved by {saved} rank(s); no rank {reader.rank}")
         ranks = [reader.rank]
     elif reader.world == saved:
@@ -265,7 +263,7 @@ def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, pl
 def _tree(files: StepFiles, rank: int, verify: bool) -> Any:
     name = tree_name(rank)
     size = files.size(name)
-    _check_tree_size(files.path(name), size)
+    check_tree_size(files.path(name), size)
     raw = files.read(name, None)
     return parse_structure(raw, files.path(name), size, files.manifest.file(name).crc32c if verify else None)
 

@@ -27,8 +27,10 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from ..format._checksum import crc32c
 from ..format._layout import check_step, token_of
 from ..format._manifest import Manifest
+from ..format._structure import check_strip_prefixes
 from ..roots._badmarks import record_on_store, store_marks
 from ..roots._runs import check_choice
 from ..roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
@@ -44,6 +46,8 @@ from ..roots.objstore._remote import (
 from ..roots.posix._discovery import KnownBad
 from . import _load
 from ._load_global import PER_RANK, PerRank, Reader
+from ._resume import load_files_as
+from ._stepfiles import NoSuchShard
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -110,8 +114,6 @@ class StoreFiles:
         return self._sources[name]
 
     def read(self, name: str, expected_crc: int | None) -> bytes:
-        from ..format._checksum import crc32c
-
         size = self.size(name)
         try:
             raw = blocking(self.store.get_bytes(self.prefix + name, self.deadline, limit=size))
@@ -138,8 +140,6 @@ def load_step(
     reader: Reader | None = None,
 ) -> Any:
     """Rank ``rank``'s state of complete step ``m`` on ``store`` (``_resume.load_files_as``)."""
-    from ._resume import load_files_as
-
     return load_files_as(StoreFiles(store, m, deadline), rank, verify, world_size, into, strip_prefixes, reader)
 
 
@@ -186,9 +186,7 @@ def load(
     must have been saved at it. The caller of ``reader`` restores into its targets; otherwise
     this function does. ``expect`` (with an explicit ``step``): the manifest attempt of the commit
     a collective load agreed on; another commit of the step raises ``CheckpointError`` before anything is read."""
-    from .._checkpointer import _prefixes
-
-    prefixes = _prefixes(strip_prefixes)
+    prefixes = check_strip_prefixes(strip_prefixes)
     if step is not None:
         check_step(step)
     if rank is not None:
@@ -223,8 +221,6 @@ def load(
             raise
 
     def go() -> Any:
-        from ._resume import NoSuchShard
-
         if step is not None:
             try:
                 return attempt(step)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, without_path
 from ..format._index import INDEX
 from ..format._layout import data_prefix, manifest_key
 from ..format._manifest import Manifest
-from ..reading import Problem, _short, parse_index
+from ..reading import Problem, parse_index
 from ..roots._badmarks import clear_on_store, record_on_store
 from ..roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
 from ..roots.objstore._steps import check_objects, read_manifest
@@ -48,7 +48,7 @@ async def verify_remote_step(
     try:
         await check_objects(store, m, deadline)
     except CheckpointCorruptError as e:
-        problems.append(Problem(e.path or store.object_url(data_prefix(m.step, m.attempt)), _short(e)))
+        problems.append(Problem(e.path or store.object_url(data_prefix(m.step, m.attempt)), without_path(e)))
     if not problems:
         for f in m.files:
             url = store.object_url(prefix + f.name)
@@ -74,7 +74,7 @@ async def verify_remote_step(
         except (ObjectNotFoundError, ObjectIntegrityError) as e:
             problems.append(Problem(url, str(e) or type(e).__name__))
         except CheckpointCorruptError as e:
-            problems.append(Problem(url, _short(e)))
+            problems.append(Problem(url, without_path(e)))
     if problems and not await _still_there(store, m, deadline):
         # retired or replaced while we read it: that is not damage
         url = store.object_url(manifest_key(m.step))

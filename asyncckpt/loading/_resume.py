@@ -29,17 +29,13 @@ from ..roots._runs import check_choice
 from ..roots.posix._discovery import Vanished, newest_complete, pin_step
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
-from ._stepfiles import PinnedFiles, StepFiles
+from ._stepfiles import NoSuchShard, PinnedFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
 
 #: A load(step=None) that keeps finding its choice retired gives up after this long.
 _SETTLE_S = 30.0
 _MIN_ROUNDS = 5
-
-
-class NoSuchShard(CheckpointNotFoundError):
-    """The step exists but holds no shard for the rank asked for (no fallback for that)."""
 
 
 def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | None) -> None:

@@ -13,11 +13,15 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from .._errors import CheckpointCorruptError
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format._checksum import crc32c
 from ..format._manifest import MANIFEST, Manifest
 from ..roots.posix._discovery import PinnedStep
 from ._readinto import Source
+
+
+class NoSuchShard(CheckpointNotFoundError):
+    """The step exists but holds no shard for the rank asked for (no fallback for that)."""
 
 
 class StepFiles(Protocol):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .. import _errors
 from .._errors import CoordinationLost
 from ..format._checksum import crc32c
 from ._coordination import CALL_S, CLIENT_S, is_store_timeout, lost_message
@@ -123,8 +124,6 @@ def _enc_start_failure(e: BaseException) -> dict[str, Any]:
 
 def _dec_start_failure(d: dict[str, Any]) -> BaseException:
     """Rank 0's start-up failure as the same exception type here where it is ours."""
-    from .. import _errors
-
     cls = getattr(_errors, str(d.get("type")), None)
     msg = f"{d.get('message')} (reported by rank 0)"
     if cls is _errors.RootNotWritableError:

@@ -38,15 +38,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncckpt")
 
 
-class _PhaseTimeout(TimeoutError):
+class PhaseTimeout(TimeoutError):
     """A phase of the save ran past the save's deadline (classified as a timeout by name)."""
 
 
 def check_deadline(job: SaveJob) -> None:
-    """Raise ``_PhaseTimeout`` once the save's deadline passed: e.g. this process was stopped
+    """Raise ``PhaseTimeout`` once the save's deadline passed: e.g. this process was stopped
     mid-commit, and the other ranks have given up by now."""
     if time.monotonic() > job.deadline:
-        raise _PhaseTimeout("the save's deadline passed before the commit point")
+        raise PhaseTimeout("the save's deadline passed before the commit point")
 
 
 def dir_deadline(job: SaveJob) -> float:

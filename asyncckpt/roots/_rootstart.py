@@ -94,7 +94,7 @@ def take_root(root: str, ranks: Sequence[int], own: Ownership, dead: set[str], o
         remove_leftovers(root, ops)
     except OSError as e:
         if e.errno in _REFUSED:
-            raise _ownership._not_writable(root, e) from e
+            raise _ownership.not_writable(root, e) from e
         raise
     return [i.step for i in _discovery.complete_checkpoints(root)]
 
@@ -102,7 +102,7 @@ def take_root(root: str, ranks: Sequence[int], own: Ownership, dead: set[str], o
 def not_writable_or(root: str, e: OSError) -> OSError:
     """``RootNotWritableError`` for a refusal (EROFS, EACCES, EPERM), else ``e`` itself."""
     if isinstance(e, PermissionError) or e.errno in _REFUSED:
-        return _ownership._not_writable(root, e)
+        return _ownership.not_writable(root, e)
     return e
 
 

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._layout import step_dir_name
+from ..format._stepstates import same_run
+from .posix._discovery import newest_complete, open_step, pin_step
 
 if TYPE_CHECKING:
     from ..format._manifest import Manifest
@@ -53,12 +55,6 @@ log = logging.getLogger("asyncckpt")
 def new_run_id() -> str:
     """A fresh run id: 32 lowercase hex digits."""
     return uuid.uuid4().hex
-
-
-def same_run(a: str | None, b: str | None) -> bool:
-    """Whether two steps may belong to one run: equal ids, or either one without a run
-    (written before runs were recorded: it cannot be told apart, so it is not refused)."""
-    return a is None or b is None or a == b
 
 
 def short(run: str | None) -> str:
@@ -92,8 +88,6 @@ def decide(local: Newest | None, store: Newest | None) -> str:
 
 def local_newest(root: str) -> Newest | None:
     """The newest resumable step under local ``root`` and its run (``None``: there is none)."""
-    from .posix._discovery import newest_complete, open_step
-
     info = newest_complete(root)
     if info is None:
         return None
@@ -106,9 +100,9 @@ def local_newest(root: str) -> Newest | None:
 
 async def store_newest(store: ObjectStore, deadline: float) -> Newest | None:
     """The newest resumable step on ``store`` and its run (``None``: there is none)."""
-    from .objstore._remote import newest_complete
+    from .objstore._remote import newest_complete as newest_on_store
 
-    found = await newest_complete(store, deadline)
+    found = await newest_on_store(store, deadline)
     return None if found is None else Newest(found[0].step, found[0].run)
 
 
@@ -165,7 +159,6 @@ def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None)
     now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
     import time
 
-    from .._errors import CheckpointCorruptError
     from .objstore._remote import read_manifest, run_sync
 
     try:
@@ -255,8 +248,6 @@ def choice(step: int, m: Manifest | None) -> list[Any]:
 
 def local_choice(root: str, step: int) -> list[Any]:
     """:func:`choice` for ``step`` under local ``root``, as rank 0 sees it now."""
-    from .posix._discovery import pin_step
-
     try:
         with pin_step(root, step) as pinned:
             return choice(step, pinned.manifest)

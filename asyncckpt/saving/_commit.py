@@ -44,7 +44,7 @@ from ..format import _index, _manifest
 from ..format._lifecycle import SaveEvent, SaveState, advance
 from ..format._safetensors import ShardLayout
 from ..ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
-from ..roots._backend import Backend, PosixBackend, _PhaseTimeout
+from ..roots._backend import Backend, PhaseTimeout, PosixBackend
 from ..roots.posix._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
 from . import _committable, _dedupe
 from ._staging import Arena, StageProgress
@@ -133,7 +133,7 @@ async def _within(aw: Awaitable[T], deadline: float, what: str) -> T:
     except TimeoutError as e:
         if type(e) is not TimeoutError:  # a typed timeout from below (ObjectStoreTimeoutError): keep it
             raise
-        raise _PhaseTimeout(f"{what} did not finish before the save's deadline") from None
+        raise PhaseTimeout(f"{what} did not finish before the save's deadline") from None
 
 
 async def _device_copies(storage: Storage, job: SaveJob) -> None:
@@ -543,7 +543,7 @@ async def run_save(
             step_to(SaveEvent.FAIL)
         await clean_up(counted=rank not in verdict.missing)
         timed_out = bool(verdict.missing) or any(
-            f.exc_type in ("TimeoutError", "_PhaseTimeout", "SaveTimeoutError", "ObjectStoreTimeoutError")
+            f.exc_type in ("TimeoutError", "PhaseTimeout", "SaveTimeoutError", "ObjectStoreTimeoutError")
             for f in verdict.failures.values()
         )
         err: SaveError

@@ -58,7 +58,7 @@ from ..posix._storage import Staged, WriteResult, until_staged
 from ._client import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
 from ._lease import Lease
 from ._leftovers import remove_dead
-from ._remote import _abort_stale_uploads, _sweep_dead_attempts, data_prefix, manifest_key, read_manifest, retire_remote
+from ._remote import abort_stale_uploads, data_prefix, manifest_key, read_manifest, retire_remote, sweep_dead_attempts
 from ._steps import observe_step, set_aside
 
 if TYPE_CHECKING:
@@ -210,9 +210,9 @@ class ObjectBackend:
         found = await read_manifest(self.store, job.step, deadline)
         if found is not None:
             try:
-                await _sweep_dead_attempts(self.store, found[0], deadline)
+                await sweep_dead_attempts(self.store, found[0], deadline)
                 if self.lease is None:
-                    await _abort_stale_uploads(self.store, found[0], deadline)
+                    await abort_stale_uploads(self.store, found[0], deadline)
             except ObjectStoreError as e:
                 log.warning("could not remove dead attempts of step %d: %s", job.step, e)
         if job.keep_last is not None:

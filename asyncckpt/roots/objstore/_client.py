@@ -110,7 +110,7 @@ def _check_not_forked() -> None:
     pid = os.getpid()
     if _RUNTIME_PID is None:
         _RUNTIME_PID = pid
-        atexit.register(_let_runtime_settle)
+        atexit.register(let_runtime_settle)
     elif _RUNTIME_PID != pid:
         raise RuntimeError(
             "object-store I/O in a forked child of a process that already used it: obstore's runtime "
@@ -122,7 +122,7 @@ def _check_not_forked() -> None:
 EXIT_SETTLE_S = 0.2
 
 
-def _let_runtime_settle() -> None:
+def let_runtime_settle() -> None:
     """At exit, before the interpreter is torn down: a short wait that lets obstore's tokio
     worker threads finish what they still do with Python objects. Without it a short-lived
     process that used the store sometimes dies of SIGABRT during finalization after all its

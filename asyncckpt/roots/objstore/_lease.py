@@ -71,7 +71,7 @@ from typing import Any
 from ..._errors import RootInUseError
 from ...format._layout import META_DIR
 from ...threads._writer import WriterThread
-from ..posix._ownership import _process_start_time, describe_owner
+from ..posix._ownership import describe_owner, process_start_time
 from ._client import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
 
 log = logging.getLogger("asyncckpt")
@@ -129,7 +129,7 @@ class Lease:
         self.url = store.object_url(KEY)
         # who holds it, as the record says (never a credential)
         self._who = {"role": role, "host": socket.gethostname(), "pid": os.getpid(),
-                     "start_time": _process_start_time(), "ranks": list(ranks), "since": time.time()}
+                     "start_time": process_start_time(), "ranks": list(ranks), "since": time.time()}
         self._seq = 0
         self._etag: str | None = None
         self._valid_until = 0.0  # time.monotonic(): the last good renewal's send time + ttl

@@ -40,6 +40,7 @@ from ...format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
 from ...format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
 from ...format._layout import manifest_key as manifest_key
 from ...format._manifest import MANIFEST, Manifest, decode
+from .._scheme import is_url
 from ..posix import _ownership
 from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..posix._fileio import read_exact, reserve, write_all
@@ -63,11 +64,6 @@ DEFAULT_DEADLINE_S = 3600.0
 #: Files of one step uploaded or downloaded at a time (each with its own parallel parts).
 _FILES_IN_FLIGHT = 2
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def is_url(root: object) -> bool:
-    """Whether ``root`` names an object store (``s3://...``) rather than a local path."""
-    return isinstance(root, str) and root.startswith("s3://")
 
 
 @dataclass(frozen=True)
@@ -290,7 +286,7 @@ async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, 
     await gather_or_cancel([one(n) for n in names])
 
 
-async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float) -> None:
+async def sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float) -> None:
     """Delete objects under ``step_N/`` of attempts the committed manifest does not name: they
     can never commit (their create_once loses), so they are dead whoever wrote them (but for
     attempts set aside as bad, kept for inspection)."""
@@ -304,7 +300,7 @@ async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float)
         log.info("removed %d object(s) of dead attempts under %s", len(dead), store.object_url(sd))
 
 
-async def _abort_stale_uploads(store: ObjectStore, m: Manifest, deadline: float) -> None:
+async def abort_stale_uploads(store: ObjectStore, m: Manifest, deadline: float) -> None:
     """Abort incomplete multipart uploads under the committed step (an earlier push killed
     mid-upload, whose own abort could not reach the store): every object of the step is
     complete now, so no upload there can be one a commit still needs. Best effort."""
@@ -381,8 +377,8 @@ async def push_step(
                 )
         if lease is not None:
             lease.check()  # removals only while the prefix is ours
-        await _sweep_dead_attempts(store, m, deadline)
-        await _abort_stale_uploads(store, m, deadline)
+        await sweep_dead_attempts(store, m, deadline)
+        await abort_stale_uploads(store, m, deadline)
     return PushResult(step, status, store.object_url(step_dir_name(step)), sum(f.size for f in m.files),
                       time.monotonic() - t0)
 

@@ -28,9 +28,8 @@ from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import Manifest, decode
-from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of, victims
+from ...format._stepstates import Fault, Mark, Seen, Steps, decide, same_run, state_of, victims
 from .._badmarks import clear_on_store, store_marks
-from .._runs import same_run
 from ._client import ObjectInfo, ObjectIntegrityError, ObjectNotFoundError, ObjectStore
 
 if TYPE_CHECKING:

@@ -36,7 +36,6 @@ import pathlib
 import stat
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..._info import CheckpointInfo
@@ -46,9 +45,6 @@ from ...format._manifest import MANIFEST, Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 from .._badmarks import marks
 from .._readfault import read_error
-
-if TYPE_CHECKING:
-    from ..objstore._remote import RemoteCheckpointInfo
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -437,23 +433,3 @@ def newest_complete(
     """
     found = _scan(os.fspath(root), newest_only=True, exclude=exclude, skipped=skipped)
     return found[0] if found else None
-
-
-def find_latest(
-    root: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None
-) -> CheckpointInfo | RemoteCheckpointInfo | None:
-    """The newest resumable checkpoint under ``root``, or ``None`` if there is none.
-
-    Incomplete, corrupt-looking and leftover directories are skipped, and so is a step known
-    bad (a verification or a load found its data corrupt: ``asyncckpt ls`` shows why). Safe against a
-    writer retiring checkpoints meanwhile: ``None`` means no complete checkpoint was there
-    across a stable listing. Raises ``CheckpointReadError`` for a root or a newer step it
-    cannot read (an I/O fault is never taken for an incomplete step).
-    ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;
-    see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
-    """
-    if isinstance(root, str) and root.startswith("s3://"):
-        from ...remote import find_latest as find_latest_remote
-
-        return find_latest_remote(root, storage_options=storage_options)
-    return newest_complete(root)

@@ -67,7 +67,7 @@ if hasattr(os, "register_at_fork"):
     )
 
 
-def _process_start_time(pid: int | str = "self") -> float | None:
+def process_start_time(pid: int | str = "self") -> float | None:
     """A process's start time (epoch seconds), from /proc; ``None`` where unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -135,7 +135,7 @@ def _current(record: Any) -> bool:
     pid, started = record.get("pid"), record.get("start_time")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    now = _process_start_time(pid)
+    now = process_start_time(pid)
     if now is None:
         return False  # no such process: the record is stale
     return not isinstance(started, (int, float)) or abs(now - started) < 1.0
@@ -183,7 +183,7 @@ def _read_only(path: str) -> bool:
         return False
 
 
-def _not_writable(root: str, e: OSError) -> RootNotWritableError:
+def not_writable(root: str, e: OSError) -> RootNotWritableError:
     why = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
     return RootNotWritableError(
         e.errno or errno.EACCES,
@@ -239,20 +239,20 @@ def acquire(
     """
     if not os.access(root, os.W_OK | os.X_OK):
         err = errno.EROFS if _read_only(root) else errno.EACCES
-        raise _not_writable(root, OSError(err, os.strerror(err), root))
+        raise not_writable(root, OSError(err, os.strerror(err), root))
     meta = os.path.join(root, META_DIR)
     try:
         os.mkdir(meta, 0o755)
     except FileExistsError:
         pass
     except OSError as e:
-        raise _not_writable(root, e) from e
+        raise not_writable(root, e) from e
     try:
         st = os.lstat(meta)
     except OSError as e:
-        raise _not_writable(root, e) from e
+        raise not_writable(root, e) from e
     if not stat.S_ISDIR(st.st_mode):  # a link or file there would put the lock elsewhere
-        raise _not_writable(root, OSError(errno.ENOTDIR, f"{META_DIR} is not a directory (a link?)", meta))
+        raise not_writable(root, OSError(errno.ENOTDIR, f"{META_DIR} is not a directory (a link?)", meta))
     lock_path = os.path.join(meta, LOCK)
     own = into if into is not None else Ownership(root, None)
     try:
@@ -271,7 +271,7 @@ def acquire(
         "role": role,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "start_time": _process_start_time(),
+        "start_time": process_start_time(),
         "ranks": list(ranks),
         "since": time.time(),
     }
@@ -279,7 +279,7 @@ def acquire(
         _write_record(meta, record)
     except OSError as e:
         own.release()
-        raise _not_writable(root, e) from e
+        raise not_writable(root, e) from e
     except BaseException:
         own.release()
         raise
@@ -307,7 +307,7 @@ def _lock(root: str, lock_path: str, own: Ownership) -> bool:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 e = OSError(errno.ELOOP, "the owner lock is a symbolic link (refused)", lock_path)
-            raise _not_writable(root, e) from e
+            raise not_writable(root, e) from e
         try:
             regular = stat.S_ISREG(os.fstat(fd).st_mode)
         except BaseException:
@@ -315,7 +315,7 @@ def _lock(root: str, lock_path: str, own: Ownership) -> bool:
             raise
         if not regular:
             os.close(fd)
-            raise _not_writable(root, OSError(errno.EINVAL, "the owner lock is not a regular file", lock_path))
+            raise not_writable(root, OSError(errno.EINVAL, "the owner lock is not a regular file", lock_path))
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -346,12 +346,12 @@ def _lock(root: str, lock_path: str, own: Ownership) -> bool:
                     stacklevel=4,
                 )
                 return False
-            raise _not_writable(root, e) from e
+            raise not_writable(root, e) from e
         except BaseException:
             if own._fd != fd:
                 os.close(fd)
             raise
-    raise _not_writable(root, OSError(errno.EAGAIN, "the owner lock keeps being replaced", lock_path))
+    raise not_writable(root, OSError(errno.EAGAIN, "the owner lock keeps being replaced", lock_path))
 
 
 class _Busy(Exception):

@@ -357,7 +357,7 @@ class Storage:
         :class:`CpuMeter`, if one is set."""
         meter = current_meter.get()
         if meter is not None:
-            fn = _metered(fn, meter)
+            fn = metered(fn, meter)
         result: T = await aiofiles.os.wrap(fn)(*args, executor=self._executor)
         return result
 
@@ -376,7 +376,7 @@ class Storage:
     async def _on(self, executor: Executor, fn: Callable[..., T], *args: Any) -> T:
         meter = current_meter.get()
         if meter is not None:
-            fn = _metered(fn, meter)
+            fn = metered(fn, meter)
         result: T = await aiofiles.os.wrap(fn)(*args, executor=executor)
         return result
 
@@ -597,7 +597,7 @@ class Storage:
             raise (real or errors)[0]
 
 
-def _metered(fn: Callable[..., T], meter: CpuMeter) -> Callable[..., T]:
+def metered(fn: Callable[..., T], meter: CpuMeter) -> Callable[..., T]:
     def run(*args: Any) -> T:
         c0 = thread_cpu()
         try:
