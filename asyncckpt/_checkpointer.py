@@ -59,6 +59,7 @@ from .saving._handle import SaveHandle, SaveRecord
 from .saving._mirror import Mirror, UploadRecord, check_options
 from .saving._staging import Arena, StageProgress, StagingPool
 from .threads._iopool import IOPool
+from .threads._sync import run_sync
 from .threads._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
@@ -778,7 +779,6 @@ class Checkpointer:
 
         def look() -> list[int]:
             if self._store is not None:
-                from .roots.objstore._remote import run_sync
                 from .roots.objstore._steps import step_states
 
                 store, timeout = self._store, self.timeout
@@ -1463,7 +1463,7 @@ class Checkpointer:
         """The newest complete step of this Checkpointer's root (no collective); on a store
         within ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
         if self._store is not None:
-            from .roots.objstore._remote import newest_complete, run_sync
+            from .roots.objstore._remote import newest_complete
 
             store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
             found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
@@ -1931,7 +1931,7 @@ def _open_store_root(
 
 
 def _remote_steps(store: Any, timeout: float) -> list[int]:
-    from .roots.objstore._remote import complete_steps, run_sync
+    from .roots.objstore._remote import complete_steps
 
     return [m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout))]
 

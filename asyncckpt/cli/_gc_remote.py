@@ -12,8 +12,9 @@ from ..format._layout import aside_key, data_prefix
 from ..format._stepstates import state_of, victims, why_bad
 from ..roots.objstore._lease import Lease, held
 from ..roots.objstore._leftovers import remove, survey
-from ..roots.objstore._remote import open_store, retire_remote, run_sync
+from ..roots.objstore._remote import open_store, retire_remote
 from ..roots.objstore._steps import remove_bad
+from ..threads._sync import run_sync
 from ._args import UsageError
 from ._remote_args import deadline_s, storage_options
 from ._reports import Report

@@ -11,8 +11,9 @@ from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoun
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
 from ..loading._remote_verify import open_for_verify, verify_remote_step
-from ..roots.objstore._remote import candidate_steps, open_store, run_sync
+from ..roots.objstore._remote import candidate_steps, open_store
 from ..roots.objstore._steps import newest_resumable
+from ..threads._sync import run_sync
 from ._print import PROG, Progress, say
 from ._remote_args import deadline_s, storage_options
 from ._reports import report, summarize

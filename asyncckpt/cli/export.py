@@ -25,6 +25,7 @@ from ..format._layout import parse_aside, parse_leftover, parse_step_dir
 from ..reading import resolve_step_noting
 from ..roots._scheme import is_url
 from ..roots.posix._storage import DEFAULT_OPS
+from ..threads._sync import run_sync
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
@@ -235,7 +236,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     import tempfile
 
     from ..loading._remote_info import resolve_remote_step
-    from ..roots.objstore._remote import open_store, pull, run_sync
+    from ..roots.objstore._remote import open_store, pull
 
     url: str = args.root
     opts = storage_options(args)

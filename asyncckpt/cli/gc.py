@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import os
 import time
@@ -19,6 +18,7 @@ from ..roots._scheme import is_url
 from ..roots.posix import _ownership
 from ..roots.posix._retention import choose_victims, leftovers, retire
 from ..roots.posix._storage import DEFAULT_OPS, Storage, remove_tree
+from ..threads._sync import run_sync
 from ._args import command, positive_int, seconds
 from ._remote_args import add_remote_arguments, refuse_remote_options
 from ._reports import Report
@@ -73,7 +73,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def _retire(root: str, keep_last: int, by_commit_order: bool) -> list[int]:
     """Run the library's own retention (rename to ``.deleting-``, fsync the root, remove)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-gc") as pool:
-        return asyncio.run(retire(Storage(pool), root, keep_last, by_commit_order=by_commit_order))
+        return run_sync(lambda: retire(Storage(pool), root, keep_last, by_commit_order=by_commit_order))
 
 
 def run(args: argparse.Namespace) -> int:

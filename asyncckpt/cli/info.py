@@ -13,6 +13,7 @@ from ..format._header import TensorSlot
 from ..format._manifest import Manifest
 from ..reading import Entry, local_time, read_rank_outline, resolve_step_noting, timestamp
 from ..roots._scheme import is_url
+from ..threads._sync import run_sync
 from ._args import add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_age, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
@@ -134,7 +135,7 @@ def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> 
 def _run_remote(args: argparse.Namespace) -> int:
     from ..format._layout import step_dir_name
     from ..loading._remote_info import remote_rank_outline, resolve_remote_step
-    from ..roots.objstore._remote import open_store, run_sync
+    from ..roots.objstore._remote import open_store
 
     store = open_store(args.root, storage_options(args))
     deadline = time.monotonic() + deadline_s(args)

@@ -18,7 +18,6 @@ explicit step, look again for ``step=None``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
@@ -41,9 +40,9 @@ from ..roots.objstore._remote import (
     manifest_key,
     open_step,
     open_store,
-    run_sync,
 )
 from ..roots.posix._discovery import KnownBad
+from ..threads._sync import run_sync
 from . import _load
 from ._load_global import PER_RANK, PerRank, Reader
 from ._resume import load_files_as
@@ -59,16 +58,8 @@ _LIST_ROUNDS = 16
 
 
 def blocking(aw: Awaitable[T]) -> T:
-    """Run ``aw`` to its end from synchronous code: on a fresh event loop in this thread, or,
-    where this thread already runs one (a notebook caller), on a loop in a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-
-        async def go() -> T:
-            return await aw
-
-        return asyncio.run(go())
+    """Run ``aw`` to its end from synchronous code, on the shared event loop (``threads._sync``:
+    also from a thread that runs a loop of its own, a notebook caller's)."""
     return run_sync(lambda: aw)
 
 

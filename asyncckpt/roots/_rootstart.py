@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .._errors import CheckpointError
 from ..ranks import _sharedroot
 from ..ranks._distributed import DistContext
+from ..threads._sync import run_sync
 from .posix import _discovery, _ownership
 from .posix._ownership import Ownership
 from .posix._retention import leftovers, remove_leftovers
@@ -116,7 +117,6 @@ def remote_start(lease: Lease, timeout: float, start: float) -> tuple[list[int],
     ``min(timeout, 120 s)``, or up to twice the lease's TTL when ``timeout`` allows, to
     wait out a dead owner's lease; a store that does not answer fails it by then."""
     from .objstore._leftovers import remove_dead
-    from .objstore._remote import run_sync
 
     budget = min(timeout, START_S)
     end = start + max(budget, min(timeout, 2 * lease.ttl + 10.0))

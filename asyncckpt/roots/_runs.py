@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
+from ..threads._sync import run_sync
 from .posix._discovery import newest_complete, open_step, pin_step
 
 if TYPE_CHECKING:
@@ -129,7 +130,6 @@ def survey_store(store: ObjectStore, timeout: float) -> Newest | None:
     """
     import time
 
-    from .objstore._remote import run_sync
 
     try:
         return run_sync(lambda: store_newest(store, time.monotonic() + timeout))
@@ -159,7 +159,7 @@ def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None)
     now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
     import time
 
-    from .objstore._remote import read_manifest, run_sync
+    from .objstore._remote import read_manifest
 
     try:
         found = run_sync(lambda: read_manifest(store, step, time.monotonic() + timeout))

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
 from .._info import CheckpointInfo
 from ..threads._iopool import IOPool
+from ..threads._sync import run_sync
 from ..threads._writer import WriterThread
 from ._handle import SaveRecord
 
@@ -312,7 +313,7 @@ class Mirror:
         newer step passed over as corrupt or known bad is a WARNING too, as a load that falls
         back logs it."""
         from ..roots._runs import newest_of_run, warn_other_runs
-        from ..roots.objstore._remote import info_of, run_sync
+        from ..roots.objstore._remote import info_of
 
         async def go() -> RemoteCheckpointInfo | None:
             deadline = time.monotonic() + self.timeout

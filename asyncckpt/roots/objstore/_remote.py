@@ -28,9 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -40,6 +39,7 @@ from ...format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
 from ...format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
 from ...format._layout import manifest_key as manifest_key
 from ...format._manifest import MANIFEST, Manifest, decode
+from ...threads._sync import run_sync
 from .._scheme import is_url
 from ..posix import _ownership
 from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
@@ -97,32 +97,6 @@ def open_store(url: str, storage_options: Mapping[str, str] | None = None, **kwa
     if not is_url(url):
         raise ValueError(f"not an object-store URL (s3://bucket/prefix): {url!r}")
     return ObjectStore(url, storage_options, **kwargs)
-
-
-def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run ``await fn()`` on a fresh event loop in its own thread and return its result.
-
-    Its own thread: callable from code that already runs an event loop (a notebook). Every
-    object-store call inside has a deadline, so the join ends.
-    """
-    box: dict[str, Any] = {}
-
-    def main() -> None:
-        async def go() -> T:
-            return await fn()
-
-        try:
-            box["value"] = asyncio.run(go())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread, type kept
-            box["error"] = e
-
-    t = threading.Thread(target=main, name="asyncckpt-remote", daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    result: T = box["value"]
-    return result
 
 
 # ------------------------------------------------------------------------------ discovery

@@ -1,0 +1,132 @@
+"""The one event loop for coroutines run from synchronous code (``asyncckpt.threads._sync``):
+one named thread, started once, real futures, types kept, refusal from its own thread, fork and
+exit awareness; and the places that used to start their own loops run on it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncckpt.loading import _remote_load
+from asyncckpt.threads import _sync
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def _where() -> threading.Thread:
+    await asyncio.sleep(0)
+    return threading.current_thread()
+
+
+def test_one_named_thread_started_once_for_every_call() -> None:
+    before = threading.active_count()
+    threads = {_sync.run_sync(_where) for _ in range(20)}
+    assert len(threads) == 1
+    (t,) = threads
+    assert t.name == "asyncckpt-sync" and t.daemon
+    assert t is not threading.current_thread()
+    assert threading.active_count() <= before + 1  # at most the loop's own thread, never one per call
+
+
+def test_submit_returns_a_real_future_and_keeps_the_exception_type() -> None:
+    fut = _sync.submit(asyncio.sleep(0, result=7))
+    assert isinstance(fut, concurrent.futures.Future)
+    assert fut.result(timeout=10) == 7
+
+    async def fail() -> None:
+        raise FileNotFoundError(2, "gone", "/x")
+
+    with pytest.raises(FileNotFoundError) as e:
+        _sync.run_sync(fail)
+    assert e.value.filename == "/x"
+
+
+def test_a_call_from_the_loops_own_thread_is_refused_not_deadlocked() -> None:
+    async def nested() -> str:
+        try:
+            _sync.run_sync(_where)  # would wait on itself forever
+        except RuntimeError as e:
+            return str(e)
+        return "not refused"
+
+    assert "its own thread" in _sync.run_sync(nested)
+
+
+def test_a_caller_that_runs_its_own_loop_gets_the_result() -> None:
+    async def notebook_cell() -> threading.Thread:
+        return _sync.run_sync(_where)  # a plain call inside a running loop (a notebook)
+
+    mine = asyncio.run(notebook_cell())
+    assert mine.name == "asyncckpt-sync"
+
+
+def test_the_remote_loaders_blocking_reads_run_on_it() -> None:
+    """``_remote_load.blocking`` (its ranged GETs) used to run ``asyncio.run`` per call, in the
+    calling thread: now every call runs on the one shared loop, from any thread."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        names = set(pool.map(lambda _: _remote_load.blocking(_where()).name, range(16)))
+    assert names == {"asyncckpt-sync"}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_loop() -> None:
+    parent = _sync.run_sync(_where)
+    code = textwrap.dedent("""
+        import asyncio, os, sys, threading
+        from asyncckpt.threads import _sync
+
+        async def where():
+            return threading.current_thread()
+        parent = _sync.run_sync(where)
+        pid = os.fork()
+        if pid == 0:
+            # the parent's loop thread does not exist here: waiting on it would hang forever
+            child = _sync.run_sync(where)
+            os._exit(0 if child is not parent and _sync.run_sync(where) is child else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert parent.is_alive()
+
+
+def test_exit_cancels_what_is_left_and_refuses_more() -> None:
+    code = textwrap.dedent("""
+        import asyncio, atexit
+
+        def after():  # registered before the helper's own exit hook: runs after it
+            from asyncckpt.threads import _sync
+            try:
+                _sync.run_sync(lambda: asyncio.sleep(0))
+            except RuntimeError as e:
+                print("refused:", e, flush=True)
+        atexit.register(after)
+
+        from asyncckpt.threads import _sync
+
+        async def forever():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                print("cancelled at exit", flush=True)
+                raise
+        fut = _sync.submit(forever())
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert time.monotonic() - t0 < 30
+    assert "cancelled at exit" in p.stdout
+    assert "refused: asyncckpt: the interpreter is exiting" in p.stdout
