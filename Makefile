@@ -59,6 +59,7 @@ test: venv nemo-venv lint
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: venv
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)

@@ -21,7 +21,14 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointReadError,
+    ConditionalWriteUnsupportedError,
     CoordinationLost,
+    ObjectIntegrityError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStorePermissionError,
+    ObjectStoreTimeoutError,
+    ObjectStoreUnavailableError,
     RankFailure,
     RanksFailedError,
     RanksTimeoutError,
@@ -38,7 +45,7 @@ if TYPE_CHECKING:
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
     from .roots._find import find_latest
-    from .roots.posix._storage import ensure_dir
+    from .roots.posix._storage import StaleDirectoryError, ensure_dir
     from .saving._handle import SaveHandle
 
 __version__ = "0.1.0"
@@ -54,6 +61,7 @@ _LAZY = {
     "SaveStatistics": "._info",
     "SaveState": ".format._lifecycle",
     "ensure_dir": ".roots.posix._storage",
+    "StaleDirectoryError": ".roots.posix._storage",
     "on_every_rank": ".ranks._every_rank",
     "import_dcp": ".integrations.dcp",
 }
@@ -80,7 +88,14 @@ __all__ = [
     "CheckpointReadError",
     "Checkpointer",
     "CheckpointerStatistics",
+    "ConditionalWriteUnsupportedError",
     "CoordinationLost",
+    "ObjectIntegrityError",
+    "ObjectNotFoundError",
+    "ObjectStoreError",
+    "ObjectStorePermissionError",
+    "ObjectStoreTimeoutError",
+    "ObjectStoreUnavailableError",
     "RankFailure",
     "RanksFailedError",
     "RanksTimeoutError",
@@ -91,6 +106,7 @@ __all__ = [
     "SaveState",
     "SaveStatistics",
     "SaveTimeoutError",
+    "StaleDirectoryError",
     "__version__",
     "ensure_dir",
     "find_latest",

@@ -20,7 +20,15 @@
     ├── RootInUseError                   another writer owns the root (at construction; on an
     │                                        object-store root also in a save's failures once
     │                                        its lease was taken over)
-    └── RootNotWritableError             the root cannot be written (also a PermissionError)
+    ├── RootNotWritableError             the root cannot be written (also a PermissionError)
+    └── ObjectStoreError                 an object-store operation failed (also an OSError: errno,
+        │                                    filename = the object's URL)
+        ├── ObjectNotFoundError          the object does not exist (also FileNotFoundError)
+        ├── ObjectStorePermissionError   the store refused the credentials, 401/403 (also PermissionError)
+        ├── ObjectStoreTimeoutError      the deadline passed first (also TimeoutError)
+        ├── ObjectStoreUnavailableError  5xx, throttling, connection errors through every retry
+        ├── ObjectIntegrityError         what the store holds differs from what was sent
+        └── ConditionalWriteUnsupportedError  the store ignored If-None-Match: *
 
 Bad arguments are not in the tree: they raise ``TypeError`` / ``ValueError`` at the call
 that received them. Waiting with a ``timeout=`` that runs out raises the builtin
@@ -37,6 +45,43 @@ from dataclasses import dataclass, replace
 
 class CheckpointError(Exception):
     """Base class of every error asyncckpt raises on purpose."""
+
+
+class ObjectStoreError(CheckpointError, OSError):
+    """An object-store operation failed. ``errno`` says how, ``filename`` is the object's URL."""
+
+    def __init__(self, err: int, message: str, url: str | None = None) -> None:
+        OSError.__init__(self, err, message, url)
+
+    def __str__(self) -> str:
+        return f"{self.strerror}: {self.filename}" if self.filename else str(self.strerror)
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class ObjectStorePermissionError(ObjectStoreError, PermissionError):
+    """The store refused our credentials or their permissions (401/403)."""
+
+
+class ObjectStoreTimeoutError(ObjectStoreError, TimeoutError):
+    """The deadline passed before the operation finished. For a conditional create (``ObjectStore.create_once``)
+    ``outcome_unknown`` is true: our create may still land (read the object to find out)."""
+
+    outcome_unknown: bool = False
+
+
+class ObjectStoreUnavailableError(ObjectStoreError):
+    """The store kept failing (5xx, throttling, connection errors) through every retry."""
+
+
+class ObjectIntegrityError(ObjectStoreError):
+    """What the store holds differs from what we sent (size or CRC-32C on read-back)."""
+
+
+class ConditionalWriteUnsupportedError(ObjectStoreError):
+    """The store ignored ``If-None-Match: *``: commits could race, so it is refused."""
 
 
 @dataclass(frozen=True)

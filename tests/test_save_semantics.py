@@ -298,7 +298,24 @@ def test_public_exports_are_pinned() -> None:
         "SaveStatistics",
         "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "import_dcp", "load",
         "on_every_rank",
+        # every documented error type (docs/failures.md), object-store ones included
+        "ObjectStoreError", "ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
+        "ObjectStoreUnavailableError", "ObjectIntegrityError", "ConditionalWriteUnsupportedError",
+        "StaleDirectoryError",
     ])
+    for name in asyncckpt.__all__:
+        assert getattr(asyncckpt, name) is not None, name
+    # the types the object-store layer raises are the ones exported (obstore not needed to import them)
+    from asyncckpt.roots.objstore import _client
+    assert _client.ObjectStoreError is asyncckpt.ObjectStoreError
+    for leaf in ("ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
+                 "ObjectStoreUnavailableError", "ObjectIntegrityError", "ConditionalWriteUnsupportedError"):
+        assert issubclass(getattr(asyncckpt, leaf), asyncckpt.ObjectStoreError), leaf
+    assert issubclass(asyncckpt.ObjectStoreError, asyncckpt.CheckpointError)
+    assert issubclass(asyncckpt.ObjectStoreError, OSError)
+    assert issubclass(asyncckpt.ObjectNotFoundError, FileNotFoundError)
+    assert issubclass(asyncckpt.ObjectStoreTimeoutError, TimeoutError)
+    assert issubclass(asyncckpt.StaleDirectoryError, FileExistsError)
     assert issubclass(asyncckpt.RanksTimeoutError, asyncckpt.RanksFailedError)
     assert issubclass(asyncckpt.RanksTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.RanksFailedError, asyncckpt.CheckpointError)

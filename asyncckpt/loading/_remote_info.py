@@ -8,14 +8,14 @@ one. Every defect is ``CheckpointCorruptError`` naming the object's URL.
 
 from __future__ import annotations
 
-from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectIntegrityError
 from ..format._bounds import check_structure_size, parse_structure
 from ..format._header import TensorSlot
 from ..format._index import INDEX, MAX_INDEX_BYTES
 from ..format._layout import data_prefix, step_dir_name
 from ..format._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from ..reading import Entry, check_rank, header_length, indexed_slots, rank_outline, slots_of_header
-from ..roots.objstore._client import ObjectIntegrityError, ObjectStore
+from ..roots.objstore._client import ObjectStore
 from ..roots.objstore._steps import newest_resumable, open_step
 
 

@@ -25,14 +25,22 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ObjectIntegrityError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from ..format._checksum import crc32c
 from ..format._layout import check_step, token_of
 from ..format._manifest import Manifest
 from ..format._structure import check_strip_prefixes
 from ..roots._badmarks import record_on_store, store_marks
 from ..roots._runs import check_choice
-from ..roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ..roots.objstore._client import ObjectStore
 from ..roots.objstore._remote import (
     DEFAULT_DEADLINE_S,
     candidate_steps,

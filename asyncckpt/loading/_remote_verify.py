@@ -16,13 +16,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, without_path
+from .._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ObjectIntegrityError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    without_path,
+)
 from ..format._index import INDEX
 from ..format._layout import data_prefix, manifest_key
 from ..format._manifest import Manifest
 from ..reading import Problem, parse_index
 from ..roots._badmarks import clear_on_store, record_on_store
-from ..roots.objstore._client import ObjectIntegrityError, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ..roots.objstore._client import ObjectStore
 from ..roots.objstore._steps import check_objects, read_manifest
 
 

@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from .._errors import ObjectIntegrityError, ObjectNotFoundError, ObjectStoreError
 from ..format._layout import META_DIR, step_dir_name, token_of
 from ..format._stepstates import Mark
 
@@ -192,8 +193,6 @@ async def record_on_store(
 ) -> bool:
     """Remember on the store that ``step`` (manifest ``attempt``) failed verification at
     ``url``. Returns whether the mark was written (False: the store refused or failed)."""
-    from .objstore._client import ObjectStoreError
-
     try:
         await store.put_file(STORE_PREFIX + mark_name(step, attempt), memoryview(_body(step, attempt, url, reason)),
                              deadline)  # fmt: skip
@@ -205,8 +204,6 @@ async def record_on_store(
 async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, str], Mark]:
     """Every mark on the store: (step, ``token_of(attempt)``) -> mark (one LIST, and one GET
     per mark). A store failure propagates; a mark gone meanwhile or malformed is ignored."""
-    from .objstore._client import ObjectIntegrityError, ObjectNotFoundError
-
     out: dict[tuple[int, str], Mark] = {}
     listed = sorted(o.key for o in await store.list(STORE_PREFIX, deadline))
     for key in listed[:_MAX_MARKS]:
@@ -227,8 +224,6 @@ async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, st
 async def clear_on_store(store: ObjectStore, step: int, attempt: str, deadline: float) -> bool:
     """Drop the store's mark of ``attempt`` of ``step``; returns whether a delete was sent
     without error (deleting an absent key is not an error on S3)."""
-    from .objstore._client import ObjectStoreError
-
     try:
         await store.delete([STORE_PREFIX + mark_name(step, attempt)], deadline)
     except ObjectStoreError:

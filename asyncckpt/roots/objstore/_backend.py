@@ -48,14 +48,14 @@ import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..._errors import CheckpointCorruptError
+from ..._errors import CheckpointCorruptError, ObjectStoreError, ObjectStoreTimeoutError
 from ..._info import CheckpointInfo
 from ...format._layout import step_dir_name
 from ...format._manifest import decode
 from ...format._stepstates import save_action, state_of
 from .._backend import check_deadline
 from ..posix._storage import Staged, WriteResult, until_staged
-from ._client import ObjectStore, ObjectStoreError, ObjectStoreTimeoutError
+from ._client import ObjectStore
 from ._lease import Lease
 from ._leftovers import remove_dead
 from ._remote import abort_stale_uploads, data_prefix, manifest_key, read_manifest, retire_remote, sweep_dead_attempts

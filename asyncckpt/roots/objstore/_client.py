@@ -69,7 +69,15 @@ except ImportError as _missing:  # an optional dependency: say which extra bring
         f"pip install 'asyncckpt[s3]' (obstore could not be imported: {_missing})"
     ) from _missing
 
-from ..._errors import CheckpointError
+from ..._errors import (
+    ConditionalWriteUnsupportedError,
+    ObjectIntegrityError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStorePermissionError,
+    ObjectStoreTimeoutError,
+    ObjectStoreUnavailableError,
+)
 from ...format._checksum import crc32c, crc32c_combine
 from ...format._layout import META_DIR
 from ._s3uploads import S3Credentials, Upload, UploadsClient, UploadsError
@@ -130,43 +138,6 @@ def let_runtime_settle() -> None:
     same class of bug as lancedb/lancedb#4175)."""
     if _RUNTIME_PID == os.getpid():
         time.sleep(EXIT_SETTLE_S)
-
-
-class ObjectStoreError(CheckpointError, OSError):
-    """An object-store operation failed. ``errno`` says how, ``filename`` is the object's URL."""
-
-    def __init__(self, err: int, message: str, url: str | None = None) -> None:
-        OSError.__init__(self, err, message, url)
-
-    def __str__(self) -> str:
-        return f"{self.strerror}: {self.filename}" if self.filename else str(self.strerror)
-
-
-class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
-    """The object does not exist."""
-
-
-class ObjectStorePermissionError(ObjectStoreError, PermissionError):
-    """The store refused our credentials or their permissions (401/403)."""
-
-
-class ObjectStoreTimeoutError(ObjectStoreError, TimeoutError):
-    """The deadline passed before the operation finished. For :meth:`ObjectStore.create_once`
-    ``outcome_unknown`` is true: our create may still land (read the object to find out)."""
-
-    outcome_unknown: bool = False
-
-
-class ObjectStoreUnavailableError(ObjectStoreError):
-    """The store kept failing (5xx, throttling, connection errors) through every retry."""
-
-
-class ObjectIntegrityError(ObjectStoreError):
-    """What the store holds differs from what we sent (size or CRC-32C on read-back)."""
-
-
-class ConditionalWriteUnsupportedError(ObjectStoreError):
-    """The store ignored ``If-None-Match: *``: commits could race, so it is refused."""
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ..._errors import RootInUseError
+from ..._errors import ObjectNotFoundError, ObjectStoreError, RootInUseError
 from ...format._layout import META_DIR
 from ...threads._writer import WriterThread
 from ..posix._ownership import describe_owner, process_start_time
-from ._client import CreateResult, ObjectInfo, ObjectNotFoundError, ObjectStore, ObjectStoreError
+from ._client import CreateResult, ObjectInfo, ObjectStore
 
 log = logging.getLogger("asyncckpt")
 

@@ -27,10 +27,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..._errors import ObjectStoreError
 from ...format._layout import step_dir_name
 from ...format._stepstates import state_of, why_bad
 from .._badmarks import store_marks
-from ._client import ObjectStore, ObjectStoreError
+from ._client import ObjectStore
 from ._steps import StepPrefix, candidate_steps, observe_step
 
 log = logging.getLogger("asyncckpt")

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ObjectStoreError
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
 from ...format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
@@ -45,7 +45,7 @@ from ..posix import _ownership
 from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..posix._fileio import read_exact, reserve, write_all
 from ..posix._storage import remove_tree
-from ._client import ObjectStore, ObjectStoreError, gather_or_cancel
+from ._client import ObjectStore, gather_or_cancel
 from ._steps import aside_keys, check_attempt, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects

@@ -24,13 +24,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectIntegrityError, ObjectNotFoundError
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, same_run, state_of, victims
 from .._badmarks import clear_on_store, store_marks
-from ._client import ObjectInfo, ObjectIntegrityError, ObjectNotFoundError, ObjectStore
+from ._client import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
     from ._lease import Lease
