@@ -143,8 +143,9 @@ class ObjectBackend:
     def _until(self, job: SaveJob) -> float:
         """The store's own deadline for a write: a little before the save's, so a store that
         keeps failing surfaces as its typed error (503 through every retry:
-        ``ObjectStoreUnavailableError``) rather than as the phase guard's timeout."""
-        return job.deadline - min(2.0, 0.2 * job.timeout)
+        ``ObjectStoreUnavailableError``, or what ``_storefull.explain`` makes of it in the
+        time kept back) rather than as the phase guard's timeout."""
+        return job.deadline - min(4.0, 0.2 * job.timeout)
 
     async def write_shard(
         self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None

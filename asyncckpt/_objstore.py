@@ -79,6 +79,8 @@ DEFAULT_PART = 64 * MiB
 MAX_SINGLE_PUT = 5 * 1024 * MiB
 #: Most parts of one multipart upload (S3's limit).
 MAX_PARTS = 10_000
+#: Seconds :meth:`ObjectStore.remove_dirs` may take at most (best effort housekeeping).
+DIRS_S = 5.0
 #: Part of a file streamed to or from the store (put_from/get_to): 9 of them in memory at most.
 STREAM_PART = 16 * MiB
 
@@ -757,20 +759,23 @@ class ObjectStore:
                                  lambda _b, batch=batch: obstore.delete_async(self._store, batch))
 
     async def remove_dirs(self, dirs: Sequence[str], deadline: float) -> bool:
-        """Best effort: delete the "directory" keys ``dirs`` (each ending in ``/``; deepest
-        first), in one bulk request, so a store that keeps the empty directories of deleted
-        objects does not list and walk them for ever: SeaweedFS removes ``dir/`` when it is
-        empty (never when not), taking a bulk request's keys in order. Elsewhere there is no
-        such key: a no-op. Returns whether the store answered; a failure is logged, never
-        raised (the objects are gone already)."""
+        """Best effort: delete the "directories" ``dirs`` (each written ``dir/``; deepest
+        first) in one bulk request, so a store that keeps the empty directories of deleted
+        objects does not list and walk them for ever. obstore sends each as the key ``dir``
+        (no trailing slash): SeaweedFS then removes that directory if it is empty (never if
+        not), taking a bulk request's keys in order; elsewhere no object has such a key (the
+        names are a step's or an attempt's, never an object's): a no-op. Returns whether the
+        store answered; a failure is logged, never raised (the objects are gone already)."""
         for d in dirs:
             if not d.endswith("/"):
                 raise ValueError(f"not a directory key: {d!r}")
             self._check_key(d, prefix=True)
         if not dirs:
             return True
+        until = min(deadline, time.monotonic() + DIRS_S)  # housekeeping: never worth a long wait
         try:
-            await self._bounded(obstore.delete_async(self._store, list(dirs)), deadline, dirs[0], "delete directories")
+            await self._bounded(obstore.delete_async(self._make_store(until - time.monotonic()), list(dirs)), until,
+                                dirs[0], "delete directories")
         except Exception as e:  # noqa: BLE001 - housekeeping, see above
             log.debug("could not delete directories under %s: %s", self.object_url(dirs[0]), self._summary(e))
             return False

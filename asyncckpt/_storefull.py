@@ -34,21 +34,23 @@ async def explain(store: ObjectStore, err: ObjectStoreUnavailableError, deadline
     while it answers a read (module docstring). Never raises the probe's own failures."""
     if isinstance(err, ObjectStoreFullError) or "status code: 5" not in str(err):
         return err  # named already, or no refusal by the store (a reset, a timeout)
-    until = min(max(deadline, time.monotonic() + 1.0), time.monotonic() + PROBE_S)
+    now = time.monotonic()
+    until = min(deadline - 0.5, now + PROBE_S)  # within the caller's deadline, with a margin
+    if until - now < 1.0:
+        return err  # no time left to ask
     key = f"{META_DIR}/probe-{uuid.uuid4().hex}"
     try:
-        await store.put_file(key, memoryview(_PROBE), until)
-    except ObjectStoreUnavailableError as refused:
+        await store.put_file(key, memoryview(_PROBE), now + 0.6 * (until - now))
+    except ObjectStoreUnavailableError:
         try:
             await store.list(f"{META_DIR}/", until)
         except ObjectStoreError:
             return err  # reads fail too: the store is down, not full
         full = ObjectStoreFullError(
             errno.ENOSPC,
-            f"the store refuses every write, a {len(_PROBE)}-byte one too ({refused.strerror}), while it answers "
-            "reads: it is out of space (full, or holding deleted objects whose space it has not reclaimed yet: "
-            "SeaweedFS frees that space only when it vacuums a volume) or read-only; "
-            f"the refused write: {err.strerror}",
+            f"the store is out of space: it refuses every write, a {len(_PROBE)}-byte one too, while it answers "
+            "reads (full, or holding deleted objects whose space it has not reclaimed yet - SeaweedFS frees it "
+            f"only when it vacuums a volume - or read-only); {err.strerror}",
             err.filename,
         )
         full.__cause__ = err
