@@ -40,11 +40,13 @@ the manifest's names and sizes (``_remote.open_step``), which is how readers fin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import pathlib
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._backend import check_deadline
@@ -81,14 +83,21 @@ _CLEANUP_S = 20.0
 class ObjectBackend:
     """An ``s3://bucket/prefix`` root (module docstring). One per rank and Checkpointer."""
 
-    def __init__(self, store: ObjectStore, lease: Lease | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, lease: Lease | None = None, known_steps: Iterable[int] | None = None
+    ) -> None:
         self.store = store
         self.lease = lease  # rank 0's (the others never commit nor remove)
         # our saves between their prepare and their end: step -> attempt (never leftovers)
         self._in_flight: dict[int, str] = {}
         # what the leader knows of the root (floor, manifests, marks): its look after each
-        # commit lists only what lies above the oldest step it may still hold
+        # commit lists only what lies above the oldest step it may still hold; seeded with
+        # the step prefixes that held objects when the root was taken (the construction's
+        # look at everything), else its first look lists everything
         self.view = StoreView(store)
+        if known_steps is not None:
+            self.view.seed(known_steps)
+        self._looking: asyncio.Lock | None = None
 
     def _fly(self, step: int, attempt: str) -> None:
         if step not in self._in_flight:
@@ -236,7 +245,10 @@ class ObjectBackend:
                         self.store.url)
             return
         deadline = max(job.deadline, time.monotonic() + _CLEANUP_S)
-        async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
+        if self._looking is None:  # made on the writer loop, where every retire runs
+            self._looking = asyncio.Lock()
+        # one look at a time (the view is the writer's), and never beside the Checkpointer's retention
+        async with self._looking, job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
             look = await self.view.look(deadline)
             retired: list[int] = []
             if job.keep_last is not None:
@@ -259,7 +271,7 @@ class ObjectBackend:
                 busy = look.busy | set(flying)
                 found = await remove_dead(self.store, deadline, skip_steps=busy, looked=rest,
                                           keep_prefixes=[data_prefix(s, a) for s, a in flying.items()])
-                gone = {k for x in found.leftovers for k in x.keys}
+                gone = {k for x in found.leftovers for k in x.keys} if found.removed else set()
                 for p in rest:
-                    if p.step in found.seen and p.listed and all(o.key in gone for o in p.listed):
+                    if p.listed and all(o.key in gone for o in p.listed):
                         self.view.removed(p.step)

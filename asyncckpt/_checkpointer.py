@@ -433,10 +433,11 @@ class Checkpointer:
         rt: _Runtime | None = None
         try:
             committed: list[int] = []
+            surveyed: set[int] = set()
             failure: BaseException | None = None
             if lease is not None:
                 try:
-                    committed = _remote_start(lease, self.timeout)
+                    committed, surveyed = _remote_start(lease, self.timeout)
                 except (CheckpointError, OSError, ValueError) as e:
                     failure = e
             elif ownership is not None:
@@ -456,7 +457,7 @@ class Checkpointer:
             if store is not None:
                 from ._backend_s3 import ObjectBackend
 
-                rt.backend = ObjectBackend(store, lease)
+                rt.backend = ObjectBackend(store, lease, surveyed)
             else:
                 rt.backend = PosixBackend(rt.storage, self.root)
             if self._dist is not None:
@@ -1937,22 +1938,22 @@ def _open_store_root(
     return open_store(url, storage_options)
 
 
-def _remote_start(lease: Lease, timeout: float) -> list[int]:
+def _remote_start(lease: Lease, timeout: float) -> tuple[list[int], set[int]]:
     """Rank 0 at construction under an object-store root: check the store enforces
     conditional creates (``ConditionalWriteUnsupportedError`` if not), take the root's
     lease (``RootInUseError`` naming a live owner), then remove the leftovers, dead now
-    that the root is ours. Returns the complete steps."""
+    that the root is ours. Returns the complete steps and every step prefix looked at."""
     from ._remote import run_sync
     from ._remote_leftovers import remove_dead
 
-    async def go() -> list[int]:
+    async def go() -> tuple[list[int], set[int]]:
         start = time.monotonic()
         deadline = start + min(timeout, 120.0)
         await lease.store.probe(deadline)
         # a dead owner's lease is taken over once its TTL passed: wait up to that long
         await lease.take(time.monotonic() + max(min(timeout, 120.0), min(timeout, 2 * lease.ttl + 10.0)))
         found = await remove_dead(lease.store, time.monotonic() + min(timeout, 120.0))
-        return found.complete
+        return found.complete, found.seen
 
     return run_sync(go)
 

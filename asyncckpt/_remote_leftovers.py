@@ -57,7 +57,8 @@ class Leftover:
 class Survey:
     """What :func:`survey` found: ``complete`` (resumable) steps, newest first, the
     ``leftovers``, the steps ``left_alone`` (name, problem: ``corrupt-manifest``,
-    ``incomplete`` or ``bad``, reason), and every step prefix it looked at (``seen``)."""
+    ``incomplete`` or ``bad``, reason), and every step prefix it looked at (``seen``: each
+    held objects)."""
 
     complete: list[int] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)
@@ -65,6 +66,7 @@ class Survey:
     seen: set[int] = field(default_factory=set)
     nbytes: dict[int, int] = field(default_factory=dict)  # complete step -> bytes of its objects
     bad: dict[int, StepPrefix] = field(default_factory=dict)  # steps with a known-bad commit or an attempt set aside
+    removed: bool = True  # (remove_dead) every leftover was removed
 
 
 def _initiated(text: str) -> _dt.datetime | None:
@@ -168,7 +170,7 @@ async def remove_dead(
             await remove(store, found.leftovers, deadline)
         except ObjectStoreError as e:
             log.warning("could not remove leftovers under %s: %s", store.url, e)
-            found.seen.difference_update(x.step for x in found.leftovers if x.step is not None)
+            found.removed = False
         else:
             log.info("removed %d leftover(s) under %s: %s", len(found.leftovers), store.url,
                      ", ".join(x.name for x in found.leftovers[:10]))

@@ -27,6 +27,7 @@ What the look observed goes through the same adapter as every other look at a st
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._badmarks import STORE_PREFIX, store_marks
@@ -71,6 +72,12 @@ class StoreView:
             return None
         names = self._occupied | set(self._pinned)
         return min(names) if names else self._floor
+
+    def seed(self, steps: Iterable[int]) -> None:
+        """What a look at everything just found (``steps``: every step prefix holding an
+        object), so the first look lists only from the lowest of them."""
+        self._occupied = {step_dir_name(s) for s in steps}
+        self._floor = min(self._occupied, default=None)
 
     def pin(self, step: int) -> None:
         """A save of ``step`` is about to write under its prefix."""
