@@ -32,8 +32,8 @@ async def explain(store: ObjectStore, err: ObjectStoreUnavailableError, deadline
     """What to raise for ``err``, a write the store refused through every retry: ``err``
     itself, or an :class:`ObjectStoreFullError` when the store refuses even a tiny write
     while it answers a read (module docstring). Never raises the probe's own failures."""
-    if isinstance(err, ObjectStoreFullError) or "status code: 5" not in str(err):
-        return err  # named already, or no refusal by the store (a reset, a timeout)
+    if isinstance(err, ObjectStoreFullError) or "status code: 500" not in str(err):
+        return err  # named already, or not the plain refusal (503 is throttling, 502/504 a gateway)
     now = time.monotonic()
     until = min(deadline - 0.5, now + PROBE_S)  # within the caller's deadline, with a margin
     if until - now < 1.0:

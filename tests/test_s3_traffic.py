@@ -251,3 +251,29 @@ def test_reads_are_not_taken_for_a_full_store_when_the_store_is_down() -> None:
             return await explain(store, err, time.monotonic() + 5.0)
 
         assert asyncio.run(go()) is err
+
+
+@pytest.mark.parametrize(("status", "code", "named"), [
+    (500, "InternalError", True), pytest.param(503, "SlowDown", False, marks=pytest.mark.slow)])
+def test_every_write_refused_is_named_out_of_space_only_for_a_plain_refusal(
+    proxy: FaultProxy, url: str, status: int, code: str, named: bool
+) -> None:
+    """Every PUT refused (the proxy answers for the store): a plain 500 while reads answer is a
+    store out of space (SeaweedFS's answer); 503 is throttling and keeps its own name."""
+    ck = Checkpointer(url, storage_options=opts(proxy.endpoint), keep_last=2, max_pending=1, timeout=20)
+    try:
+        ck.save(1, STATE).result(timeout=60)
+        proxy.add(Rule("status", method="PUT", status=status, code=code, times=10**6))
+        with pytest.raises(SaveError) as info:
+            ck.save(2, STATE).result(timeout=60)
+        want = "ObjectStoreFullError" if named else "ObjectStoreUnavailableError"
+        assert info.value.failures[0].exc_type == want, str(info.value)[:1500]
+        assert ("out of space" in str(info.value)) == named
+    finally:
+        t0 = time.monotonic()
+        with pytest.raises(SaveError):
+            ck.close()
+        assert time.monotonic() - t0 < 15.0
+    # the lease record could not be marked released: deleted while surely ours
+    assert ".asyncckpt/owner" not in all_keys(proxy.endpoint, url)
+    assert asyncckpt.load(url, storage_options=opts(proxy.endpoint))["w"].equal(STATE["w"])
