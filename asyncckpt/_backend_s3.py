@@ -23,11 +23,14 @@ The protocol beside POSIX's (``_backend.PosixBackend``):
    as a failed commit (if the manifest lands late it names complete, verified objects: a
    correct checkpoint, replaced by a retry of the step, see 1).
 4. L, failure: the attempt's objects deleted and its multipart uploads aborted (keys are
-   attempt-unique, so no live writer can own them). Success: the objects of other attempts
-   of the step are deleted (they can never commit), ``keep_last`` applied (the manifest
-   first, so a step stops being complete at once, then its objects), and, the root's lease
-   being ours, the leftovers of the root that are not our saves in flight removed
-   (``_remote_leftovers``: step prefixes without a manifest, incomplete uploads).
+   attempt-unique, so no live writer can own them). Success: one look at the root
+   (``_remote_view``: what lies above the writer's floor, in a number of requests that does
+   not grow with the run), and from it ``keep_last`` applied (the manifest first, so a step
+   stops being complete at once, then its objects and emptied "directories") and, the root's
+   lease being ours, the leftovers that are not our saves in flight removed
+   (``_remote_leftovers``: objects of dead attempts, step prefixes without a manifest,
+   incomplete uploads). A write the store refuses for good is asked why
+   (``_storefull``: out of space is named ``ObjectStoreFullError``).
 
 The root's lease (``_lease``, rank 0's): a save of a job whose lease was taken over fails
 in 1 (``RootInUseError``, before anything is written) or, if that became known only later,

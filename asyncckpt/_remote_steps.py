@@ -9,11 +9,16 @@ Names (``_layout``)::
                                                its objects stay under a-<attempt>/)
     P/.asyncckpt/bad/step_N.<attempt>.json     bad marks (``_badmarks``)
 
-A step prefix is looked at with one LIST of ``step_N/`` and one GET of its manifest: it is
-*complete* iff the manifest decodes (checksum, canonical form, its step, a hex attempt) and
-the listing shows exactly the manifest's names with their sizes under its attempt's prefix;
-``_stepstates.state_of`` then decides (a bad mark on that attempt: known bad). A store error
-propagates (an unreachable store is never "no checkpoint"). Torch-free; imports obstore.
+A step prefix is looked at through a listing of its keys and one GET of its manifest (none
+when a cache knows the manifest by its listed ETag): it is *complete* iff the manifest
+decodes (checksum, canonical form, its step, a hex attempt) and the listing shows exactly the
+manifest's names with their sizes under its attempt's prefix; ``_stepstates.state_of`` then
+decides (a bad mark on that attempt: known bad). The listing is one LIST of ``step_N/``
+(:func:`observe_step`: the newest resumable step, an explicit step) or one flat LIST of the
+root for every step at once (:func:`observe`: ``ls``, ``gc``, retention, leftovers; the lease
+holder's look, ``_remote_view``, lists only above its floor): empty prefixes are in no flat
+listing, so what every step ever written left behind costs nothing. A store error propagates
+(an unreachable store is never "no checkpoint"). Torch-free; imports obstore.
 """
 
 from __future__ import annotations
