@@ -278,6 +278,42 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _compact(obj: Any) -> Any:
+    """``obj`` with its floats rounded to 10 us, and each variant's rows stored as columns
+    (every sample kept; the JSON stays small). :func:`_expand` undoes the columns."""
+    if isinstance(obj, float):
+        return round(obj, 5)
+    if isinstance(obj, dict):
+        out = {k: _compact(v) for k, v in obj.items() if k != "rows"}
+        if "rows" in obj:
+            rows = obj["rows"]
+            kinds = sorted({k for r in rows for k in r.get("requests", {})})
+            cols: dict[str, Any] = {key: [_compact(r.get(key)) for r in rows]
+                                    for key in ("save", "period_s", "blocking_s", "durable_s", "rss_mib")}
+            if kinds:
+                cols["requests"] = {k: [r["requests"].get(k, 0) for r in rows] for k in kinds}
+            out["columns"] = cols
+        return out
+    if isinstance(obj, list):
+        return [_compact(v) for v in obj]
+    return obj
+
+
+def _expand(variant: dict[str, Any]) -> dict[str, Any]:
+    """A variant as :func:`_compact` stored it, with its rows back."""
+    if "columns" not in variant:
+        return variant
+    cols = variant["columns"]
+    rows = []
+    for i, save in enumerate(cols["save"]):
+        row = {k: cols[k][i] for k in ("period_s", "blocking_s", "durable_s", "rss_mib") if cols[k][i] is not None}
+        row["save"] = save
+        if "requests" in cols:
+            row["requests"] = {k: v[i] for k, v in cols["requests"].items() if v[i]}
+        rows.append(row)
+    return {**{k: v for k, v in variant.items() if k != "columns"}, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--saves", type=int, default=2000)
@@ -294,6 +330,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         results = json.loads(Path(args.report_only).read_text())
+        results["variants"] = {k: _expand(v) for k, v in results["variants"].items()}
+        results.pop("baseline", None)
     else:
         results = {"saves": args.saves, "date": _dt.datetime.now().isoformat(timespec="seconds"),
                    "machine": f"{platform.node()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
@@ -307,11 +345,11 @@ def main() -> None:
             meta["wall_s"] = time.monotonic() - t0
             meta["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             results["variants"][name] = {"meta": meta, "rows": rows, "summary": summarize(rows)}
-            (out / "results.json").write_text(json.dumps(results))
+            (out / "results.json").write_text(json.dumps(_compact(results)))
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())
-        results["baseline"] = {f"{k} (before)": v for k, v in base["variants"].items()}
-    (out / "results.json").write_text(json.dumps(results))
+        results["baseline"] = {f"{k} (before, {base['saves']} saves)": _expand(v) for k, v in base["variants"].items()}
+    (out / "results.json").write_text(json.dumps(_compact(results)))
     (out / "table.md").write_text(table(results))
     plot(results, out / "soak.png")
     print((out / "table.md").read_text())
