@@ -45,8 +45,10 @@ from ._layout import manifest_key as manifest_key
 from ._manifest import MANIFEST, Manifest, decode
 from ._objstore import ObjectStore, ObjectStoreError, gather_or_cancel
 from ._remote_steps import (  # "as": re-exported, for the modules that import them from here
+    StepPrefix,
     aside_keys,
     check_attempt,
+    dirs_of,
     newest_resumable,
     observe,
     resumable,
@@ -307,6 +309,7 @@ async def _sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float)
     dead = [k for k in listed if k != manifest_key(m.step) and not k.startswith(keep) and k not in aside]
     if dead:
         await store.delete(dead, deadline)
+        await store.remove_dirs([d for d in dirs_of(dead, sd) if d != sd], deadline)
         log.info("removed %d object(s) of dead attempts under %s", len(dead), store.object_url(sd))
 
 
@@ -395,15 +398,17 @@ async def push_step(
 
 async def retire_remote(
     store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
-    protect: frozenset[int] = frozenset(), run: str | None = None,
+    protect: frozenset[int] = frozenset(), run: str | None = None, *,
+    found: list[StepPrefix] | None = None, removed: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` resumable remote steps; retire older resumable ones (the
     manifest first, then its objects; ``_remote_steps.retire``: known-bad steps neither count
     nor go, the newest resumable one never goes). With ``lease``: nothing is removed once it
     was taken over (``RootInUseError``). Steps in ``protect`` (tier mode: the step just
     uploaded) are never retired; with ``run``, only that run's steps (``_runs.same_run``)
-    count and go: another run's are not this job's."""
-    return await _retire_steps(store, keep_last, deadline, lease, protect, run)
+    count and go: another run's are not this job's. ``found``/``removed``: the lease
+    holder's look (``_remote_view``) and what to tell of each step emptied."""
+    return await _retire_steps(store, keep_last, deadline, lease, protect, run, found=found, removed=removed)
 
 
 def push(
