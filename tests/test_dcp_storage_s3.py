@@ -31,11 +31,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _ranks import free_port, log_tail, run_ranks
 from s3fixtures import data_keys, get, opts, put, require_s3, server_fixture
+from s3proxy import FaultProxy, Rule
 from s3server import S3Server
 from test_dcp_storage import _blank, _only_failure, _same, _state
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, CheckpointNotFoundError, RootInUseError
+from asyncckpt._objstore import ConditionalWriteUnsupportedError
 from asyncckpt.cli import main as cli_main
 from asyncckpt.integrations.dcp import StorageReader, StorageWriter
 
@@ -157,6 +159,19 @@ def _blank_kill() -> dict[str, Any]:
     state: dict[str, Any] = {f"t{i}": torch.zeros(1 << 20) for i in range(8)}
     state["meta"] = {}
     return state
+
+
+def test_a_store_that_ignores_conditional_creates_is_refused_before_any_upload(s3: S3Server, url: str) -> None:
+    proxy = FaultProxy(s3.s3_port, max_lifetime=120).start()
+    try:
+        proxy.add(Rule("strip_header", method="PUT", header=("if-none-match", "*"), times=10**6))
+        o = opts(proxy.endpoint)
+        with pytest.raises(CheckpointException) as ei:
+            dcp.save(_state(), storage_writer=StorageWriter(url, step=1, storage_options=o))
+        assert isinstance(_only_failure(ei.value), ConditionalWriteUnsupportedError), ei.value
+        assert data_keys(s3.endpoint, url) == []  # nothing uploaded: two commits could both "win"
+    finally:
+        proxy.stop()
 
 
 def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(s3: S3Server) -> None:
