@@ -27,6 +27,7 @@
         ├── ObjectStorePermissionError   the store refused the credentials, 401/403 (also PermissionError)
         ├── ObjectStoreTimeoutError      the deadline passed first (also TimeoutError)
         ├── ObjectStoreUnavailableError  5xx, throttling, connection errors through every retry
+        │   └── ObjectStoreFullError     ... the store refuses writes for want of space (ENOSPC)
         ├── ObjectIntegrityError         what the store holds differs from what was sent
         └── ConditionalWriteUnsupportedError  the store ignored If-None-Match: *
 
@@ -74,6 +75,13 @@ class ObjectStoreTimeoutError(ObjectStoreError, TimeoutError):
 
 class ObjectStoreUnavailableError(ObjectStoreError):
     """The store kept failing (5xx, throttling, connection errors) through every retry."""
+
+
+class ObjectStoreFullError(ObjectStoreUnavailableError):
+    """The store refuses writes for want of space (ENOSPC): it said so (507, a "storage
+    full" or quota code), or it refuses even a tiny write while it answers reads
+    (``roots.objstore._storefull.explain``): full, or holding deleted objects it has not
+    reclaimed yet."""
 
 
 class ObjectIntegrityError(ObjectStoreError):

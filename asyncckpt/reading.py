@@ -628,7 +628,7 @@ def rank_outline(
     stored in it (``_index.lacking``, the loader's rule)."""
     slots = {**indexed, **shard_slots}
     dtensors: list[str] | None = [] if index is not None else None
-    entries, missing, referenced = _outline(tree, slots, tree_where, dtensors)
+    entries, missing = _outline(tree, slots, tree_where, dtensors)
     if dtensors:
         lacking = _index.lacking(index, dtensors)
         if lacking:
@@ -636,9 +636,9 @@ def rank_outline(
     if missing:
         names = ", ".join(missing[:5])
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {names}", shard_where)
-    extra = sorted(set(slots) - referenced) if referenced is not None else []
-    if extra:  # (a DTensor the tree names may have no chunk here: another rank wrote it)
-        raise CheckpointCorruptError(f"shard holds tensor(s) the structure lacks: {', '.join(extra[:5])}", shard_where)
+    # A tensor of the shard that the tree does not name is not refused: no load refuses it
+    # (verify passes exactly what loads), and a writer may store bytes for another reader
+    # there (the DCP storage layer keeps DCP's serialized non-tensor values).
     return entries, shard_slots
 
 
@@ -720,21 +720,17 @@ def _tensor_refs(node: Any) -> Iterator[str]:
 
 def _outline(
     tree: Any, slots: dict[str, TensorSlot], path_for_errors: str, dtensors: list[str] | None = None
-) -> tuple[list[Entry], list[str], set[str] | None]:
-    """Entries, referenced tensors the shard lacks, and every tensor referenced (``None`` when
-    the tree holds a type this module does not decode, whose references it cannot know).
-    With ``dtensors`` (a list, filled here) the ``$dtensor`` nodes' names are collected in
-    it and count as referenced (their chunk, if this rank wrote one, is in its shard);
-    without, a ``$dtensor`` node is a type this module does not decode."""
+) -> tuple[list[Entry], list[str]]:
+    """Entries, and the tensors the tree names that ``slots`` lacks. With ``dtensors`` (a
+    list, filled here) the ``$dtensor`` nodes' names are collected in it (their chunk, if this
+    rank wrote one, is in its shard); without, a ``$dtensor`` node is shown as stored."""
     out: list[Entry] = []
     missing: list[str] = []
-    referenced: set[str] | None = set()
 
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(what, path_for_errors)
 
     def walk(node: Any, path: tuple[str | int, ...], label: str, depth: int) -> None:
-        nonlocal referenced
         if depth > MAX_DEPTH:
             raise bad(f"structure nested deeper than {MAX_DEPTH} levels")
         if _is_scalar_node(node):
@@ -772,8 +768,6 @@ def _outline(
                 and isinstance(val[2], list)
             ):
                 s = slots.get(val[0])
-                if referenced is not None:
-                    referenced.add(val[0])
                 if s is None:
                     missing.append(val[0])
                     return
@@ -791,8 +785,6 @@ def _outline(
                 # a torch.Generator: its device, and its state (a tensor of the shard)
                 name = val[1]["$tensor"]
                 s = slots.get(name)
-                if referenced is not None:
-                    referenced.add(name)
                 if s is None:
                     missing.append(name)
                     return
@@ -803,16 +795,12 @@ def _outline(
                 # numpy scalars, complex, torch.Size/dtype/device, paths, datetimes (and a
                 # $generator of another shape); the tensors they refer to are in the shard
                 for ref in _tensor_refs(val):
-                    if referenced is not None:
-                        referenced.add(ref)
                     if ref not in slots:
                         missing.append(ref)
                 out.append(Entry(path, depth, label, "value", value=f"{tag[1:]}({json.dumps(val)[:200]})"))
                 return
             elif tag == "$tensor" and isinstance(val, str):
                 s = slots.get(val)
-                if referenced is not None:
-                    referenced.add(val)
                 if s is None:
                     missing.append(val)
                     return
@@ -820,8 +808,6 @@ def _outline(
                 return
             elif tag == "$dtensor" and isinstance(val, str) and dtensors is not None:
                 dtensors.append(val)
-                if referenced is not None:
-                    referenced.add(val)
                 out.append(Entry(path, depth, label, "dtensor", value=val))
                 return
             elif tag == "$float" and val in ("nan", "inf", "-inf"):
@@ -838,7 +824,6 @@ def _outline(
                 # another stored type (OrderedDict, numpy, datetime, ...): shown as stored; the
                 # tensors it refers to still have to be in the shard
                 missing.extend(r for r in _tensor_refs(val) if r not in slots)
-                referenced = None
                 out.append(Entry(path, depth, label, tag[1:], value=val))
                 return
             else:
@@ -859,7 +844,7 @@ def _outline(
     is_root_dict = isinstance(tree, dict) and len(tree) == 1 and "$dict" in tree
     with paused_gc(), recursion_room():  # one Entry per value: GC would traverse them all, repeatedly
         walk(tree, (), "<root>", -1 if is_root_dict else 0)
-    return out, missing, referenced
+    return out, missing
 
 
 def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
@@ -868,7 +853,7 @@ def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
     A dict at the top level is shown by its keys (no line for the root itself). Raises
     ``CheckpointCorruptError`` on a malformed node or a tensor the shard lacks.
     """
-    entries, missing, _ = _outline(tree, slots, "<structure>")
+    entries, missing = _outline(tree, slots, "<structure>")
     if missing:
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}")
     return entries

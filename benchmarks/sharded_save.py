@@ -64,7 +64,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _busy(seconds: float) -> None:
+def busy(seconds: float) -> None:
     """A stand-in for the training step that precedes a save: every measured method and limit
     starts right after ``seconds`` of matrix products on every rank. On this VM the first ~50 ms
     of work after an idle vCPU run up to 2x slower (a memmove of 189 MB: 22-30 ms busy, 50-70 ms
@@ -82,7 +82,7 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _local_tensors(obj: Any) -> list[Any]:
+def local_tensors(obj: Any) -> list[Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -91,9 +91,9 @@ def _local_tensors(obj: Any) -> list[Any]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _local_tensors(v)]
+        return [t for v in obj.values() for t in local_tensors(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _local_tensors(v)]
+        return [t for v in obj for t in local_tensors(v)]
     return []
 
 
@@ -257,7 +257,7 @@ def run_config(args: argparse.Namespace, rank: int, world: int, kind: str) -> di
     dist.barrier()
     scratch = os.path.join(root, f"limits{rank}")
     os.makedirs(scratch, exist_ok=True)
-    lim = Limits(_local_tensors(state), scratch)
+    lim = Limits(local_tensors(state), scratch)
     m = Methods(root, state, rank, ddp=kind == "ddp", with_dcp=not args.no_dcp)
     rows: dict[str, list[tuple[float, float]]] = {n: [] for n in [*m.names, "memcpy", "raw write"]}
     nbytes: dict[str, int] = {}
@@ -268,7 +268,7 @@ def run_config(args: argparse.Namespace, rank: int, world: int, kind: str) -> di
         # (``paired``), not only of medians
         order = ["memcpy", m.names[0], "raw write", *m.names[1:]]
         for name in order:
-            _busy(0.1)
+            busy(0.1)
             dist.barrier()
             if name == "memcpy":
                 blocking = durable = lim.memcpy()

@@ -16,13 +16,24 @@ Run as ``python _torchtitan_worker.py RANK WORLD PORT JOB.json``; JOB keys:
   every rank, ``out/loaded.pt`` (the state right after ``load``) and ``out/state-N.pt`` (the
   state after each step in ``dump_at``);
 * ``expect_error``: a first manager (without ``exclude``) must refuse to load with a
-  ``ValueError`` (recorded), then the job goes on with one that excludes.
+  ``ValueError`` (recorded), then the job goes on with one that excludes;
+* ``tp``: the tensor-parallel degree (default 1): torchtitan's own TP plan over its ``tp`` mesh
+  dimension, FSDP2 over ``fsdp`` (``world / tp``); ``seed``: the initial weights' seed (default 0);
+* ``dcp_save_at`` and ``dcp_dir``: after that step's ``save()``, the same states (all but the
+  dataloader, which cannot reshard) are also saved with ``dcp.save`` into ``dcp_dir``, the oracle;
+* ``dcp_load``: after the manager's ``load``, a second fresh model, optimizer, scheduler and train
+  state (``seed + 1``) are filled by ``dcp.load`` from that directory; rank 0 writes them,
+  gathered, to ``out/dcp_loaded.pt``.
 
 Caveats of torchtitan on CPU handled here: its mesh defaults to CUDA (``device_type``), its
 FlexAttention has no CPU backward (the layers use its ``ScaledDotProductAttention``; one
 document per sequence makes that the same causal mask), gloo refuses FSDP2's PREMUL_SUM
 (a plain sum is forced; the loss is divided by the global token count, as torchtitan does),
-and triton (``_torchtitan.prepare``).
+and triton (``_torchtitan.prepare``). With ``tp > 1`` also what torchtitan's ``Trainer`` does
+before it parallelizes (``update_from_config`` imports the whole trainer, tensorboard included,
+so its two steps are done here): the SPMD backend is set and the model config gets its TP
+sharding (``set_llama3_sharding_config``, sequence parallel on, torchtitan's default); the loss
+is torchtitan's ``cross_entropy_loss`` on the vocab-sharded logits.
 """
 
 from __future__ import annotations
@@ -84,8 +95,9 @@ class TrainState:
         self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
 
 
-def build(world: int, rank: int) -> tuple[Any, Any, Any, Any]:
-    """torchtitan's debugmodel, parallelized by torchtitan, with its optimizer, scheduler and dataloader."""
+def build(world: int, rank: int, tp: int = 1, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """torchtitan's debugmodel, parallelized by torchtitan (FSDP2 over ``world / tp`` ranks x TP
+    over ``tp``), with its optimizer, scheduler and dataloader."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -103,7 +115,15 @@ def build(world: int, rank: int) -> tuple[Any, Any, Any, Any]:
         # what Trainer's update_from_config does: RoPE tables for the training length
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ)
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+    parallelism = ParallelismConfig(
+        spmd_backend="partial_dtensor", data_parallel_shard_degree=-1, tensor_parallel_degree=tp
+    )
+    if tp > 1:
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        dist_utils.set_spmd_backend(parallelism.spmd_backend)
+        set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     with torch.device("meta"):
@@ -112,7 +132,7 @@ def build(world: int, rank: int) -> tuple[Any, Any, Any, Any]:
         model, parallel_dims=dims, training=training, parallelism=parallelism,
         compile_config=CompileConfig(), ac_config=None, dump_folder="",
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -127,7 +147,8 @@ def build(world: int, rank: int) -> tuple[Any, Any, Any, Any]:
     schedulers = LRSchedulersContainer.Config(
         warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
     ).build(optimizers=optimizers, training_steps=100)
-    loader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
+    dp_rank = dims.get_mesh("fsdp").get_local_rank()  # the tp ranks of one dp rank see the same data
+    loader = ParallelAwareDataloader(Tokens(dp_rank), dp_rank=dp_rank, dp_world_size=world // tp, batch_size=BATCH)
     return model, optimizers, schedulers, loader
 
 
@@ -167,6 +188,13 @@ def gathered(model: Any, optimizers: Any, schedulers: Any, ts: TrainState) -> di
     return out
 
 
+def oracle_states(model: Any, optimizers: Any, schedulers: Any, ts: TrainState) -> dict[str, Any]:
+    """The Stateful objects torchtitan's own ``CheckpointManager`` hands DCP, but the dataloader."""
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    return {"model": ModelWrapper([model]), "optimizer": optimizers, "lr_scheduler": schedulers, "train_state": ts}
+
+
 def main() -> None:
     rank, world, port, job_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     with open(job_path) as f:
@@ -176,7 +204,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = job["out"]
     result: dict[str, Any] = {"losses": {}, "blocking_s": []}
-    model, optimizers, schedulers, loader = build(world, rank)
+    tp, seed = job.get("tp", 1), job.get("seed", 0)
+    model, optimizers, schedulers, loader = build(world, rank, tp, seed)
     ts = TrainState()
     if job.get("expect_error"):
         first = manager(job, model, optimizers, schedulers, loader, ts, exclude=[])
@@ -194,14 +223,28 @@ def main() -> None:
         loaded = gathered(model, optimizers, schedulers, ts)
         if rank == 0:
             torch.save(loaded, os.path.join(out, "loaded.pt"))
+    if job.get("dcp_load"):  # the oracle: DCP's own load of the same step into fresh objects
+        import torch.distributed.checkpoint as dcp
+
+        theirs = (*build(world, rank, tp, seed + 1)[:3], TrainState())
+        dcp.load(oracle_states(*theirs), checkpoint_id=job["dcp_load"])
+        loaded = gathered(*theirs)
+        if rank == 0:
+            torch.save(loaded, os.path.join(out, "dcp_loaded.pt"))
+        del theirs, loaded
     data = iter(loader)
     while ts.step < job["steps"]:
         ts.step += 1
         inputs, labels = next(data)
         ts.ntokens_seen += labels.numel()
         logits = model(inputs["input"])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        loss = loss / (labels.numel() * world)  # torchtitan scales by the global token count
+        if tp == 1:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        else:  # vocab-sharded logits (a DTensor): torchtitan's loss-parallel cross entropy
+            from torchtitan.components.loss import cross_entropy_loss
+
+            loss = cross_entropy_loss(logits, labels, global_vocab_size=VOCAB)
+        loss = loss / (labels.numel() * (world // tp))  # torchtitan scales by the global token count
         loss.backward()
         ck.maybe_wait_for_staging()
         optimizers.step()
@@ -209,10 +252,14 @@ def main() -> None:
         optimizers.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        result["losses"][ts.step] = total.item()
+        result["losses"][ts.step] = total.item() / tp  # each tp rank holds its dp rank's loss
         t = time.perf_counter()
         if ck.save(ts.step, last_step=ts.step == job["steps"]):
             result["blocking_s"].append(time.perf_counter() - t)
+        if ts.step == job.get("dcp_save_at"):
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(oracle_states(model, optimizers, schedulers, ts), checkpoint_id=job["dcp_dir"])
         if ts.step in job.get("dump_at", []):
             state = gathered(model, optimizers, schedulers, ts)
             if rank == 0:

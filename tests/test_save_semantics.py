@@ -300,8 +300,8 @@ def test_public_exports_are_pinned() -> None:
         "on_every_rank",
         # every documented error type (docs/failures.md), object-store ones included
         "ObjectStoreError", "ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
-        "ObjectStoreUnavailableError", "ObjectIntegrityError", "ConditionalWriteUnsupportedError",
-        "StaleDirectoryError",
+        "ObjectStoreUnavailableError", "ObjectStoreFullError", "ObjectIntegrityError",
+        "ConditionalWriteUnsupportedError", "StaleDirectoryError",
     ])
     for name in asyncckpt.__all__:
         assert getattr(asyncckpt, name) is not None, name
@@ -309,8 +309,10 @@ def test_public_exports_are_pinned() -> None:
     from asyncckpt.roots.objstore import _client
     assert _client.ObjectStoreError is asyncckpt.ObjectStoreError
     for leaf in ("ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
-                 "ObjectStoreUnavailableError", "ObjectIntegrityError", "ConditionalWriteUnsupportedError"):
+                 "ObjectStoreUnavailableError", "ObjectStoreFullError", "ObjectIntegrityError",
+                 "ConditionalWriteUnsupportedError"):
         assert issubclass(getattr(asyncckpt, leaf), asyncckpt.ObjectStoreError), leaf
+    assert issubclass(asyncckpt.ObjectStoreFullError, asyncckpt.ObjectStoreUnavailableError)
     assert issubclass(asyncckpt.ObjectStoreError, asyncckpt.CheckpointError)
     assert issubclass(asyncckpt.ObjectStoreError, OSError)
     assert issubclass(asyncckpt.ObjectNotFoundError, FileNotFoundError)

@@ -34,7 +34,7 @@ from ..format._layout import META_DIR, step_dir_name, token_of
 from ..format._stepstates import Mark
 
 if TYPE_CHECKING:
-    from .objstore._client import ObjectStore
+    from .objstore._client import ObjectInfo, ObjectStore
 
 _BAD = "bad"
 #: A mark file larger than this is ignored (it is ours and tiny; anything else is hostile).
@@ -201,23 +201,43 @@ async def record_on_store(
     return True
 
 
-async def store_marks(store: ObjectStore, deadline: float) -> dict[tuple[int, str], Mark]:
+async def store_marks(
+    store: ObjectStore, deadline: float, *, listed: list[ObjectInfo] | None = None,
+    cache: dict[str, tuple[str, Mark | None]] | None = None,
+) -> dict[tuple[int, str], Mark]:
     """Every mark on the store: (step, ``token_of(attempt)``) -> mark (one LIST, and one GET
-    per mark). A store failure propagates; a mark gone meanwhile or malformed is ignored."""
+    per mark). ``listed``: the objects under :data:`STORE_PREFIX` as a listing already showed
+    them (no LIST then); ``cache``: key -> (ETag, mark) of marks read before, so a mark whose
+    listed ETag is unchanged costs no GET. A store failure propagates; a mark gone meanwhile
+    or malformed is ignored."""
     out: dict[tuple[int, str], Mark] = {}
-    listed = sorted(o.key for o in await store.list(STORE_PREFIX, deadline))
-    for key in listed[:_MAX_MARKS]:
+    if listed is None:
+        listed = await store.list(STORE_PREFIX, deadline)
+    infos = sorted((o for o in listed if o.key.startswith(STORE_PREFIX)), key=lambda o: o.key)
+    for o in infos[:_MAX_MARKS]:
+        key = o.key
         m = _NAME.match(key[len(STORE_PREFIX):])
         if m is None:
             continue
         step = int(m.group(1))
+        hit = cache.get(key) if cache is not None and o.e_tag else None
+        if hit is not None and hit[0] == o.e_tag:
+            if hit[1] is not None:
+                out[(step, m.group(2))] = hit[1]
+            continue
         try:
-            raw = await store.get_bytes(key, deadline, limit=_MAX_MARK_BYTES)
+            raw, info = await store.get_object(key, deadline, limit=_MAX_MARK_BYTES)
         except (ObjectNotFoundError, ObjectIntegrityError):
             continue
         mark = _parse(raw, step, None)
-        if mark is not None and token_of(mark["attempt"]) == m.group(2):
-            out[(step, m.group(2))] = as_mark(mark)
+        found = as_mark(mark) if mark is not None and token_of(mark["attempt"]) == m.group(2) else None
+        if cache is not None and info.e_tag:
+            cache[key] = (info.e_tag, found)
+        if found is not None:
+            out[(step, m.group(2))] = found
+    if cache is not None:  # forget marks no longer there
+        for key in set(cache) - {o.key for o in infos}:
+            del cache[key]
     return out
 
 

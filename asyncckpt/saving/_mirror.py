@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror i
     from ..roots.objstore._client import ObjectStore
     from ..roots.objstore._lease import Lease
     from ..roots.objstore._remote import RemoteCheckpointInfo
+    from ..roots.objstore._view import StoreView
 
 log = logging.getLogger("asyncckpt")
 
@@ -132,6 +133,7 @@ class Mirror:
         # the prefix's lease (one writing job per prefix, as for an s3:// root), taken at the
         # first upload: a store that is down at construction never stops training
         self._lease: Lease | None = None
+        self._view: StoreView | None = None  # the lease holder's knowledge of the prefix (roots.objstore._view)
         self._ranks = list(ranks)
         self._lease_ttl = lease_ttl
         # the run this job continues (``_runs``), set by the Checkpointer once rank 0 decided it:
@@ -234,17 +236,29 @@ class Mirror:
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
+        from ..roots.objstore._view import StoreView
+
         fresh = self._lease is None  # taking the prefix now: what others wrote before is worth a look
         lease = await self._hold_lease(deadline)
-        result = await push_step(self.store, self.root, info.step, deadline, lease)
+        if fresh or self._view is None:  # what this holder learns of the prefix, from its first look on
+            self._view = StoreView(self.store)
+        view = self._view
+        view.pin(info.step)
+        try:
+            result = await push_step(self.store, self.root, info.step, deadline, lease)
+        finally:
+            view.unpin(info.step)
         log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.url, time.monotonic() - t0, result.status)
         if fresh and self.run is not None:
             await self._look_above(info.step, deadline)
         if self.keep_last_remote is not None:
             try:
                 # never the step just uploaded, never another run's steps (_runs)
-                removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout,
-                                              lease, protect=frozenset({info.step}), run=self.run)
+                until = time.monotonic() + self.timeout
+                look = await view.look(until)  # a number of requests that does not grow with the run
+                removed = await retire_remote(self.store, self.keep_last_remote, until, lease,
+                                              protect=frozenset({info.step}), run=self.run, found=look.steps,
+                                              removed=view.removed)
                 if removed:
                     log.info("retired remote steps %s under %s", removed, self.url)
             except Exception as e:  # noqa: BLE001 - retention never fails a committed upload

@@ -74,6 +74,7 @@ from ..._errors import (
     ObjectIntegrityError,
     ObjectNotFoundError,
     ObjectStoreError,
+    ObjectStoreFullError,
     ObjectStorePermissionError,
     ObjectStoreTimeoutError,
     ObjectStoreUnavailableError,
@@ -93,6 +94,8 @@ DEFAULT_PART = 64 * MiB
 MAX_SINGLE_PUT = 5 * 1024 * MiB
 #: Most parts of one multipart upload (S3's limit).
 MAX_PARTS = 10_000
+#: Seconds :meth:`ObjectStore.remove_dirs` may take at most (best effort housekeeping).
+DIRS_S = 5.0
 #: Part of a file streamed to or from the store (put_from/get_to): 9 of them in memory at most.
 STREAM_PART = 16 * MiB
 
@@ -105,6 +108,9 @@ _STATUS = re.compile(r"status code: (\d{3})|HTTP (\d{3})")
 _SCRATCH_MIN_S = 0.05
 # abort requests of failed multipart uploads that outlived the upload's deadline (kept alive)
 _aborting: set[asyncio.Task[None]] = set()
+#: What stores answer when they are out of space (MinIO, Ceph, SeaweedFS's own words).
+_FULL = re.compile(r"InsufficientStorage|XMinioStorageFull|StorageFull|QuotaExceeded|No space left on device|"
+                   r"no free volumes|No writable volumes")
 
 
 #: The process whose obstore (tokio) runtime is running; a forked child cannot use it.
@@ -341,6 +347,9 @@ class ObjectStore:
             return ObjectStorePermissionError(errno.EACCES, msg, url)
         if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
             return ObjectStoreTimeoutError(errno.ETIMEDOUT, msg, url)
+        if status == 507 or _FULL.search(str(e)):
+            return ObjectStoreFullError(errno.ENOSPC, f"{what} failed: the store is out of space ({self._summary(e)})",
+                                        url)
         return ObjectStoreUnavailableError(errno.EIO, msg, url)
 
     def _retryable(self, err: ObjectStoreError, e: BaseException) -> bool:
@@ -733,6 +742,29 @@ class ObjectStore:
             await self._retrying(deadline, batch[0] if batch else "", "delete",
                                  lambda _b, batch=batch: obstore.delete_async(self._store, batch))
 
+    async def remove_dirs(self, dirs: Sequence[str], deadline: float) -> bool:
+        """Best effort: delete the "directories" ``dirs`` (each written ``dir/``; deepest
+        first) in one bulk request, so a store that keeps the empty directories of deleted
+        objects does not list and walk them for ever. obstore sends each as the key ``dir``
+        (no trailing slash): SeaweedFS then removes that directory if it is empty (never if
+        not), taking a bulk request's keys in order; elsewhere no object has such a key (the
+        names are a step's or an attempt's, never an object's): a no-op. Returns whether the
+        store answered; a failure is logged, never raised (the objects are gone already)."""
+        for d in dirs:
+            if not d.endswith("/"):
+                raise ValueError(f"not a directory key: {d!r}")
+            self._check_key(d, prefix=True)
+        if not dirs:
+            return True
+        until = min(deadline, time.monotonic() + DIRS_S)  # housekeeping: never worth a long wait
+        try:
+            await self._bounded(obstore.delete_async(self._make_store(until - time.monotonic()), list(dirs)), until,
+                                dirs[0], "delete directories")
+        except Exception as e:  # noqa: BLE001 - housekeeping, see above
+            log.debug("could not delete directories under %s: %s", self.object_url(dirs[0]), self._summary(e))
+            return False
+        return True
+
     # -- reads -------------------------------------------------------------------------------
 
     async def head(self, key: str, deadline: float) -> ObjectInfo:
@@ -873,13 +905,15 @@ class ObjectStore:
             crc = await self._in_thread(crc32c, view, crc)
         return crc
 
-    async def list(self, prefix: str, deadline: float) -> list[ObjectInfo]:
-        """Every object whose key starts with ``prefix`` (relative to the store), by key."""
+    async def list(self, prefix: str, deadline: float, *, start_after: str | None = None) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (relative to the store), by key;
+        with ``start_after``, only those whose key sorts after it (S3's ``start-after``:
+        the store skips what lies below, empty "directories" included)."""
         self._check_key(prefix, prefix=True)
 
         async def run(_b: float) -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
-            stream = obstore.list(self._store, prefix or None, chunk_size=1000)
+            stream = obstore.list(self._store, prefix or None, offset=start_after, chunk_size=1000)
             async for chunk in stream:
                 out.extend(_info(m, self.prefix) for m in chunk)
             return sorted(out, key=lambda i: i.key)

@@ -373,14 +373,40 @@ class Lease:
                 return
             # a renewal of ours cancelled in flight (or whose outcome was unknown) may land first
             # and move the ETag: follow our own record and try again, as a renewal does
-            for _ in range(3):
-                res = await self.store.replace_if(
-                    KEY, self._body(self._seq + 1, released=True), self._etag, deadline
-                )
-                if res.won or not self._follow_own(res):
-                    break
+            try:
+                for _ in range(3):
+                    res = await self.store.replace_if(
+                        KEY, self._body(self._seq + 1, released=True), self._etag, self._drop_by(deadline)
+                    )
+                    if res.won or not self._follow_own(res):
+                        break
+            except ObjectStoreError as e:
+                await self._drop(e, deadline)
+                return
             if not res.won:
                 log.warning("the lease of %s was no longer ours at release", self.store.url)
+
+    def _drop_by(self, deadline: float) -> float:
+        """Until when the release may try to mark the record released: by ``deadline``, but
+        while the lease is valid, leaving time (within the deadline and the validity) for
+        :meth:`_drop`."""
+        now = time.monotonic()
+        keep = self._valid_until - MIN_LEFT_S - 2.0
+        return min(now + 0.6 * (deadline - now), keep) if keep > now + 0.5 else deadline
+
+    async def _drop(self, e: ObjectStoreError, deadline: float) -> None:
+        """The record could not be marked released (a store that refuses writes: out of
+        space): delete it instead - a DELETE needs no room - while the lease is surely still
+        ours (valid for ``MIN_LEFT_S`` more when sent, the request bounded by that), so no
+        taker's record can be the one deleted. The next job then takes the root at once."""
+        until = min(deadline, self._valid_until - MIN_LEFT_S)
+        if until <= time.monotonic():
+            raise e  # too late to be sure it is ours: it expires after its TTL
+        try:
+            await self.store.delete([KEY], until)
+        except ObjectStoreError:
+            raise e from None
+        log.warning("could not mark the lease of %s released (%s); deleted it instead", self.store.url, e)
 
     def _follow_own(self, res: CreateResult) -> bool:
         """After a conditional update that lost: if what is stored is still our own live record

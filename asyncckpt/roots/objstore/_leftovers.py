@@ -1,7 +1,8 @@
 """Leftovers on an object-store root: what is dead, found with as few requests as it takes,
 and removed.
 
-The object-store counterpart of ``_retention.leftovers`` / ``remove_leftovers``. Three kinds:
+The object-store counterpart of ``_retention.leftovers`` / ``remove_leftovers``, from one flat
+listing of the root (or the lease holder's look, ``_remote_view``). Three kinds:
 
 * ``dead-attempt``: objects under ``step_N/a-X/`` of a step whose manifest names another
   attempt. X can never commit (its create loses), so they are dead whoever wrote them.
@@ -30,9 +31,8 @@ from typing import Literal
 from ..._errors import ObjectStoreError
 from ...format._layout import step_dir_name
 from ...format._stepstates import state_of, why_bad
-from .._badmarks import store_marks
 from ._client import ObjectStore
-from ._steps import StepPrefix, candidate_steps, observe_step
+from ._steps import StepPrefix, dirs_of, observe
 
 log = logging.getLogger("asyncckpt")
 
@@ -58,7 +58,8 @@ class Leftover:
 class Survey:
     """What :func:`survey` found: ``complete`` (resumable) steps, newest first, the
     ``leftovers``, the steps ``left_alone`` (name, problem: ``corrupt-manifest``,
-    ``incomplete`` or ``bad``, reason), and every step prefix it looked at (``seen``)."""
+    ``incomplete`` or ``bad``, reason), and every step prefix it looked at (``seen``: each
+    held objects)."""
 
     complete: list[int] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)
@@ -66,6 +67,7 @@ class Survey:
     seen: set[int] = field(default_factory=set)
     nbytes: dict[int, int] = field(default_factory=dict)  # complete step -> bytes of its objects
     bad: dict[int, StepPrefix] = field(default_factory=dict)  # steps with a known-bad commit or an attempt set aside
+    removed: bool = True  # (remove_dead) every leftover was removed
 
 
 def _initiated(text: str) -> _dt.datetime | None:
@@ -83,18 +85,21 @@ async def survey(
     skip_steps: Collection[int] = (),
     keep_prefixes: Sequence[str] = (),
     uploads: bool = True,
+    found: list[StepPrefix] | None = None,
 ) -> Survey:
-    """Every step prefix under the root but ``skip_steps`` (one GET of its manifest, one LIST
-    of the prefix), and (``uploads``, where the store can list them) every incomplete upload
+    """Every step prefix under the root that holds an object, but ``skip_steps`` (one flat
+    LIST of the root and one GET per manifest: ``_remote_steps.observe``; or ``found``, the
+    caller's look), and (``uploads``, where the store can list them) every incomplete upload
     not under ``keep_prefixes``."""
     out = Survey()
-    known = await store_marks(store, deadline)
-    for step in await candidate_steps(store, deadline):
+    if found is None:
+        found = await observe(store, deadline)
+    for p in found:
+        step = p.step
         if step in skip_steps:
             continue
         out.seen.add(step)
         sd = step_dir_name(step) + "/"
-        p = await observe_step(store, step, deadline, known)
         committed = p.committed
         if any(state_of(x) in ("bad", "aside") for x in p.seen):
             out.bad[step] = p
@@ -140,27 +145,35 @@ async def survey(
 
 
 async def remove(store: ObjectStore, leftovers: Sequence[Leftover], deadline: float) -> None:
-    """Remove ``leftovers`` (call only while they are provably dead: module docstring)."""
+    """Remove ``leftovers`` (call only while they are provably dead: module docstring), and
+    the "directories" they leave empty (``ObjectStore.remove_dirs``)."""
     keys = [k for x in leftovers for k in x.keys]
     if keys:
         await store.delete(keys, deadline)
+        await store.remove_dirs(
+            sorted({d for x in leftovers if x.kind != "upload" for d in dirs_of(x.keys, x.name)},
+                   key=lambda d: (-d.count("/"), d)),
+            deadline,
+        )
     for x in leftovers:
         if x.kind == "upload" and x.upload_id is not None:
             await store.abort_upload(x.name, x.upload_id, deadline)
 
 
 async def remove_dead(
-    store: ObjectStore, deadline: float, *, skip_steps: Collection[int] = (), keep_prefixes: Sequence[str] = ()
+    store: ObjectStore, deadline: float, *, skip_steps: Collection[int] = (), keep_prefixes: Sequence[str] = (),
+    looked: list[StepPrefix] | None = None,
 ) -> Survey:
-    """Survey, then remove every leftover found (the caller holds the lease); logged. A
-    removal that fails is logged, never raised: what is left is found again next time."""
-    found = await survey(store, deadline, skip_steps=skip_steps, keep_prefixes=keep_prefixes)
+    """Survey (``looked``: the steps as the caller's look observed them), then remove every
+    leftover found (the caller holds the lease); logged. A removal that fails is logged,
+    never raised: what is left is found again next time."""
+    found = await survey(store, deadline, skip_steps=skip_steps, keep_prefixes=keep_prefixes, found=looked)
     if found.leftovers:
         try:
             await remove(store, found.leftovers, deadline)
         except ObjectStoreError as e:
             log.warning("could not remove leftovers under %s: %s", store.url, e)
-            found.seen.difference_update(x.step for x in found.leftovers if x.step is not None)
+            found.removed = False
         else:
             log.info("removed %d leftover(s) under %s: %s", len(found.leftovers), store.url,
                      ", ".join(x.name for x in found.leftovers[:10]))

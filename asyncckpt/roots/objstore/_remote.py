@@ -29,7 +29,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -46,7 +46,7 @@ from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..posix._fileio import read_exact, reserve, write_all
 from ..posix._storage import remove_tree
 from ._client import ObjectStore, gather_or_cancel
-from ._steps import aside_keys, check_attempt, newest_resumable, observe, resumable
+from ._steps import StepPrefix, aside_keys, check_attempt, dirs_of, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects
 from ._steps import open_step as open_step
@@ -271,6 +271,7 @@ async def sweep_dead_attempts(store: ObjectStore, m: Manifest, deadline: float) 
     dead = [k for k in listed if k != manifest_key(m.step) and not k.startswith(keep) and k not in aside]
     if dead:
         await store.delete(dead, deadline)
+        await store.remove_dirs([d for d in dirs_of(dead, sd) if d != sd], deadline)
         log.info("removed %d object(s) of dead attempts under %s", len(dead), store.object_url(sd))
 
 
@@ -359,15 +360,17 @@ async def push_step(
 
 async def retire_remote(
     store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
-    protect: frozenset[int] = frozenset(), run: str | None = None,
+    protect: frozenset[int] = frozenset(), run: str | None = None, *,
+    found: list[StepPrefix] | None = None, removed: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` resumable remote steps; retire older resumable ones (the
     manifest first, then its objects; ``_remote_steps.retire``: known-bad steps neither count
     nor go, the newest resumable one never goes). With ``lease``: nothing is removed once it
     was taken over (``RootInUseError``). Steps in ``protect`` (tier mode: the step just
     uploaded) are never retired; with ``run``, only that run's steps (``_runs.same_run``)
-    count and go: another run's are not this job's."""
-    return await _retire_steps(store, keep_last, deadline, lease, protect, run)
+    count and go: another run's are not this job's. ``found``/``removed``: the lease
+    holder's look (``_view``) and what to tell of each step emptied."""
+    return await _retire_steps(store, keep_last, deadline, lease, protect, run, found=found, removed=removed)
 
 
 def push(

@@ -9,11 +9,16 @@ Names (``_layout``)::
                                                its objects stay under a-<attempt>/)
     P/.asyncckpt/bad/step_N.<attempt>.json     bad marks (``_badmarks``)
 
-A step prefix is looked at with one LIST of ``step_N/`` and one GET of its manifest: it is
-*complete* iff the manifest decodes (checksum, canonical form, its step, a hex attempt) and
-the listing shows exactly the manifest's names with their sizes under its attempt's prefix;
-``_stepstates.state_of`` then decides (a bad mark on that attempt: known bad). A store error
-propagates (an unreachable store is never "no checkpoint"). Torch-free; imports obstore.
+A step prefix is looked at through a listing of its keys and one GET of its manifest (none
+when a cache knows the manifest by its listed ETag): it is *complete* iff the manifest
+decodes (checksum, canonical form, its step, a hex attempt) and the listing shows exactly the
+manifest's names with their sizes under its attempt's prefix; ``_stepstates.state_of`` then
+decides (a bad mark on that attempt: known bad). The listing is one LIST of ``step_N/``
+(:func:`observe_step`: the newest resumable step, an explicit step) or one flat LIST of the
+root for every step at once (:func:`observe`: ``ls``, ``gc``, retention, leftovers; the lease
+holder's look, ``_remote_view``, lists only above its floor): empty prefixes are in no flat
+listing, so what every step ever written left behind costs nothing. A store error propagates
+(an unreachable store is never "no checkpoint"). Torch-free; imports obstore.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +35,7 @@ from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, same_run, state_of, victims
-from .._badmarks import clear_on_store, store_marks
+from .._badmarks import STORE_PREFIX, clear_on_store, store_marks
 from ._client import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
@@ -54,21 +60,79 @@ async def candidate_steps(store: ObjectStore, deadline: float) -> list[int]:
     return sorted({s for n in names if (s := parse_step_dir(n)) is not None}, reverse=True)
 
 
+#: What looks learned of each step's manifest, by the ETag it had when read: step -> (ETag,
+#: the manifest and its bytes, or why it does not decode). A manifest is created once, so
+#: the same ETag in a later listing means the same bytes: no GET.
+ManifestCache = dict[int, tuple[str, tuple[Manifest, bytes] | CheckpointCorruptError]]
+
+
 async def read_manifest(store: ObjectStore, step: int, deadline: float) -> tuple[Manifest, bytes] | None:
     """The decoded manifest of ``step`` and its bytes, ``None`` if there is none."""
+    found = await _get_manifest(store, step, deadline)
+    if found is None:
+        return None
+    if isinstance(found[0], CheckpointCorruptError):
+        raise found[0]
+    return found[0]
+
+
+async def _get_manifest(
+    store: ObjectStore, step: int, deadline: float
+) -> tuple[tuple[Manifest, bytes] | CheckpointCorruptError, str | None] | None:
+    """One GET of ``step``'s manifest: (the manifest and its bytes, or why it is corrupt;
+    the ETag of the bytes read), ``None`` if there is none."""
     key = manifest_key(step)
     url = store.object_url(key)
     try:
-        raw = await store.get_bytes(key, deadline, limit=MAX_MANIFEST_BYTES)
+        raw, info = await store.get_object(key, deadline, limit=MAX_MANIFEST_BYTES)
     except ObjectNotFoundError:
         return None
     except ObjectIntegrityError:
-        raise CheckpointCorruptError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", url) from None
-    m = decode(raw, url)
-    if m.step != step:
-        raise CheckpointCorruptError(f"manifest is for step {m.step}", url)
-    check_attempt(m, url)
-    return m, raw
+        return CheckpointCorruptError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", url), None
+    try:
+        m = decode(raw, url)
+        if m.step != step:
+            raise CheckpointCorruptError(f"manifest is for step {m.step}", url)
+        check_attempt(m, url)
+    except CheckpointCorruptError as e:
+        return e, info.e_tag
+    return (m, raw), info.e_tag
+
+
+async def _cached_manifest(
+    store: ObjectStore, step: int, listed: ObjectInfo, deadline: float, cache: ManifestCache | None
+) -> tuple[Manifest, bytes] | None:
+    """``step``'s manifest as :func:`read_manifest` reads it, from ``cache`` when the listing
+    shows it with the ETag it had when read (a manifest is created once: same ETag, same
+    bytes), else from one GET (then remembered)."""
+    hit = cache.get(step) if cache is not None and listed.e_tag else None
+    if hit is not None and hit[0] == listed.e_tag:
+        got: tuple[Manifest, bytes] | CheckpointCorruptError = hit[1]
+    else:
+        fetched = await _get_manifest(store, step, deadline)
+        if fetched is None:
+            if cache is not None:
+                cache.pop(step, None)
+            return None
+        got, e_tag = fetched
+        if cache is not None and e_tag:
+            cache[step] = (e_tag, got)
+    if isinstance(got, CheckpointCorruptError):
+        raise got
+    return got
+
+
+def learn_manifest(cache: ManifestCache, step: int, e_tag: str | None, raw: bytes, url: str) -> None:
+    """Remember the manifest a writer just created (``e_tag`` as read back), so the look
+    after its commit needs no GET of it."""
+    if not e_tag:
+        return
+    try:
+        m = decode(raw, url)
+    except CheckpointCorruptError:
+        return
+    if m.step == step:
+        cache[step] = (e_tag, (m, raw))
 
 
 def _match(store: ObjectStore, m: Manifest, listed: list[ObjectInfo], prefix: str) -> None:
@@ -134,15 +198,41 @@ class StepPrefix:
         return next((s for s in self.seen if s.kind == "committed"), None)
 
 
+def by_step(listed: Iterable[ObjectInfo]) -> dict[int, list[ObjectInfo]]:
+    """The objects of a flat listing under each canonical ``step_N/`` prefix (a prefix with
+    no object is in no listing: empty "directories" cost nothing here)."""
+    out: dict[int, list[ObjectInfo]] = {}
+    for o in listed:
+        name, sep, _ = o.key.partition("/")
+        step = parse_step_dir(name) if sep else None
+        if step is not None and step_dir_name(step) == name:
+            out.setdefault(step, []).append(o)
+    return out
+
+
 async def observe_step(
-    store: ObjectStore, step: int, deadline: float, known: dict[tuple[int, str], Mark] | None = None
+    store: ObjectStore, step: int, deadline: float, known: dict[tuple[int, str], Mark] | None = None,
+    cache: ManifestCache | None = None,
 ) -> StepPrefix:
     """Look at ``step_N/``: one LIST, and one GET of its manifest when the listing has one.
     ``known``: the store's bad marks (read here when not given)."""
     if known is None:
         known = await store_marks(store, deadline)
+    listed = await store.list(step_dir_name(step) + "/", deadline)
+    return await observe_listed(store, step, listed, deadline, known, cache, fresh=True)
+
+
+async def observe_listed(
+    store: ObjectStore, step: int, listed: list[ObjectInfo], deadline: float,
+    known: dict[tuple[int, str], Mark], cache: ManifestCache | None = None, *, fresh: bool = False,
+) -> StepPrefix:
+    """``step_N/`` from ``listed``, its objects as a listing showed them: one GET of its
+    manifest when listed (none when ``cache`` knows it by its ETag). Unless ``fresh`` (the
+    listing was of this prefix alone), objects that do not match the manifest are looked at
+    again with a LIST of the prefix before the step is called corrupt: a flat listing of
+    many pages is no snapshot, and a commit may have landed between two of them."""
     sd = step_dir_name(step)
-    out = StepPrefix(step, listed=await store.list(sd + "/", deadline))
+    out = StepPrefix(step, listed=sorted(listed, key=lambda o: o.key))
     keys = {o.key for o in out.listed}
     for o in out.listed:
         a = _ASIDE.match(o.key[len(sd) + 1:])
@@ -151,18 +241,24 @@ async def observe_step(
             out.seen.append(Seen(step, f"{sd}/bad-{token}", "aside", token, mark=known.get((step, token))))
     out.owned = aside_keys(step, sorted(keys))
     mkey = manifest_key(step)
-    if mkey not in keys:
+    minfo = next((o for o in out.listed if o.key == mkey), None)
+    if minfo is None:
         return out
     out.owned.add(mkey)
     try:
-        found = await read_manifest(store, step, deadline)
+        found = await _cached_manifest(store, step, minfo, deadline, cache)
         if found is None:  # deleted since the LIST: retired meanwhile
             out.owned.discard(mkey)
             return out
         out.manifest, out.raw = found
         mine = data_prefix(step, found[0].attempt)
         out.owned.update(k for k in keys if k.startswith(mine))
-        _match(store, found[0], out.listed, mine)
+        try:
+            _match(store, found[0], out.listed, mine)
+        except CheckpointCorruptError:
+            if fresh:
+                raise
+            return await observe_step(store, step, deadline, known, cache)
     except CheckpointCorruptError as e:
         out.error = e
         if out.manifest is None:  # which attempt it names is unknown: nothing of the step is a leftover
@@ -178,10 +274,14 @@ async def observe_step(
     return out
 
 
-async def observe(store: ObjectStore, deadline: float) -> list[StepPrefix]:
-    """Every step prefix under the store's root, oldest first."""
-    known = await store_marks(store, deadline)
-    return [await observe_step(store, s, deadline, known) for s in sorted(await candidate_steps(store, deadline))]
+async def observe(store: ObjectStore, deadline: float, cache: ManifestCache | None = None) -> list[StepPrefix]:
+    """Every step prefix under the store's root that holds an object, oldest first: one flat
+    LIST of the root (paginated: one request per 1,000 keys) and one GET per manifest (per
+    mark), whatever number of steps were ever written and retired."""
+    listed = await store.list("", deadline)
+    known = await store_marks(store, deadline, listed=[o for o in listed if o.key.startswith(STORE_PREFIX)])
+    grouped = by_step(listed)
+    return [await observe_listed(store, s, grouped[s], deadline, known, cache) for s in sorted(grouped)]
 
 
 async def step_states(store: ObjectStore, deadline: float) -> Steps:
@@ -242,36 +342,72 @@ async def resumable(store: ObjectStore, deadline: float) -> list[tuple[Manifest,
 # ------------------------------------------------------------------------------ acting on it
 
 
-async def _remove_step(store: ObjectStore, step: int, deadline: float) -> None:
+def dirs_of(keys: Iterable[str], top: str) -> list[str]:
+    """The "directory" keys (``.../``) at or below ``top`` that hold ``keys``, deepest first:
+    what :meth:`ObjectStore.remove_dirs` takes after those keys were deleted."""
+    out: set[str] = set()
+    for k in keys:
+        parts = k.split("/")[:-1]
+        for j in range(1, len(parts) + 1):
+            d = "/".join(parts[:j]) + "/"
+            if d.startswith(top):
+                out.add(d)
+    return sorted(out, key=lambda d: (-d.count("/"), d))
+
+
+async def remove_step(store: ObjectStore, step: int, deadline: float, listed: Iterable[str] | None = None) -> bool:
     """Retire the commit of ``step``: its manifest first (it stops being complete at once),
-    then every object of the step but those of attempts set aside."""
-    await store.delete([manifest_key(step)], deadline)
-    listed = [o.key for o in await store.list(step_dir_name(step) + "/", deadline)]
-    kept = aside_keys(step, listed)
-    rest = [k for k in listed if k not in kept]
+    then every object of the step but those of attempts set aside (``listed``: the step's
+    keys as a look just showed them, else one LIST of the prefix), then the "directories"
+    left empty. Returns whether the prefix holds nothing any more."""
+    sd = step_dir_name(step) + "/"
+    mkey = manifest_key(step)
+    await store.delete([mkey], deadline)
+    keys = [o.key for o in await store.list(sd, deadline)] if listed is None else list(listed)
+    kept = aside_keys(step, keys)
+    rest = [k for k in keys if k not in kept and k != mkey]
     if rest:
         await store.delete(rest, deadline)
+    await store.remove_dirs([d for d in dirs_of([*rest, mkey], sd) if not any(k.startswith(d) for k in kept)],
+                            deadline)
+    return not kept
+
+
+def doomed(found: Iterable[StepPrefix], keep_last: int, protect: frozenset[int] = frozenset(),
+           run: str | None = None) -> list[int]:
+    """Which steps of ``found`` retention retires to keep the newest ``keep_last`` resumable
+    ones (``_stepstates.victims``; with ``run``, only that run's steps count and go)."""
+    good = {p.step: p for p in found if p.committed is not None and state_of(p.committed) == "complete"
+            and (run is None or p.manifest is None or same_run(p.manifest.run, run))}
+    return victims([(s, p.committed.created if p.committed else 0.0) for s, p in good.items()], keep_last,
+                   protect=protect)
 
 
 async def retire(
     store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
-    protect: frozenset[int] = frozenset(), run: str | None = None,
+    protect: frozenset[int] = frozenset(), run: str | None = None, *,
+    found: list[StepPrefix] | None = None, removed: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` resumable steps; retire older resumable ones
     (``_stepstates.victims``: known-bad steps are neither counted nor removed, the newest
     resumable one never is). With ``lease``: nothing is removed once it was taken over
     (``RootInUseError``). With ``run``, only that run's steps count and go (``_runs``).
+    ``found``: the steps as the caller's look just observed them (``_remote_view``: the
+    lease holder's; their listed keys are removed without another LIST), else one look
+    now; ``removed(step)`` is told of each step whose prefix was emptied.
     Returns the retired steps, ascending."""
-    found = await observe(store, deadline)
-    good = {p.step: p for p in found if p.committed is not None and state_of(p.committed) == "complete"
-            and (run is None or p.manifest is None or same_run(p.manifest.run, run))}
-    doomed = victims([(s, p.committed.created if p.committed else 0.0) for s, p in good.items()], keep_last,
-                     protect=protect)  # fmt: skip
-    for step in doomed:
+    if found is None:
+        found = await observe(store, deadline)
+        listed: dict[int, list[str] | None] = {}
+    else:
+        listed = {p.step: [o.key for o in p.listed] for p in found}
+    out = doomed(found, keep_last, protect, run)
+    for step in out:
         if lease is not None:
             lease.check()
-        await _remove_step(store, step, deadline)
-    return doomed
+        if await remove_step(store, step, deadline, listed.get(step)) and removed is not None:
+            removed(step)
+    return out
 
 
 async def remove_bad(store: ObjectStore, p: StepPrefix, deadline: float, lease: Lease | None = None) -> int:
