@@ -31,8 +31,8 @@ TARGET = 0.4  # issue 10: deduplicated time to durable at 4 ranks <= 0.4 x the r
 
 #: the writer-side steps ``--phases`` times (private functions: a profile, not an API)
 PHASES = (
-    ("save._dedupe", "digests", False),
-    ("save._dedupe", "image", False),
+    ("saving._dedupe", "digests", False),
+    ("saving._dedupe", "image", False),
     ("format._index", "rank_part", False),
     ("ranks._coordination", "StoreCoordinator.begin", True),
     ("ranks._coordination", "StoreCoordinator.exchange", True),
@@ -42,7 +42,7 @@ PHASES = (
     ("roots.posix._storage", "Storage.write_bytes", True),
     ("roots._backend", "PosixBackend.prepare", True),
     ("roots._backend", "PosixBackend.seal", True),
-    ("save._commit", "_commit", True),
+    ("saving._commit", "_commit", True),
 )
 
 
