@@ -13,7 +13,7 @@
                                      (kept for inspection; never a leftover: `gc --remove-bad`)
       .asyncckpt/                    the root's own metadata (owner lock, verification marks)
 
-On an object store the same names are key prefixes (``_remote_steps``)::
+On an object store the same names are key prefixes (``roots.objstore._steps``)::
 
     P/step_00000300/manifest.json              the commit object
     P/step_00000300/a-<attempt>/rank00000.*    the attempt's data

@@ -4,7 +4,7 @@ Every reader, writer and tool asks this module, for a local root and an ``s3://`
 ``latest()``, ``steps()``, ``find_latest()``, ``load(step=None)``, ``save()``'s step checks,
 ``keep_last``, ``keep_last_remote`` and the CLI's ``ls``, ``info``, ``export``, ``verify``
 and ``gc``. It does no I/O: a listing adapter describes each entry of a root as a
-:class:`Seen` (the local one in ``_discovery``, the object-store one in ``_remote_steps``),
+:class:`Seen` (the local one in ``_discovery``, the object-store one in ``roots.objstore._steps``),
 and :func:`state_of` decides. The states:
 
 ==========  =================================================================================

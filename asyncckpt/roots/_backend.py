@@ -4,7 +4,7 @@
 index and the manifest's content, lifecycle); a :class:`Backend` is what differs between
 storages. :class:`PosixBackend` (here) commits by rename: the attempt is a directory
 ``step_N.tmp-<attempt>/`` renamed to ``step_N`` once its manifest is in it, with fsyncs
-around every step. ``_backend_s3.ObjectBackend`` commits by conditional create: the attempt's
+around every step. ``objstore._backend.ObjectBackend`` commits by conditional create: the attempt's
 objects lie under ``step_N/a-<attempt>/`` and the manifest is created once with
 ``If-None-Match: *``. An attempt's *location* is the tmp directory or the key prefix.
 """

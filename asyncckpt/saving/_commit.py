@@ -2,7 +2,7 @@
 
 Written once for every storage; what differs (directories and renames on a POSIX root, key
 prefixes and a conditional create on an object store) is the ``_backend.Backend``'s. Order
-of operations (``L`` = leader only; POSIX wording, the object store's in ``_backend_s3``):
+of operations (``L`` = leader only; POSIX wording, the object store's in ``roots.objstore._backend``):
 
 1. L: retire leftovers of earlier attempts of this step; create ``step_N.tmp-<attempt>/``
    (race-tolerant ``ensure_dir``), fsync the root so the attempt is findable after a crash;

@@ -12,7 +12,7 @@ The protocol beside POSIX's (``_backend.PosixBackend``):
    unless it is an attempt of ours whose commit was reported failed (its create's outcome
    was unknown and it landed late): then that manifest and its objects are deleted first;
    or unless that commit is known bad (``_stepstates``): then it is set aside
-   (``_remote_steps.set_aside``: kept for inspection) and the step saved again.
+   (``_steps.set_aside``: kept for inspection) and the step saved again.
    Nothing to create: prefixes are implicit.
 2. every rank: the shard and the tree uploaded from the staging arena (no copy: multipart,
    parts in parallel, CRC-32C computed alongside, the stored size checked by a HEAD); a
@@ -24,11 +24,11 @@ The protocol beside POSIX's (``_backend.PosixBackend``):
    correct checkpoint, replaced by a retry of the step, see 1).
 4. L, failure: the attempt's objects deleted and its multipart uploads aborted (keys are
    attempt-unique, so no live writer can own them). Success: one look at the root
-   (``_remote_view``: what lies above the writer's floor, in a number of requests that does
+   (``_view``: what lies above the writer's floor, in a number of requests that does
    not grow with the run), and from it ``keep_last`` applied (the manifest first, so a step
    stops being complete at once, then its objects and emptied "directories") and, the root's
    lease being ours, the leftovers that are not our saves in flight removed
-   (``_remote_leftovers``: objects of dead attempts, step prefixes without a manifest,
+   (``_leftovers``: objects of dead attempts, step prefixes without a manifest,
    incomplete uploads). A write the store refuses for good is asked why
    (``_storefull``: out of space is named ``ObjectStoreFullError``).
 
@@ -233,7 +233,7 @@ class ObjectBackend:
             await self.store.abort_uploads(prefix, deadline=deadline)
 
     async def retire(self, job: SaveJob) -> None:
-        """After ``job`` committed (the leader): one look at the root (``_remote_view``: a
+        """After ``job`` committed (the leader): one look at the root (``_view``: a
         LIST of the marks and a flat LIST of what lies above the floor; no GET of the manifest
         just created), then from it the objects of other attempts of this step, ``keep_last``
         and, the lease being ours, the leftovers (and one LIST of incomplete uploads): a

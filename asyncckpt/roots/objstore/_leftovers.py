@@ -2,7 +2,7 @@
 and removed.
 
 The object-store counterpart of ``_retention.leftovers`` / ``remove_leftovers``, from one flat
-listing of the root (or the lease holder's look, ``_remote_view``). Three kinds:
+listing of the root (or the lease holder's look, ``_view``). Three kinds:
 
 * ``dead-attempt``: objects under ``step_N/a-X/`` of a step whose manifest names another
   attempt. X can never commit (its create loses), so they are dead whoever wrote them.
@@ -88,7 +88,7 @@ async def survey(
     found: list[StepPrefix] | None = None,
 ) -> Survey:
     """Every step prefix under the root that holds an object, but ``skip_steps`` (one flat
-    LIST of the root and one GET per manifest: ``_remote_steps.observe``; or ``found``, the
+    LIST of the root and one GET per manifest: ``_steps.observe``; or ``found``, the
     caller's look), and (``uploads``, where the store can list them) every incomplete upload
     not under ``keep_prefixes``."""
     out = Survey()

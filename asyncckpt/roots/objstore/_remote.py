@@ -19,7 +19,7 @@ correct checkpoint.
 
 A remote step is complete iff its manifest decodes (checksum, canonical form, its step) and
 ONE LIST of ``step_N/a-<attempt>/`` shows exactly the manifest's names with their sizes; it is
-resumable unless it is also known bad. Discovery and retention are ``_remote_steps``'s (the
+resumable unless it is also known bad. Discovery and retention are ``_steps``'s (the
 store's adapter of the one rule in ``_stepstates``); this module re-exports them.
 """
 
@@ -103,7 +103,7 @@ def open_store(url: str, storage_options: Mapping[str, str] | None = None, **kwa
 
 
 async def complete_steps(store: ObjectStore, deadline: float) -> list[tuple[Manifest, bytes]]:
-    """Every resumable step, newest first (``_remote_steps.resumable``)."""
+    """Every resumable step, newest first (``_steps.resumable``)."""
     return await resumable(store, deadline)
 
 
@@ -111,7 +111,7 @@ async def newest_complete(
     store: ObjectStore, deadline: float, skip: frozenset[int] = frozenset()
 ) -> tuple[Manifest, bytes] | None:
     """The newest resumable step not in ``skip``; corrupt and known-bad ones are logged and
-    passed over (``_remote_steps.newest_resumable``)."""
+    passed over (``_steps.newest_resumable``)."""
     return await newest_resumable(store, deadline, skip)
 
 
@@ -162,7 +162,7 @@ class RemoteStep:
 
 
 def _rows(p: Any) -> list[RemoteStep]:
-    """The ``ls`` rows of one observed step prefix (``_remote_steps.StepPrefix``)."""
+    """The ``ls`` rows of one observed step prefix (``_steps.StepPrefix``)."""
     from ...format._stepstates import state_of, why_bad
 
     def newest(objs: list[Any]) -> float | None:
@@ -364,7 +364,7 @@ async def retire_remote(
     found: list[StepPrefix] | None = None, removed: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` resumable remote steps; retire older resumable ones (the
-    manifest first, then its objects; ``_remote_steps.retire``: known-bad steps neither count
+    manifest first, then its objects; ``_steps.retire``: known-bad steps neither count
     nor go, the newest resumable one never goes). With ``lease``: nothing is removed once it
     was taken over (``RootInUseError``). Steps in ``protect`` (tier mode: the step just
     uploaded) are never retired; with ``run``, only that run's steps (``_runs.same_run``)

@@ -16,7 +16,7 @@ manifest's names with their sizes under its attempt's prefix; ``_stepstates.stat
 decides (a bad mark on that attempt: known bad). The listing is one LIST of ``step_N/``
 (:func:`observe_step`: the newest resumable step, an explicit step) or one flat LIST of the
 root for every step at once (:func:`observe`: ``ls``, ``gc``, retention, leftovers; the lease
-holder's look, ``_remote_view``, lists only above its floor): empty prefixes are in no flat
+holder's look, ``_view``, lists only above its floor): empty prefixes are in no flat
 listing, so what every step ever written left behind costs nothing. A store error propagates
 (an unreachable store is never "no checkpoint"). Torch-free; imports obstore.
 """
@@ -183,7 +183,7 @@ class StepPrefix:
     """What one ``step_N/`` prefix holds: its entries as ``_stepstates`` sees them (the
     committed one, when it has a manifest, and every attempt set aside), the manifest and its
     bytes when it decodes, the objects listed, and which of them belong to an entry (the rest
-    are leftovers: ``_remote_leftovers``)."""
+    are leftovers: ``_leftovers``)."""
 
     step: int
     seen: list[Seen] = field(default_factory=list)
@@ -392,7 +392,7 @@ async def retire(
     (``_stepstates.victims``: known-bad steps are neither counted nor removed, the newest
     resumable one never is). With ``lease``: nothing is removed once it was taken over
     (``RootInUseError``). With ``run``, only that run's steps count and go (``_runs``).
-    ``found``: the steps as the caller's look just observed them (``_remote_view``: the
+    ``found``: the steps as the caller's look just observed them (``_view``: the
     lease holder's; their listed keys are removed without another LIST), else one look
     now; ``removed(step)`` is told of each step whose prefix was emptied.
     Returns the retired steps, ascending."""

@@ -21,7 +21,7 @@ crashed writer anywhere). Objects that a foreign writer puts below the floor whi
 is ours (a zombie's request landing late) are found by the next job's first look.
 
 What the look observed goes through the same adapter as every other look at a store root
-(``_remote_steps.observe_listed``): the step rule itself stays in ``_stepstates``.
+(``_steps.observe_listed``): the step rule itself stays in ``_stepstates``.
 """
 
 from __future__ import annotations
