@@ -1,0 +1,313 @@
+"""Red-team reproductions for issue 26 ("committed means resumable"), against the merged fixes.
+
+Each test asserts what the issue and the docs promise and fails on today's ``main``; each is
+marked ``xfail(strict=True)`` naming its finding, so the branch stays green until a fix makes
+it pass (then the strict xfail fails: remove the marker). Real files, the FUSE fault file
+system (``tests/faultfs.py``, skipped with ``needs root/FUSE:`` where it cannot mount), the
+CLI as a real process, a real SeaweedFS behind the fault proxy for the tier test.
+
+A. An unreadable ``.asyncckpt/bad`` (EIO) hides every bad mark: ``latest()`` answers the
+   known-bad step and ``gc --keep-last 1`` retires the last good step (problem 2, via EIO).
+B. A bad mark that cannot be written (ENOSPC/EIO on ``.asyncckpt/bad``) loses the fallback:
+   ``latest()`` answers the corrupt step and the recipe's next save raises (problem 3, back).
+C. A stray file in a step directory makes an intact checkpoint "known bad";
+   ``gc --remove-bad`` then deletes the only checkpoint, all of whose bytes verify.
+D. A shard header between 100,000,000 and 100 MiB: ``save()`` and ``load()`` accept it,
+   ``export`` exits 0 writing a ``.safetensors`` the safetensors library refuses.
+E. Tier mode: a store unreadable at construction (a few seconds of 503) turns the step rule
+   off for the whole job: a new run's step 1 is uploaded beside another run's step 1000.
+F. One transient ENOENT on a listed shard (a stale negative dentry) is taken for corruption:
+   ``load()`` falls back, and the resume recipe's next save raises ``ValueError``.
+G. ``asyncckpt import`` writes into a root a live Checkpointer owns (``gc``/``pull`` refuse
+   that); the job's ``keep_last`` then retires the step it has just committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _cli_util import run_cli
+from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+
+import asyncckpt
+from asyncckpt import Checkpointer
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((1024,), float(step)), "step": step}
+
+
+def shard(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}" / "rank00000.safetensors"
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def names(root: str | Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step_"))
+
+
+def saved(root: str | Path, steps: tuple[int, ...]) -> None:
+    with Checkpointer(root) as ck:
+        for s in steps:
+            ck.save(s, state(s)).result(timeout=60)
+
+
+# ------------------------------------------------------------------------------ a FUSE mount
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("attack26")
+    fs = FaultFS(base / "backing", base / "mnt", direct_io=True)
+    try:
+        fs.mount()
+    except FaultFSUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield fs
+    finally:
+        fs.unmount()
+
+
+@pytest.fixture
+def fs(mount: FaultFS) -> Iterator[FaultFS]:
+    mount.clear()
+    mount.reset_events()
+    yield mount
+    mount.clear()
+
+
+def newest_known_bad(root: str) -> None:
+    """Steps 5, 10, 15; 15 has a flipped byte and `verify` marked it bad."""
+    saved(root, (5, 10, 15))
+    flip(shard(root, 15))
+    r = run_cli("verify", root, "--step", "15")
+    assert r.code == 1 and os.listdir(Path(root) / ".asyncckpt" / "bad"), r.err
+
+
+#: EIO on every look at the bad marks (a bad sector under that one directory, a FUSE server
+#: failing on it): the step directories stay perfectly readable.
+MARKS_EIO = rule(["readdir", "open", "read"], path="/.asyncckpt/bad", error="EIO", id="m")
+
+
+# ------------------------------------------------------------------------------ A
+@pytest.mark.needs_root
+@pytest.mark.xfail(strict=True, reason="attack: A, EIO on the bad marks hides them; gc retires the last good step")
+def test_a_gc_with_unreadable_bad_marks_never_retires_the_last_good_step(fs: FaultFS) -> None:
+    root = fs.path("a-gc")
+    newest_known_bad(root)
+    fs.set_rules([MARKS_EIO])
+    r = run_cli("gc", root, "--keep-last", "1", "--min-age", "0")
+    fs.clear()
+    assert fs.fired("m") >= 1
+    # today: exit 0, "retired step 5, retired step 10, keeping 1 complete checkpoint(s): step 15"
+    assert "step_00000010" in names(root), (r.code, r.out, r.err)
+    assert asyncckpt.load(root)["step"] == 10
+
+
+@pytest.mark.needs_root
+@pytest.mark.xfail(strict=True, reason="attack: A, EIO on .asyncckpt/bad makes latest() answer a known-bad step")
+def test_a_latest_never_answers_a_known_bad_step_while_the_marks_are_unreadable(fs: FaultFS) -> None:
+    root = fs.path("a-latest")
+    newest_known_bad(root)
+    fs.set_rules([MARKS_EIO])
+    try:
+        found: Any = asyncckpt.find_latest(root)
+    except asyncckpt.CheckpointReadError as e:  # an I/O error said as such would keep the promise
+        found = e
+    fs.clear()
+    assert not (isinstance(found, asyncckpt.CheckpointInfo) and found.step == 15), found
+
+
+# ------------------------------------------------------------------------------ B
+@pytest.mark.needs_root
+@pytest.mark.xfail(strict=True, reason="attack: B, an unwritable bad mark loses the fallback (problem 3 returns)")
+def test_b_the_resume_recipe_continues_when_the_bad_mark_cannot_be_written(fs: FaultFS) -> None:
+    root = fs.path("b-nomark")
+    saved(root, (5, 10, 15))
+    flip(shard(root, 15))
+    with Checkpointer(root) as ck:
+        # the disk is full (or .asyncckpt/bad is not writable) while the run resumes
+        fs.set_rules([rule(["mkdir", "create", "write", "rename"], path="/.asyncckpt/bad", error="ENOSPC", id="m")])
+        got = ck.load()
+        fs.clear()
+        assert got["step"] == 10  # fell back past the corrupt 15, as documented
+        assert not os.path.isdir(Path(root) / ".asyncckpt" / "bad") or not os.listdir(Path(root) / ".asyncckpt" / "bad")
+        # this very process just proved 15 corrupt; today: latest() answers 15 and
+        # save(15) raises "ValueError: step 15 is already committed"
+        latest = ck.latest()
+        assert latest is not None and latest.step == 10, latest
+        ck.save(15, state(15)).result(timeout=60)
+
+
+# ------------------------------------------------------------------------------ C
+@pytest.mark.xfail(strict=True, reason="attack: C, a stray file makes an intact step 'bad'; gc --remove-bad deletes it")
+def test_c_gc_remove_bad_never_deletes_a_checkpoint_whose_bytes_all_verify(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    saved(root, (10,))
+    (root / "step_00000010" / "NOTES.txt").write_text("lr looked fine here\n")  # a user's note, an editor's file
+    r = run_cli("ls", root, "--json")
+    (row,) = json.loads(r.out)
+    print(row["status"], row.get("note") or row.get("reason"))  # today: "bad", "unexpected file(s) ..."
+    g = run_cli("gc", root, "--remove-bad", "--min-age", "0")
+    assert g.code == 0, g.err
+    # today: "removed step_00000010 (known bad: unexpected file(s) not in the manifest: NOTES.txt)"
+    assert shard(root, 10).exists(), g.out
+
+
+# ------------------------------------------------------------------------------ D
+@pytest.mark.xfail(strict=True, reason="attack: D, export writes a header over 100,000,000 bytes safetensors refuses")
+def test_d_export_of_a_header_save_accepted_loads_with_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    root = tmp_path / "ck"
+    # 101 tensors with 1,000,000-byte names: a 101 MB header, under 100 MiB (save() and load() take it)
+    st = {f"{i:03d}" + "n" * 1_000_000: torch.full((1,), float(i)) for i in range(101)}
+    with Checkpointer(root) as ck:
+        ck.save(1, st).result(timeout=120)
+    del st
+    head = int.from_bytes(shard(root, 1).read_bytes()[:8], "little")
+    assert 100_000_000 < head <= 100 * 2**20, head
+    assert len(asyncckpt.load(root, 1)) == 101
+    out = tmp_path / "model.safetensors"
+    r = run_cli("export", root, "--to", out, timeout=120)
+    # a refusal (exit 1, no file) would be the other honest answer; today: exit 0 and a file
+    # safetensors cannot open ("Error while deserializing header: header too large")
+    if r.code == 0:
+        with safe_open(str(out), "pt") as f:
+            assert len(list(f.keys())) == 101
+    else:
+        pytest.fail(f"export refused what save() accepted: {r.err[-500:]}")
+
+
+# ------------------------------------------------------------------------------ E
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    from s3fixtures import require_s3, running_server
+
+    require_s3()
+    with running_server("attack26") as server:
+        yield server
+
+
+@pytest.fixture
+def proxy(s3: Any) -> Iterator[Any]:
+    from s3proxy import FaultProxy
+
+    p = FaultProxy(s3.s3_port, max_lifetime=150).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="attack: E, a store unreadable at construction switches the tier step rule off")
+def test_e_a_store_briefly_unreadable_at_construction_still_refuses_lower_steps(
+    tmp_path: Path, s3: Any, proxy: Any
+) -> None:
+    from s3fixtures import opts
+    from s3proxy import Rule
+
+    from asyncckpt import remote
+
+    url = f"s3://attack26/e-{uuid.uuid4().hex[:8]}"
+    o = opts(s3.endpoint)
+    with Checkpointer(tmp_path / "old", mirror=url, storage_options=o) as ck:  # an older run: 900, 1000
+        for s in (900, 1000):
+            ck.save(s, state(s))
+            ck.flush(timeout=60)
+    proxy.add(Rule("status", times=10_000))  # 503 while the new job (empty local disk) starts
+    with Checkpointer(
+        tmp_path / "new", mirror=url, keep_last_remote=1, storage_options=opts(proxy.endpoint), timeout=5
+    ) as ck:
+        proxy.clear()  # the store is fine again before the first save
+        run = ck.run_id
+        accepted = True
+        try:
+            ck.save(1, state(1))
+        except ValueError:
+            accepted = False
+        if accepted:
+            ck.flush(timeout=60)
+    on_store = sorted(s.step for s in remote.scan(url, storage_options=o) if s.complete)
+    if accepted:
+        # the consequence: a new node (empty disk) resumes the other run's 1000, not this run's 1
+        with Checkpointer(tmp_path / "node2", mirror=url, storage_options=o) as ck:
+            latest = ck.latest()
+            print("store", on_store, "restart resumes", latest and (latest.step, latest.run != run))
+    # today: accepted; the store holds [1, 900, 1000]
+    assert not accepted, on_store
+
+
+# ------------------------------------------------------------------------------ F
+@pytest.mark.needs_root
+@pytest.mark.xfail(strict=True, reason="attack: F, a transient ENOENT is taken for corruption: load() falls back")
+def test_f_one_transient_enoent_never_makes_load_fall_back(fs: FaultFS) -> None:
+    fell_back: list[tuple[int, int]] = []
+    for skip in range(5):  # whichever lookup of the load it lands on
+        root = fs.path(f"f-{skip}")
+        saved(root, (10, 15))
+        with Checkpointer(root) as ck:
+            # one lookup of step 15's shard answers ENOENT: a stale negative dentry (NFS,
+            # virtiofs, Lustre: tests/faultfs.py's stale_s), a FUSE server's glitch
+            fs.set_rules(
+                [
+                    rule(
+                        ["getattr", "open"],
+                        glob="*/step_00000015/rank00000.safetensors",
+                        error="ENOENT",
+                        count=1,
+                        skip=skip,
+                        id="n",
+                    )
+                ]
+            )
+            got = ck.load()["step"]
+            fs.clear()
+            if got != 15:
+                fell_back.append((skip, got))
+                # the README recipe continues from what it loaded; today: "ValueError: step 11 is
+                # lower than step 15, the newest committed checkpoint"
+                with pytest.raises(ValueError, match="lower than step 15"):
+                    ck.save(11, state(11))
+    # an ENOENT that the next look contradicts says nothing about the checkpoint
+    assert fell_back == [], fell_back
+
+
+# ------------------------------------------------------------------------------ G
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # dcp.save without a process group
+@pytest.mark.xfail(strict=True, reason="attack: G, import writes into a live root; its keep_last retires the new step")
+def test_g_import_refuses_a_root_a_checkpointer_owns(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    dcp.save({"model": {"w": torch.randn(64)}}, storage_writer=dcp.FileSystemWriter(src, thread_count=1))
+    root = tmp_path / "ck"
+    with Checkpointer(root, keep_last=1) as ck:
+        ck.save(20, state(20)).result(timeout=60)
+        p = subprocess.run([sys.executable, "-m", "asyncckpt", "import", str(src), str(root), "--step", "1000",
+                            "--allow-pickle"], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))  # fmt: skip
+        ck.save(21, state(21)).result(timeout=60)
+        ck.flush()
+        left = names(root)
+    # gc and pull refuse a root a Checkpointer owns (RootInUseError, exit 1); today import
+    # exits 0, and the job's retention then retires the step it has just committed:
+    # left == ['step_00001000']
+    assert p.returncode == 1 and "step_00000021" in left, (p.returncode, p.stdout, p.stderr[-300:], left)
