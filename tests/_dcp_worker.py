@@ -8,6 +8,9 @@ Run as ``python _dcp_worker.py SCENARIO RANK WORLD PORT DIR OUT``.
 * ``load``: a fresh model and optimizer on this world size; step 1 and step 2 through
   ``dcp.load`` + ``StorageReader``, and the imported step (DIR/imported, step 7) through
   ``Checkpointer.load(into=...)``; each compared bit for bit with the reference.
+* ``s3save`` / ``s3load``: the same on an object store: ``$DCP_S3_URL`` (storage options:
+  ``$DCP_S3_OPTIONS``, JSON) instead of DIR/ck; ``s3load`` also reads step 1 through
+  ``Checkpointer(url).load(into=...)``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,45 @@ def scenario_load(rank: int, world: int, base: str) -> dict[str, Any]:
             got = ck.load(7, into={"model": msd, "optim": osd, "meta": {}})
         set_state_dict(model, optim, model_state_dict=got["model"], optim_state_dict=got["optim"])
         out["imported"] = {"bad": compare(tensors(model, optim), ref), "meta": got["meta"]}
+    return out
+
+
+def _s3() -> tuple[str, dict[str, str]]:
+    return os.environ["DCP_S3_URL"], json.loads(os.environ["DCP_S3_OPTIONS"])
+
+
+def scenario_s3save(rank: int, world: int, base: str) -> dict[str, Any]:
+    url, opts = _s3()
+    model, optim = build(world, seed=1)
+    train_step(model, optim)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "meta": {"epoch": 3, "rank0": "yes"}}
+    dcp.save(state, storage_writer=StorageWriter(url, step=1, storage_options=opts))
+    writer = StorageWriter(url + "/step_00000002", storage_options=opts)
+    dcp.async_save(state, storage_writer=writer).result(60)
+    ref = tensors(model, optim)
+    if rank == 0:
+        torch.save(ref, os.path.join(base, "ref.pt"))
+    return {"keys": len(ref)}
+
+
+def scenario_s3load(rank: int, world: int, base: str) -> dict[str, Any]:
+    url, opts = _s3()
+    ref = torch.load(os.path.join(base, "ref.pt"), weights_only=True)
+    out: dict[str, Any] = {}
+    for step in (1, 2):
+        model, optim = build(world, seed=99)
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd, "meta": {"epoch": 0, "rank0": ""}}
+        dcp.load(state, storage_reader=StorageReader(url, step=step, storage_options=opts))
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out[f"dcp{step}"] = {"bad": compare(tensors(model, optim), ref), "meta": state["meta"]}
+    model, optim = build(world, seed=98)
+    msd, osd = get_state_dict(model, optim)
+    with asyncckpt.Checkpointer(url, storage_options=opts) as ck:
+        got = ck.load(1, into={"model": msd, "optim": osd, "meta": {}})
+    set_state_dict(model, optim, model_state_dict=got["model"], optim_state_dict=got["optim"])
+    out["checkpointer"] = {"bad": compare(tensors(model, optim), ref), "meta": got["meta"]}
     return out
 
 

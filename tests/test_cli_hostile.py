@@ -92,7 +92,9 @@ def test_a_bad_file_is_one_line_naming_it(root: Path, case: str) -> None:
     if case == "deep-structure":
         reseal(sd, tree.name, b"[" * 200_000 + b"]" * 200_000)
     elif case == "wide-structure":
-        reseal(sd, tree.name, b"[" + b"[]," * 300_000 + b"[]]")  # well-formed, but lacks "w"
+        # well-formed, 300k nodes, naming a tensor the shard lacks (a tree that merely leaves a
+        # shard tensor unnamed loads, so it verifies too: verify passes what load passes)
+        reseal(sd, tree.name, b"[" + b"[]," * 300_000 + b'{"$tensor": "nope"}]')
         target = shard
     elif case == "not-json":
         reseal(sd, tree.name, b"\xff\xfe{")

@@ -143,8 +143,10 @@ def test_bad_arguments_are_refused_at_construction(tmp_path: Path) -> None:
         StorageWriter(tmp_path, step="3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         StorageWriter(tmp_path, step=1, timeout=0)
-    with pytest.raises(NotImplementedError, match="object-store"):
-        StorageWriter("s3://bucket/run", step=1)
+    with pytest.raises(ValueError, match="not a step directory"):
+        StorageWriter("s3://bucket/run")  # an s3:// root needs step=N too
+    with pytest.raises(ValueError, match="storage_options apply to an s3:// root"):
+        StorageWriter(tmp_path, step=1, storage_options={"endpoint": "http://127.0.0.1:1"})
     assert StorageWriter.validate_checkpoint_id(str(tmp_path / "step_00000001"))
     assert not StorageReader.validate_checkpoint_id(str(tmp_path / "x"))
     with pytest.raises(CheckpointNotFoundError):

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,34 +123,95 @@ def _slot_names(entries: list[Entry]) -> list[str]:
     return names
 
 
+class RankStream:
+    """Rank ``rank``'s file of DCP ``entries`` (``rankRRRRR.safetensors``), its bytes made in
+    file order on demand: the local writer takes :meth:`pieces`, an upload reads any range
+    with :meth:`read` (a retried upload starts over). Each entry's data is resolved when its
+    bytes are first needed and only one is held at a time (a GPU tensor: one CPU copy). Every
+    entry's CRC-32C and block CRCs are taken the first time its bytes are made; the data must
+    be the same each time it is resolved (DCP's planners give the staged or paused state).
+    One call at a time."""
+
+    def __init__(self, rank: int, entries: list[Entry]) -> None:
+        self.rank = rank
+        self.name = _manifest.shard_name(rank)
+        names = _slot_names(entries)
+        layout = plan_layout([(n, e.dtype, e.sizes) for n, e in zip(names, entries, strict=True)], _SHARD_META)
+        by_name = dict(zip(names, entries, strict=True))
+        self.header = layout.header
+        self.size = layout.file_size
+        self.nbytes = layout.data_len
+        #: (begin, end, entry) of every entry, in file order (absolute file offsets)
+        self._slots = [(layout.data_start + s.begin, layout.data_start + s.end, by_name[s.name]) for s in layout.slots]
+        self._rows: dict[int, tuple[bool, list[Any]]] = {}  # slot -> (is a tensor, its RankFile row)
+        self._held: tuple[int, memoryview] | None = None
+
+    def _view(self, i: int) -> memoryview:
+        """Slot ``i``'s bytes (resolved now unless it is the one held); its row recorded."""
+        if self._held is not None and self._held[0] == i:
+            return self._held[1]
+        self._held = None  # the previous entry's bytes go before the next is resolved
+        begin, end, e = self._slots[i]
+        data = e.data() if callable(e.data) else e.data
+        view = _bytes_of(data, e, end - begin)
+        if i not in self._rows:
+            whole, blocks = _index.block_crcs(view, _index.BLOCK)
+            if e.offsets is None:
+                self._rows[i] = (False, [e.fqn, begin, len(view), whole])
+            else:
+                self._rows[i] = (True, [e.fqn, list(e.offsets), list(e.sizes), DTYPE_TO_ST[e.dtype], begin,
+                                        len(view), whole, blocks])  # fmt: skip
+        self._held = (i, view)
+        return view
+
+    def pieces(self) -> Iterator[tuple[int, memoryview]]:
+        """``(offset, bytes)`` of the header, then of each entry, in file order."""
+        yield 0, memoryview(self.header)
+        for i, (begin, _, _) in enumerate(self._slots):
+            yield begin, self._view(i)
+        self._held = None
+
+    def read(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes ``[offset, offset + len(out))``."""
+        end = offset + len(out)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"range [{offset}, {end}) outside {self.name}'s {self.size} bytes")
+        if offset < len(self.header):
+            n = min(end, len(self.header)) - offset
+            out[:n] = self.header[offset : offset + n]
+        for i, (begin, stop, _) in enumerate(self._slots):
+            if stop <= offset or begin >= end or begin == stop:
+                continue
+            lo, hi = max(begin, offset), min(stop, end)
+            out[lo - offset : hi - offset] = self._view(i)[lo - begin : hi - begin]
+        if end == self.size:
+            self._held = None
+
+    def described(self, crc: int) -> RankFile:
+        """The :class:`RankFile` of the whole file, whose CRC-32C is ``crc`` (every entry's
+        bytes made once by now; empty ones, which no range covers, are resolved here)."""
+        for i in range(len(self._slots)):
+            if i not in self._rows:
+                self._view(i)
+        self._held = None
+        out = RankFile(self.rank, self.name, self.size, crc, self.nbytes)
+        for i in range(len(self._slots)):
+            tensor, row = self._rows[i]
+            (out.tensors if tensor else out.blobs).append(row)
+        return out
+
+
 def write_rank_file(directory: str, rank: int, entries: list[Entry], ops: OsOps = DEFAULT_OPS) -> RankFile:
     """Write ``entries`` as ``rankRRRRR.safetensors`` in ``directory`` (exclusive create,
     CRC-32C and block CRCs as written, fsync, close) and describe where each one lies."""
-    name = _manifest.shard_name(rank)
-    names = _slot_names(entries)
-    specs = [(n, e.dtype, e.sizes) for n, e in zip(names, entries, strict=True)]
-    layout = plan_layout(specs, _SHARD_META)
-    by_name = dict(zip(names, entries, strict=True))
-    path = os.path.join(directory, name)
-    out = RankFile(rank, name, layout.file_size, 0, layout.data_len)
+    stream = RankStream(rank, entries)
+    path = os.path.join(directory, stream.name)
     fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
     try:
-        _pwrite_all(ops, fd, memoryview(layout.header), 0, path)
-        crc = crc32c(layout.header)
-        for slot in layout.slots:
-            e = by_name[slot.name]
-            data = e.data() if callable(e.data) else e.data
-            view = _bytes_of(data, e, slot.end - slot.begin)
-            begin = layout.data_start + slot.begin
+        crc = 0
+        for begin, view in stream.pieces():
             _pwrite_all(ops, fd, view, begin, path)
-            whole, blocks = _index.block_crcs(view, _index.BLOCK)
             crc = crc32c(view, crc)
-            if e.offsets is None:
-                out.blobs.append([e.fqn, begin, len(view), whole])
-            else:
-                out.tensors.append([e.fqn, list(e.offsets), list(e.sizes), DTYPE_TO_ST[e.dtype], begin, len(view),
-                                    whole, blocks])  # fmt: skip
-            del data, view
         ops.fsync(fd)
     except OSError as err:
         _close_quietly(ops, fd)
@@ -159,8 +220,7 @@ def write_rank_file(directory: str, rank: int, entries: list[Entry], ops: OsOps 
         _close_quietly(ops, fd)
         raise
     ops.close(fd)
-    out.crc32c = crc
-    return out
+    return stream.described(crc)
 
 
 def _bytes_of(data: Any, e: Entry, expect: int) -> memoryview:
@@ -268,6 +328,55 @@ def _encode(node: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------ the commit
+def blob_locations(files: list[RankFile], where: str) -> dict[str, _dcp_meta.BytesLocation]:
+    """Where each DCP object (bytes item) lies: fqn -> ``(file, begin, nbytes, crc32c)``;
+    ``CheckpointCorruptError`` (naming ``where``) for one written by two ranks."""
+    locations: dict[str, _dcp_meta.BytesLocation] = {}
+    for f in files:
+        for fqn, begin, n, crc in f.blobs:
+            if locations.setdefault(fqn, (f.name, begin, n, crc))[0] != f.name:
+                raise CheckpointCorruptError(f"{fqn!r} was written by two ranks", where)
+    return locations
+
+
+def shared_files(
+    files: list[RankFile], metadata: Metadata, blobs: Mapping[str, bytes], where: str
+) -> list[tuple[str, bytes, int]]:
+    """The files the coordinator adds to every rank's: ``(name, bytes, rank)`` of
+    ``index.json``, ``dcp.json`` and each rank's structure.
+
+    ``files``: every rank's :class:`RankFile` (rank ``r`` at index ``r``); ``blobs``: the
+    bytes of each DCP object (:func:`blob_locations`, read back and checked). Raises
+    ``CheckpointCorruptError`` (naming ``where``) if the items do not make a loadable step
+    (chunks that do not tile a tensor, an item written twice or by nobody), ``TypeError`` for
+    metadata JSON cannot carry.
+    """
+    world = len(files)
+    if [f.rank for f in files] != list(range(world)):
+        raise ValueError(f"rank files {[f.rank for f in files]} are not ranks 0..{world - 1}")
+    meta_raw = _dcp_meta.encode(metadata, blob_locations(files, where))
+    values = {fqn: value_node(raw) for fqn, raw in blobs.items()}
+    tensors = {fqn for fqn, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata)}
+    tree = build_tree(metadata.state_dict_metadata, tensors, values, metadata.planner_data)
+    index_raw = _index_doc(files, meta_raw)
+    try:
+        _index.parse(index_raw, world, {f.name: f.size for f in files})
+    except ValueError as e:
+        raise CheckpointCorruptError(f"the DCP items do not make a loadable step ({e})", where) from None
+    tree_raw = tree_json(tree)
+    return [(_index.INDEX, index_raw, 0), (_dcp_meta.FILE, meta_raw, 0),
+            *((_manifest.tree_name(r), tree_raw, r) for r in range(world))]  # fmt: skip
+
+
+def manifest_body(
+    step: int, attempt: str, files: list[RankFile], shared: list[_manifest.FileEntry], extra: dict[str, Any]
+) -> bytes:
+    """The manifest of the step: every rank's file and the ``shared`` ones."""
+    entries = [_manifest.FileEntry(f.name, f.size, f.crc32c, f.rank) for f in files] + shared
+    return _manifest.encode(step, attempt, len(files), sum(f.nbytes for f in files), time.time(), entries, extra,
+                            format=_manifest.FORMAT_INDEXED)  # fmt: skip
+
+
 def commit(
     root: str,
     step: int,
@@ -281,38 +390,13 @@ def commit(
 
     ``files``: every rank's :class:`RankFile` (rank ``r`` at index ``r``), all written and
     fsynced in the attempt directory; ``metadata``: DCP's global metadata of the save.
-    Raises ``CheckpointCorruptError`` if the items do not make a loadable step (chunks that do
-    not tile a tensor, an item written twice or by nobody), ``TypeError`` for metadata JSON
-    cannot carry, ``FileExistsError`` if the step appeared meanwhile, ``OSError`` on I/O.
-    Nothing is committed on failure.
+    Raises what :func:`shared_files` raises, ``FileExistsError`` if the step appeared
+    meanwhile, ``OSError`` on I/O. Nothing is committed on failure.
     """
     loc = attempt_dir(root, step, attempt)
-    world = len(files)
-    if [f.rank for f in files] != list(range(world)):
-        raise ValueError(f"rank files {[f.rank for f in files]} are not ranks 0..{world - 1}")
-    locations: dict[str, _dcp_meta.BytesLocation] = {}
-    for f in files:
-        for fqn, begin, n, crc in f.blobs:
-            if locations.setdefault(fqn, (f.name, begin, n, crc))[0] != f.name:
-                raise CheckpointCorruptError(f"{fqn!r} was written by two ranks", loc)
-    meta_raw = _dcp_meta.encode(metadata, locations)
-    values = {fqn: value_node(_read_back(loc, *where)) for fqn, where in locations.items()}
-    tensors = {fqn for fqn, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata)}
-    tree = build_tree(metadata.state_dict_metadata, tensors, values, metadata.planner_data)
-    index_raw = _index_doc(files, meta_raw)
-    sizes = {f.name: f.size for f in files}
-    try:
-        _index.parse(index_raw, world, sizes)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"the DCP items do not make a loadable step ({e})", loc) from None
-    entries = [_manifest.FileEntry(f.name, f.size, f.crc32c, f.rank) for f in files]
-    entries.append(write_small(loc, _index.INDEX, index_raw, 0, ops))
-    entries.append(write_small(loc, _dcp_meta.FILE, meta_raw, 0, ops))
-    tree_raw = tree_json(tree)
-    entries += [write_small(loc, _manifest.tree_name(r), tree_raw, r, ops) for r in range(world)]
-    nbytes = sum(f.nbytes for f in files)
-    body = _manifest.encode(step, attempt, world, nbytes, time.time(), entries, extra,
-                            format=_manifest.FORMAT_INDEXED)  # fmt: skip
+    blobs = {fqn: _read_back(loc, *at) for fqn, at in blob_locations(files, loc).items()}
+    shared = [write_small(loc, name, raw, rank, ops) for name, raw, rank in shared_files(files, metadata, blobs, loc)]
+    body = manifest_body(step, attempt, files, shared, extra)
     ops.fsync_dir(loc)  # every rank's file and ours are durable names before the marker
     tmp_marker = os.path.join(loc, _manifest.MANIFEST + ".tmp")
     write_small(loc, _manifest.MANIFEST + ".tmp", body, 0, ops)

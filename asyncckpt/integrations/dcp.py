@@ -29,7 +29,7 @@ import io
 import math
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -51,10 +51,11 @@ from .._discovery import pin_step
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from .._format import ST_TO_DTYPE
 from .._layout import MAX_STEP, check_step, parse_step_dir, step_dir_name
+from .._lease import DEFAULT_TTL_S, check_ttl
 from .._load import byte_view
 from .._manifest import Manifest
-from .._remote import is_url
-from .._stepfiles import PinnedFiles
+from .._remote import DEFAULT_DEADLINE_S, is_url
+from .._stepfiles import PinnedFiles, StepFiles
 from .._storage import DEFAULT_OPS, OsOps, ensure_dir
 from . import _dcp_meta, _dcp_step
 from ._dcp_import import import_dcp
@@ -69,24 +70,49 @@ _BATCH = 256 << 20
 
 def locate(path: str | os.PathLike[str], step: int | None) -> tuple[str, int]:
     """``(root, step)`` from ``StorageWriter``/``StorageReader``'s arguments: ``path`` is the
-    root when ``step`` is given, else ``ROOT/step_NNNNNNNN`` (a step directory's own name)."""
+    root when ``step`` is given, else ``ROOT/step_NNNNNNNN`` (a step directory's own name);
+    ``path`` may be an ``s3://bucket/prefix`` URL (the root is then a URL too)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     p = os.fspath(path)
     if isinstance(p, bytes) or not p:
         raise TypeError("path must be a non-empty str path")
-    if is_url(p):
-        raise NotImplementedError("the DCP storage layer reads and writes local paths; object-store roots: not yet")
+    url = is_url(p)
+    if url:
+        p = p.rstrip("/")
     if step is not None:
         return p, check_step(step)
-    name = os.path.basename(os.path.normpath(p))
+    head, name = p.rsplit("/", 1) if url else os.path.split(os.path.normpath(p))
     parsed = parse_step_dir(name)
-    if parsed is None:
+    if parsed is None or (url and not head.startswith("s3://")):
         raise ValueError(
             f"{p!r} is not a step directory (ROOT/step_00000100, 8 digits or more, at most {MAX_STEP}): "
             "pass the root and step=N instead"
         )
-    return os.path.dirname(os.path.normpath(p)) or ".", parsed
+    return head or ".", parsed
+
+
+def step_id(root: str, step: int) -> str:
+    """The step's directory (or, under an ``s3://`` root, its URL)."""
+    return f"{root}/{step_dir_name(step)}" if is_url(root) else os.path.join(root, step_dir_name(step))
+
+
+def _store_step(root: str, step: int, options: Mapping[str, str] | None, deadline_s: float,
+                lease_ttl: float) -> Any:  # fmt: skip
+    """The step on its object store (``_dcp_store.StoreStep``), ``None`` for a local root."""
+    if not is_url(root):
+        if options:
+            raise ValueError("storage_options apply to an s3:// root, not to the local path " + repr(root))
+        return None
+    from ._dcp_store import StoreStep  # obstore: only for a store
+
+    return StoreStep(root, step, options, deadline_s, lease_ttl)
+
+
+def _seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+    return float(value)
 
 
 class StorageWriter(_dcp_storage.StorageWriter):
@@ -95,9 +121,15 @@ class StorageWriter(_dcp_storage.StorageWriter):
     ``StorageWriter(root, step=N)`` or ``StorageWriter("root/step_0000000N")``; a
     ``checkpoint_id`` passed to ``dcp.save`` is read the same way (a path ``ROOT/step_N``).
     A step that exists is never overwritten (``FileExistsError``, on every rank, before any
-    data is written). ``timeout`` bounds each directory creation (``ensure_dir``); the rank
-    coordination is DCP's own, on its process group. Picklable (``dcp.async_save`` with a
-    process executor sends it to its worker).
+    data is written). ``timeout`` bounds each directory creation (``ensure_dir``, default
+    60 s); the rank coordination is DCP's own, on its process group. Picklable
+    (``dcp.async_save`` with a process executor sends it to its worker).
+
+    An ``s3://bucket/prefix`` root (``storage_options`` as for ``Checkpointer``) is written
+    with asyncckpt's object-store commit (``_dcp_store``): each rank uploads its file under
+    ``step_N/a-<attempt>/``, the coordinator creates ``step_N/manifest.json`` once
+    (``If-None-Match: *``) under the root's lease (``lease_ttl``), held for the commit only.
+    ``timeout`` then bounds each store call (a rank's upload, the commit; default 1 h).
 
     Call order (DCP's, ``StorageWriter``): ``reset`` (with a ``checkpoint_id``), then on every
     rank ``set_up_storage_writer`` and ``prepare_local_plan``; on the coordinator
@@ -110,27 +142,40 @@ class StorageWriter(_dcp_storage.StorageWriter):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, step: int | None = None, timeout: float = 60.0, ops: OsOps = DEFAULT_OPS
+        self,
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        timeout: float | None = None,
+        storage_options: Mapping[str, str] | None = None,
+        lease_ttl: float = DEFAULT_TTL_S,
+        ops: OsOps = DEFAULT_OPS,
     ) -> None:
         super().__init__()
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
         self.root, self.step = locate(path, step)
-        self.timeout = float(timeout)
+        default = DEFAULT_DEADLINE_S if is_url(self.root) else 60.0
+        self.timeout = _seconds(default if timeout is None else timeout, "timeout")
+        self.lease_ttl = check_ttl(lease_ttl)
+        self.storage_options = storage_options
         self.ops = ops
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
         self._attempt: str | None = None
+        self._store = _store_step(self.root, self.step, storage_options, self.timeout, self.lease_ttl)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
+        return f"StorageWriter({self.checkpoint_id!r})"
 
     @property
     def checkpoint_id(self) -> str:
-        """The step directory this writer commits."""
-        return os.path.join(self.root, step_dir_name(self.step))
+        """The step directory (or URL) this writer commits."""
+        return step_id(self.root, self.step)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.root, self.step = locate(checkpoint_id, None)
+            self._store = _store_step(self.root, self.step, self.storage_options, self.timeout, self.lease_ttl)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -148,13 +193,17 @@ class StorageWriter(_dcp_storage.StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # the coordinator alone makes the attempt directory (a unique name: no mkdir race)
-        # and fsyncs the root so a crash leaves it findable for gc
-        ensure_dir(self.root, timeout=self.timeout, ops=self.ops)
-        _dcp_step.check_step_free(self.root, self.step)
-        attempt = self._attempt = _dcp_step.new_attempt()
-        ensure_dir(_dcp_step.attempt_dir(self.root, self.step, attempt), timeout=self.timeout, ops=self.ops)
-        self.ops.fsync_dir(self.root)
+        if self._store is not None:
+            self._store.prepare()  # conditional creates enforced, the step free; nothing to make
+            attempt = self._attempt = _dcp_step.new_attempt()
+        else:
+            # the coordinator alone makes the attempt directory (a unique name: no mkdir race)
+            # and fsyncs the root so a crash leaves it findable for gc
+            ensure_dir(self.root, timeout=self.timeout, ops=self.ops)
+            _dcp_step.check_step_free(self.root, self.step)
+            attempt = self._attempt = _dcp_step.new_attempt()
+            ensure_dir(_dcp_step.attempt_dir(self.root, self.step, attempt), timeout=self.timeout, ops=self.ops)
+            self.ops.fsync_dir(self.root)
         return [
             dataclasses.replace(plan, storage_data={"asyncckpt_attempt": attempt, "rank": i})
             for i, plan in enumerate(plans)
@@ -164,8 +213,6 @@ class StorageWriter(_dcp_storage.StorageWriter):
         data = plan.storage_data
         if not (isinstance(data, dict) and "asyncckpt_attempt" in data):
             raise RuntimeError("the plan did not come through StorageWriter.prepare_global_plan")
-        loc = _dcp_step.attempt_dir(self.root, self.step, data["asyncckpt_attempt"])
-        ensure_dir(loc, timeout=self.timeout, ops=self.ops)  # made by the coordinator: wait until visible here
         entries = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -182,7 +229,12 @@ class StorageWriter(_dcp_storage.StorageWriter):
                     _resolver(planner, item),
                 )
             )  # fmt: skip
-        written = _dcp_step.write_rank_file(loc, int(data["rank"]), entries, self.ops)
+        if self._store is not None:
+            written = self._store.upload(data["asyncckpt_attempt"], _dcp_step.RankStream(int(data["rank"]), entries))
+        else:
+            loc = _dcp_step.attempt_dir(self.root, self.step, data["asyncckpt_attempt"])
+            ensure_dir(loc, timeout=self.timeout, ops=self.ops)  # made by the coordinator: wait until visible here
+            written = _dcp_step.write_rank_file(loc, int(data["rank"]), entries, self.ops)
         result = _dcp_storage.WriteResult(
             index=MetadataIndex(_FILE_KEY),
             size_in_bytes=written.size,
@@ -201,14 +253,17 @@ class StorageWriter(_dcp_storage.StorageWriter):
             files.append(_dcp_step.RankFile.from_json(mine[0].storage_data["file"]))
         assert self._attempt is not None
         files.sort(key=lambda f: f.rank)
-        _dcp_step.commit(self.root, self.step, self._attempt, files, metadata,
-                         {"written_by": "torch.distributed.checkpoint"}, self.ops)  # fmt: skip
+        extra = {"written_by": "torch.distributed.checkpoint"}
+        if self._store is not None:
+            self._store.commit(self._attempt, files, metadata, extra)
+        else:
+            _dcp_step.commit(self.root, self.step, self._attempt, files, metadata, extra, self.ops)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
             locate(checkpoint_id, None)
-        except (TypeError, ValueError, NotImplementedError):
+        except (TypeError, ValueError):
             return False
         return True
 
@@ -228,33 +283,53 @@ class StorageReader(_dcp_storage.StorageReader):
     """Reads an asyncckpt step written through :class:`StorageWriter` (or made by
     :func:`import_dcp`) for ``dcp.load``, at any world size and placement.
 
-    ``StorageReader(root, step=N)`` or ``StorageReader("root/step_0000000N")``. Only a
-    committed step is read (its manifest checked against its own checksum, every file of
-    the size it lists); each item's bytes are read once per ``read_data`` and checked against
-    their CRC-32C before DCP sees them: a mismatch raises ``CheckpointCorruptError`` naming
-    the file (``dcp.load`` then raises on every rank). A step retired or replaced between
-    ``read_metadata`` and ``read_data`` raises ``CheckpointNotFoundError``.
+    ``StorageReader(root, step=N)`` or ``StorageReader("root/step_0000000N")``; the root may be
+    an ``s3://bucket/prefix`` URL (``storage_options`` as for ``Checkpointer``; ``timeout``
+    bounds each store call, default 1 h), read by ranged GETs. Only a committed step is read
+    (its manifest checked against its own checksum, every file of the size it lists); each
+    item's bytes are read once per ``read_data`` and checked against their CRC-32C before DCP
+    sees them: a mismatch raises ``CheckpointCorruptError`` naming the file or object URL
+    (``dcp.load`` then raises on every rank); a store that fails, ``CheckpointReadError``. A
+    step retired or replaced between ``read_metadata`` and ``read_data`` raises
+    ``CheckpointNotFoundError``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, step: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        storage_options: Mapping[str, str] | None = None,
+        timeout: float = DEFAULT_DEADLINE_S,
+    ) -> None:
         super().__init__()
         self.root, self.step = locate(path, step)
+        self.timeout = _seconds(timeout, "timeout")
+        self.storage_options = storage_options
         self.load_id = uuid.uuid4().hex
         self._attempt: str | None = None
         self._blobs: dict[str, _dcp_meta.BytesLocation] = {}
+        self._store = _store_step(self.root, self.step, storage_options, self.timeout, DEFAULT_TTL_S)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
+        return f"StorageReader({self.checkpoint_id!r})"
 
     @property
     def checkpoint_id(self) -> str:
-        return os.path.join(self.root, step_dir_name(self.step))
+        return step_id(self.root, self.step)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.root, self.step = locate(checkpoint_id, None)
+            self._store = _store_step(self.root, self.step, self.storage_options, self.timeout, DEFAULT_TTL_S)
         self.load_id = uuid.uuid4().hex
         self._attempt = None
 
+    def _opened(self) -> contextlib.AbstractContextManager[tuple[StepFiles, Manifest]]:
+        return self._store.opened() if self._store is not None else _opened(self.root, self.step)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with _opened(self.root, self.step) as (files, manifest):
+        with self._opened() as (files, manifest):
             metadata, self._blobs = read_dcp_json(files, manifest)
             self._attempt = manifest.attempt
         if metadata.storage_meta is None:
@@ -272,7 +347,7 @@ class StorageReader(_dcp_storage.StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _opened(self.root, self.step) as (files, manifest):
+        with self._opened() as (files, manifest):
             if self._attempt is None:
                 _, self._blobs = read_dcp_json(files, manifest)
             elif manifest.attempt != self._attempt:
@@ -308,7 +383,7 @@ def _opened(root: str, step: int) -> Iterator[tuple[PinnedFiles, Manifest]]:
             files.close()
 
 
-def read_dcp_json(files: PinnedFiles, manifest: Manifest) -> tuple[Metadata, dict[str, _dcp_meta.BytesLocation]]:
+def read_dcp_json(files: StepFiles, manifest: Manifest) -> tuple[Metadata, dict[str, _dcp_meta.BytesLocation]]:
     """DCP's metadata of a step and where its objects lie (``CheckpointCorruptError`` when the
     step was not written through DCP or ``dcp.json`` is damaged)."""
     try:
@@ -367,7 +442,7 @@ def _where(key: tuple[str, tuple[int, ...] | None], index: dict[str, Any],
 
 
 def _read_batch(
-    files: PinnedFiles,
+    files: StepFiles,
     batch: list[tuple[Any, list[ReadItem]]],
     index: dict[str, Any],
     blobs: dict[str, _dcp_meta.BytesLocation],

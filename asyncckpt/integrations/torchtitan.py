@@ -34,11 +34,12 @@ has nothing to wait for and there is no ``async_mode``. ``keep_latest_k`` retire
 only after a newer one committed, never while it is being written. A failed save is raised at
 the next ``save()`` and at ``close()`` (torchtitan's trainer calls it at the end). The
 dataloader state cannot be resharded (torchtitan asserts the same, pytorch/torchtitan#811):
-resuming on another number of ranks raises ``ValueError`` up front unless
-``exclude_from_loading`` names ``"dataloader"``; values that are not DTensors are then taken
-from saved rank 0 (DCP's key dedupe takes one rank's value too). Not supported: Hugging Face
-safetensors export and import (``last_save_in_hf``, ``initial_load_in_hf``) and remote folders
-(``NotImplementedError`` when the config is made).
+resuming on another number of ranks, or on as many with another data-parallel degree (the
+``world_size`` its saved dataloader state records: 2 x 2 saved, FSDP over 4 resuming), raises
+``ValueError`` up front unless ``exclude_from_loading`` names ``"dataloader"``; values that
+are not DTensors are then taken from saved rank 0 (DCP's key dedupe takes one rank's value
+too). Not supported: Hugging Face safetensors export and import (``last_save_in_hf``,
+``initial_load_in_hf``) and remote folders (``NotImplementedError`` when the config is made).
 
 Tested with torchtitan 0.3.0 (the ``asyncckpt[torchtitan]`` extra pins it): its ``debugmodel``
 through its own ``parallelize_llama`` (FSDP2) on 4 gloo ranks, SIGKILLed, resumed on 4 and 2.
@@ -271,7 +272,7 @@ class AsyncckptCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
                 "full checkpoint's step, or use another checkpoint folder"
             )
         into = self._targets(model_only)
-        resharding = _check_reshardable(into, manifest.world_size, f"step {step} in {root}")
+        resharding = _check_reshardable(into, step_dir, manifest, f"step {step} in {root}")
         log.info("asyncckpt: loading step %d from %s%s", step, root, " (model only)" if model_only else "")
         # per_rank="rank0" across a change of world size: the dataloader (per rank) is excluded
         # by then, and the other plain values are the same on every saved rank
@@ -303,22 +304,37 @@ class AsyncckptCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
         step_dir, manifest = reading.resolve_step(root, step)  # None: the newest that is complete
         model_only = self.initial_load_model_only or bool(_step_meta(step_dir, manifest).get("model_only"))
         into = self._targets(model_only)
-        same = not _check_reshardable(into, manifest.world_size, step_dir)
+        same = not _check_reshardable(into, step_dir, manifest, step_dir)
         log.info("asyncckpt: initial load of %s%s", step_dir, " (model only)" if model_only else "")
         load(root, manifest.step, into=into, rank=_rank() if same else None, per_rank="rank0")
 
 
-def _check_reshardable(into: dict[str, Any], saved_world: int, what: str) -> bool:
-    """Whether loading ``what`` (saved by ``saved_world`` ranks) into ``into`` changes the world
-    size; ``ValueError`` if it does and ``into`` holds the dataloader, whose state cannot follow."""
+def _check_reshardable(into: dict[str, Any], step_dir: str, manifest: Any, what: str) -> bool:
+    """Whether loading ``what`` (``step_dir``, saved by ``manifest.world_size`` ranks) into
+    ``into`` changes the world size. ``ValueError`` when ``into`` holds the dataloader and its
+    saved state cannot follow: another world size, or the same one with another data-parallel
+    degree (the ``world_size`` field of torchtitan's saved dataloader state, e.g. 2 x 2 saved,
+    FSDP over 4 loading), which torchtitan's ``load_state_dict`` asserts deep inside the load."""
+    saved_world = int(manifest.world_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if saved_world != world and into.get(DATALOADER) is not None:
+    loader = into.get(DATALOADER)
+    if loader is None:
+        return saved_world != world
+    fix = "add 'dataloader' to checkpoint.exclude_from_loading to start its data afresh"
+    if saved_world != world:
         raise ValueError(
             f"{what} was saved by {saved_world} ranks and this job has {world}: the dataloader state cannot "
-            "be resharded (torchtitan asserts the same, pytorch/torchtitan#811); add 'dataloader' to "
-            "checkpoint.exclude_from_loading to start its data afresh"
+            f"be resharded (torchtitan asserts the same, pytorch/torchtitan#811); {fix}"
         )
-    return saved_world != world
+    saved_dp = _rank0_values(step_dir, manifest, DATALOADER).get("world_size")
+    dp = getattr(loader, "dp_world_size", None)
+    # the same on every rank (rank 0's record, the job's dp degree): all raise or none does
+    if isinstance(saved_dp, int) and isinstance(dp, int) and saved_dp != dp:
+        raise ValueError(
+            f"{what} was saved with data-parallel degree {saved_dp} and this job's is {dp} (both on {world} ranks): "
+            f"the dataloader state cannot be resharded (torchtitan asserts the same); {fix}"
+        )
+    return False
 
 
 def _rank() -> int:
@@ -346,7 +362,12 @@ def _dcp_steps(folder: str) -> dict[int, str]:
 
 
 def _step_meta(step_dir: str, manifest: Any) -> dict[str, Any]:
-    """The step's ``asyncckpt_torchtitan`` record (``{}`` for a step saved otherwise), read from
-    rank 0's key tree alone (no tensor data)."""
+    """The step's ``asyncckpt_torchtitan`` record (``{}`` for a step saved otherwise)."""
+    return _rank0_values(step_dir, manifest, META)
+
+
+def _rank0_values(step_dir: str, manifest: Any, top: str) -> dict[str, Any]:
+    """The plain values right under ``top`` in saved rank 0's state (``{}`` if none), read
+    from its key tree alone (no tensor data)."""
     entries, _ = reading.read_rank_outline(step_dir, manifest, 0)
-    return {str(e.path[1]): e.value for e in entries if len(e.path) == 2 and e.path[0] == META and e.kind == "value"}
+    return {str(e.path[1]): e.value for e in entries if len(e.path) == 2 and e.path[0] == top and e.kind == "value"}
