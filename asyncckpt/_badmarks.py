@@ -16,11 +16,16 @@ that same attempt passes. Where marks live:
 
 ``<attempt>`` is ``_layout.token_of`` the attempt id. A mark holds the file (an absolute
 path or a URL, named once) and the reason. Recording is best effort: a read-only reader
-(or one whose store credentials cannot write) simply leaves no mark.
+(or one whose store credentials cannot write) leaves no mark on disk.
+
+Marks that cannot be read are never read as "no marks" (:func:`marks`): an I/O error on the
+marks is a ``CheckpointReadError``, so no reader answers a step it cannot tell from a known-bad
+one, and no retention retires by guess. Only an absent ``.asyncckpt/bad`` means none.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -29,6 +34,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ._errors import CheckpointReadError
 from ._layout import META_DIR, step_dir_name, token_of
 from ._stepstates import Mark
 
@@ -130,6 +136,25 @@ def _read(path: str) -> bytes | None:
         os.close(fd)
 
 
+def _read_strictly(path: str) -> bytes | None:
+    """A mark file's bytes; ``None`` when it is not there (dropped meanwhile) or not ours (a
+    symlink, a directory); ``CheckpointReadError`` when the storage failed to serve it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO):
+            return None
+        raise CheckpointReadError(e.errno, f"cannot read a bad mark ({e.strerror})", path) from None
+    try:
+        return os.read(fd, _MAX_MARK_BYTES + 1)
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.EAGAIN):  # a directory, a FIFO planted under the name
+            return None
+        raise CheckpointReadError(e.errno, f"cannot read a bad mark ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+
+
 def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str, Any] | None:
     """The mark recorded for ``step`` if it judged this very ``attempt``, else ``None``."""
     d = _bad_dir(os.fspath(root))
@@ -142,20 +167,27 @@ def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str,
 
 
 def marks(root: str | os.PathLike[str]) -> dict[tuple[int, str], Mark]:
-    """Every mark under ``root``: (step, ``token_of(attempt)``) -> mark. An unreadable or
-    foreign file is ignored (a mark is a hint, never needed to load)."""
-    d = _bad_dir(os.fspath(root))
+    """Every mark under ``root``: (step, ``token_of(attempt)``) -> mark. A malformed or
+    foreign file is ignored; marks the storage cannot serve (EIO on the directory or on a
+    mark) raise ``CheckpointReadError``: unreadable marks are never taken for "none" (module
+    docstring). No ``.asyncckpt/bad``: no marks."""
+    root_s = os.fspath(root)
+    d = _bad_dir(root_s)
     try:
         names = os.listdir(d)
-    except OSError:
-        return {}
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    except OSError as e:
+        raise CheckpointReadError(
+            e.errno, f"cannot read the bad marks ({e.strerror}): no step can be told resumable without them", d
+        ) from None
     out: dict[tuple[int, str], Mark] = {}
     for name in sorted(names)[:_MAX_MARKS]:
         m = _NAME.match(name) or _LEGACY.match(name)
         if m is None:
             continue
         step = int(m.group(1))
-        raw = _read(os.path.join(d, name))
+        raw = _read_strictly(os.path.join(d, name))
         mark = None if raw is None else _parse(raw, step, None)
         if mark is None:
             continue

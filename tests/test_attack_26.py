@@ -107,7 +107,6 @@ MARKS_EIO = rule(["readdir", "open", "read"], path="/.asyncckpt/bad", error="EIO
 
 # ------------------------------------------------------------------------------ A
 @pytest.mark.needs_root
-@pytest.mark.xfail(strict=True, reason="attack: A, EIO on the bad marks hides them; gc retires the last good step")
 def test_a_gc_with_unreadable_bad_marks_never_retires_the_last_good_step(fs: FaultFS) -> None:
     root = fs.path("a-gc")
     newest_known_bad(root)
@@ -115,29 +114,51 @@ def test_a_gc_with_unreadable_bad_marks_never_retires_the_last_good_step(fs: Fau
     r = run_cli("gc", root, "--keep-last", "1", "--min-age", "0")
     fs.clear()
     assert fs.fired("m") >= 1
-    # today: exit 0, "retired step 5, retired step 10, keeping 1 complete checkpoint(s): step 15"
+    # before: exit 0, "retired step 5, retired step 10, keeping 1 complete checkpoint(s): step 15"
     assert "step_00000010" in names(root), (r.code, r.out, r.err)
+    # a typed refusal naming the marks, and nothing removed
+    assert r.code == 1 and "cannot read the bad marks" in r.err and ".asyncckpt/bad" in r.err, (r.code, r.err)
+    assert names(root) == ["step_00000005", "step_00000010", "step_00000015"]
     assert asyncckpt.load(root)["step"] == 10
 
 
 @pytest.mark.needs_root
-@pytest.mark.xfail(strict=True, reason="attack: A, EIO on .asyncckpt/bad makes latest() answer a known-bad step")
+def test_a_retention_with_unreadable_bad_marks_retires_nothing(fs: FaultFS) -> None:
+    """A: the library's ``keep_last`` asks the same rule: marks it cannot read stop retention
+    (logged), the save itself commits."""
+    root = fs.path("a-keep")
+    newest_known_bad(root)
+    with Checkpointer(root, keep_last=1) as ck:
+        fs.set_rules([MARKS_EIO])
+        ck.save(20, state(20)).result(timeout=60)
+        ck.flush()
+        fs.clear()
+    assert fs.fired("m") >= 1
+    assert names(root) == ["step_00000005", "step_00000010", "step_00000015", "step_00000020"]
+
+
+@pytest.mark.needs_root
 def test_a_latest_never_answers_a_known_bad_step_while_the_marks_are_unreadable(fs: FaultFS) -> None:
     root = fs.path("a-latest")
     newest_known_bad(root)
     fs.set_rules([MARKS_EIO])
     try:
         found: Any = asyncckpt.find_latest(root)
-    except asyncckpt.CheckpointReadError as e:  # an I/O error said as such would keep the promise
+    except asyncckpt.CheckpointReadError as e:  # an I/O error said as such keeps the promise
         found = e
     fs.clear()
     assert not (isinstance(found, asyncckpt.CheckpointInfo) and found.step == 15), found
+    assert isinstance(found, asyncckpt.CheckpointReadError) and ".asyncckpt/bad" in str(found), found
 
 
 # ------------------------------------------------------------------------------ B
 @pytest.mark.needs_root
 @pytest.mark.xfail(strict=True, reason="attack: B, an unwritable bad mark loses the fallback (problem 3 returns)")
-def test_b_the_resume_recipe_continues_when_the_bad_mark_cannot_be_written(fs: FaultFS) -> None:
+def test_b_the_resume_recipe_continues_when_the_bad_mark_cannot_be_written(
+    fs: FaultFS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """B: the process that proved step 15 corrupt remembers it although its mark could not be
+    written, and says so; the recipe's save(15) sets the bad attempt aside and commits."""
     root = fs.path("b-nomark")
     saved(root, (5, 10, 15))
     flip(shard(root, 15))
@@ -152,7 +173,12 @@ def test_b_the_resume_recipe_continues_when_the_bad_mark_cannot_be_written(fs: F
         # save(15) raises "ValueError: step 15 is already committed"
         latest = ck.latest()
         assert latest is not None and latest.step == 10, latest
+        assert "could not record that step 15" in caplog.text and "this process remembers it" in caplog.text
         ck.save(15, state(15)).result(timeout=60)
+        latest = ck.latest()
+        assert latest is not None and latest.step == 15
+    assert asyncckpt.load(root)["step"] == 15
+    assert [n for n in os.listdir(root) if n.startswith("step_00000015.bad-")], os.listdir(root)
 
 
 # ------------------------------------------------------------------------------ C
