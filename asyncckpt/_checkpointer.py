@@ -1672,6 +1672,9 @@ class Checkpointer:
                 r, first = min(failures.items(), key=lambda kv: int(kv[0]))
                 _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
                 rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
+                if self.rank == 0 and error is None and attempt is not None and self._store is None:
+                    # rank 0 decides the step rules: it must know even if rank r's mark was not written
+                    _resume.mark(self.root, chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
             # "retry": the choice was retired meanwhile; rank 0 looks again
             del state
         raise CheckpointNotFoundError(

@@ -153,7 +153,6 @@ def test_a_latest_never_answers_a_known_bad_step_while_the_marks_are_unreadable(
 
 # ------------------------------------------------------------------------------ B
 @pytest.mark.needs_root
-@pytest.mark.xfail(strict=True, reason="attack: B, an unwritable bad mark loses the fallback (problem 3 returns)")
 def test_b_the_resume_recipe_continues_when_the_bad_mark_cannot_be_written(
     fs: FaultFS, caplog: pytest.LogCaptureFixture
 ) -> None:
