@@ -1,8 +1,11 @@
 """Discovery: which steps under a root are complete, and which is the newest.
 
 A step is complete when its directory has the committed name, its manifest parses and
-passes its own checksum, and the directory holds exactly the files the manifest names,
-each a regular file of the recorded size. Checksums of the data are verified by the
+passes its own checksum, and the directory holds every file the manifest names, each a
+regular file of the recorded size. A name the manifest does not list (a user's notes, an
+editor's backup) changes nothing: every read goes by the manifest, so it is ignored and
+named as a note (:attr:`PinnedStep.unlisted`, ``Seen.note``: ``ls``, ``verify``), never
+taken for damage. Checksums of the data are verified by the
 loader (and by ``verify``), not here, so listing stays cheap. This module is the local
 listing adapter of ``_stepstates``: it describes what it finds (:func:`observe`) and that
 module's rule decides; what it calls complete (:func:`complete_checkpoints`,
@@ -129,6 +132,8 @@ class PinnedStep:
         st = os.fstat(fd)
         self.ident = (st.st_dev, st.st_ino)
         self.manifest: Manifest | None = None
+        #: names in the directory the manifest does not list (ignored; see the module docstring)
+        self.unlisted: list[str] = []
 
     def still_there(self) -> bool:
         """Whether ``ROOT/step_N`` is still the very directory this handle holds."""
@@ -200,9 +205,7 @@ class PinnedStep:
         lacking = expected - present
         if lacking and not self.still_there():
             raise self.gone("its files were being checked")
-        extra = present - expected
-        if extra:
-            raise CheckpointCorruptError(f"unexpected files {sorted(extra)[:5]}", self.path)
+        self.unlisted = sorted(present - expected)
         for f in manifest.files:
             path = os.path.join(self.path, f.name)
             try:
@@ -247,8 +250,16 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     return pinned
 
 
+def unlisted_note(names: list[str]) -> str | None:
+    """The note that names files a step directory holds beyond its manifest (``None``: none)."""
+    if not names:
+        return None
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return f"file(s) not in the manifest, ignored: {', '.join(names[:5])}{more}"
+
+
 def check_files(step_dir: str, manifest: Manifest) -> None:
-    """Check the directory holds exactly the manifest's files with the recorded sizes."""
+    """Check the directory holds the manifest's files with the recorded sizes."""
     try:
         fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
@@ -317,6 +328,7 @@ def observe_committed(
             manifest = pinned.manifest
             assert manifest is not None
             info = info_for(pinned.path, manifest)
+            note = unlisted_note(pinned.unlisted)
     except Vanished:
         raise
     except CheckpointNotFoundError as e:
@@ -327,7 +339,7 @@ def observe_committed(
     except CheckpointCorruptError as e:
         return Seen(step, name, "committed", fault=Fault("corrupt", _message(e), e.path, True)), None, e
     mark = known.get((step, token_of(manifest.attempt)))
-    seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark)
+    seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark, note)
     if mark is None:
         return seen, info, None
     return seen, info, KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)

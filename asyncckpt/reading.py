@@ -97,9 +97,7 @@ _VALUE_TAGS = frozenset(
 
 Status = Literal["complete", "incomplete", "bad", "aside"]
 #: Problems that prove a content fault of the checkpoint (its step is then known bad).
-_PROVEN = frozenset(
-    {"corrupt-manifest", "step-mismatch", "unexpected-file", "missing-file", "not-regular-file", "size-mismatch"}
-)
+_PROVEN = frozenset({"corrupt-manifest", "step-mismatch", "missing-file", "not-regular-file", "size-mismatch"})
 
 
 def timestamp(value: float | None) -> float | None:
@@ -122,13 +120,14 @@ class StepDir:
     ``complete`` is true when the directory is a complete checkpoint (``load(step=N)`` reads
     it); ``bad`` then holds the verification mark (``path``, ``reason``, ``time``) if someone
     found its checksums wrong. ``problem`` is a stable code (``no-marker``,
-    ``corrupt-manifest``, ``step-mismatch``, ``unexpected-file``, ``missing-file``,
+    ``corrupt-manifest``, ``step-mismatch``, ``missing-file``,
     ``not-regular-file``, ``size-mismatch``, ``not-a-directory``, ``non-canonical-name``,
     ``save-leftover``, ``retire-leftover``, ``set-aside``, ``unreadable``) and ``reason`` its
     explanation; both ``None`` for complete steps. ``files`` counts the files in the
     directory (the manifest included) and ``size`` their bytes; ``ranks`` comes from the
     manifest, else from the rank file names. ``created`` is ``None`` when unknown or
-    implausible; ``modified`` is the newest mtime.
+    implausible; ``modified`` is the newest mtime. ``note`` names what decides nothing but is
+    worth knowing: files the manifest does not list (ignored by every read).
     """
 
     step: int
@@ -147,6 +146,7 @@ class StepDir:
     state: State = "incomplete"
     #: the run the step belongs to (its manifest's; ``None``: none recorded, or no manifest)
     run: str | None = None
+    note: str | None = None
 
     @property
     def status(self) -> Status:
@@ -174,6 +174,7 @@ class StepDir:
             "complete": self.complete,
             "problem": self.problem,
             "reason": self.reason,
+            "note": self.note,
             "bad": self.bad,
             "size": self.size,
             "files": self.files,
@@ -240,13 +241,6 @@ def _short(e: CheckpointError) -> str:
 
 def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
     """Why the files of ``step_dir`` do not match ``manifest`` (the library's order of checks)."""
-    try:
-        present = set(os.listdir(step_dir))
-    except OSError as e:
-        return "unreadable", f"cannot list the directory ({e.strerror})"
-    extra = sorted(present - {f.name for f in manifest.files} - {MANIFEST})
-    if extra:
-        return "unexpected-file", f"unexpected file(s) not in the manifest: {', '.join(extra[:5])}"
     for f in manifest.files:
         try:
             st = os.lstat(os.path.join(step_dir, f.name))
@@ -332,6 +326,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         bad=_mark_json(mark, step, attempt) if problem is None else None,
         state=state,
         run=run if run is not None or manifest is None else manifest.run,
+        note=seen.note if problem is None else None,
     )
 
 

@@ -7,11 +7,12 @@ import os
 import sys
 from typing import Any
 
+from .._discovery import pin_step, unlisted_note
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .._layout import step_dir_name
 from .._manifest import Manifest
 from .._readfault import fault_of
-from ..reading import Problem, candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
+from ..reading import Problem, candidate_steps, newest_complete, passed_over, step_bytes, verify_step
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
@@ -81,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
     steps = _steps(root, args)
     results: list[dict[str, Any]] = []
     opened: list[tuple[str, Manifest]] = []
+    notes: dict[int, str | None] = {}
     for step in steps:
         try:
-            opened.append(open_step(root, step))
+            with pin_step(root, step) as pinned:
+                assert pinned.manifest is not None
+                opened.append((pinned.path, pinned.manifest))
+                notes[step] = unlisted_note(pinned.unlisted)  # files it ignores: said, never damage
         except CheckpointError as e:
             what = "incomplete" if os.path.lexists(os.path.join(root, step_dir_name(step))) else "not found"
             what = "unreadable" if fault_of(e) == "io" else what  # EIO on its manifest: not damage
@@ -98,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
             files = len(manifest.files) + 1  # the manifest is a file of the checkpoint too
             nbytes = step_bytes(step_dir, manifest)
-            report(results, manifest.step, problems, os.path.abspath(step_dir), files, nbytes, args.json)
+            report(results, manifest.step, problems, os.path.abspath(step_dir), files, nbytes, args.json,
+                   notes.get(manifest.step))  # fmt: skip
     finally:
         progress.close()
     return summarize(results, os.path.abspath(root), len(steps), args.json)
@@ -107,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
 def report(
     results: list[dict[str, Any]], step: int, problems: list[Problem], where: str, files: int, nbytes: int,
     as_json: bool,
+    note: str | None = None,
 ) -> None:
-    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
+    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it
+    (and ``note``: what decides nothing, such as files the manifest does not list)."""
     # retired by a running job while we read it: gone, not damaged; an I/O error: unreadable
     # (the storage failed, the data may be fine: nothing was marked)
     status = (
@@ -119,10 +127,12 @@ def report(
     )  # fmt: skip
     results.append({
         "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
-        "problems": [{"path": p.path, "reason": p.reason} for p in problems],
+        "problems": [{"path": p.path, "reason": p.reason} for p in problems], "note": note,
     })  # fmt: skip
     if as_json:
         return
+    if note is not None:
+        say(f"{PROG}: step {step}: note: {note}", sys.stderr)
     for p in problems:
         say(f"{PROG}: step {step}: {status}: {p}", sys.stderr)
     if not problems:
