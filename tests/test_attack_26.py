@@ -278,10 +278,11 @@ def proxy(s3: Any) -> Iterator[Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="attack: E, a store unreadable at construction switches the tier step rule off")
 def test_e_a_store_briefly_unreadable_at_construction_still_refuses_lower_steps(
     tmp_path: Path, s3: Any, proxy: Any
 ) -> None:
+    """E: the step rule across tiers stays on when construction could not read the store:
+    the first save() looks again and refuses step 1 below the other run's step 1000."""
     from s3fixtures import opts
     from s3proxy import Rule
 
@@ -312,8 +313,43 @@ def test_e_a_store_briefly_unreadable_at_construction_still_refuses_lower_steps(
         with Checkpointer(tmp_path / "node2", mirror=url, storage_options=o) as ck:
             latest = ck.latest()
             print("store", on_store, "restart resumes", latest and (latest.step, latest.run != run))
-    # today: accepted; the store holds [1, 900, 1000]
+    # before: accepted; the store holds [1, 900, 1000]
     assert not accepted, on_store
+    assert on_store == [900, 1000]
+
+
+@pytest.mark.timeout(120)
+def test_e_a_store_unreadable_until_after_the_first_save_gets_no_lower_upload(
+    tmp_path: Path, s3: Any, proxy: Any
+) -> None:
+    """E: while the store stays unreadable, save() goes on locally (the store never stops
+    training) and the rule is checked before each upload: once the store answers, a step below
+    its newest is refused (a SaveError at flush naming both steps), never uploaded."""
+    from s3fixtures import opts
+    from s3proxy import Rule
+
+    from asyncckpt import SaveError, remote
+
+    url = f"s3://attack26/e2-{uuid.uuid4().hex[:8]}"
+    o = opts(s3.endpoint)
+    with Checkpointer(tmp_path / "old", mirror=url, storage_options=o) as ck:  # an older run: 900, 1000
+        for s in (900, 1000):
+            ck.save(s, state(s))
+            ck.flush(timeout=60)
+    proxy.add(Rule("status", times=100_000))  # 503 through construction and the first save
+    with Checkpointer(
+        tmp_path / "new", mirror=url, keep_last_remote=1, storage_options=opts(proxy.endpoint), timeout=5
+    ) as ck:
+        ck.save(1, state(1)).result(timeout=60)  # local durability: the store is not needed for it
+        with pytest.raises(SaveError):  # the upload of step 1 failed on the 503s
+            ck.flush(timeout=60)
+        proxy.clear()
+        ck.save(2, state(2)).result(timeout=60)  # the next look at save() is not due yet (once a minute)
+        with pytest.raises(SaveError, match="holds step 1000") as ei:
+            ck.flush(timeout=60)
+        assert isinstance(ei.value.__cause__, ValueError), ei.value.__cause__
+        assert ck.steps() == [1, 2]  # the local commits stand
+    assert sorted(s.step for s in remote.scan(url, storage_options=o) if s.complete) == [900, 1000]
 
 
 # ------------------------------------------------------------------------------ F
