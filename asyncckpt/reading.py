@@ -43,6 +43,7 @@ from ._discovery import (
     newest_complete,
     observe_committed,
     open_step,
+    pause_before_looking_again,
     read_manifest,
 )
 from ._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
@@ -450,9 +451,16 @@ def _why(e: CheckpointCorruptError) -> str:
 
 
 def _open_regular(path: str, size: int) -> int:
-    """Open a regular file of exactly ``size`` bytes, never through a link or a FIFO."""
+    """Open a regular file of exactly ``size`` bytes, never through a link or a FIFO. A file
+    the first lookup says is missing is looked up once more before it is called missing
+    (``_discovery``: one ENOENT the next look contradicts is no damage)."""
+    flags = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            pause_before_looking_again()
+            fd = os.open(path, flags)
     except OSError as e:
         raise read_error(e, "cannot open", path) from None
     try:

@@ -354,9 +354,11 @@ def test_e_a_store_unreadable_until_after_the_first_save_gets_no_lower_upload(
 
 # ------------------------------------------------------------------------------ F
 @pytest.mark.needs_root
-@pytest.mark.xfail(strict=True, reason="attack: F, a transient ENOENT is taken for corruption: load() falls back")
 def test_f_one_transient_enoent_never_makes_load_fall_back(fs: FaultFS) -> None:
+    """F: a listed file a lookup says is missing is looked up once more (a fresh handle on the
+    same directory) before the step is called corrupt: no fallback, no mark."""
     fell_back: list[tuple[int, int]] = []
+    fired: list[int] = []
     for skip in range(5):  # whichever lookup of the load it lands on
         root = fs.path(f"f-{skip}")
         saved(root, (10, 15))
@@ -376,6 +378,7 @@ def test_f_one_transient_enoent_never_makes_load_fall_back(fs: FaultFS) -> None:
                 ]
             )
             got = ck.load()["step"]
+            fired.append(fs.fired("n"))
             fs.clear()
             if got != 15:
                 fell_back.append((skip, got))
@@ -385,6 +388,35 @@ def test_f_one_transient_enoent_never_makes_load_fall_back(fs: FaultFS) -> None:
                     ck.save(11, state(11))
     # an ENOENT that the next look contradicts says nothing about the checkpoint
     assert fell_back == [], fell_back
+    assert fired == [1, 2, 3, 4, 5], fired  # the fault landed once in every round (counts add up)
+    assert not any((Path(fs.path(f"f-{k}")) / ".asyncckpt" / "bad").exists() for k in range(5))
+
+
+@pytest.mark.needs_root
+def test_f_one_transient_enoent_never_makes_verify_mark_a_step_bad(fs: FaultFS) -> None:
+    """F: ``verify`` opens the listed files by path; one ENOENT there is looked at again too."""
+    root = fs.path("f-verify")
+    saved(root, (10,))
+    fs.set_rules([rule(["open"], glob="*/step_00000010/rank00000.safetensors", error="ENOENT", count=1, id="n")])
+    r = run_cli("verify", root, "--step", "10")
+    fs.clear()
+    assert fs.fired("n") == 1
+    assert r.code == 0, r.err
+    assert not (Path(root) / ".asyncckpt" / "bad").exists()
+
+
+def test_f_a_listed_file_really_missing_still_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """F: the second look changes nothing for a file that is really gone: corrupt, marked,
+    load() falls back (and says so)."""
+    root = tmp_path / "ck"
+    saved(root, (10, 15))
+    shard(root, 15).unlink()
+    assert asyncckpt.load(root)["step"] == 10
+    assert "listed in the manifest is missing" in caplog.text
+    assert asyncckpt.find_latest(root).step == 10  # type: ignore[union-attr]
+    rows = json.loads(run_cli("ls", root, "--json").out)
+    got = [(r["step"], r["status"], r["problem"]) for r in rows]
+    assert got == [(10, "complete", None), (15, "bad", "missing-file")]
 
 
 # ------------------------------------------------------------------------------ G
