@@ -421,8 +421,10 @@ def test_f_a_listed_file_really_missing_still_falls_back(tmp_path: Path, caplog:
 
 # ------------------------------------------------------------------------------ G
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # dcp.save without a process group
-@pytest.mark.xfail(strict=True, reason="attack: G, import writes into a live root; its keep_last retires the new step")
 def test_g_import_refuses_a_root_a_checkpointer_owns(tmp_path: Path) -> None:
+    """G: import takes the root's ownership, as gc and pull do: refused (exit 1, naming the
+    owner) while a Checkpointer owns the root; the job's steps are untouched; once the job
+    closed, the import goes through."""
     import torch.distributed.checkpoint as dcp
 
     src = tmp_path / "dcp"
@@ -440,3 +442,9 @@ def test_g_import_refuses_a_root_a_checkpointer_owns(tmp_path: Path) -> None:
     # exits 0, and the job's retention then retires the step it has just committed:
     # left == ['step_00001000']
     assert p.returncode == 1 and "step_00000021" in left, (p.returncode, p.stdout, p.stderr[-300:], left)
+    assert "already owned by another writer" in p.stderr and "pid" in p.stderr, p.stderr[-500:]
+    assert left == ["step_00000021"]  # nothing of the import's left either
+    assert not [n for n in os.listdir(root) if n.startswith("step_00001000")]
+    r = run_cli("import", src, root, "--step", "1000", "--allow-pickle", timeout=120)
+    assert r.code == 0, r.err[-500:]
+    assert names(root) == ["step_00000021", "step_00001000"]
