@@ -1,25 +1,24 @@
-"""Red-team reproductions for issue 26 ("committed means resumable"), against the merged fixes.
+"""What a reader may trust when the storage misbehaves: a red team's reproductions for issue 26
+("committed means resumable") against its merged fixes, each fixed since and kept as a test.
 
-Each test asserts what the issue and the docs promise and fails on today's ``main``; each is
-marked ``xfail(strict=True)`` naming its finding, so the branch stays green until a fix makes
-it pass (then the strict xfail fails: remove the marker). Real files, the FUSE fault file
-system (``tests/faultfs.py``, skipped with ``needs root/FUSE:`` where it cannot mount), the
-CLI as a real process, a real SeaweedFS behind the fault proxy for the tier test.
+Real files, the FUSE fault file system (``tests/faultfs.py``, skipped with ``needs root/FUSE:``
+where it cannot mount), the CLI as a real process, a real SeaweedFS behind the fault proxy for
+the tier tests. Each test's docstring names its finding:
 
-A. An unreadable ``.asyncckpt/bad`` (EIO) hides every bad mark: ``latest()`` answers the
-   known-bad step and ``gc --keep-last 1`` retires the last good step (problem 2, via EIO).
-B. A bad mark that cannot be written (ENOSPC/EIO on ``.asyncckpt/bad``) loses the fallback:
-   ``latest()`` answers the corrupt step and the recipe's next save raises (problem 3, back).
-C. A stray file in a step directory makes an intact checkpoint "known bad";
-   ``gc --remove-bad`` then deletes the only checkpoint, all of whose bytes verify.
-D. A shard header between 100,000,000 and 100 MiB: ``save()`` and ``load()`` accept it,
-   ``export`` exits 0 writing a ``.safetensors`` the safetensors library refuses.
-E. Tier mode: a store unreadable at construction (a few seconds of 503) turns the step rule
-   off for the whole job: a new run's step 1 is uploaded beside another run's step 1000.
-F. One transient ENOENT on a listed shard (a stale negative dentry) is taken for corruption:
-   ``load()`` falls back, and the resume recipe's next save raises ``ValueError``.
-G. ``asyncckpt import`` writes into a root a live Checkpointer owns (``gc``/``pull`` refuse
-   that); the job's ``keep_last`` then retires the step it has just committed.
+A. An unreadable ``.asyncckpt/bad`` (EIO) hid every bad mark: ``latest()`` answered the
+   known-bad step and ``gc --keep-last 1`` retired the last good step. Now unreadable marks
+   are a ``CheckpointReadError``: gc exits 1 with nothing removed, retention retires nothing.
+B. A bad mark that could not be written (ENOSPC/EIO on ``.asyncckpt/bad``) lost the fallback:
+   the process that proved the step corrupt now remembers it, and warns.
+C. A stray file in a step directory made an intact checkpoint "known bad" and
+   ``gc --remove-bad`` deleted it. A file the manifest does not list is now ignored and named.
+D. A shard header between 100,000,000 and 100 MiB: ``export`` wrote a ``.safetensors`` the
+   safetensors library refuses. Now save() refuses such a header and export refuses it up front.
+E. Tier mode: a store unreadable at construction turned the step rule off. Now the rule stays
+   pending: save() looks again, uploads check first.
+F. One transient ENOENT on a listed shard (a stale negative dentry) was taken for corruption.
+   Now a missing listed file is looked up once more before it is called missing.
+G. ``asyncckpt import`` wrote into a root a live Checkpointer owns. Now it takes ownership.
 """
 
 from __future__ import annotations
@@ -108,6 +107,8 @@ MARKS_EIO = rule(["readdir", "open", "read"], path="/.asyncckpt/bad", error="EIO
 # ------------------------------------------------------------------------------ A
 @pytest.mark.needs_root
 def test_a_gc_with_unreadable_bad_marks_never_retires_the_last_good_step(fs: FaultFS) -> None:
+    """A: gc cannot read the marks, so it cannot tell the known-bad step 15 from a good one:
+    it refuses (exit 1, naming the marks) and removes nothing."""
     root = fs.path("a-gc")
     newest_known_bad(root)
     fs.set_rules([MARKS_EIO])
@@ -139,6 +140,7 @@ def test_a_retention_with_unreadable_bad_marks_retires_nothing(fs: FaultFS) -> N
 
 @pytest.mark.needs_root
 def test_a_latest_never_answers_a_known_bad_step_while_the_marks_are_unreadable(fs: FaultFS) -> None:
+    """A: find_latest() raises CheckpointReadError naming the marks rather than answer step 15."""
     root = fs.path("a-latest")
     newest_known_bad(root)
     fs.set_rules([MARKS_EIO])
