@@ -517,18 +517,35 @@ class Checkpointer:
     # ------------------------------------------------------------------ runs
     def _start_run(self, committed: list[int]) -> None:
         """Rank 0 decides the run this job continues and, in tier mode, finds the store's newest
-        step (``_runs``; a store that cannot be read is logged, never fatal); every rank gets
-        both: the run goes into every manifest, the store's newest into ``save()``'s step rule."""
+        step (``_runs``; a store that cannot be read is logged, never fatal: the rule is then
+        pending, see :meth:`_look_at_store_again`); every rank gets both: the run goes into
+        every manifest, the store's newest into ``save()``'s step rule."""
 
         def look() -> list[Any]:
             mirror = None if self._mirror is None else self._mirror.store
             return _runs.at_start(self.root, bool(committed), self._store, mirror, min(self.timeout / 2, _SURVEY_S))
 
-        run, far = self._decided_by_leader(look)
+        run, far, known = self._decided_by_leader(look)
         self._run_id: str = run
         self._store_newest = _runs.Newest.from_json(far)
+        self._store_known: bool = known
+        self._store_look = _runs.StoreLook()
         if self._mirror is not None:
             self._mirror.run = run
+            self._mirror.floor_unknown = not known
+
+    def _look_at_store_again(self) -> None:
+        """Tier mode, while the store's newest step is unknown (construction could not read it):
+        rank 0 looks again (``_runs.StoreLook``: bounded, at most once a minute) and every rank
+        takes its answer, so ``save()``'s step rule across tiers is kept, never dropped; until a
+        look succeeds the mirror checks before each upload."""
+        assert self._mirror is not None
+        store, timeout = self._mirror.store, min(self.timeout / 2, _SURVEY_S)
+        far, known = self._decided_by_leader(lambda: self._store_look(store, timeout))
+        if known:
+            with self._lock:
+                self._store_newest, self._store_known = _runs.Newest.from_json(far), True
+            self._mirror.floor_unknown = False
 
     @property
     def run_id(self) -> str:
@@ -732,6 +749,8 @@ class Checkpointer:
             self._settle_reserved()
             blockers = sorted(s for s in self._committed if s == step or (s > step and not self.allow_earlier_steps))
             generation = self._commits
+        if self._mirror is not None and not self._store_known:
+            self._look_at_store_again()
         if blockers:
             gone = self._not_resumable(blockers)
             with self._lock:
@@ -1667,6 +1686,9 @@ class Checkpointer:
                 r, first = min(failures.items(), key=lambda kv: int(kv[0]))
                 _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
                 rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
+                if self.rank == 0 and error is None and attempt is not None and self._store is None:
+                    # rank 0 decides the step rules: it must know even if rank r's mark was not written
+                    _resume.mark(self.root, chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
             # "retry": the choice was retired meanwhile; rank 0 looks again
             del state
         raise CheckpointNotFoundError(

@@ -56,6 +56,7 @@ from .roots.posix._discovery import (
     newest_complete,
     observe_committed,
     open_step,
+    pause_before_looking_again,
     read_manifest,
 )
 
@@ -103,9 +104,7 @@ _VALUE_TAGS = frozenset(
 
 Status = Literal["complete", "incomplete", "bad", "aside"]
 #: Problems that prove a content fault of the checkpoint (its step is then known bad).
-_PROVEN = frozenset(
-    {"corrupt-manifest", "step-mismatch", "unexpected-file", "missing-file", "not-regular-file", "size-mismatch"}
-)
+_PROVEN = frozenset({"corrupt-manifest", "step-mismatch", "missing-file", "not-regular-file", "size-mismatch"})
 
 
 def timestamp(value: float | None) -> float | None:
@@ -128,13 +127,14 @@ class StepDir:
     ``complete`` is true when the directory is a complete checkpoint (``load(step=N)`` reads
     it); ``bad`` then holds the verification mark (``path``, ``reason``, ``time``) if someone
     found its checksums wrong. ``problem`` is a stable code (``no-marker``,
-    ``corrupt-manifest``, ``step-mismatch``, ``unexpected-file``, ``missing-file``,
+    ``corrupt-manifest``, ``step-mismatch``, ``missing-file``,
     ``not-regular-file``, ``size-mismatch``, ``not-a-directory``, ``non-canonical-name``,
     ``save-leftover``, ``retire-leftover``, ``set-aside``, ``unreadable``) and ``reason`` its
     explanation; both ``None`` for complete steps. ``files`` counts the files in the
     directory (the manifest included) and ``size`` their bytes; ``ranks`` comes from the
     manifest, else from the rank file names. ``created`` is ``None`` when unknown or
-    implausible; ``modified`` is the newest mtime.
+    implausible; ``modified`` is the newest mtime. ``note`` names what decides nothing but is
+    worth knowing: files the manifest does not list (ignored by every read).
     """
 
     step: int
@@ -153,6 +153,7 @@ class StepDir:
     state: State = "incomplete"
     #: the run the step belongs to (its manifest's; ``None``: none recorded, or no manifest)
     run: str | None = None
+    note: str | None = None
 
     @property
     def status(self) -> Status:
@@ -180,6 +181,7 @@ class StepDir:
             "complete": self.complete,
             "problem": self.problem,
             "reason": self.reason,
+            "note": self.note,
             "bad": self.bad,
             "size": self.size,
             "files": self.files,
@@ -237,13 +239,6 @@ def usage(path: str) -> _Usage:
 
 def _diagnose_files(step_dir: str, manifest: Manifest) -> tuple[str, str]:
     """Why the files of ``step_dir`` do not match ``manifest`` (the library's order of checks)."""
-    try:
-        present = set(os.listdir(step_dir))
-    except OSError as e:
-        return "unreadable", f"cannot list the directory ({e.strerror})"
-    extra = sorted(present - {f.name for f in manifest.files} - {MANIFEST})
-    if extra:
-        return "unexpected-file", f"unexpected file(s) not in the manifest: {', '.join(extra[:5])}"
     for f in manifest.files:
         try:
             st = os.lstat(os.path.join(step_dir, f.name))
@@ -329,6 +324,7 @@ def _examine_committed(root: str, name: str, step: int, known: dict[tuple[int, s
         bad=_mark_json(mark, step, attempt) if problem is None else None,
         state=state,
         run=run if run is not None or manifest is None else manifest.run,
+        note=seen.note if problem is None else None,
     )
 
 
@@ -452,9 +448,16 @@ def _why(e: CheckpointCorruptError) -> str:
 
 
 def _open_regular(path: str, size: int) -> int:
-    """Open a regular file of exactly ``size`` bytes, never through a link or a FIFO."""
+    """Open a regular file of exactly ``size`` bytes, never through a link or a FIFO. A file
+    the first lookup says is missing is looked up once more before it is called missing
+    (``_discovery``: one ENOENT the next look contradicts is no damage)."""
+    flags = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            pause_before_looking_again()
+            fd = os.open(path, flags)
     except OSError as e:
         raise read_error(e, "cannot open", path) from None
     try:

@@ -54,11 +54,12 @@ def test_truncated_shard_is_not_latest_and_load_names_it(tmp_path: Path) -> None
     assert load(root)["extra"]["step"] == 1  # resume falls back to the newest complete one
 
 
-def test_missing_extra_and_foreign_files_are_not_latest(tmp_path: Path) -> None:
+def test_missing_files_are_not_latest_and_extra_files_are_ignored(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     step2 = _two_steps(root)
-    (step2 / "stray.bin").write_bytes(b"x")
-    assert find_latest(root).step == 1  # type: ignore[union-attr]
+    (step2 / "stray.bin").write_bytes(b"x")  # not in the manifest: ignored (issue 26 attack C)
+    assert find_latest(root).step == 2  # type: ignore[union-attr]
+    assert load(root, 2)["extra"]["step"] == 2
     (step2 / "stray.bin").unlink()
     assert find_latest(root).step == 2  # type: ignore[union-attr]
     (step2 / "rank00000.json").unlink()

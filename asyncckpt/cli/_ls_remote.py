@@ -48,6 +48,7 @@ def _as_json(s: RemoteStep, url: str, now: float) -> dict[str, Any]:
         "problem": s.problem,
         # a step known bad by its mark says why in ``bad``, as a local row does
         "reason": None if s.bad is not None else (s.reason or None),
+        "note": None,
         "bad": s.bad,
         "size": s.size,
         "files": s.files,

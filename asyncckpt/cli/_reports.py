@@ -87,8 +87,10 @@ class Report:
 def report(
     results: list[dict[str, Any]], step: int, problems: list[Problem], where: str, files: int, nbytes: int,
     as_json: bool,
+    note: str | None = None,
 ) -> None:
-    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it."""
+    """Add the verdict on one verified step to ``results`` and, unless ``as_json``, print it
+    (and ``note``: what decides nothing, such as files the manifest does not list)."""
     # retired by a running job while we read it: gone, not damaged; an I/O error: unreadable
     # (the storage failed, the data may be fine: nothing was marked)
     status = (
@@ -99,10 +101,12 @@ def report(
     )  # fmt: skip
     results.append({
         "step": step, "status": status, "ok": not problems, "path": where, "files": files, "bytes": nbytes,
-        "problems": [{"path": p.path, "reason": p.reason} for p in problems],
+        "problems": [{"path": p.path, "reason": p.reason} for p in problems], "note": note,
     })  # fmt: skip
     if as_json:
         return
+    if note is not None:
+        say(f"{PROG}: step {step}: note: {note}", sys.stderr)
     for p in problems:
         say(f"{PROG}: step {step}: {status}: {p}", sys.stderr)
     if not problems:

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.dirname(parent) == os.path.realpath(args.root) and (
         parse_step_dir(inside) is not None or parse_leftover(inside) is not None or parse_aside(inside) is not None
     ):
-        raise UsageError(f"refusing to write into {inside}: an extra file there makes the checkpoint incomplete")
+        raise UsageError(f"refusing to write into {inside}: a checkpoint's own directory holds only its files")
     _, manifest, passed = resolve_step_noting(args.root, args.step)
     note_passed_over(passed, manifest.step, "exporting")
     if args.rank >= manifest.world_size:
@@ -308,8 +308,15 @@ def _stream(
     with _export.open_export(args.root, step, args.rank) as ex:
         selected = select_key(ex.named, args.key)
         kept, dropped = _export.drop_aliases(selected)
+        try:  # before anything is created: a header safetensors would refuse is never written
+            layout = ex.plan(kept)
+        except ValueError as e:
+            raise DataError(
+                f"step {step} cannot be exported as one .safetensors file: {e}; export part of it (--key) "
+                "or to a .pt file"
+            ) from None
         try:
-            _atomic_write(dest, lambda p: ex.write(p, kept), args.force)
+            _atomic_write(dest, lambda p: ex.write(p, kept, layout), args.force)
         except CheckpointCorruptError as e:
             manifest = ex.pinned.manifest
             if manifest is not None and ex.pinned.still_there():

@@ -118,6 +118,9 @@ def _remove_bad(root: str, name: str, step: int, attempt: str | None) -> None:
 def _run(args: argparse.Namespace, root: str) -> int:
     dry: bool = args.dry_run
     now = time.time()
+    # every step's state first: marks that cannot be read (CheckpointReadError) stop gc
+    # before it removes anything, rather than letting it retire by guess
+    dirs = scan(root)
     out = Report(os.path.abspath(root), dry, not args.json, args.min_age)
     for path in leftovers(root):
         name = os.path.basename(path)
@@ -151,7 +154,6 @@ def _run(args: argparse.Namespace, root: str) -> int:
         for step in victims:
             out.retired(step, sizes.get(step, 0))
         out.keeping([i.step for i in infos if i.step not in victims])
-    dirs = scan(root)
     resumable = [d.step for d in dirs if d.resumable]
     bad = [d for d in dirs if d.state == "bad"]
     if bad and max(d.step for d in bad) > max(resumable, default=-1):

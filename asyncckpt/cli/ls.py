@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for d in dirs:
         since = d.created if d.created is not None else d.modified
-        note = d.reason or ""
+        note = d.reason or d.note or ""
         if d.state == "bad" and d.bad is not None:
             note = f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}"
         rows.append(

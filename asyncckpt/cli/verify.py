@@ -10,9 +10,10 @@ from typing import Any
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
-from ..reading import candidate_steps, newest_complete, open_step, passed_over, step_bytes, verify_step
+from ..reading import candidate_steps, newest_complete, passed_over, step_bytes, verify_step
 from ..roots._readfault import fault_of
 from ..roots._scheme import is_url
+from ..roots.posix._discovery import pin_step, unlisted_note
 from ._args import command, non_negative_int
 from ._print import PROG, Progress, say
 from ._remote_args import add_remote_arguments, refuse_remote_options
@@ -83,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
     steps = _steps(root, args)
     results: list[dict[str, Any]] = []
     opened: list[tuple[str, Manifest]] = []
+    notes: dict[int, str | None] = {}
     for step in steps:
         try:
-            opened.append(open_step(root, step))
+            with pin_step(root, step) as pinned:
+                assert pinned.manifest is not None
+                opened.append((pinned.path, pinned.manifest))
+                notes[step] = unlisted_note(pinned.unlisted)  # files it ignores: said, never damage
         except CheckpointError as e:
             what = "incomplete" if os.path.lexists(os.path.join(root, step_dir_name(step))) else "not found"
             what = "unreadable" if fault_of(e) == "io" else what  # EIO on its manifest: not damage
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
             files = len(manifest.files) + 1  # the manifest is a file of the checkpoint too
             nbytes = step_bytes(step_dir, manifest)
-            report(results, manifest.step, problems, os.path.abspath(step_dir), files, nbytes, args.json)
+            report(results, manifest.step, problems, os.path.abspath(step_dir), files, nbytes, args.json,
+                   notes.get(manifest.step))  # fmt: skip
     finally:
         progress.close()
     return summarize(results, os.path.abspath(root), len(steps), args.json)

@@ -23,9 +23,10 @@ manifest.json              64 MiB, 2**18 files,         65k ranks x 2 files is ~
 rankRRRRR.json             the bytes the manifest       parsing is linear in them; memory
                            seals; memory: 3 x bytes +   as below (no fixed count: an honest
                            2 x 96 B per JSON item       state may hold 9M values)
-shard header               100 MiB (``_header``),       the safetensors reference limit
-                           tensors: as many as it       (``save()`` refuses a state whose
-                           holds; memory as above       header would exceed it)
+shard header               100 MiB read (``_header``),  the safetensors reference limit
+                           100,000,000 B written;       (``save()`` and ``export`` refuse a
+                           tensors: as many as it       header over it: every file written
+                           holds; memory as above       opens with safetensors)
 state nesting              200 levels                   hostile files must not exhaust the
                                                         stack (``save()`` refuses deeper)
 tensor data / structure    available memory             MemAvailable + SwapFree, cgroup

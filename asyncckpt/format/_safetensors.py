@@ -65,7 +65,8 @@ def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata:
 
     Refuses, with ``ValueError`` naming the tensor (its key path) and the limit, what a reader
     would refuse (``_header``'s rules, shared with it): a shape of more than ``MAX_DIMS``
-    dimensions or of 2**63 bytes or more, and a header longer than ``_header.MAX_HEADER``.
+    dimensions or of 2**63 bytes or more, and a header longer than safetensors readers take
+    (``_header.check_header_length``: an export is refused by the same rule).
     """
     for name, dtype, shape in specs:  # (once per structure: layouts are cached)
         try:

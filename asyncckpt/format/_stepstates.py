@@ -8,8 +8,8 @@ and ``gc``. It does no I/O: a listing adapter describes each entry of a root as 
 and :func:`state_of` decides. The states:
 
 ==========  =================================================================================
-complete    committed, exactly the manifest's files with their sizes, and no verification
-            found it bad: **resumable**
+complete    committed, every file of the manifest with its size (a file it does not list is
+            ignored), and no verification found it bad: **resumable**
 bad         committed, but known bad: a reader proved a content fault in this very attempt
             (a bad mark: checksum mismatch, malformed file), or its manifest does not decode
             or does not match its files
@@ -78,7 +78,8 @@ class Seen:
     ``kind`` comes from the name: ``committed`` (``step_N``), ``save`` (``.tmp-``), ``retire``
     (``.deleting-``), ``aside`` (``.bad-``). For a committed one, ``attempt`` and ``created``
     come from its manifest when that decodes; ``fault`` says why it is not complete (``None``:
-    it is); ``mark`` is the bad mark recorded for this very attempt, if any.
+    it is); ``mark`` is the bad mark recorded for this very attempt, if any; ``note`` what the
+    adapter noticed that decides nothing (files the manifest does not list).
     """
 
     step: int
@@ -88,6 +89,7 @@ class Seen:
     created: float = 0.0
     fault: Fault | None = None
     mark: Mark | None = None
+    note: str | None = None
 
 
 def state_of(seen: Seen) -> State:

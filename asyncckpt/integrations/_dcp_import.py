@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..format._layout import check_step
+from ..roots.posix import _ownership
 from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir, remove_tree
 from . import _dcp_meta, _dcp_step
 
@@ -56,7 +57,9 @@ def import_dcp(
     well. ``allow_pickle`` must be ``True`` (see the module docstring: ``.metadata`` is a
     pickle). An existing step is never overwritten (``FileExistsError``); on any failure
     nothing is committed and the attempt directory is removed. ``timeout`` bounds each
-    directory creation.
+    directory creation. Adding a step is writing: it takes the root's ownership for the call,
+    as ``gc`` and ``pull`` do (``RootInUseError`` naming the owner while a Checkpointer owns
+    the root: its retention would retire the imported step, or the import its newest).
     """
     if allow_pickle is not True:
         raise ValueError(f"refusing to read {os.fspath(dcp_dir)!r} without allow_pickle=True: {PICKLE_WARNING}")
@@ -78,6 +81,18 @@ def import_dcp(
     metadata = _storable(metadata)
     by_file = _items_by_file(metadata)
     ensure_dir(dst, timeout=timeout, ops=ops)
+    own = _ownership.acquire(dst, [], role="asyncckpt import")
+    try:
+        return _write_step(reader, by_file, dtypes, metadata, src, dst, step, timeout, ops)
+    finally:
+        own.release()
+
+
+def _write_step(
+    reader: Any, by_file: dict[str, list[ReadItem]], dtypes: dict[str, torch.dtype], metadata: Metadata, src: str,
+    dst: str, step: int, timeout: float, ops: OsOps,
+) -> pathlib.Path:  # fmt: skip
+    """:func:`import_dcp`'s writing part, under the root's ownership."""
     _dcp_step.check_step_free(dst, step)
     attempt = _dcp_step.new_attempt()
     loc = _dcp_step.attempt_dir(dst, step, attempt)

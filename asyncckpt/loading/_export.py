@@ -46,7 +46,7 @@ from ..format._checksum import crc32c
 from ..format._header import TensorSlot
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._reshard import Box, SavedChunk, intersect
-from ..format._safetensors import ST_TO_DTYPE, plan_layout
+from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout
 from ..format._structure import resolve_dtensor_aliases, unflatten
 from ..roots._readfault import read_error
 from ..roots.posix._discovery import PinnedStep, pin_step
@@ -168,14 +168,23 @@ class Export:
             self._fds[name] = self.pinned.open_file(name, size)
         return self._fds[name]
 
-    def write(self, path: str, tensors: Sequence[tuple[str, Source]]) -> int:
+    @staticmethod
+    def plan(tensors: Sequence[tuple[str, Source]]) -> ShardLayout:
+        """The layout of the output of ``tensors``; ``ValueError`` naming the longest name when
+        its header would be longer than safetensors readers take (the rule ``save()`` keeps:
+        ``_header.check_header_length``). No I/O: call it before creating anything."""
+        return plan_layout([(n, ST_TO_DTYPE[s.dtype], s.shape) for n, s in tensors], {"format": "pt"})
+
+    def write(self, path: str, tensors: Sequence[tuple[str, Source]], layout: ShardLayout | None = None) -> int:
         """Write ``tensors`` (output name, source) as one safetensors file at ``path`` (created
-        exclusively, its whole size reserved first, fsynced); return its size.
+        exclusively, its whole size reserved first, fsynced), laid out as ``layout`` (default:
+        :meth:`plan`'s, whose ``ValueError`` comes before ``path`` is created); return its size.
         ``CheckpointCorruptError`` if any byte read fails its checksum; an ``OSError`` naming
         the file for an I/O error, reading or writing (a full disk: ENOSPC before the first
         byte where the file system can preallocate). Either way ``path`` then holds garbage
         and the caller must remove it."""
-        layout = plan_layout([(n, ST_TO_DTYPE[s.dtype], s.shape) for n, s in tensors], {"format": "pt"})
+        if layout is None:
+            layout = self.plan(tensors)
         where = {s.name: layout.data_start + s.begin for s in layout.slots}
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:

@@ -16,25 +16,38 @@ that same attempt passes. Where marks live:
 
 ``<attempt>`` is ``_layout.token_of`` the attempt id. A mark holds the file (an absolute
 path or a URL, named once) and the reason. Recording is best effort: a read-only reader
-(or one whose store credentials cannot write) simply leaves no mark.
+(or one whose store credentials cannot write) leaves no mark on disk. A local mark that could
+not be written (a full disk, EIO, a read-only root) is still remembered by the process that
+proved the fault (:func:`record_bad`: in memory, per root, until a full verification of that
+attempt passes), so the step stays known bad to it: ``latest()`` and ``save()``'s step checks
+in that process never take it for resumable again.
+
+Marks that cannot be read are never read as "no marks" (:func:`marks`): an I/O error on the
+marks is a ``CheckpointReadError``, so no reader answers a step it cannot tell from a known-bad
+one, and no retention retires by guess. Only an absent ``.asyncckpt/bad`` means none.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import re
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ObjectIntegrityError, ObjectNotFoundError, ObjectStoreError
+from .._errors import CheckpointReadError, ObjectIntegrityError, ObjectNotFoundError, ObjectStoreError
 from ..format._layout import META_DIR, step_dir_name, token_of
 from ..format._stepstates import Mark
 
 if TYPE_CHECKING:
     from .objstore._client import ObjectInfo, ObjectStore
+
+log = logging.getLogger("asyncckpt")
 
 _BAD = "bad"
 #: A mark file larger than this is ignored (it is ours and tiny; anything else is hostile).
@@ -45,6 +58,11 @@ _NAME = re.compile(r"^step_(\d{8,19})\.([0-9a-f]{1,64})\.json$")
 _LEGACY = re.compile(r"^step_(\d{8,19})\.json$")
 #: Where the marks of an object-store root lie (relative to its prefix).
 STORE_PREFIX = f"{META_DIR}/{_BAD}/"
+
+#: Marks this process proved but could not write, per root (its real path): (step, token) ->
+#: mark. Bounded like a listing; dropped by :func:`clear`.
+_unwritten: dict[str, dict[tuple[int, str], Mark]] = {}
+_unwritten_lock = threading.Lock()
 
 
 def _bad_dir(root: str) -> str:
@@ -104,18 +122,45 @@ def as_mark(mark: dict[str, Any]) -> Mark:
 def record_bad(root: str | os.PathLike[str], step: int, attempt: str, path: str, reason: str) -> bool:
     """Remember that ``step`` (manifest ``attempt``) failed verification at ``path``.
 
-    Returns whether the mark was written (False when the root is not writable).
+    Returns whether the mark was written. When it could not be (a full disk, EIO, a read-only
+    root) it is remembered in this process instead (:func:`marks` includes it) and a WARNING
+    says so: this process still passes over the step, a later one does not know.
     """
     d = _bad_dir(os.fspath(root))
+    tmp = os.path.join(d, f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp")
         with open(tmp, "wb") as f:
             f.write(_body(step, attempt, path, reason))
         os.replace(tmp, os.path.join(d, mark_name(step, attempt)))
-    except OSError:
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        path, reason = note(path, reason)
+        with _unwritten_lock:
+            held = _unwritten.setdefault(os.path.realpath(root), {})
+            if len(held) < _MAX_MARKS:
+                held[(step, token_of(attempt))] = Mark(path, reason, time.time())
+        log.warning(
+            "asyncckpt: could not record that step %d under %s is bad (%s: %s); this process remembers it, "
+            "a later one will find the step corrupt again", step, os.fspath(root), d, e.strerror or e,
+        )  # fmt: skip
         return False
     return True
+
+
+def _remembered(root: str) -> dict[tuple[int, str], Mark]:
+    """The marks of ``root`` this process could not write (:func:`record_bad`)."""
+    with _unwritten_lock:
+        return dict(_unwritten.get(os.path.realpath(root), {}))
+
+
+def _forget(root: str, step: int, attempt: str) -> bool:
+    with _unwritten_lock:
+        held = _unwritten.get(os.path.realpath(root))
+        return held is not None and held.pop((step, token_of(attempt)), None) is not None
 
 
 def _read(path: str) -> bytes | None:
@@ -131,8 +176,30 @@ def _read(path: str) -> bytes | None:
         os.close(fd)
 
 
+def _read_strictly(path: str) -> bytes | None:
+    """A mark file's bytes; ``None`` when it is not there (dropped meanwhile) or not ours (a
+    symlink, a directory); ``CheckpointReadError`` when the storage failed to serve it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO):
+            return None
+        raise CheckpointReadError(e.errno, f"cannot read a bad mark ({e.strerror})", path) from None
+    try:
+        return os.read(fd, _MAX_MARK_BYTES + 1)
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.EAGAIN):  # a directory, a FIFO planted under the name
+            return None
+        raise CheckpointReadError(e.errno, f"cannot read a bad mark ({e.strerror})", path) from None
+    finally:
+        os.close(fd)
+
+
 def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str, Any] | None:
     """The mark recorded for ``step`` if it judged this very ``attempt``, else ``None``."""
+    held = _remembered(os.fspath(root)).get((step, token_of(attempt)))
+    if held is not None:
+        return {"step": step, "attempt": attempt, "path": held.path, "reason": held.reason, "time": held.time}
     d = _bad_dir(os.fspath(root))
     for name in (mark_name(step, attempt), step_dir_name(step) + ".json"):
         raw = _read(os.path.join(d, name))
@@ -143,20 +210,27 @@ def bad_mark(root: str | os.PathLike[str], step: int, attempt: str) -> dict[str,
 
 
 def marks(root: str | os.PathLike[str]) -> dict[tuple[int, str], Mark]:
-    """Every mark under ``root``: (step, ``token_of(attempt)``) -> mark. An unreadable or
-    foreign file is ignored (a mark is a hint, never needed to load)."""
-    d = _bad_dir(os.fspath(root))
+    """Every mark under ``root``: (step, ``token_of(attempt)``) -> mark, those this process
+    could not write included. A malformed or foreign file is ignored; marks the storage cannot
+    serve (EIO on the directory or on a mark) raise ``CheckpointReadError``: unreadable marks
+    are never taken for "none" (module docstring). No ``.asyncckpt/bad``: no marks."""
+    root_s = os.fspath(root)
+    d = _bad_dir(root_s)
     try:
         names = os.listdir(d)
-    except OSError:
-        return {}
-    out: dict[tuple[int, str], Mark] = {}
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    except OSError as e:
+        raise CheckpointReadError(
+            e.errno, f"cannot read the bad marks ({e.strerror}): no step can be told resumable without them", d
+        ) from None
+    out: dict[tuple[int, str], Mark] = _remembered(root_s)
     for name in sorted(names)[:_MAX_MARKS]:
         m = _NAME.match(name) or _LEGACY.match(name)
         if m is None:
             continue
         step = int(m.group(1))
-        raw = _read(os.path.join(d, name))
+        raw = _read_strictly(os.path.join(d, name))
         mark = None if raw is None else _parse(raw, step, None)
         if mark is None:
             continue
@@ -171,7 +245,7 @@ def clear(root: str | os.PathLike[str], step: int, attempt: str) -> bool:
     """Drop the mark of ``attempt`` of ``step`` (a full verification of it passed); returns
     whether one was dropped. Best effort, like recording."""
     d = _bad_dir(os.fspath(root))
-    dropped = False
+    dropped = _forget(os.fspath(root), step, attempt)
     for name in (mark_name(step, attempt), step_dir_name(step) + ".json"):
         path = os.path.join(d, name)
         raw = _read(path)

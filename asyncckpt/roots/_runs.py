@@ -23,7 +23,10 @@ The step rule across tiers (:func:`check_store_step`): a step at or below the ne
 step the store held at construction (of any run) is refused by ``save()`` with ``ValueError``,
 as a step below the newest local one is: both tiers are named and retained by step, so a lower
 step could never be the newest and could not be uploaded over an existing one. What
-construction found is cached (``save()`` does no store round trip).
+construction found is cached (``save()`` does no store round trip). A store construction could
+not read leaves the rule *pending*, never off: ``save()`` looks again (:class:`StoreLook`, at
+most once a minute, bounded) until a look succeeds, and until then the mirror looks before
+each upload and refuses to upload a step below the store's newest (``_mirror``).
 
 A load across many ranks agrees on the exact commit (:func:`choice`): rank 0 picks the step and
 names its manifest's attempt and run; every rank checks that the manifest it reads is that
@@ -36,6 +39,8 @@ Torch-free; the store functions import obstore only when called.
 from __future__ import annotations
 
 import logging
+import math
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -114,32 +119,52 @@ def at_start(
     and, in tier mode, the mirror's newest step (``None``: none, or unknown). ``root`` is a local
     root or, with ``store``, an object-store root; ``resuming``: it holds complete steps."""
     if store is not None:  # an object-store root: its only tier
-        return [decide(survey_store(store, timeout) if resuming else None, None), None]
-    far = None if mirror is None else survey_store(mirror, timeout)
+        return [decide(survey_store(store, timeout)[0] if resuming else None, None), None, True]
+    far, known = (None, True) if mirror is None else survey_store(mirror, timeout)
     run = decide(local_newest(root) if resuming else None, far)
     if mirror is not None:
         warn_at_start(far, mirror.url, run)
-    return [run, None if far is None else far.as_json()]
+    return [run, None if far is None else far.as_json(), known]
 
 
-def survey_store(store: ObjectStore, timeout: float) -> Newest | None:
-    """Rank 0 at construction: the store's newest step, within ``timeout`` s.
+def survey_store(store: ObjectStore, timeout: float, when: str = "at construction") -> tuple[Newest | None, bool]:
+    """Rank 0: the store's newest step, within ``timeout`` s, and whether the store could be read.
 
     A store that cannot be read does not stop training (README "Tier mode"): the failure is
-    logged and ``None`` returned; the first upload then looks at the store (:func:`warn_above`).
+    logged and ``(None, False)`` returned; the step rule across tiers is then pending
+    (module docstring), never dropped.
     """
-    import time
-
-
     try:
-        return run_sync(lambda: store_newest(store, time.monotonic() + timeout))
+        return run_sync(lambda: store_newest(store, time.monotonic() + timeout)), True
     except Exception as e:  # noqa: BLE001 - ObjectStoreError, a corrupt listing: never fatal here
         log.warning(
-            "asyncckpt: could not read the newest step under %s at construction (%s: %s): save() checks steps "
-            "against the local root only, and a job with nothing to resume locally starts a new run",
-            store.url, type(e).__name__, e,
+            "asyncckpt: could not read the newest step under %s %s (%s: %s): save() looks again (at most once a "
+            "minute) and, until a look succeeds, each upload first checks that the store holds no higher step",
+            store.url, when, type(e).__name__, e,
         )  # fmt: skip
-        return None
+        return None, False
+
+
+#: A pending step rule (a store construction could not read) is looked at again at most this often.
+RELOOK_EVERY_S = 60.0
+
+
+class StoreLook:
+    """Rank 0's looks at the store's newest step after construction could not read it
+    (module docstring): at most one every :data:`RELOOK_EVERY_S`, each within ``timeout``."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+
+    def __call__(self, store: ObjectStore, timeout: float) -> list[Any]:
+        """``[newest as JSON, known]`` (JSON for every rank): ``known`` False when the look
+        failed or was skipped (one was tried less than :data:`RELOOK_EVERY_S` ago)."""
+        now = time.monotonic()
+        if now - self._last < RELOOK_EVERY_S:
+            return [None, False]
+        self._last = now
+        far, known = survey_store(store, timeout, "before save()")
+        return [None if far is None else far.as_json(), known]
 
 
 def warn_at_start(far: Newest | None, url: str, run: str) -> None:
@@ -157,8 +182,6 @@ def warn_at_start(far: Newest | None, url: str, run: str) -> None:
 def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None) -> list[Any]:
     """:func:`choice` for ``step`` on ``store`` (a load asked for it by step), as rank 0 sees it
     now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
-    import time
-
     from .objstore._remote import read_manifest
 
     try:

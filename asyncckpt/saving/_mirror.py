@@ -139,6 +139,10 @@ class Mirror:
         # the run this job continues (``_runs``), set by the Checkpointer once rank 0 decided it:
         # remote retention and latest() keep to it; None: every step counts (as before runs)
         self.run: str | None = None
+        # the step rule across tiers while it is pending (``_runs``: construction could not read
+        # the store): each upload looks first, and a step below the store's newest is refused
+        self.floor_unknown = False
+        self._floor: int | None = None  # the store's newest step, as an upload-time look found it
         self._warned: set[int] = set()  # other runs' steps latest() already warned about
         if uploads:
             try:
@@ -238,6 +242,7 @@ class Mirror:
             self._probed = True
         from ..roots.objstore._view import StoreView
 
+        await self._check_floor(info.step, deadline)
         fresh = self._lease is None  # taking the prefix now: what others wrote before is worth a look
         lease = await self._hold_lease(deadline)
         if fresh or self._view is None:  # what this holder learns of the prefix, from its first look on
@@ -263,6 +268,26 @@ class Mirror:
                     log.info("retired remote steps %s under %s", removed, self.url)
             except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
                 log.warning("remote retention under %s failed: %s", self.url, e)
+
+    async def _check_floor(self, step: int, deadline: float) -> None:
+        """The step rule across tiers while it is pending (``floor_unknown``): look at the
+        store's newest step (a store error fails this upload; the next one looks again) and
+        refuse, with ``ValueError``, to upload a step below it."""
+        from ..roots._runs import short, store_newest
+
+        if self.floor_unknown:
+            newest = await store_newest(self.store, deadline)
+            self._floor = None if newest is None else newest.step
+            self.floor_unknown = False
+            if newest is not None and newest.step > step:
+                log.warning("asyncckpt: the store %s holds step %d (run %s), above step %d of this job: uploads of "
+                            "lower steps are refused", self.url, newest.step, short(newest.run), step)  # fmt: skip
+        if self._floor is not None and self._floor > step:
+            raise ValueError(
+                f"step {step} is not uploaded: {self.url} holds step {self._floor}, found when the store could be "
+                "read again (construction could not read it): steps must increase across both tiers; mirror a new "
+                "run to a prefix of its own, or remove the store's steps first"
+            )
 
     async def _look_above(self, step: int, deadline: float) -> None:
         """After the first upload under a newly taken lease: warn when the store holds a step

@@ -1,8 +1,11 @@
 """Discovery: which steps under a root are complete, and which is the newest.
 
 A step is complete when its directory has the committed name, its manifest parses and
-passes its own checksum, and the directory holds exactly the files the manifest names,
-each a regular file of the recorded size. Checksums of the data are verified by the
+passes its own checksum, and the directory holds every file the manifest names, each a
+regular file of the recorded size. A name the manifest does not list (a user's notes, an
+editor's backup) changes nothing: every read goes by the manifest, so it is ignored and
+named as a note (:attr:`PinnedStep.unlisted`, ``Seen.note``: ``ls``, ``verify``), never
+taken for damage. Checksums of the data are verified by the
 loader (and by ``verify``), not here, so listing stays cheap. This module is the local
 listing adapter of ``_stepstates``: it describes what it finds (:func:`observe`) and that
 module's rule decides; what it calls complete (:func:`complete_checkpoints`,
@@ -17,7 +20,10 @@ lock for it:
   even if it is renamed away meanwhile (and a retry of the step can never be mixed in);
 * a file or directory that went missing is told apart from damage by looking again: if
   ``ROOT/step_N`` is no longer the directory that was pinned, the checkpoint was retired
-  (:class:`Vanished`, a ``CheckpointNotFoundError``), never "corrupt";
+  (:class:`Vanished`, a ``CheckpointNotFoundError``), never "corrupt"; if it still is, the
+  file is looked up once more through a fresh handle on it (:meth:`PinnedStep.look_again`)
+  before it is called missing: one ENOENT the next look contradicts (a stale negative dentry
+  of NFS, virtiofs or Lustre, a FUSE server's glitch) says nothing about the checkpoint;
 * a listing is trusted to say "nothing" only when it is stable: a candidate that vanished
   between ``listdir`` and its opening makes the scan list again (the newer checkpoint that
   replaced it was committed before the old one was retired), and "no checkpoint" is only
@@ -31,11 +37,14 @@ passes over a step it could not read as if it were damaged.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pathlib
 import stat
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..._info import CheckpointInfo
@@ -52,6 +61,10 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 #: A scan that keeps seeing candidates vanish gives up after this long (and this many rounds).
 _SETTLE_S = 10.0
 _MIN_ROUNDS = 3
+#: A listed file a lookup said was missing is looked up again after this pause (module docstring).
+_RELOOK_S = 0.05
+
+T = TypeVar("T")
 
 
 class Vanished(CheckpointNotFoundError):
@@ -113,6 +126,12 @@ def read_manifest(step_dir: str) -> Manifest:
     return decode(raw, path)
 
 
+def pause_before_looking_again() -> None:
+    """The pause before a listed file a lookup said was missing is looked up again (module
+    docstring): every reader that opens listed files (loads, ``verify``, ``export``) takes it."""
+    time.sleep(_RELOOK_S)
+
+
 class PinnedStep:
     """An open handle on one step directory, with its checked manifest.
 
@@ -125,6 +144,8 @@ class PinnedStep:
         st = os.fstat(fd)
         self.ident = (st.st_dev, st.st_ino)
         self.manifest: Manifest | None = None
+        #: names in the directory the manifest does not list (ignored; see the module docstring)
+        self.unlisted: list[str] = []
 
     def still_there(self) -> bool:
         """Whether ``ROOT/step_N`` is still the very directory this handle holds."""
@@ -143,13 +164,37 @@ class PinnedStep:
             return self.gone(what)
         return CheckpointCorruptError("file listed in the manifest is missing", os.path.join(self.path, name))
 
+    def look_again(self, name: str, call: Callable[[int], T], what: str) -> T:
+        """``call(dir_fd)`` once more, after a lookup of listed file ``name`` answered ENOENT:
+        after a short pause, through a freshly opened handle on this very directory. Raises
+        :meth:`missing`'s error when the file is still not there (or the directory is no
+        longer this one: :class:`Vanished`), ``read_error`` of any other ``OSError``."""
+        pause_before_looking_again()
+        try:
+            fd = os.open(self.path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        except OSError:
+            raise self.missing(name, what) from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.ident:
+                raise self.gone(what)
+            try:
+                return call(fd)
+            except FileNotFoundError:
+                raise self.missing(name, what) from None
+            except OSError as e:
+                raise read_error(e, "cannot look up", os.path.join(self.path, name)) from None
+        finally:
+            os.close(fd)
+
     def open_file(self, name: str, size: int) -> int:
         """Open ``name`` in the directory: a regular file of exactly ``size`` bytes, not a link."""
         path = os.path.join(self.path, name)
+        flags = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
         try:
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=self.fd)
+            fd = os.open(name, flags, dir_fd=self.fd)
         except FileNotFoundError:
-            raise self.missing(name, f"it was being read ({name} is gone)") from None
+            fd = self.look_again(name, lambda d: os.open(name, flags, dir_fd=d), f"it was being read ({name} is gone)")
         except OSError as e:
             raise read_error(e, "cannot open", path) from None
         try:
@@ -196,21 +241,23 @@ class PinnedStep:
         lacking = expected - present
         if lacking and not self.still_there():
             raise self.gone("its files were being checked")
-        extra = present - expected
-        if extra:
-            raise CheckpointCorruptError(f"unexpected files {sorted(extra)[:5]}", self.path)
+        self.unlisted = sorted(present - expected)
         for f in manifest.files:
             path = os.path.join(self.path, f.name)
             try:
                 st = os.stat(f.name, dir_fd=self.fd, follow_symlinks=False)
             except FileNotFoundError:
-                raise self.missing(f.name, "its files were being checked") from None
+                st = self.look_again(f.name, functools.partial(_lstat_at, f.name), "its files were being checked")
             except OSError as e:
                 raise read_error(e, "cannot stat", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorruptError("not a regular file", path)
             if st.st_size != f.size:
                 raise CheckpointCorruptError(f"size {st.st_size} != {f.size} recorded in the manifest", path)
+
+
+def _lstat_at(name: str, dir_fd: int) -> os.stat_result:
+    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
@@ -243,8 +290,16 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
     return pinned
 
 
+def unlisted_note(names: list[str]) -> str | None:
+    """The note that names files a step directory holds beyond its manifest (``None``: none)."""
+    if not names:
+        return None
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return f"file(s) not in the manifest, ignored: {', '.join(names[:5])}{more}"
+
+
 def check_files(step_dir: str, manifest: Manifest) -> None:
-    """Check the directory holds exactly the manifest's files with the recorded sizes."""
+    """Check the directory holds the manifest's files with the recorded sizes."""
     try:
         fd = os.open(step_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as e:
@@ -313,6 +368,7 @@ def observe_committed(
             manifest = pinned.manifest
             assert manifest is not None
             info = info_for(pinned.path, manifest)
+            note = unlisted_note(pinned.unlisted)
     except Vanished:
         raise
     except CheckpointNotFoundError as e:
@@ -323,7 +379,7 @@ def observe_committed(
     except CheckpointCorruptError as e:
         return Seen(step, name, "committed", fault=Fault("corrupt", _message(e), e.path, True)), None, e
     mark = known.get((step, token_of(manifest.attempt)))
-    seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark)
+    seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark, note)
     if mark is None:
         return seen, info, None
     return seen, info, KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)
