@@ -601,6 +601,14 @@ class Checkpointer:
         by ``save()`` yet.
         """
         t_call = time.perf_counter()
+        # the collector paused for all of save() (_gcpause): the walk, the plan and the copy
+        # allocate a few objects per tensor, and _save's temporaries die before it resumes, so
+        # no collection traverses them on the caller's path
+        with paused_gc():
+            return self._save(step, state, t_call)
+
+    def _save(self, step: int, state: Any, t_call: float) -> SaveHandle:
+        """:meth:`save`'s body (a method: its temporaries die before the pause ends)."""
         self._check_usable()
         check_step(step)
         self._surface_earlier_failure()
@@ -614,14 +622,14 @@ class Checkpointer:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
-                with paused_gc():  # the walk allocates a small container or more per tensor
-                    tree, refs = flatten(
-                        state, self.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
-                    )
-                    if found and self.dedupe and self.world_size > 1:
-                        found, refs = _spread_replica_writes(found, refs)
-                    tree_bytes = tree_json(tree)
-                    layout, perm, all_cpu = self._plan(refs)
+                tree, refs = flatten(
+                    state, self.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
+                )
+                if found and self.dedupe and self.world_size > 1:
+                    found, refs = _spread_replica_writes(found, refs)
+                tree_bytes = tree_json(tree)
+                del tree
+                layout, perm, all_cpu = self._plan(refs)
                 dtensors = _load_global.describe_for_index(found, aliases, self.world_size) if found else None
                 tied = n_tied[0] > 0
                 plan_key, file = layout, None
@@ -1437,7 +1445,8 @@ class Checkpointer:
         reader = _load_global.Reader(
             self.world_size, self.rank, rank, per_rank, into, self.strip_prefixes, defer, verify_first
         )
-        with _load.noting_partial_targets(reader):
+        # one pause of the collector for the whole load and restore (_gcpause: see _load.load_files)
+        with _load.noting_partial_targets(reader), paused_gc():
             return self._load(step, shard, verify, mmap, expect, reader)
 
     def _load(
@@ -1813,13 +1822,19 @@ def load(
     reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
     kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
-    with _load.noting_partial_targets(reader):
-        if step is None:
-            _, state = _resume.load_newest(root_s, rank=shard, verify=verify, **kw)
-        else:
-            state = _resume.load_step(root_s, step, rank=shard, verify=verify, **kw)
-        if into is not None:
-            _load.restore_into(into, state, strip_prefixes=prefixes)
+    # one pause of the collector for the whole load and restore (_gcpause: see _load.load_files)
+    with _load.noting_partial_targets(reader), paused_gc():
+        return _load_and_restore(root_s, step, shard, verify, kw)
+
+
+def _load_and_restore(root: str, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
+    """:func:`load`'s body, its arguments checked (a function: its temporaries die inside the pause)."""
+    if step is None:
+        _, state = _resume.load_newest(root, rank=shard, verify=verify, **kw)
+    else:
+        state = _resume.load_step(root, step, rank=shard, verify=verify, **kw)
+    if kw["into"] is not None:
+        _load.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
     return state
 
 

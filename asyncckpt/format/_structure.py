@@ -322,6 +322,13 @@ def _strip_meta(meta: Any, prefix: str) -> Any:
     return out
 
 
+def _spent(*args: Any, **kwargs: Any) -> Any:
+    """What a walker's recursive closures are rebound to once the walk ended: their cells no
+    longer reach each other, so the closures and all they captured die with the call instead
+    of waiting for the cyclic collector (which may be paused, or run on the caller's path)."""
+    raise AssertionError("a walker's closure called after its walk ended")
+
+
 def flatten(
     state: Any,
     strip_prefixes: Iterable[str] = (),
@@ -549,8 +556,13 @@ def flatten(
             meta_node = None
         return {"$odict": [items_of(obj, path), meta_node]}
 
-    with recursion_room():
-        tree = enc(state, ())
+    try:
+        with recursion_room():
+            tree = enc(state, ())
+    finally:
+        # the walkers call each other through their closures: a reference cycle that would
+        # keep every name, address and TensorRef of the walk alive until a collection ran
+        enc = items_of = elements = enc_odict = _spent
     if tied_out is not None:
         tied_out.append(n_tied)
     return tree, tensors
@@ -858,8 +870,14 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         "$datetime": d_datetime,
     }
 
-    with recursion_room():
-        return dec(tree, 0)
+    try:
+        with recursion_room():
+            return dec(tree, 0)
+    finally:
+        # the decoders reach each other through dec and _DECODERS: a reference cycle that
+        # would keep ``tensors`` alive until a collection ran (see flatten)
+        dec = _spent
+        _DECODERS = {}
 
 
 def _references(tree: Any, wanted: str) -> list[str]:

@@ -286,7 +286,26 @@ def load_files(
     read into in place (with ``verify_first``: only after the whole shard verified); the
     returned state holds them. With ``mmap`` the tensors are views of the mapped shard
     (:func:`map_shard`; ``into`` must be ``None``, the files local).
+
+    The collector is paused for the whole load, reads included (``_gcpause``): a pause per
+    phase let each collection between them traverse everything the earlier phases built and
+    still held (the tree, the slots, a destination and a tensor per saved tensor), promoting
+    it towards a full pass. The temporaries die before the pause ends.
     """
+    with paused_gc():
+        return _load_files(files, rank, verify, into, strip_prefixes, mmap, verify_first)
+
+
+def _load_files(
+    files: StepFiles,
+    rank: int,
+    verify: bool,
+    into: Any,
+    strip_prefixes: Sequence[str],
+    mmap: bool,
+    verify_first: bool,
+) -> Any:
+    """:func:`load_files`' body (the collector paused by the caller)."""
     manifest = files.manifest
     tree_name_, shard_name_ = tree_name(rank), shard_name(rank)
     tree_size, shard_size = files.size(tree_name_), files.size(shard_name_)
@@ -301,15 +320,14 @@ def load_files(
         raise unreadable(e, "structure", tree_path) from None
     targets: dict[str, torch.Tensor] = {}
     parsed: Header | None = None
-    with paused_gc():  # parsing and pairing: many small objects
-        tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
-        del raw
-        if into is not None:
-            try:
-                parsed = read_header(shard_fd, shard_path, shard_size)
-            except OSError as e:
-                raise unreadable(e, "shard", shard_path) from None
-            targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
+    tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
+    del raw
+    if into is not None:
+        try:
+            parsed = read_header(shard_fd, shard_path, shard_size)
+        except OSError as e:
+            raise unreadable(e, "shard", shard_path) from None
+        targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
     expected = shard_crc if verify else None
     if mmap:
         assert isinstance(shard_fd, int)
