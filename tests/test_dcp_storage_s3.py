@@ -210,6 +210,7 @@ def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(s3: S3Server) -> Non
     print(f"\nSIGKILL at 4 random points of a {took:.2f}s save: {outcomes}")
 
 
+@pytest.mark.slow  # a 4-rank and a 2-rank run; its POSIX twin in tests/test_dcp_storage.py stays
 def test_fsdp2_saved_on_4_ranks_loads_on_2_bit_for_bit(s3: S3Server, url: str, tmp_path: Path) -> None:
     env = {"DCP_S3_URL": url, "DCP_S3_OPTIONS": json.dumps(opts(s3.endpoint))}
 

@@ -67,6 +67,7 @@ def test_checkpointer_on_proc_fails_at_once_instead_of_spinning(tmp_path: Path) 
     assert kind == "FileNotFoundError" and name == "/proc/asyncckpt-x" and float(elapsed) < 5, out
 
 
+@pytest.mark.timing  # a 2 s bound
 def test_ensure_dir_enoent_after_parent_is_bounded_by_its_deadline(tmp_path: Path) -> None:
     from asyncckpt._storage import OsOps, ensure_dir
 

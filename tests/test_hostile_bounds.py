@@ -154,6 +154,7 @@ def test_manifest_over_the_entry_limit_is_refused(case: Path) -> None:
     assert "more than" in out["msg"] or "at most" in out["msg"], out
 
 
+@pytest.mark.slow  # a 37 MB header of 2**19 tensors parsed in children (~1 min)
 def test_header_of_more_tensors_than_the_old_limit_is_bounded_by_its_bytes(case: Path) -> None:
     """Issue 9's header of 1.4M empty tensors took 100 s; 2**19 + 2 of them (over the old
     limit, a valid shard whose tree names all of them) now load in time linear in the

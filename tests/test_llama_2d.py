@@ -80,6 +80,7 @@ def test_llama_2d_saves_once_and_loads_on_2x2_4_and_1(tmp_path: Path) -> None:
     assert diff(dict(plain.state_dict()), ref["model"]) == []
 
 
+@pytest.mark.slow  # a kill mid-2-D-save and 3 more 4-rank runs; the 2-D save/load test above stays
 @pytest.mark.timeout(250)
 def test_llama_killed_during_2d_save_resumes_on_another_mesh(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"

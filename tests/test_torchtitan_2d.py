@@ -113,7 +113,8 @@ def _equal(got: dict[str, Any], want: dict[str, Any], keys: list[str]) -> list[s
 
 
 # (ranks, tp): the same mesh; FSDP2 over the same 4 ranks (dp 2 -> 4); FSDP2 over 2 ranks
-MESHES = [pytest.param(4, 2, id="2x2"), pytest.param(4, 1, id="fsdp4"), pytest.param(2, 1, id="fsdp2")]
+MESHES = [pytest.param(4, 2, id="2x2", marks=pytest.mark.slow), pytest.param(4, 1, id="fsdp4", marks=pytest.mark.slow),
+          pytest.param(2, 1, id="fsdp2")]  # 2x2 and fsdp4: two more 4-rank loads (~1 min each)
 
 
 @pytest.mark.parametrize(("world", "tp"), MESHES)
