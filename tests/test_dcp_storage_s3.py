@@ -174,6 +174,7 @@ def test_a_store_that_ignores_conditional_creates_is_refused_before_any_upload(s
         proxy.stop()
 
 
+@pytest.mark.slow  # 4 kills of 2 ranks; the POSIX twin in test_dcp_storage.py stays
 def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(s3: S3Server) -> None:
     o = opts(s3.endpoint)
     whole = f"s3://{BUCKET}/kill-{uuid.uuid4().hex[:8]}"

@@ -134,6 +134,7 @@ def test_failure_not_seen_on_its_handle_is_raised_once_by_the_next_save(tmp_path
 
 
 # ---------------------------------------------------------------- 4. fork
+@pytest.mark.timing  # a 5 s bound (5.0 s seen under parallel load)
 def test_forked_child_exits_promptly_and_never_writes(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     p = _spawn(tmp_path, f"""
