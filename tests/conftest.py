@@ -21,8 +21,10 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 #: The test files that take longest (measured with --durations=0 on a 2-core machine), longest
 #: first. Under pytest-xdist (`make test`: whole files per worker, in collection order) they
 #: start first, so that no long file starts last and runs alone; the other files keep their order.
+#: test_distributed.py (4 s save deadlines) starts beside files that mostly wait, not beside
+#: test_sharded_state.py, the other CPU-heavy multi-rank file.
 LONGEST_FIRST = (
-    "test_sharded_state.py", "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py",
+    "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py", "test_sharded_state.py",
     "test_torchtitan_2d.py", "test_exit_paths.py", "test_s3_lease.py", "test_cli_hostile.py", "test_s3_traffic.py",
     "test_placement.py", "test_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
     "test_dcp_storage.py", "test_objstore.py", "test_remote.py", "test_interrupts.py", "test_export_sharded.py",
