@@ -17,7 +17,7 @@ NEMO_VENV := $(VENV)/nemo-venv
 NEMO ?= nemo-automodel==0.7.0
 NEMO_DEPS ?= transformers==5.18.0 torchdata pyyaml
 
-.PHONY: demo test lint bench venv nemo-venv clean
+.PHONY: demo test test-slow lint bench venv nemo-venv clean
 
 $(BIN)/.installed: pyproject.toml
 	@echo "set-up: creating $(VENV) with $$($(PY) --version)"
@@ -53,8 +53,24 @@ nemo-venv: $(NEMO_VENV)/.installed
 demo: venv
 	$(BIN)/python examples/demo_kill_resume.py
 
+# `make test`: the tests mostly wait on subprocesses, sleeps and deadlines, so 4 pytest-xdist
+# workers on a 2-core machine (TEST_WORKERS=0: one process). Whole files go to one worker, so a
+# module's fixtures (a SeaweedFS, a reference training run) start once; tests/conftest.py puts
+# the longest files first. Then the tests marked `timing` (tight wall-clock bounds) run alone.
+# `make test-slow` runs the long variants marked `slow` (.ci/run runs both).
+TEST_WORKERS ?= 4
+PYTEST := $(BIN)/python -m pytest -q
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# a phase that selects no test (exit 5, e.g. PYTEST_ARGS naming one file) is no failure; both are
+BOTH_PHASES = for s in $$a $$b; do [ $$s = 0 ] || [ $$s = 5 ] || exit $$s; done; [ $$a$$b != 55 ] || exit 5
+
 test: venv nemo-venv lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not slow and not timing" $(PYTEST_ARGS); a=$$?; \
+	$(PYTEST) -m "timing and not slow" $(PYTEST_ARGS); b=$$?; $(BOTH_PHASES)
+
+test-slow: venv nemo-venv
+	$(PYTEST) $(XDIST) -m "slow and not timing" $(PYTEST_ARGS); a=$$?; \
+	$(PYTEST) -m "slow and timing" $(PYTEST_ARGS); b=$$?; $(BOTH_PHASES)
 
 lint: venv
 	$(BIN)/ruff check .

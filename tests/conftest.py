@@ -12,6 +12,32 @@ import torch
 
 from asyncckpt.roots.posix._storage import OsOps
 
+# pytest-xdist's workers must collect the same test ids, and some ids are the repr of a set
+# (tests/test_values.py), whose order follows the string hash: one hash seed for every
+# worker (they inherit the environment of the process that starts them).
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+#: The test files that take longest (measured with --durations=0 on a 2-core machine), longest
+#: first. Under pytest-xdist (`make test`: whole files per worker, in collection order) they
+#: start first, so that no long file starts last and runs alone; the other files keep their order.
+#: test_distributed.py (4 s save deadlines) starts beside files that mostly wait, not beside
+#: test_sharded_state.py, the other CPU-heavy multi-rank file.
+LONGEST_FIRST = (
+    "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py", "test_sharded_state.py",
+    "test_torchtitan_2d.py", "test_exit_paths.py", "test_s3_lease.py", "test_cli_hostile.py", "test_s3_traffic.py",
+    "test_placement.py", "test_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
+    "test_dcp_storage.py", "test_objstore.py", "test_remote.py", "test_interrupts.py", "test_export_sharded.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, put the longest files first (every worker sorts alike)."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
 
 def make_state(seed: int, n: int = 4, numel: int = 1024) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)

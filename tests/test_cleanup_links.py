@@ -133,6 +133,7 @@ def _finish_swapper(p: subprocess.Popen[str]) -> tuple[int, int]:
     return int(words[words.index("swaps") + 1]), int(words[words.index("errors") + 1])
 
 
+@pytest.mark.timing  # the race must really run: it needs the CPUs to itself
 @pytest.mark.timeout(60)
 def test_symlink_swaps_under_cleanup_never_delete_outside_the_root(tmp_path: Path) -> None:
     root = tmp_path / "ck"

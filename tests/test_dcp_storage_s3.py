@@ -178,6 +178,7 @@ def test_a_store_that_ignores_conditional_creates_is_refused_before_any_upload(s
         proxy.stop()
 
 
+@pytest.mark.slow  # 4 kills of 2 ranks; the POSIX twin in test_dcp_storage.py stays
 def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(s3: S3Server) -> None:
     o = opts(s3.endpoint)
     whole = f"s3://{BUCKET}/kill-{uuid.uuid4().hex[:8]}"
@@ -214,6 +215,7 @@ def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(s3: S3Server) -> Non
     print(f"\nSIGKILL at 4 random points of a {took:.2f}s save: {outcomes}")
 
 
+@pytest.mark.slow  # a 4-rank and a 2-rank run; its POSIX twin in tests/test_dcp_storage.py stays
 def test_fsdp2_saved_on_4_ranks_loads_on_2_bit_for_bit(s3: S3Server, url: str, tmp_path: Path) -> None:
     env = {"DCP_S3_URL": url, "DCP_S3_OPTIONS": json.dumps(opts(s3.endpoint))}
 

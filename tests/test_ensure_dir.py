@@ -62,6 +62,7 @@ def _plain_makedirs_with_fault(path: str, stale_s: float) -> None:
             raise
 
 
+@pytest.mark.timing  # a sub-second bound
 def test_plain_makedirs_fails_under_the_fault_and_ensure_dir_succeeds(tmp_path: Path) -> None:
     target = str(tmp_path / "ckpt" / "epoch_1_step_297" / "rng")
     os.makedirs(os.path.dirname(target))
@@ -80,6 +81,7 @@ def test_creates_missing_parents(tmp_path: Path) -> None:
     ensure_dir(target)  # idempotent
 
 
+@pytest.mark.timing  # a sub-second bound
 def test_real_file_raises_not_a_directory_at_once(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
@@ -96,6 +98,7 @@ def test_real_file_raises_not_a_directory_at_once(tmp_path: Path) -> None:
     ensure_dir(good)  # a symlink to a directory is a directory
 
 
+@pytest.mark.timing  # a sub-second bound
 def test_entry_that_never_appears_fails_clearly_within_the_deadline(tmp_path: Path) -> None:
     ops = StaleOps(0, forever=True)
     t0 = time.monotonic()

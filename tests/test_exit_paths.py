@@ -67,6 +67,7 @@ def test_checkpointer_on_proc_fails_at_once_instead_of_spinning(tmp_path: Path) 
     assert kind == "FileNotFoundError" and name == "/proc/asyncckpt-x" and float(elapsed) < 5, out
 
 
+@pytest.mark.timing  # a 2 s bound
 def test_ensure_dir_enoent_after_parent_is_bounded_by_its_deadline(tmp_path: Path) -> None:
     from asyncckpt.roots.posix._storage import OsOps, ensure_dir
 
@@ -133,6 +134,7 @@ def test_failure_not_seen_on_its_handle_is_raised_once_by_the_next_save(tmp_path
 
 
 # ---------------------------------------------------------------- 4. fork
+@pytest.mark.timing  # a 5 s bound (5.0 s seen under parallel load)
 def test_forked_child_exits_promptly_and_never_writes(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     p = _spawn(tmp_path, f"""

@@ -50,6 +50,7 @@ def resumed(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in recs if "resumed" in r]
 
 
+@pytest.mark.slow  # the example on 4 then 2 ranks; kill + reshard-resume stay in test_sharded_state
 @pytest.mark.timeout(600)
 def test_killed_then_resumed_on_4_then_on_2(tmp_path: Path) -> None:
     root, refs = tmp_path / "root", tmp_path / "refs"

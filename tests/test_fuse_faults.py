@@ -252,6 +252,7 @@ def test_fuse_stale_window_race_8_processes_x_500_rounds(
     _fuse_race(fs, tmp_path, "long", FUSE_ROUNDS_SLOW, FUSE_LANES_SLOW)
 
 
+@pytest.mark.timing  # a 1 s window
 @pytest.mark.needs_root
 def test_entry_that_never_appears_raises_stale_directory_error_within_the_deadline(fs: FaultFS) -> None:
     os.mkdir(fs.path("never"))
@@ -267,6 +268,7 @@ def test_entry_that_never_appears_raises_stale_directory_error_within_the_deadli
     assert fs.fired("never") == 1  # it re-stats; it does not hammer mkdir
 
 
+@pytest.mark.timing  # a 2 s window
 @pytest.mark.needs_root
 def test_save_whose_attempt_directory_never_appears_fails_within_the_timeout(fs: FaultFS) -> None:
     root = fs.path("ck_stale")

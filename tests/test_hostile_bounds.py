@@ -108,6 +108,7 @@ def test_world_size_of_10_12_is_refused_and_verify_ends_at_once(case: Path) -> N
     assert time.perf_counter() - t0 < 20
 
 
+@pytest.mark.timing  # the same 5 s bound
 def test_structure_file_of_more_items_than_memory_allows_is_refused_before_parsing(case: Path) -> None:
     """Nested empty lists, as in issue 9's 286 MiB file, at the old item limit: their parse
     needs ~3.2 GiB, refused under a 256 MiB headroom before json.loads allocates any of it."""
@@ -147,6 +148,7 @@ def test_sparse_tib_shard_says_how_much_memory_it_needs(case: Path) -> None:
     assert not isinstance(ei.value, CheckpointCorruptError)  # a real size, not damage
 
 
+@pytest.mark.timing  # a 5 s bound on a CPU-bound parse (5.1 s seen under parallel load)
 def test_manifest_over_the_entry_limit_is_refused(case: Path) -> None:
     hf.reseal(case / STEP2, {}, extra_files=[FileEntry(f"f{i:07d}", 0, 0, 0) for i in range(MAX_MANIFEST_FILES + 1)])
     out = run_child(case)
@@ -154,6 +156,7 @@ def test_manifest_over_the_entry_limit_is_refused(case: Path) -> None:
     assert "more than" in out["msg"] or "at most" in out["msg"], out
 
 
+@pytest.mark.slow  # a 37 MB header of 2**19 tensors parsed in children (~1 min)
 def test_header_of_more_tensors_than_the_old_limit_is_bounded_by_its_bytes(case: Path) -> None:
     """Issue 9's header of 1.4M empty tensors took 100 s; 2**19 + 2 of them (over the old
     limit, a valid shard whose tree names all of them) now load in time linear in the

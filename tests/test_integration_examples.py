@@ -21,6 +21,7 @@ def run(tmp: Path, *args: str) -> str:
     return p.stdout + p.stderr
 
 
+@pytest.mark.slow  # the example's smoke run; the Trainer integration itself runs in tests/test_transformers.py
 def test_hf_trainer_example_resumes(tmp_path: Path) -> None:
     try:
         import accelerate  # noqa: F401

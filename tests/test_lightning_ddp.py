@@ -49,6 +49,7 @@ def losses(d: Path) -> dict[int, float]:
     return {int(s): float(v) for s, v in (line.split() for line in (d / "losses.txt").read_text().splitlines())}
 
 
+@pytest.mark.slow  # 3 Lightning DDP runs; test_lightning.py kills and resumes in one process
 def test_ddp_two_ranks_killed_then_resumed_reach_the_uninterrupted_run(tmp_path: Path) -> None:
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir(), run.mkdir()

@@ -46,6 +46,7 @@ def verify(root: Path, step: int) -> list[str]:
     return [str(p) for p in reading.verify_step(str(root), str(step_dir), read_manifest(str(step_dir)), record=False)]
 
 
+@pytest.mark.slow  # five 4-rank runs; 2-D stays in test_torchtitan_2d/test_placement/test_golden
 @pytest.mark.timeout(200)
 def test_llama_2d_saves_once_and_loads_on_2x2_4_and_1(tmp_path: Path) -> None:
     from _llama_worker import CONFIG, diff
@@ -80,6 +81,7 @@ def test_llama_2d_saves_once_and_loads_on_2x2_4_and_1(tmp_path: Path) -> None:
     assert diff(dict(plain.state_dict()), ref["model"]) == []
 
 
+@pytest.mark.slow  # a kill mid-2-D-save and 3 more 4-rank runs
 @pytest.mark.timeout(250)
 def test_llama_killed_during_2d_save_resumes_on_another_mesh(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"

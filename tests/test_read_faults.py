@@ -271,6 +271,7 @@ def test_a_missing_key_in_into_is_a_checkpoint_error_with_a_plain_message(saved:
     assert str(ei.value) == "nested is not in the checkpoint", str(ei.value)
 
 
+@pytest.mark.timing  # a 2 s bound
 @pytest.mark.needs_root
 def test_a_refused_permission_is_a_read_error_raised_at_once(fs: FaultFS) -> None:
     root, backing = _saved(fs, "eacces")

@@ -484,6 +484,7 @@ def test_load_through_read_faults_is_bit_equal(
     assert rule.hits == rule.times
 
 
+@pytest.mark.slow  # a server kill and restart; tests/test_tier.py and test_s3_checkpointer.py kill it mid-upload too
 def test_server_killed_mid_push_then_restarted_repush_leaves_nothing_behind(tmp_path: Path) -> None:
     """Its own server (it is killed): a multipart upload in flight dies with it; after the
     restart nothing is complete, the re-push commits, and no incomplete upload is left."""

@@ -130,6 +130,7 @@ def test_corrupt_chunk_is_named(saved_on_4: Any, tmp_path: Path) -> None:
         asyncckpt.load(copy, 1, per_rank="rank0", verify=False)
 
 
+@pytest.mark.slow  # the other direction of test_save_on_4_load_on_2_reshards_bit_equal
 @pytest.mark.timeout(200)
 def test_save_on_2_load_on_4(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"

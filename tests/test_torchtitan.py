@@ -137,6 +137,7 @@ def _equal(got: dict[str, Any], want: dict[str, Any], keys: list[str]) -> list[s
     return bad
 
 
+@pytest.mark.slow  # with the next test: three 4-rank torchtitan trainings (~3 min); the config and export tests stay
 def test_killed_run_resumes_on_4_ranks_bit_identically(reference: Path, killed: Path, tmp_path: Path) -> None:
     dump = _copy(killed, tmp_path)
     job = {"manager": "asyncckpt", "dump": str(dump), "steps": STEPS, "interval": 1, "keep": 2,
@@ -166,6 +167,7 @@ def test_killed_run_resumes_on_4_ranks_bit_identically(reference: Path, killed: 
     assert [i.step for i in asyncckpt.reading.complete_checkpoints(str(dump / "checkpoint"))] == [3, 4]
 
 
+@pytest.mark.slow  # shares the 4-rank reference and killed runs above
 def test_resumes_on_2_ranks_with_the_dataloader_excluded(reference: Path, killed: Path, tmp_path: Path) -> None:
     dump = _copy(killed, tmp_path)
     job = {"manager": "asyncckpt", "dump": str(dump), "steps": STEPS, "interval": 1, "keep": 0,

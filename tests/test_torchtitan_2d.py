@@ -113,7 +113,9 @@ def _equal(got: dict[str, Any], want: dict[str, Any], keys: list[str]) -> list[s
 
 
 # (ranks, tp): the same mesh; FSDP2 over the same 4 ranks (dp 2 -> 4); FSDP2 over 2 ranks
-MESHES = [pytest.param(4, 2, id="2x2"), pytest.param(4, 1, id="fsdp4"), pytest.param(2, 1, id="fsdp2")]
+SLOW = pytest.mark.slow  # a 4- or 2-rank load each (~1 min); the 2-D save itself stays in the default run
+MESHES = [pytest.param(4, 2, id="2x2", marks=SLOW), pytest.param(4, 1, id="fsdp4", marks=SLOW),
+          pytest.param(2, 1, id="fsdp2", marks=SLOW)]
 
 
 @pytest.mark.parametrize(("world", "tp"), MESHES)
