@@ -44,8 +44,11 @@ def listing(root: str) -> dict[str, str]:
             out[os.path.relpath(os.path.join(d, name), root) + "/"] = ""
         for name in files:
             p = os.path.join(d, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()[:16]
+            try:
+                with open(p, "rb") as f:
+                    out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()[:16]
+            except FileNotFoundError:  # on a shared root another rank's close removes its owner record
+                continue
     return out
 
 

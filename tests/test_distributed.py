@@ -198,6 +198,7 @@ PHASES = [
 ]
 
 
+@pytest.mark.timing  # survivors give up within 7.5 s while the victim is woken 10 s after it stopped
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("phase", "victim"), PHASES, ids=[p for p, _ in PHASES])
 def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim: int) -> None:

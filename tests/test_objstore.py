@@ -413,6 +413,7 @@ def test_ranged_get_recovers_from_transient_fault(s3: S3Server, proxy: FaultProx
     assert rule.hits == rule.times and out == data
 
 
+@pytest.mark.timing  # a 4 s bound, and the abort must land within it
 @pytest.mark.parametrize(
     ("rule", "error"),
     [
