@@ -46,7 +46,7 @@ from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from .format._stepstates import Mark, Seen, State, state_of
 from .roots._badmarks import clear, marks, record_bad
 from .roots._find import find_latest
-from .roots._readfault import fault_of, read_error, retrying
+from .roots._readfault import fault_of, read_error, regular_file, retrying
 from .roots.posix._discovery import (
     KnownBad,
     Vanished,
@@ -460,14 +460,7 @@ def _open_regular(path: str, size: int) -> int:
             fd = os.open(path, flags)
     except OSError as e:
         raise read_error(e, "cannot open", path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return regular_file(fd, size, path)
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:

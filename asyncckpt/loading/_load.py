@@ -42,7 +42,6 @@ import collections
 import contextlib
 import mmap as _mmap
 import os
-import stat
 from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, TypeVar
 
@@ -57,7 +56,7 @@ from ..format._header import TensorSlot, declared_length, parse_header, validate
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
 from ..format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
-from ..roots._readfault import read_error
+from ..roots._readfault import read_error, regular_file
 from ..roots.posix._discovery import read_regular_file
 from . import _readinto
 from ._stepfiles import StepFiles
@@ -89,14 +88,7 @@ def open_regular(path: str, size: int) -> int:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise read_error(e, "cannot open", path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return regular_file(fd, size, path)
 
 
 def read_header(fd: _readinto.Source, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:

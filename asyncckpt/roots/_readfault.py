@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable
 from typing import Literal, TypeVar
@@ -54,6 +56,20 @@ RETRY_ERRNOS = frozenset(
 #: each try (0.25 + 0.5 + 1 s: a persistent fault is reported within about 2 s of sleeping).
 READ_TRIES = 4
 BACKOFF_S = 0.25
+
+
+def regular_file(fd: int, size: int, path: str) -> int:
+    """``fd`` when it is a regular file of exactly ``size`` bytes; otherwise it is closed and
+    ``CheckpointCorruptError`` names ``path`` (a symlink target, FIFO or file of another size
+    is damage, not a read fault)."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_error(e: OSError, doing: str, path: str | None) -> CheckpointError:

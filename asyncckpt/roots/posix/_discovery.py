@@ -53,7 +53,7 @@ from ...format._layout import parse_aside, parse_leftover, parse_step_dir, step_
 from ...format._manifest import MANIFEST, Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
 from .._badmarks import marks
-from .._readfault import read_error
+from .._readfault import read_error, regular_file
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -197,14 +197,7 @@ class PinnedStep:
             fd = self.look_again(name, lambda d: os.open(name, flags, dir_fd=d), f"it was being read ({name} is gone)")
         except OSError as e:
             raise read_error(e, "cannot open", path) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                raise CheckpointCorruptError(f"not a regular file of {size} bytes", path)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return regular_file(fd, size, path)
 
     def close(self) -> None:
         if self.fd >= 0:
