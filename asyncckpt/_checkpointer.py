@@ -54,7 +54,7 @@ from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
 from .saving import _dedupe
-from .saving._commit import SaveJob, run_save
+from .saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
 from .saving._handle import SaveHandle, SaveRecord
 from .saving._mirror import Mirror, UploadRecord, check_options
 from .saving._staging import Arena, StageProgress, StagingPool
@@ -1749,7 +1749,7 @@ async def _guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ()
         if follower:
             failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
             failures = with_global_ranks({0: failure}, ranks)
-            raise SaveTimeoutError(job.step, failures, missing=(0,), detail="rank 0 did not answer") from e
+            raise SaveTimeoutError(job.step, failures, missing=(0,), detail=LEADER_SILENT_UNKNOWN) from e
         failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
         raise SaveTimeoutError(job.step, with_global_ranks({rank: failure}, ranks)) from e
     except Exception as e:
