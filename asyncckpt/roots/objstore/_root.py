@@ -72,7 +72,7 @@ class ObjectRoot:
     def __init__(self, url: str, storage_options: Mapping[str, str] | None = None,
                  deadline_s: float = DEFAULT_DEADLINE_S) -> None:  # fmt: skip
         self.store = open_store(url, storage_options)
-        self.url = url
+        self.url = self.store.url  # normalised: s3://bucket/prefix
         self.deadline_s = deadline_s
         #: the lease while :meth:`claim` holds it (removals check it first)
         self.lease: Lease | None = None
