@@ -11,6 +11,7 @@ with a plain obstore client, the memory store changed in place (``Rig.tamper``).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,8 +40,11 @@ class Rig:
         self._tamper = tamper
         self.opened = [self.root]
 
-    def other(self) -> Root:
-        r = open_root(self.where, **self.kw)
+    def other(self, impatient: bool = False) -> Root:
+        """Another handle on the root (another claimant). ``impatient``: a store's lease taker
+        gives up after 3 s (else it watches a live holder until a renewal, seconds)."""
+        kw = dict(self.kw, deadline_s=3.0) if impatient and "deadline_s" in self.kw else self.kw
+        r = open_root(self.where, **kw)
         self.opened.append(r)
         return r
 
@@ -231,6 +235,66 @@ class TestRoot:
         with pytest.raises(FileExistsError):
             rig.root.begin(7)  # and a step committed is never begun again
 
+    def test_two_commits_racing_one_wins(self, rig: Rig) -> None:
+        attempts = [rig.root.begin(9), rig.other().begin(9)]
+        files = [payload(9, b"a"), payload(9, b"b")]
+        for a, f in zip(attempts, files, strict=True):
+            for name, data in f.items():
+                a.write(name, data)
+        gate = threading.Barrier(2, timeout=30)
+        outcome: list[BaseException | None] = [None, None]
+
+        def commit(i: int) -> None:
+            gate.wait()
+            try:
+                attempts[i].commit(manifest(9, attempts[i].attempt, files[i]))  # type: ignore[attr-defined]
+            except BaseException as e:  # noqa: BLE001 - the loser's error is the assertion
+                outcome[i] = e
+
+        threads = [threading.Thread(target=commit, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        lost = [i for i in (0, 1) if outcome[i] is not None]
+        assert len(lost) == 1 and isinstance(outcome[lost[0]], FileExistsError), outcome
+        won = 1 - lost[0]
+        assert rig.root.read(9, shard_name(0)) == files[won][shard_name(0)]  # the winner, whole
+        assert resumable(rig.root) == [9]
+
+    def test_a_reader_racing_the_writer_reads_every_step_it_is_given(self, rig: Rig) -> None:
+        done = threading.Event()
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            reader = rig.other()
+            while not done.is_set():
+                try:
+                    step = reader.newest_resumable()
+                    if step is not None:
+                        assert reader.read(step, tree_name(0)) == payload(step)[tree_name(0)]
+                        seen.append(step)
+                except CheckpointNotFoundError:
+                    pass  # retired between the look and the read: gone, never torn
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+
+        t = threading.Thread(target=read)
+        t.start()
+        try:
+            for step in range(1, 7):
+                save(rig.root, step)
+                rig.root.retire(2)
+        finally:
+            done.set()
+            t.join(60)
+        assert not errors, errors
+        assert seen == sorted(seen)
+        assert resumable(rig.root) == [5, 6]
+
     def test_a_manifest_naming_files_not_written_is_not_committed(self, rig: Rig) -> None:
         save(rig.root, 1)
         a = rig.root.begin(2)
@@ -249,18 +313,18 @@ class TestRoot:
 
     def test_ownership_is_exclusive_between_two_claimants(self, rig: Rig) -> None:
         claim = rig.root.claim("first")
-        other = rig.other()
         with pytest.raises(RootInUseError):
-            other.claim("second")
+            rig.other(impatient=True).claim("second")
         claim.check()
         claim.release()
         claim.release()  # idempotent
-        again = other.claim("second")
+        again = rig.other().claim("second")
         try:
             with pytest.raises(RootInUseError):
-                rig.root.claim("third")
+                rig.other(impatient=True).claim("third")
         finally:
             again.release()
+        rig.root.claim("fourth").release()
 
     def test_retire_keeps_the_newest_and_lists_what_is_left(self, rig: Rig) -> None:
         for step in (1, 2, 3, 4):
