@@ -40,6 +40,7 @@ from .format._checksum import RangeCheck, crc32c
 from .format._gcpause import paused_gc
 from .format._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
 from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from .roots import Root
 from .roots._badmarks import clear, record_bad
 from .roots._find import find_latest
 from .roots._readfault import fault_of, read_error, regular_file, retrying
@@ -130,7 +131,7 @@ def passed_over(skipped: dict[int, CheckpointCorruptError]) -> list[tuple[int, s
 
 
 def _why(e: CheckpointCorruptError) -> str:
-    if isinstance(e, KnownBad):
+    if isinstance(e, KnownBad) or str(e).startswith("known bad"):
         return str(e)
     return f"known bad: {e}"
 
@@ -297,6 +298,55 @@ def read_rank_outline(
     more = index_slots(index, rank) if index is not None else {}
     where = os.path.join(step_dir, _index.INDEX)
     return rank_outline(tree, shard_slots, more, tree_path, shard_path, index=index, index_where=where)
+
+
+def resolve_in(root: Root, step: int | None) -> tuple[Manifest, list[tuple[int, str]]]:
+    """The manifest of complete ``step`` of any root (the newest resumable when ``None``, what
+    ``load()`` takes), and the newer steps passed over then (newest first, each with why).
+    ``CheckpointNotFoundError`` when there is no such (or no) complete checkpoint."""
+    passed: list[tuple[int, str]] = []
+    if step is None:
+        skipped: list[tuple[int, CheckpointCorruptError]] = []
+        step = root.newest_resumable(skipped)
+        passed = [(s, _why(e)) for s, e in skipped]
+        if step is None:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {root.url}" + (
+                f" (passed over: {'; '.join(f'step {s}: {w}' for s, w in passed[:5])}; --step N reads one anyway)"
+                if passed else ""))  # fmt: skip
+    return root.open_step(step), passed
+
+
+def outline_in(root: Root, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
+    """:func:`read_rank_outline` of a step of any root, through its bounded reads
+    (``Root.read``): the structure file, the shard's 8-byte length and header, the global
+    index; never the tensor data. Every defect names the file (``Root.locate``)."""
+    m = manifest
+    check_rank(m, rank)
+
+    def entry(name: str) -> tuple[int, int, str]:
+        try:
+            f = m.file(name)
+        except CheckpointCorruptError:
+            where = root.locate(m.step, None, MANIFEST)
+            raise CheckpointCorruptError(f"manifest does not list {name}", where) from None
+        return f.size, f.crc32c, root.locate(m.step, m.attempt, name)
+
+    tree_size, tree_crc, tree_where = entry(tree_name(rank))
+    shard_size, _, shard_where = entry(shard_name(rank))
+    check_structure_size(tree_size, tree_where)
+    tree = parse_structure(root.read(m.step, tree_name(rank)), tree_where, tree_size, tree_crc)
+    head = root.read(m.step, shard_name(rank), 0, 8) if shard_size >= 8 else b""
+    n = header_length(head, shard_size, shard_where)
+    shard_slots = slots_of_header(head + root.read(m.step, shard_name(rank), 8, n), shard_size, shard_where)
+    index: Any = None
+    index_where = root.locate(m.step, m.attempt, _index.INDEX)
+    if any(f.name == _index.INDEX for f in m.files):
+        size, crc, _ = entry(_index.INDEX)
+        if size > _index.MAX_INDEX_BYTES:
+            raise CheckpointCorruptError(f"index of {size} bytes is too large", index_where)
+        index = parse_index(root.read(m.step, _index.INDEX), size, crc, m, index_where)
+    more = index_slots(index, rank) if index is not None else {}
+    return rank_outline(tree, shard_slots, more, tree_where, shard_where, index=index, index_where=index_where)
 
 
 def rank_outline(

@@ -282,6 +282,10 @@ class MemoryRoot:
         end = check_range(entry.size, offset, length)
         return s.files[name][offset:end]
 
+    def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
+        where = self._backend._url(step)
+        return where if name is None else f"{where}/{name}"
+
     def claim(self, role: str) -> Claim:
         token = f"{role}:{id(object())}:{time.monotonic_ns()}"
         with self.mem.lock:

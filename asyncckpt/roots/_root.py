@@ -191,6 +191,11 @@ class Root(Protocol):
         list, ``CheckpointNotFoundError``."""
         ...
 
+    def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
+        """Where committed ``step`` is (``name`` given: its file ``name`` of ``attempt``), as
+        messages and ``--json`` name it: an absolute path or a URL (no I/O)."""
+        ...
+
     def claim(self, role: str) -> Claim:
         """Take ownership for ``role`` (``RootInUseError`` naming the holder if another has it)."""
         ...

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..._errors import CheckpointCorruptError
-from ...format._layout import data_prefix
+from ...format._layout import data_prefix, step_dir_name
 from ...format._manifest import Manifest
 from ...format._stepstates import victims
 from ...threads._sync import run_sync
@@ -109,6 +109,11 @@ class ObjectRoot:
             return bytes(out)
 
         return run_sync(go)
+
+    def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
+        if name is None:
+            return self.store.object_url(step_dir_name(step))
+        return self.store.object_url(data_prefix(step, attempt) + name if attempt else f"{step_dir_name(step)}/{name}")
 
     def claim(self, role: str) -> Claim:
         lease = Lease(self.store, [], role)

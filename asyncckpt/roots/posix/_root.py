@@ -12,11 +12,12 @@ import uuid
 from collections.abc import Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ...format._layout import deleting_dir_name
+from ...format._layout import deleting_dir_name, step_dir_name
 from ...format._manifest import Manifest
 from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
+from .._readfault import read_error
 from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
 from . import _ownership
 from ._discovery import complete_checkpoints, newest_complete, open_step, pin_step
@@ -74,6 +75,7 @@ class PosixRoot:
         return [listed(d) for d in scan(self.path)]
 
     def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
+        self._need_dir()
         skipped: dict[int, CheckpointCorruptError] = {}
         found = newest_complete(self.path, skipped=skipped)
         if passed is not None:
@@ -81,6 +83,7 @@ class PosixRoot:
         return None if found is None else found.step
 
     def open_step(self, step: int) -> Manifest:
+        self._need_dir()
         return open_step(self.path, step)[1]
 
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -89,16 +92,23 @@ class PosixRoot:
             entry = listed_file(pinned.manifest, name, pinned.path)
             end = check_range(entry.size, offset, length)
             fd = pinned.open_file(name, entry.size)  # a regular file of exactly the listed size
+            path = os.path.join(pinned.path, name)
             try:
                 out = bytearray()
                 while offset + len(out) < end:
                     chunk = os.pread(fd, min(end - offset - len(out), 8 << 20), offset + len(out))
                     if not chunk:
-                        raise CheckpointCorruptError("shorter than the manifest says", os.path.join(pinned.path, name))
+                        raise CheckpointCorruptError("file ended early", path)
                     out += chunk
                 return bytes(out)
+            except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
+                raise read_error(e, "cannot read", path) from None
             finally:
                 os.close(fd)
+
+    def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
+        where = os.path.join(self.url, step_dir_name(step))
+        return where if name is None else os.path.join(where, name)
 
     def claim(self, role: str) -> Claim:
         self._need_dir()
