@@ -25,7 +25,7 @@ from .._info import CheckpointInfo
 from ..format._checksum import crc32c
 from ..format._layout import data_prefix, step_dir_name
 from ..format._manifest import MANIFEST, Manifest, decode
-from ..format._stepstates import Mark, Seen, save_action, state_of, victims
+from ..format._stepstates import Fault, Mark, Seen, save_action, state_of, victims
 from ._backend import StepJob
 from ._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
 from .posix._storage import Staged, WriteResult, until_staged
@@ -113,21 +113,21 @@ class MemoryBackend:
         with self.mem.lock:
             s = self.mem.steps.get(job.step)
             if s is not None:
-                action = save_action(state_of(self._seen(job.step, s)))
+                action = save_action(state_of(self.seen(job.step, s)))
                 if action == "set-aside":  # known bad: kept for inspection, the step saved again
                     self.mem.aside[(job.step, s.manifest.attempt)] = self.mem.steps.pop(job.step)
                 else:
-                    raise FileExistsError(errno.EEXIST, f"step {job.step} is already committed", self._url(job.step))
+                    raise FileExistsError(errno.EEXIST, f"step {job.step} is already committed", self.url_of(job.step))
             self.mem.attempts[data_prefix(job.step, attempt)] = _Attempt(job.step)
 
-    def _url(self, step: int) -> str:
+    def url_of(self, step: int) -> str:
+        """The URL of ``step`` (in messages and listings)."""
         return f"{SCHEME}{self.mem.name}/{step_dir_name(step)}"
 
-    def _seen(self, step: int, s: _Step) -> Seen:
-        from ..format._stepstates import Fault
-
+    def seen(self, step: int, s: _Step) -> Seen:
+        """What the step rule (``_stepstates``) needs of committed ``s``; under the store's lock."""
         why = _fault_of(s, step)
-        fault = None if why is None else Fault("size-mismatch", why, self._url(step), proven=True)
+        fault = None if why is None else Fault("size-mismatch", why, self.url_of(step), proven=True)
         return Seen(step, step_dir_name(step), "committed", s.manifest.attempt, s.manifest.created, fault,
                     self.mem.marks.get((step, s.manifest.attempt)))  # fmt: skip
 
@@ -163,7 +163,7 @@ class MemoryBackend:
         return None  # every write was whole when it returned
 
     async def commit(self, job: StepJob, loc: str, attempt: str, manifest: bytes) -> None:
-        m = decode(manifest, self._url(job.step) + "/" + MANIFEST)
+        m = decode(manifest, self.url_of(job.step) + "/" + MANIFEST)
         with self.mem.lock:  # the commit point: the manifest and its files published together
             a = self._attempt(loc)
             if m.attempt != attempt or m.step != job.step:
@@ -175,7 +175,7 @@ class MemoryBackend:
             if job.step in self.mem.steps:
                 raise FileExistsError(
                     errno.EEXIST, f"step {job.step} was committed by another attempt while this one wrote",
-                    self._url(job.step))  # fmt: skip
+                    self.url_of(job.step))  # fmt: skip
             self.mem.steps[job.step] = s
             del self.mem.attempts[loc]
 
@@ -193,7 +193,7 @@ def retire_steps(mem: MemoryStore, keep_last: int, dry_run: bool = False) -> lis
     """Keep the newest ``keep_last`` resumable steps of ``mem`` (``_stepstates.victims``)."""
     be = MemoryBackend(mem)
     with mem.lock:
-        ok = [(n, s.manifest.created) for n, s in mem.steps.items() if state_of(be._seen(n, s)) == "complete"]
+        ok = [(n, s.manifest.created) for n, s in mem.steps.items() if state_of(be.seen(n, s)) == "complete"]
         doomed = victims(ok, keep_last)
         if not dry_run:
             for n in doomed:
@@ -232,18 +232,18 @@ class MemoryRoot:
         rows: list[Listed] = []
         with self.mem.lock:
             for n, s in self.mem.steps.items():
-                seen = self._backend._seen(n, s)
+                seen = self._backend.seen(n, s)
                 state = state_of(seen)
                 mark = seen.mark
                 bad = None if mark is None else {"step": n, "attempt": seen.attempt, "path": mark.path,
                                                  "reason": mark.reason, "time": mark.time}  # fmt: skip
                 rows.append(Listed(
-                    n, step_dir_name(n), self._backend._url(n), state, seen.fault is None,
+                    n, step_dir_name(n), self._backend.url_of(n), state, seen.fault is None,
                     None if seen.fault is None else seen.fault.code, None if seen.fault is None else seen.fault.reason,
                     len(s.raw) + sum(map(len, s.files.values())), len(s.files) + 1, s.manifest.world_size,
                     s.manifest.created, s.modified, s.manifest.attempt, bad, s.manifest.run))  # fmt: skip
             for (n, attempt), s in self.mem.aside.items():
-                rows.append(Listed(n, f"{step_dir_name(n)}.bad-{attempt}", self._backend._url(n), "aside", False,
+                rows.append(Listed(n, f"{step_dir_name(n)}.bad-{attempt}", self._backend.url_of(n), "aside", False,
                                    "set-aside", "bad attempt set aside when the step was saved again",
                                    sum(map(len, s.files.values())), len(s.files), None, None, s.modified, attempt))
             for loc, a in self.mem.attempts.items():
@@ -264,13 +264,13 @@ class MemoryRoot:
     def _step(self, step: int) -> _Step:
         with self.mem.lock:
             s = self.mem.steps.get(step)
-            seen = None if s is None else self._backend._seen(step, s)
+            seen = None if s is None else self._backend.seen(step, s)
         if s is None or seen is None:
             raise CheckpointNotFoundError(f"no committed step {step} under {self.url}")
         if seen.fault is not None:
-            raise CheckpointCorruptError(seen.fault.reason, self._backend._url(step))
+            raise CheckpointCorruptError(seen.fault.reason, self._backend.url_of(step))
         if seen.mark is not None:
-            raise CheckpointCorruptError(f"known bad: verification failed: {seen.mark}", self._backend._url(step))
+            raise CheckpointCorruptError(f"known bad: verification failed: {seen.mark}", self._backend.url_of(step))
         return s
 
     def open_step(self, step: int) -> Manifest:
@@ -278,12 +278,12 @@ class MemoryRoot:
 
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
         s = self._step(step)
-        entry = listed_file(s.manifest, name, self._backend._url(step))
+        entry = listed_file(s.manifest, name, self._backend.url_of(step))
         end = check_range(entry.size, offset, length)
         return s.files[name][offset:end]
 
     def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
-        where = self._backend._url(step)
+        where = self._backend.url_of(step)
         return where if name is None else f"{where}/{name}"
 
     def claim(self, role: str) -> Claim:
