@@ -394,3 +394,12 @@ class TestRegistry:
     def test_options_of_a_store_are_refused_for_a_local_root(self, tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="s3://"):
             open_root(tmp_path, storage_options={"endpoint": "http://x"})
+
+    @pytest.mark.parametrize("command", ["ls", "info", "verify", "gc"])
+    def test_the_command_line_calls_an_unknown_scheme_a_usage_error(
+        self, command: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from asyncckpt.cli import EXIT_USAGE, main
+
+        assert main([command, "ftp://host/x"]) == EXIT_USAGE
+        assert "unknown root scheme" in capsys.readouterr().err

@@ -60,9 +60,13 @@ def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
 def root_of(args: argparse.Namespace, default_deadline_s: float = DEFAULT_DEADLINE_S) -> Root:
     """The root ``args.root`` names (``asyncckpt.roots.open_root``, no I/O), with the
     ``--storage-option`` and ``--deadline`` (default ``default_deadline_s``) of a store; for
-    any other root those flags are a usage error (:func:`refuse_remote_options`)."""
+    any other root those flags are a usage error (:func:`refuse_remote_options`), and so is a
+    root ``open_root`` refuses (an unknown scheme)."""
     where: str = args.root
-    root = open_root(where)
+    try:
+        root = open_root(where)
+    except ValueError as e:  # an empty root, a URL of a scheme no root serves
+        raise UsageError(str(e)) from None
     if root.caps.kind != "objstore":
         refuse_remote_options(args, where)
         return root
