@@ -130,7 +130,7 @@ def save(root: Root, step: int, tag: bytes = b"") -> dict[str, bytes]:
     a = root.begin(step)
     for name, data in files.items():
         a.write(name, data)
-    a.commit(manifest(step, a.attempt, files))  # type: ignore[attr-defined]
+    a.commit(manifest(step, a.attempt, files))
     return files
 
 
@@ -226,9 +226,9 @@ class TestRoot:
         for name in one:
             first.write(name, one[name])
             second.write(name, two[name])
-        first.commit(manifest(7, first.attempt, one))  # type: ignore[attr-defined]
+        first.commit(manifest(7, first.attempt, one))
         with pytest.raises(FileExistsError):
-            second.commit(manifest(7, second.attempt, two))  # type: ignore[attr-defined]
+            second.commit(manifest(7, second.attempt, two))
         # the committed step is the first, whole
         assert rig.root.read(7, shard_name(0)) == one[shard_name(0)]
         assert resumable(rig.root) == [7]
@@ -247,7 +247,7 @@ class TestRoot:
         def commit(i: int) -> None:
             gate.wait()
             try:
-                attempts[i].commit(manifest(9, attempts[i].attempt, files[i]))  # type: ignore[attr-defined]
+                attempts[i].commit(manifest(9, attempts[i].attempt, files[i]))
             except BaseException as e:  # noqa: BLE001 - the loser's error is the assertion
                 outcome[i] = e
 
@@ -302,11 +302,11 @@ class TestRoot:
         a.write(tree_name(0), files[tree_name(0)])  # the shard never written
         if rig.root.caps.checks_commit:
             with pytest.raises(CheckpointCorruptError):
-                a.commit(manifest(2, a.attempt, files))  # type: ignore[attr-defined]
+                a.commit(manifest(2, a.attempt, files))
             with pytest.raises(CheckpointNotFoundError):
                 rig.root.open_step(2)
         else:  # committed as told, but never taken by a reader
-            a.commit(manifest(2, a.attempt, files))  # type: ignore[attr-defined]
+            a.commit(manifest(2, a.attempt, files))
             with pytest.raises(CheckpointCorruptError):
                 rig.root.open_step(2)
         assert resumable(rig.root) == [1] and rig.root.newest_resumable() == 1

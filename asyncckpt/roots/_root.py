@@ -147,6 +147,11 @@ class Attempt(Protocol):
         """Where its files go (a directory, a key prefix)."""
         ...
 
+    @property
+    def attempt(self) -> str:
+        """The attempt's id: the manifest passed to :meth:`commit` names it."""
+        ...
+
     def write(self, name: str, data: bytes) -> None:
         """Store ``data`` as the attempt's file ``name``, durable when this returns."""
         ...
