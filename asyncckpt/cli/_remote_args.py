@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..roots import Root, open_root
 from ..roots._scheme import is_url
 from ._args import UsageError
 
@@ -54,6 +55,24 @@ def refuse_remote_options(args: argparse.Namespace, root: str) -> None:
              if getattr(args, dest, None) not in (None, [])]  # fmt: skip
     if given:
         raise UsageError(f"{' and '.join(given)} apply to s3:// URLs only, not to the local root {root!r}")
+
+
+def root_of(args: argparse.Namespace, default_deadline_s: float = DEFAULT_DEADLINE_S) -> Root:
+    """The root ``args.root`` names (``asyncckpt.roots.open_root``, no I/O), with the
+    ``--storage-option`` and ``--deadline`` (default ``default_deadline_s``) of a store; for
+    any other root those flags are a usage error (:func:`refuse_remote_options`), and so is a
+    root ``open_root`` refuses (an unknown scheme)."""
+    where: str = args.root
+    try:
+        root = open_root(where)
+    except ValueError as e:  # an empty root, a URL of a scheme no root serves
+        raise UsageError(str(e)) from None
+    if root.caps.kind != "objstore":
+        refuse_remote_options(args, where)
+        return root
+    value: float | None = getattr(args, "deadline", None)
+    return open_root(where, storage_options=storage_options(args),
+                     deadline_s=default_deadline_s if value is None else value)  # fmt: skip
 
 
 def check_url(url: str) -> str:

@@ -1,5 +1,6 @@
 """What ``gc`` and ``verify`` report, said the same way for a local root and an ``s3://`` one
-(the remote halves, ``_gc_remote`` and ``_verify_remote``, report through these too)."""
+(``gc`` is written once against ``asyncckpt.roots.Root``; ``verify``'s store half,
+``_verify_remote``, reports through these too)."""
 
 from __future__ import annotations
 

@@ -22,13 +22,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..format._layout import parse_aside, parse_leftover, parse_step_dir
-from ..reading import resolve_step_noting
+from ..reading import resolve_in, resolve_step_noting
 from ..roots._scheme import is_url
 from ..roots.posix._storage import DEFAULT_OPS
-from ..threads._sync import run_sync
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
-from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
+from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, root_of, storage_options
 from .info import note_passed_over
 
 if TYPE_CHECKING:
@@ -235,17 +234,14 @@ def _run_remote(args: argparse.Namespace) -> int:
     temporary root beside OUT, on OUT's file system, exported from there, then removed."""
     import tempfile
 
-    from ..loading._remote_info import resolve_remote_step
-    from ..roots.objstore._remote import open_store, pull
+    from ..roots.objstore._remote import pull
 
     url: str = args.root
     opts = storage_options(args)
-    # the manifest first: a rank the step lacks is refused before anything is downloaded
-    store = open_store(url, opts)
     deadline = time.monotonic() + deadline_s(args)
-    passed: list[tuple[int, Any]] = []
-    manifest = run_sync(lambda: resolve_remote_step(store, args.step, deadline, passed))
-    note_passed_over([(s, str(e)) for s, e in passed], manifest.step, "exporting")
+    # the manifest first: a rank the step lacks is refused before anything is downloaded
+    manifest, passed = resolve_in(root_of(args), args.step)
+    note_passed_over(passed, manifest.step, "exporting")
     if args.rank >= manifest.world_size:
         raise DataError(
             f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"

@@ -1,26 +1,15 @@
-"""``asyncckpt gc``: remove leftovers and, with ``--keep-last``, old complete checkpoints
-(of a local root, or of an ``s3://`` root under its lease: ``_gc_remote``)."""
+"""``asyncckpt gc``: remove leftovers and, with ``--keep-last``, old complete checkpoints of any
+root (a directory under its flock, an ``s3://`` prefix under its lease), written once against
+:class:`asyncckpt.roots.Root`."""
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import os
-import time
-import uuid
 from typing import Any
 
-from .._errors import CheckpointNotFoundError
-from ..format._layout import deleting_dir_name
-from ..reading import complete_checkpoints, scan, usage
-from ..roots._badmarks import clear
-from ..roots._scheme import is_url
-from ..roots.posix import _ownership
-from ..roots.posix._retention import choose_victims, leftovers, retire
-from ..roots.posix._storage import DEFAULT_OPS, Storage, remove_tree
-from ..threads._sync import run_sync
-from ._args import command, positive_int, seconds
-from ._remote_args import add_remote_arguments, refuse_remote_options
+from ..roots import Root
+from ._args import UsageError, command, positive_int, seconds
+from ._remote_args import add_remote_arguments, root_of
 from ._reports import Report
 
 
@@ -70,100 +59,65 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _retire(root: str, keep_last: int, by_commit_order: bool) -> list[int]:
-    """Run the library's own retention (rename to ``.deleting-``, fsync the root, remove)."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-gc") as pool:
-        return run_sync(lambda: retire(Storage(pool), root, keep_last, by_commit_order=by_commit_order))
-
-
 def run(args: argparse.Namespace) -> int:
     """Remove old leftovers and, with ``--keep-last``, complete checkpoints beyond the newest N.
 
-    Raises ``RootInUseError`` (exit status 1) if a Checkpointer owns the root: one root has
-    one writer at a time, and gc removes files. ``--dry-run`` reads only.
+    Raises ``RootInUseError`` (exit status 1) if a Checkpointer owns the root (its flock, a
+    live lease): one root has one writer at a time, and gc removes files. ``--dry-run``
+    reads only and takes no ownership.
     """
-    root: str = args.root
-    if is_url(root):
-        from ._gc_remote import run_remote  # imports obstore: only for URLs
-
-        return run_remote(args)
-    refuse_remote_options(args, root)
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"{root} is not a directory")
-    if args.dry_run:
-        return _run(args, root)
-    own = _ownership.acquire(root, [], role="asyncckpt gc")
+    root = root_of(args)
+    if args.by_commit_order and not root.caps.by_commit_order:
+        raise UsageError("--by-commit-order applies to local roots (an object-store root keeps the highest steps)")
     try:
-        return _run(args, root)
+        if args.dry_run:
+            return _run(args, root)
+        claim = root.claim("asyncckpt gc")
+        try:
+            return _run(args, root)
+        finally:
+            claim.release()
     finally:
-        own.release()
+        root.close()
 
 
-def _remove_bad(root: str, name: str, step: int, attempt: str | None) -> None:
-    """Remove a known-bad step directory or a bad attempt set aside: renamed to a
-    ``.deleting-`` name first (a crash leaves a leftover, never a half-removed step), the
-    root fsynced, then its files removed and its bad mark dropped."""
-    src = os.path.join(root, name)
-    dst = os.path.join(root, deleting_dir_name(step, uuid.uuid4().hex[:16]))
-    try:
-        os.rename(src, dst)
-    except FileNotFoundError:
-        return  # removed meanwhile
-    DEFAULT_OPS.fsync_dir(root)
-    remove_tree(dst, DEFAULT_OPS)
-    if attempt is not None:
-        clear(root, step, attempt)
-
-
-def _run(args: argparse.Namespace, root: str) -> int:
+def _run(args: argparse.Namespace, root: Root) -> int:
     dry: bool = args.dry_run
-    now = time.time()
     # every step's state first: marks that cannot be read (CheckpointReadError) stop gc
     # before it removes anything, rather than letting it retire by guess
-    dirs = scan(root)
-    out = Report(os.path.abspath(root), dry, not args.json, args.min_age)
-    for path in leftovers(root):
-        name = os.path.basename(path)
-        try:
-            use = usage(path)
-        except FileNotFoundError:
-            continue
-        age = now - use.modified
-        if age < args.min_age:
-            out.kept(name, age)
-            continue
-        what = "crashed save attempt" if ".tmp-" in name else "interrupted retirement"
-        if not dry:
-            try:
-                remove_tree(path, DEFAULT_OPS)
-            except FileNotFoundError:
-                pass  # removed concurrently (by the library's own clean-up): fine
-        out.removed(name, f"leftover of a {what}", use.size)
-    if args.keep_last is not None:
-        infos = complete_checkpoints(root)  # resumable ones: the same rule as the library's retention
-        sizes = {}
-        for i in infos:
-            try:
-                sizes[i.step] = usage(str(i.path)).size
-            except FileNotFoundError:
-                sizes[i.step] = 0
-        if not dry:
-            victims = _retire(root, args.keep_last, args.by_commit_order)
+    rows = root.list_steps()
+    out = Report(root.url, dry, not args.json, args.min_age)
+    found = root.leftovers()
+    doomed = []
+    for x in found:
+        if x.age_s < args.min_age:
+            out.kept(x.name, x.age_s)
         else:
-            victims = choose_victims(infos, args.keep_last, by_commit_order=args.by_commit_order)
-        for step in victims:
+            doomed.append(x)
+    if not dry:
+        root.remove(doomed)
+    for x in doomed:
+        out.removed(x.name, x.what, x.size)
+    if args.keep_last is not None:
+        # resumable ones only: the library's retention rule (_stepstates.victims)
+        sizes = {d.step: d.size for d in rows if d.resumable}
+        retired = root.retire(args.keep_last, by_commit_order=args.by_commit_order, dry_run=dry)
+        for step in retired:
             out.retired(step, sizes.get(step, 0))
-        out.keeping([i.step for i in infos if i.step not in victims])
-    resumable = [d.step for d in dirs if d.resumable]
-    bad = [d for d in dirs if d.state == "bad"]
-    if bad and max(d.step for d in bad) > max(resumable, default=-1):
-        out.newest_bad(max(d.step for d in bad), max(resumable, default=None))
-    for d in dirs:
+        out.keeping(sorted(s for s in sizes if s not in retired))
+    resumable = [d.step for d in rows if d.resumable]
+    bad = [d.step for d in rows if d.state == "bad"]
+    if bad and max(bad) > max(resumable, default=-1):
+        out.newest_bad(max(bad), max(resumable, default=None))
+    # a store's step prefix without a manifest is a leftover (prefixes are implicit), reported
+    # once, as such; a directory with a committed name is left alone
+    leftover_names = {x.name.rstrip("/") for x in found}
+    for d in rows:
         if d.state in ("bad", "aside"):
             reason = d.reason or (f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}" if d.bad else "")
             if args.remove_bad and not dry:
-                _remove_bad(root, d.name, d.step, d.attempt)
+                root.remove_bad(d)
             out.bad(d.name, d.step, d.state, reason, d.size, args.remove_bad)
-        elif d.state == "incomplete":
+        elif d.state == "incomplete" and d.name not in leftover_names:
             out.left_alone(d.name, d.problem, d.reason)
     return out.finish()

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from ..format._header import TensorSlot
 from ..format._manifest import Manifest
-from ..reading import Entry, local_time, read_rank_outline, resolve_step_noting, timestamp
-from ..roots._scheme import is_url
-from ..threads._sync import run_sync
+from ..reading import Entry, local_time, outline_in, resolve_in, timestamp
 from ._args import add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_age, human_bytes, say
-from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, storage_options
+from ._remote_args import add_remote_arguments, root_of
 
 #: Containers of plain values longer than this are shown on one abbreviated line (``--full``: all).
 SHOWN_ITEMS = 8
@@ -115,13 +112,11 @@ def lines(entries: list[Entry], full: bool) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the saved keys of one rank of one step: tensors with dtype/shape/bytes, other values as saved."""
-    if is_url(args.root):
-        return _run_remote(args)
-    refuse_remote_options(args, args.root)
-    step_dir, manifest, passed = resolve_step_noting(args.root, args.step)
+    root = root_of(args)
+    manifest, passed = resolve_in(root, args.step)
     note_passed_over(passed, manifest.step, "showing")
-    entries, slots = read_rank_outline(step_dir, manifest, args.rank)
-    return _show(args, manifest, os.path.abspath(step_dir), entries, slots)
+    entries, slots = outline_in(root, manifest, args.rank)
+    return _show(args, manifest, root.locate(manifest.step), entries, slots)
 
 
 def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> None:
@@ -130,26 +125,6 @@ def note_passed_over(passed: list[tuple[int, str]], chosen: int, doing: str) -> 
         say(f"{PROG}: note: passed over step {step} ({why})", sys.stderr)
     if passed:
         say(f"{PROG}: note: {doing} step {chosen}, the newest resumable one", sys.stderr)
-
-
-def _run_remote(args: argparse.Namespace) -> int:
-    from ..format._layout import step_dir_name
-    from ..loading._remote_info import remote_rank_outline, resolve_remote_step
-    from ..roots.objstore._remote import open_store
-
-    store = open_store(args.root, storage_options(args))
-    deadline = time.monotonic() + deadline_s(args)
-
-    passed: list[tuple[int, Any]] = []
-
-    async def read() -> tuple[Manifest, list[Entry], dict[str, TensorSlot]]:
-        m = await resolve_remote_step(store, args.step, deadline, passed)
-        entries, slots = await remote_rank_outline(store, m, args.rank, deadline)
-        return m, entries, slots
-
-    manifest, entries, slots = run_sync(read)
-    note_passed_over([(s, str(e)) for s, e in passed], manifest.step, "showing")
-    return _show(args, manifest, store.object_url(step_dir_name(manifest.step)), entries, slots)
 
 
 def _show(

@@ -1,4 +1,5 @@
-"""``asyncckpt ls``: one row per step directory, complete or not."""
+"""``asyncckpt ls``: one row per step entry of any root (a directory, an ``s3://`` prefix),
+complete or not, read through the root's one listing (``Root.list_steps``)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import sys
 import time
 from typing import Any
 
-from ..reading import scan
-from ..roots._scheme import is_url
 from ._args import command
 from ._print import PROG, dump_json, human_age, human_bytes, say, table
-from ._remote_args import add_storage_options, refuse_remote_options
+from ._remote_args import add_storage_options, root_of
+
+#: How long a listing of a store may take.
+LIST_DEADLINE_S = 300.0
+_PLURAL = {"directory": "directories", "prefix": "prefixes"}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -34,40 +37,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print one row per step directory (newest last); ``--json`` prints a JSON list."""
-    root: str = args.root
-    if is_url(root):
-        from ._ls_remote import run_remote  # imports obstore: only for URLs
-
-        return run_remote(args)
-    refuse_remote_options(args, root)
-    dirs = scan(root)
+    """Print one row per step entry (newest last); ``--json`` prints a JSON list."""
+    root = root_of(args, LIST_DEADLINE_S)
+    rows = root.list_steps()
     now = time.time()
     if args.json:
-        dump_json([d.as_json(now) for d in dirs])
+        dump_json([d.as_json(now) for d in rows])
         return 0
-    if not dirs:
-        say(f"{PROG}: no step directories under {root}", sys.stderr)
+    if not rows:
+        say(f"{PROG}: no step {_PLURAL[root.caps.step_noun]} under {args.root}", sys.stderr)
         return 0
-    rows = []
-    for d in dirs:
+    table_rows = []
+    for d in rows:
         since = d.created if d.created is not None else d.modified
         note = d.reason or d.note or ""
         if d.state == "bad" and d.bad is not None:
             note = f"verification failed: {d.bad.get('reason')}: {d.bad.get('path')}"
-        rows.append(
-            [
-                str(d.step),
-                d.status,
-                human_bytes(d.size),
-                str(d.files),
-                "?" if d.ranks is None else str(d.ranks),
-                human_age(now - since),
-                d.name,
-                d.run[:12] if d.run is not None else "-",
-                note,
-            ]
-        )
-    for line in table(["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", "DIRECTORY", "RUN", "NOTE"], rows):
+        table_rows.append([
+            str(d.step), d.status, human_bytes(d.size), str(d.files), "?" if d.ranks is None else str(d.ranks),
+            "?" if since is None else human_age(now - since), d.name, d.run[:12] if d.run is not None else "-", note,
+        ])  # fmt: skip
+    header = ["STEP", "STATUS", "SIZE", "FILES", "RANKS", "AGE", root.caps.step_noun.upper(), "RUN", "NOTE"]
+    for line in table(header, table_rows):
         say(line)
     return 0

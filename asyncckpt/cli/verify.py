@@ -12,11 +12,10 @@ from ..format._layout import step_dir_name
 from ..format._manifest import Manifest
 from ..reading import candidate_steps, newest_complete, passed_over, step_bytes, verify_step
 from ..roots._readfault import fault_of
-from ..roots._scheme import is_url
 from ..roots.posix._discovery import pin_step, unlisted_note
-from ._args import command, non_negative_int
+from ._args import UsageError, command, non_negative_int
 from ._print import PROG, Progress, say
-from ._remote_args import add_remote_arguments, refuse_remote_options
+from ._remote_args import add_remote_arguments, root_of
 from ._reports import report, summarize
 from .info import note_passed_over
 
@@ -74,11 +73,13 @@ def _steps(root: str, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Verify the chosen steps; one ``ok`` line per good step, one error line per problem."""
     root: str = args.root
-    if is_url(root):
-        from ._verify_remote import run_remote
+    kind = root_of(args).caps.kind  # the registry's scheme check; no I/O
+    if kind == "objstore":
+        from ._verify_remote import run_remote  # the store's engine: ranged GETs (imports obstore)
 
         return run_remote(args)
-    refuse_remote_options(args, root)
+    if kind != "posix":
+        raise UsageError(f"verify reads a local directory or an s3:// URL, not {root!r}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     steps = _steps(root, args)

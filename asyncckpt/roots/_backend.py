@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .._info import CheckpointInfo
@@ -32,24 +32,38 @@ from .posix._discovery import observe_step, open_step, read_manifest
 from .posix._retention import leftovers, retire, set_aside
 from .posix._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
 
-if TYPE_CHECKING:
-    from ..saving._commit import SaveJob
-
 log = logging.getLogger("asyncckpt")
+
+
+class StepJob(Protocol):
+    """What a :class:`Backend` reads and updates of one save: the fields it needs of
+    ``saving._commit.SaveJob`` (which satisfies this), so that the storage half does not
+    depend on the saving layer and a root can drive it alone (``_root.BackendAttempt``)."""
+
+    step: int
+    root: str
+    deadline: float  # time.monotonic() by which the outcome must be known
+    timeout: float
+    keep_last: int | None
+    by_commit_order: bool
+    failed_commits: set[str]
+    dead: set[str]
+    retention_lock: asyncio.Lock | None
+    removals: set[asyncio.Task[None]] | None
 
 
 class PhaseTimeout(TimeoutError):
     """A phase of the save ran past the save's deadline (classified as a timeout by name)."""
 
 
-def check_deadline(job: SaveJob) -> None:
+def check_deadline(job: StepJob) -> None:
     """Raise ``PhaseTimeout`` once the save's deadline passed: e.g. this process was stopped
     mid-commit, and the other ranks have given up by now."""
     if time.monotonic() > job.deadline:
         raise PhaseTimeout("the save's deadline passed before the commit point")
 
 
-def dir_deadline(job: SaveJob) -> float:
+def dir_deadline(job: StepJob) -> float:
     """ensure_dir's deadline: a little before the phase's, so its StaleDirectoryError (EEXIST,
     the path) reaches the caller rather than a generic phase timeout."""
     remaining = job.deadline - time.monotonic()
@@ -84,40 +98,40 @@ class Backend(Protocol):
         """The :class:`CheckpointInfo` of committed ``step`` with ``fields``."""
         ...
 
-    async def prepare(self, job: SaveJob, attempt: str) -> None:
+    async def prepare(self, job: StepJob, attempt: str) -> None:
         """Leader: open ``attempt``; refuse a committed step (``FileExistsError``)."""
         ...
 
-    async def join(self, job: SaveJob, loc: str) -> None:
+    async def join(self, job: StepJob, loc: str) -> None:
         """Follower: make sure it can write into ``loc`` (the leader prepared it)."""
         ...
 
     async def write_shard(
-        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+        self, job: StepJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
     ) -> WriteResult:
         """Store ``buf[:size]`` as ``name``, durable when this returns, checksummed.
         ``staged``: the arena is still being copied into; wait for its bytes."""
         ...
 
-    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+    async def write_small(self, job: StepJob, loc: str, name: str, data: bytes) -> WriteResult:
         """Store ``data`` as ``name``, durable when this returns."""
         ...
 
-    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+    async def discard(self, job: StepJob, loc: str, name: str) -> None:
         """Remove this rank's file ``name`` (written, not yet committed) so that it may be
         written again; the next :meth:`seal` makes the removal durable."""
         ...
 
-    async def seal(self, job: SaveJob, loc: str) -> None:
+    async def seal(self, job: StepJob, loc: str) -> None:
         """Every file of this rank is written: make their names durable."""
         ...
 
-    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+    async def commit(self, job: StepJob, loc: str, attempt: str, manifest: bytes) -> None:
         """Leader: publish ``manifest`` and make the step complete (the commit point).
         Raises if the step did not commit as ``attempt``; then it is not complete."""
         ...
 
-    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+    async def abandon(self, job: StepJob, loc: str, ranks: Collection[int], leader: bool) -> None:
         """Remove the files of ``ranks`` from the failed attempt ``loc``, as this rank sees
         them, then the attempt itself once nothing is left in it (raises if it could not;
         it is collected later). The leader (``leader``) takes every rank whose I/O on the
@@ -128,7 +142,7 @@ class Backend(Protocol):
         write can hold an object) and the others nothing."""
         ...
 
-    async def retire(self, job: SaveJob) -> None:
+    async def retire(self, job: StepJob) -> None:
         """Leader, after every commit: remove what the commit made dead, apply ``job.keep_last``
         (``None``: keep every step). Its failures are logged, never fail the save."""
         ...
@@ -214,7 +228,7 @@ class PosixBackend:
     def info(self, step: int, **fields: Any) -> CheckpointInfo:
         return CheckpointInfo(step=step, path=pathlib.Path(self.root) / step_dir_name(step), **fields)
 
-    async def prepare(self, job: SaveJob, attempt: str) -> None:
+    async def prepare(self, job: StepJob, attempt: str) -> None:
         storage, root = self.storage, job.root
         final = os.path.join(root, step_dir_name(job.step))
         # what lies in the way, in one call on the I/O pool (and the attempt made in one more):
@@ -251,26 +265,26 @@ class PosixBackend:
             job.dead.discard(os.path.basename(aside))
         await storage.ensure_dir_durable(self.location(job.step, attempt), root, dir_deadline(job))
 
-    async def join(self, job: SaveJob, loc: str) -> None:
+    async def join(self, job: StepJob, loc: str) -> None:
         await self.storage.ensure_dir(loc, dir_deadline(job))
 
     async def write_shard(
-        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+        self, job: StepJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
     ) -> WriteResult:
         return await self.storage.write_file(
             os.path.join(loc, name), buf, size, direct=True, staged=staged, deadline=job.deadline
         )
 
-    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+    async def write_small(self, job: StepJob, loc: str, name: str, data: bytes) -> WriteResult:
         return await self.storage.write_bytes(os.path.join(loc, name), data)
 
-    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+    async def discard(self, job: StepJob, loc: str, name: str) -> None:
         await self.storage.remove(os.path.join(loc, name))
 
-    async def seal(self, job: SaveJob, loc: str) -> None:
+    async def seal(self, job: StepJob, loc: str) -> None:
         await self.storage.fsync_dir(loc)
 
-    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+    async def commit(self, job: StepJob, loc: str, attempt: str, manifest: bytes) -> None:
         storage = self.storage
         tmp_marker = os.path.join(loc, _manifest.MANIFEST + ".tmp")
         await storage.write_bytes(tmp_marker, manifest)
@@ -291,6 +305,14 @@ class PosixBackend:
                 if await _landed_late(rename, loc, final):
                     await self._take_back(job, final, attempt)
                 raise
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # another attempt's rename won (a writer that does not hold the root): this
+                # one is not committed, said as a store says it
+                raise FileExistsError(
+                    errno.EEXIST, f"step {job.step} was committed by another attempt while this one wrote", final
+                ) from e
             try:
                 await storage.fsync_dir(job.root)
                 # check what was committed: exactly the manifest's files with their sizes, our attempt
@@ -302,7 +324,7 @@ class PosixBackend:
                 await self._take_back(job, final, attempt)
                 raise
 
-    async def _take_back(self, job: SaveJob, final: str, attempt: str) -> None:
+    async def _take_back(self, job: StepJob, final: str, attempt: str) -> None:
         """Undo the commit rename of ``attempt`` (best effort: if that fails, the attempt is
         remembered as failed, and the next start collects the directory)."""
         storage = self.storage
@@ -316,12 +338,12 @@ class PosixBackend:
             job.failed_commits.add(attempt)
             log.warning("could not take back the commit of step %d: %s", job.step, e2)
 
-    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+    async def abandon(self, job: StepJob, loc: str, ranks: Collection[int], leader: bool) -> None:
         # not marked dead if it stays (another rank's files in it): a retry's clean-up must not
         # touch them; the next start removes it
         await self.storage.run(remove_part, loc, ranks, leader, self.storage.ops)
 
-    async def retire(self, job: SaveJob) -> None:
+    async def retire(self, job: StepJob) -> None:
         if job.keep_last is None:
             return
         await retire(

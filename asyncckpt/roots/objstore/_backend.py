@@ -50,14 +50,14 @@ import logging
 import pathlib
 import time
 from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..._errors import CheckpointCorruptError, ObjectStoreError, ObjectStoreTimeoutError, ObjectStoreUnavailableError
 from ..._info import CheckpointInfo
 from ...format._layout import step_dir_name
 from ...format._manifest import decode
 from ...format._stepstates import save_action, state_of
-from .._backend import check_deadline
+from .._backend import StepJob, check_deadline
 from ..posix._storage import Staged, WriteResult, until_staged
 from ._client import ObjectStore, PutInfo
 from ._lease import Lease
@@ -66,9 +66,6 @@ from ._remote import abort_stale_uploads, data_prefix, manifest_key, read_manife
 from ._steps import dirs_of, observe_step, set_aside
 from ._storefull import explain
 from ._view import StoreView
-
-if TYPE_CHECKING:
-    from ...saving._commit import SaveJob
 
 log = logging.getLogger("asyncckpt")
 
@@ -113,7 +110,7 @@ class ObjectBackend:
             step=step, path=pathlib.Path(step_dir_name(step)), url=self.store.object_url(step_dir_name(step)), **fields
         )
 
-    async def prepare(self, job: SaveJob, attempt: str) -> None:
+    async def prepare(self, job: StepJob, attempt: str) -> None:
         if self.lease is not None:
             self.lease.check()  # taken over: this job writes nothing more
         self._fly(job.step, attempt)  # before the first key of the step: the view's floor stays below it
@@ -142,10 +139,10 @@ class ObjectBackend:
                 errno.EEXIST, f"step {job.step} is already committed", self.store.object_url(manifest_key(job.step))
             )
 
-    async def join(self, job: SaveJob, loc: str) -> None:
+    async def join(self, job: StepJob, loc: str) -> None:
         return None  # prefixes are implicit
 
-    def _until(self, job: SaveJob) -> float:
+    def _until(self, job: StepJob) -> float:
         """The store's own deadline for a write: a little before the save's, so a store that
         keeps failing surfaces as its typed error (503 through every retry:
         ``ObjectStoreUnavailableError``, or what ``_storefull.explain`` makes of it in the
@@ -153,7 +150,7 @@ class ObjectBackend:
         return job.deadline - min(4.0, 0.2 * job.timeout)
 
     async def write_shard(
-        self, job: SaveJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
+        self, job: StepJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None
     ) -> WriteResult:
         t0 = time.perf_counter()
         try:
@@ -166,12 +163,12 @@ class ObjectBackend:
             raise
         return WriteResult(put.size, put.crc32c, False, time.perf_counter() - t0, 0.0)
 
-    async def write_small(self, job: SaveJob, loc: str, name: str, data: bytes) -> WriteResult:
+    async def write_small(self, job: StepJob, loc: str, name: str, data: bytes) -> WriteResult:
         t0 = time.perf_counter()
         put = await self._put(job, loc + name, memoryview(data))
         return WriteResult(put.size, put.crc32c, False, time.perf_counter() - t0, 0.0)
 
-    async def _put(self, job: SaveJob, key: str, data: memoryview) -> PutInfo:
+    async def _put(self, job: StepJob, key: str, data: memoryview) -> PutInfo:
         """One object of the attempt; a store that refuses it for good is asked why
         (``_storefull.explain``: out of space is named as such)."""
         try:
@@ -180,13 +177,13 @@ class ObjectBackend:
             failure = await explain(self.store, e, job.deadline)
         raise failure
 
-    async def discard(self, job: SaveJob, loc: str, name: str) -> None:
+    async def discard(self, job: StepJob, loc: str, name: str) -> None:
         await self.store.delete([loc + name], self._until(job))
 
-    async def seal(self, job: SaveJob, loc: str) -> None:
+    async def seal(self, job: StepJob, loc: str) -> None:
         return None  # each upload was durable when it returned
 
-    async def commit(self, job: SaveJob, loc: str, attempt: str, manifest: bytes) -> None:
+    async def commit(self, job: StepJob, loc: str, attempt: str, manifest: bytes) -> None:
         check_deadline(job)
         key = manifest_key(job.step)
         # keep time back: after an unknown outcome the caller still removes the attempt
@@ -214,7 +211,7 @@ class ObjectBackend:
                 self.store.object_url(key),
             )
 
-    async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
+    async def abandon(self, job: StepJob, loc: str, ranks: Collection[int], leader: bool) -> None:
         if not leader:
             return  # the leader removes all the attempt's objects: a store has no file a write can hold
         try:
@@ -232,7 +229,7 @@ class ObjectBackend:
         if self.store.can_list_uploads:
             await self.store.abort_uploads(prefix, deadline=deadline)
 
-    async def retire(self, job: SaveJob) -> None:
+    async def retire(self, job: StepJob) -> None:
         """After ``job`` committed (the leader): one look at the root (``_view``: a
         LIST of the marks and a flat LIST of what lies above the floor; no GET of the manifest
         just created), then from it the objects of other attempts of this step, ``keep_last``

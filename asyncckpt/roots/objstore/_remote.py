@@ -161,7 +161,7 @@ class RemoteStep:
     bad: dict[str, Any] | None = None
 
 
-def _rows(p: Any) -> list[RemoteStep]:
+def rows_of(p: Any) -> list[RemoteStep]:
     """The ``ls`` rows of one observed step prefix (``_steps.StepPrefix``)."""
     from ...format._stepstates import state_of, why_bad
 
@@ -211,7 +211,7 @@ def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline
     store = open_store(url, storage_options)
 
     async def go() -> list[RemoteStep]:
-        return [row for p in await observe(store, time.monotonic() + deadline_s) for row in _rows(p)]
+        return [row for p in await observe(store, time.monotonic() + deadline_s) for row in rows_of(p)]
 
     return run_sync(go)
 

@@ -1,0 +1,187 @@
+"""An S3-compatible prefix (``s3://bucket/prefix``) as a :class:`~asyncckpt.roots._root.Root`:
+the store's discovery (``_steps``: one flat LIST, a GET per manifest), ownership (``_lease``),
+leftovers (``_leftovers``), retention (``_remote.retire_remote``), bad marks on the store,
+and the save protocol's ``ObjectBackend`` (commit by conditional create) for attempts. Every
+call runs on the shared loop (``threads._sync``) with a deadline of ``deadline_s`` from the
+call."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+from ..._errors import CheckpointCorruptError
+from ...format._layout import data_prefix, step_dir_name
+from ...format._manifest import Manifest
+from ...format._stepstates import victims
+from ...threads._sync import run_sync
+from .._badmarks import clear_on_store, record_on_store
+from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
+from ._backend import ObjectBackend
+from ._lease import Lease
+from ._leftovers import remove, survey
+from ._remote import RemoteStep, open_store, retire_remote, rows_of
+from ._steps import newest_resumable, observe, observe_step, open_step, remove_bad
+
+CAPS = Capabilities(
+    "objstore", "lease", "conditional-create",
+    by_commit_order=False, mmap=False, step_noun="prefix", checks_commit=False,
+)
+#: How long one call may take by default (a listing of a large root included).
+DEFAULT_DEADLINE_S = 3600.0
+
+_WHAT = {
+    "uncommitted": "leftover of a save or push that never committed",
+    "dead-attempt": "objects of an attempt that lost its step's commit",
+    "upload": "incomplete multipart upload",
+}
+
+
+def listed(s: RemoteStep, url: str) -> Listed:
+    """An ``ls`` row of the store's, in the shape every root lists (a local row's, key for
+    key: what differs is where, a URL, and when, the store's clock)."""
+    name = s.name.rstrip("/") or f"step_{s.step:08d}"
+    modified = s.modified if s.modified is not None else s.created
+    return Listed(
+        s.step, name, f"{url.rstrip('/')}/{name}", s.status, s.complete, s.problem,  # type: ignore[arg-type]
+        # a step known bad by its mark says why in ``bad``, as a local row does
+        None if s.bad is not None else (s.reason or None), s.size, s.files, s.world_size, s.created, modified,
+        s.attempt, s.bad, s.run)  # fmt: skip
+
+
+class _LeaseClaim:
+    def __init__(self, lease: Lease, owner: ObjectRoot) -> None:
+        self._lease, self._owner = lease, owner
+
+    def check(self) -> None:
+        self._lease.check()
+
+    def release(self) -> None:
+        if self._owner.lease is self._lease:
+            self._owner.lease = None
+        self._lease.release()
+
+
+class ObjectRoot:
+    """An object-store root (module docstring); makes no request until a method is called."""
+
+    caps = CAPS
+
+    def __init__(self, url: str, storage_options: Mapping[str, str] | None = None,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:  # fmt: skip
+        self.store = open_store(url, storage_options)
+        self.url = self.store.url  # normalised: s3://bucket/prefix
+        self.deadline_s = deadline_s
+        #: the lease while :meth:`claim` holds it (removals check it first)
+        self.lease: Lease | None = None
+
+    def __repr__(self) -> str:
+        return f"ObjectRoot({self.url!r})"
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.deadline_s
+
+    def list_steps(self) -> list[Listed]:
+        async def go() -> list[RemoteStep]:
+            return [row for p in await observe(self.store, self._deadline()) for row in rows_of(p)]
+
+        return [listed(s, self.url) for s in run_sync(go)]
+
+    def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
+        found = run_sync(lambda: newest_resumable(self.store, self._deadline(), passed=passed))
+        return None if found is None else found[0].step
+
+    def open_step(self, step: int) -> Manifest:
+        return run_sync(lambda: open_step(self.store, step, self._deadline()))[0]
+
+    def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        deadline = self._deadline()
+
+        async def go() -> bytes:
+            m, _ = await open_step(self.store, step, deadline)  # one LIST: every size as listed
+            entry = listed_file(m, name, self.store.object_url(data_prefix(step, m.attempt)))
+            end = check_range(entry.size, offset, length)
+            out = bytearray(end - offset)
+            if out:
+                await self.store.get_range_into(data_prefix(step, m.attempt) + name, offset, memoryview(out), deadline)
+            return bytes(out)
+
+        return run_sync(go)
+
+    def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
+        if name is None:
+            return self.store.object_url(step_dir_name(step))
+        return self.store.object_url(data_prefix(step, attempt) + name if attempt else f"{step_dir_name(step)}/{name}")
+
+    def claim(self, role: str) -> Claim:
+        lease = Lease(self.store, [], role)
+        try:
+            run_sync(lambda: lease.take(self._deadline()))
+        except BaseException:
+            lease.release()
+            raise
+        self.lease = lease
+        return _LeaseClaim(lease, self)
+
+    def begin(self, step: int) -> Attempt:
+        return BackendAttempt(ObjectBackend(self.store, lease=self.lease), self.url, step)
+
+    def leftovers(self) -> list[Leftover]:
+        deadline = self._deadline()
+
+        async def go() -> list[Leftover]:
+            found = await survey(self.store, deadline)
+            # ages by the store's clock; without the lease nothing is written (the clock is
+            # read by writing a scratch object), so this machine's
+            if self.lease is not None and found.leftovers:
+                now = await self.store.server_time(deadline)
+            else:
+                now = _dt.datetime.now(_dt.timezone.utc)
+            return [Leftover(x.name, _WHAT[x.kind], x.size,
+                             (now - x.modified).total_seconds() if x.modified is not None else math.inf, x)
+                    for x in found.leftovers]  # fmt: skip
+
+        return run_sync(go)
+
+    def remove(self, leftovers: Sequence[Leftover]) -> None:
+        if not leftovers:
+            return
+        if self.lease is not None:
+            self.lease.check()
+        run_sync(lambda: remove(self.store, [x.handle for x in leftovers], self._deadline()))
+
+    def retire(self, keep_last: int, *, by_commit_order: bool = False, dry_run: bool = False) -> list[int]:
+        if by_commit_order:
+            raise ValueError("an object-store root keeps the highest steps (by_commit_order is for local roots)")
+        deadline = self._deadline()
+        if dry_run:
+            found = run_sync(lambda: survey(self.store, deadline, uploads=False))
+            return victims([(s, 0.0) for s in found.complete], keep_last)
+        if self.lease is not None:
+            self.lease.check()
+        return sorted(run_sync(lambda: retire_remote(self.store, keep_last, deadline, self.lease)))
+
+    def remove_bad(self, entry: Listed) -> None:
+        if entry.state not in ("bad", "aside"):
+            raise ValueError(f"{entry.name} is {entry.state}, not known bad: only bad steps are removed")
+        deadline = self._deadline()
+
+        async def go() -> None:
+            p = await observe_step(self.store, entry.step, deadline)
+            await remove_bad(self.store, p, deadline, self.lease)
+
+        run_sync(go)
+
+    def mark_bad(self, step: int, attempt: str, path: str, reason: str) -> bool:
+        return bool(run_sync(lambda: record_on_store(self.store, step, attempt, path, reason, self._deadline())))
+
+    def clear_bad(self, step: int, attempt: str) -> bool:
+        return run_sync(lambda: clear_on_store(self.store, step, attempt, self._deadline()))
+
+    def close(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+

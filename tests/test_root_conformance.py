@@ -1,0 +1,405 @@
+"""One conformance suite for every :class:`asyncckpt.roots.Root` (zarr's ``StoreTests`` style):
+a local directory on ``tmp_path``, memory, and the real SeaweedFS on loopback. Each case is a
+rule every root keeps: an attempt is invisible until its commit, a commit is atomic and a
+second commit of the step is refused, retire never takes the newest resumable step nor counts
+a bad one, leftovers are found and removed, ownership is exclusive, reads are bounded by the
+manifest (a truncated or grown file is named corrupt before anything is read).
+
+The faults are made the way each medium makes them: files rewritten on disk, objects put
+with a plain obstore client, the memory store changed in place (``Rig.tamper``)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncckpt import CheckpointCorruptError, CheckpointNotFoundError, RootInUseError
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.format._manifest import FileEntry, encode, shard_name, tree_name
+from asyncckpt.roots import Root, _memory, open_root
+
+pytestmark = pytest.mark.timeout(120)
+
+_names = itertools.count()
+
+
+class Rig:
+    """A fresh root of one kind, a second handle on it (another claimant), and ``tamper``:
+    replace the bytes of a committed step's file behind the root's back."""
+
+    def __init__(self, where: str, tamper: Callable[[int, str, str, bytes], None], **kw: Any) -> None:
+        self.where, self.kw = where, kw
+        self.root: Root = open_root(where, **kw)
+        self._tamper = tamper
+        self.opened = [self.root]
+
+    def other(self, impatient: bool = False) -> Root:
+        """Another handle on the root (another claimant). ``impatient``: a store's lease taker
+        gives up after 3 s (else it watches a live holder until a renewal, seconds)."""
+        kw = dict(self.kw, deadline_s=3.0) if impatient and "deadline_s" in self.kw else self.kw
+        r = open_root(self.where, **kw)
+        self.opened.append(r)
+        return r
+
+    def tamper(self, step: int, name: str, data: bytes) -> None:
+        m = self.root.open_step(step)
+        self._tamper(step, m.attempt, name, data)
+
+    def close(self) -> None:
+        for r in self.opened:
+            r.close()
+
+
+def _posix(tmp_path: Path) -> Rig:
+    root = tmp_path / "ck"
+    root.mkdir()
+
+    def tamper(step: int, attempt: str, name: str, data: bytes) -> None:
+        (root / f"step_{step:08d}" / name).write_bytes(data)
+
+    return Rig(str(root), tamper)
+
+
+def _memory_rig() -> Rig:
+    name = f"conformance-{next(_names)}-{uuid.uuid4().hex[:6]}"
+
+    def tamper(step: int, attempt: str, fname: str, data: bytes) -> None:
+        mem = _memory.store(name)
+        with mem.lock:
+            mem.steps[step].files[fname] = data
+
+    return Rig(f"memory://{name}", tamper)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    from s3fixtures import require_s3, running_server
+
+    require_s3()
+    with running_server("conformance") as server:
+        yield server
+
+
+def _s3(server: Any) -> Rig:
+    from s3fixtures import opts, put
+
+    url = f"s3://conformance/r{next(_names)}-{uuid.uuid4().hex[:6]}"
+
+    def tamper(step: int, attempt: str, name: str, data: bytes) -> None:
+        put(server.endpoint, url, f"step_{step:08d}/a-{attempt}/{name}", data)
+
+    return Rig(url, tamper, storage_options=opts(server.endpoint), deadline_s=60.0)
+
+
+@pytest.fixture(params=["posix", "memory", "s3"])
+def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
+    if request.param == "posix":
+        r = _posix(tmp_path)
+    elif request.param == "memory":
+        r = _memory_rig()
+    else:
+        r = _s3(request.getfixturevalue("s3"))
+    try:
+        yield r
+    finally:
+        r.close()
+        if request.param == "memory":
+            _memory.drop(r.where[len("memory://"):])
+
+
+def payload(step: int, tag: bytes = b"") -> dict[str, bytes]:
+    return {shard_name(0): b"S" * 64 + tag + step.to_bytes(4, "little"), tree_name(0): b'{"step": %d}' % step}
+
+
+def manifest(step: int, attempt: str, files: dict[str, bytes], created: float | None = None) -> bytes:
+    entries = [FileEntry(n, len(d), crc32c(d), 0) for n, d in files.items()]
+    return encode(step, attempt, 1, sum(len(d) for d in files.values()),
+                  time.time() if created is None else created, entries, {})  # fmt: skip
+
+
+def save(root: Root, step: int, tag: bytes = b"") -> dict[str, bytes]:
+    """Commit ``step`` through the root's own attempt: what a one-rank save does."""
+    files = payload(step, tag)
+    a = root.begin(step)
+    for name, data in files.items():
+        a.write(name, data)
+    a.commit(manifest(step, a.attempt, files))
+    return files
+
+
+def resumable(root: Root) -> list[int]:
+    return [r.step for r in root.list_steps() if r.resumable]
+
+
+class TestRoot:
+    """The rules every root keeps (module docstring)."""
+
+    def test_capabilities_say_how_it_differs(self, rig: Rig) -> None:
+        caps = rig.root.caps
+        assert caps.kind in ("posix", "objstore", "memory")
+        assert {"posix": "flock", "objstore": "lease", "memory": "lock"}[caps.kind] == caps.ownership
+        assert caps.mmap == (caps.kind == "posix")
+
+    def test_empty_root_lists_nothing(self, rig: Rig) -> None:
+        assert rig.root.list_steps() == []
+        assert rig.root.newest_resumable() is None
+        assert rig.root.leftovers() == []
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.open_step(1)
+
+    def test_committed_step_lists_opens_and_reads(self, rig: Rig) -> None:
+        files = save(rig.root, 3)
+        (row,) = rig.root.list_steps()
+        assert (row.step, row.state, row.resumable, row.complete, row.ranks) == (3, "complete", True, True, 1)
+        assert row.size >= sum(map(len, files.values())) and row.files == 3
+        assert row.as_json(time.time())["status"] == "complete"
+        m = rig.root.open_step(3)
+        assert {f.name: f.size for f in m.files} == {n: len(d) for n, d in files.items()}
+        assert rig.root.newest_resumable() == 3
+        for name, data in files.items():
+            assert rig.root.read(3, name) == data
+            assert rig.root.read(3, name, 2, 5) == data[2:7]
+            assert rig.root.read(3, name, len(data), 0) == b""
+
+    def test_reads_are_bounded_by_the_manifest(self, rig: Rig) -> None:
+        files = save(rig.root, 1)
+        shard = files[shard_name(0)]
+        with pytest.raises(ValueError, match="outside"):
+            rig.root.read(1, shard_name(0), 0, len(shard) + 1)
+        with pytest.raises(ValueError, match="outside"):
+            rig.root.read(1, shard_name(0), -1, 2)
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.read(1, "rank00001.safetensors")
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.read(2, shard_name(0))
+
+    @pytest.mark.parametrize("how", ["truncated", "grown"])
+    def test_a_file_not_of_its_listed_size_is_corrupt(self, rig: Rig, how: str) -> None:
+        save(rig.root, 1)
+        good = save(rig.root, 2)
+        shard = good[shard_name(0)]
+        rig.tamper(2, shard_name(0), shard[:10] if how == "truncated" else shard + b"\0" * (1 << 20))
+        with pytest.raises(CheckpointCorruptError):
+            rig.root.read(2, shard_name(0), 0, 4)
+        with pytest.raises(CheckpointCorruptError):
+            rig.root.open_step(2)
+        rows = {r.step: r for r in rig.root.list_steps()}
+        # the problem's code is the medium's (a store's LIST cannot tell "missing" from "size")
+        assert rows[2].state == "bad" and not rows[2].resumable and rows[2].problem in ("size-mismatch", "corrupt")
+        passed: list[tuple[int, CheckpointCorruptError]] = []
+        assert rig.root.newest_resumable(passed) == 1  # the last good checkpoint still resumes
+        assert [s for s, _ in passed] == [2]
+
+    def test_a_torn_attempt_is_invisible_and_a_leftover(self, rig: Rig) -> None:
+        save(rig.root, 1)
+        a = rig.root.begin(2)
+        for name, data in payload(2).items():
+            a.write(name, data)
+        # written, never committed (the writer died): no reader may take it
+        assert resumable(rig.root) == [1]
+        assert rig.root.newest_resumable() == 1
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.open_step(2)
+        (left,) = rig.root.leftovers()
+        assert left.size >= sum(map(len, payload(2).values())) and left.age_s < 3600
+        rig.root.remove([left])
+        assert rig.root.leftovers() == []
+        assert resumable(rig.root) == [1] and rig.root.read(1, tree_name(0)) == payload(1)[tree_name(0)]
+
+    def test_an_aborted_attempt_leaves_nothing(self, rig: Rig) -> None:
+        a = rig.root.begin(5)
+        a.write(shard_name(0), b"x" * 10)
+        a.abort()
+        assert rig.root.list_steps() == [] and rig.root.leftovers() == []
+
+    def test_a_second_commit_of_a_step_is_refused(self, rig: Rig) -> None:
+        first = rig.root.begin(7)
+        second = rig.other().begin(7)  # another writer, begun before either committed
+        one, two = payload(7, b"one"), payload(7, b"two")
+        for name in one:
+            first.write(name, one[name])
+            second.write(name, two[name])
+        first.commit(manifest(7, first.attempt, one))
+        with pytest.raises(FileExistsError):
+            second.commit(manifest(7, second.attempt, two))
+        # the committed step is the first, whole
+        assert rig.root.read(7, shard_name(0)) == one[shard_name(0)]
+        assert resumable(rig.root) == [7]
+        with pytest.raises(FileExistsError):
+            rig.root.begin(7)  # and a step committed is never begun again
+
+    def test_two_commits_racing_one_wins(self, rig: Rig) -> None:
+        attempts = [rig.root.begin(9), rig.other().begin(9)]
+        files = [payload(9, b"a"), payload(9, b"b")]
+        for a, f in zip(attempts, files, strict=True):
+            for name, data in f.items():
+                a.write(name, data)
+        gate = threading.Barrier(2, timeout=30)
+        outcome: list[BaseException | None] = [None, None]
+
+        def commit(i: int) -> None:
+            gate.wait()
+            try:
+                attempts[i].commit(manifest(9, attempts[i].attempt, files[i]))
+            except BaseException as e:  # noqa: BLE001 - the loser's error is the assertion
+                outcome[i] = e
+
+        threads = [threading.Thread(target=commit, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        lost = [i for i in (0, 1) if outcome[i] is not None]
+        assert len(lost) == 1 and isinstance(outcome[lost[0]], FileExistsError), outcome
+        won = 1 - lost[0]
+        assert rig.root.read(9, shard_name(0)) == files[won][shard_name(0)]  # the winner, whole
+        assert resumable(rig.root) == [9]
+
+    def test_a_reader_racing_the_writer_reads_every_step_it_is_given(self, rig: Rig) -> None:
+        done = threading.Event()
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            reader = rig.other()
+            while not done.is_set():
+                try:
+                    step = reader.newest_resumable()
+                    if step is not None:
+                        assert reader.read(step, tree_name(0)) == payload(step)[tree_name(0)]
+                        seen.append(step)
+                except CheckpointNotFoundError:
+                    pass  # retired between the look and the read: gone, never torn
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+
+        t = threading.Thread(target=read)
+        t.start()
+        try:
+            for step in range(1, 7):
+                save(rig.root, step)
+                rig.root.retire(2)
+        finally:
+            done.set()
+            t.join(60)
+        assert not errors, errors
+        assert seen == sorted(seen)
+        assert resumable(rig.root) == [5, 6]
+
+    def test_a_manifest_naming_files_not_written_is_not_committed(self, rig: Rig) -> None:
+        save(rig.root, 1)
+        a = rig.root.begin(2)
+        files = payload(2)
+        a.write(tree_name(0), files[tree_name(0)])  # the shard never written
+        if rig.root.caps.checks_commit:
+            with pytest.raises(CheckpointCorruptError):
+                a.commit(manifest(2, a.attempt, files))
+            with pytest.raises(CheckpointNotFoundError):
+                rig.root.open_step(2)
+        else:  # committed as told, but never taken by a reader
+            a.commit(manifest(2, a.attempt, files))
+            with pytest.raises(CheckpointCorruptError):
+                rig.root.open_step(2)
+        assert resumable(rig.root) == [1] and rig.root.newest_resumable() == 1
+
+    def test_ownership_is_exclusive_between_two_claimants(self, rig: Rig) -> None:
+        claim = rig.root.claim("first")
+        with pytest.raises(RootInUseError):
+            rig.other(impatient=True).claim("second")
+        claim.check()
+        claim.release()
+        claim.release()  # idempotent
+        again = rig.other().claim("second")
+        try:
+            with pytest.raises(RootInUseError):
+                rig.other(impatient=True).claim("third")
+        finally:
+            again.release()
+        rig.root.claim("fourth").release()
+
+    def test_retire_keeps_the_newest_and_lists_what_is_left(self, rig: Rig) -> None:
+        for step in (1, 2, 3, 4):
+            save(rig.root, step)
+        claim = rig.root.claim("retire")
+        try:
+            with pytest.raises(ValueError):
+                rig.root.retire(0)  # never every step: the newest resumable one always stays
+            assert rig.root.retire(2, dry_run=True) == [1, 2]
+            assert resumable(rig.root) == [1, 2, 3, 4]  # a dry run changes nothing
+            assert rig.root.retire(2) == [1, 2]
+            assert [r.step for r in rig.root.list_steps()] == [3, 4]
+            assert rig.root.retire(1) == [3]
+        finally:
+            claim.release()
+        assert resumable(rig.root) == [4] and rig.root.newest_resumable() == 4
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.open_step(3)
+        assert rig.root.read(4, tree_name(0)) == payload(4)[tree_name(0)]
+
+    def test_a_bad_step_neither_counts_nor_goes_and_never_hides_the_last_good(self, rig: Rig) -> None:
+        for step in (1, 2, 3):
+            save(rig.root, step)
+        m = rig.root.open_step(3)
+        assert rig.root.mark_bad(3, m.attempt, "rank00000.safetensors", "crc mismatch")
+        rows = {r.step: r for r in rig.root.list_steps()}
+        assert rows[3].state == "bad" and rows[3].bad is not None and rows[3].bad["reason"] == "crc mismatch"
+        assert rig.root.newest_resumable() == 2
+        assert rig.root.retire(1) == [1]  # step 2 is the newest resumable: it stays; bad 3 is not counted
+        assert [r.step for r in rig.root.list_steps()] == [2, 3]
+        with pytest.raises(ValueError):
+            rig.root.remove_bad(rows[2])  # never a resumable step
+        assert rig.root.clear_bad(3, m.attempt)
+        assert rig.root.newest_resumable() == 3
+        assert rig.root.mark_bad(3, m.attempt, "rank00000.safetensors", "crc mismatch")
+        rig.root.remove_bad({r.step: r for r in rig.root.list_steps()}[3])
+        assert [r.step for r in rig.root.list_steps()] == [2] and rig.root.newest_resumable() == 2
+
+    def test_a_bad_step_is_set_aside_when_saved_again(self, rig: Rig) -> None:
+        save(rig.root, 1)
+        m = rig.root.open_step(1)
+        rig.root.mark_bad(1, m.attempt, "rank00000.safetensors", "crc mismatch")
+        files = save(rig.root, 1, b"again")
+        states = sorted(r.state for r in rig.root.list_steps())
+        assert states == ["aside", "complete"]
+        assert rig.root.read(1, shard_name(0)) == files[shard_name(0)]
+
+
+class TestRegistry:
+    def test_the_scheme_picks_the_root(self, tmp_path: Path) -> None:
+        assert open_root(tmp_path).caps.kind == "posix"
+        assert open_root(str(tmp_path)).caps.kind == "posix"
+        assert open_root("memory://x").caps.kind == "memory"
+        assert open_root("s3://bucket/prefix").caps.kind == "objstore"  # no I/O until a call
+
+    @pytest.mark.parametrize("bad", ["", "memory://", "ftp://host/x", "gs://bucket/p"])
+    def test_bad_roots_are_refused_at_the_call(self, bad: str) -> None:
+        with pytest.raises(ValueError):
+            open_root(bad)
+
+    def test_only_a_path_or_str(self) -> None:
+        with pytest.raises(TypeError):
+            open_root(3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            open_root(b"/tmp")  # type: ignore[arg-type]
+
+    def test_options_of_a_store_are_refused_for_a_local_root(self, tmp_path: Path) -> None:
+        with pytest.raises(ValueError, match="s3://"):
+            open_root(tmp_path, storage_options={"endpoint": "http://x"})
+
+    @pytest.mark.parametrize("command", ["ls", "info", "verify", "gc"])
+    def test_the_command_line_calls_an_unknown_scheme_a_usage_error(
+        self, command: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from asyncckpt.cli import EXIT_USAGE, main
+
+        assert main([command, "ftp://host/x"]) == EXIT_USAGE
+        assert "unknown root scheme" in capsys.readouterr().err
