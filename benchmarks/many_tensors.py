@@ -80,7 +80,7 @@ class GcPasses:
 # ---------------------------------------------------------------------- one case (own process)
 def _phase_stamps() -> dict[str, float]:
     """Wrap what ``save()`` calls for its fixed work; the dict accumulates seconds per phase."""
-    from asyncckpt import _checkpointer as ck
+    from asyncckpt.checkpointer import _facade as ck
 
     acc: dict[str, float] = {}
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import Checkpointer, RootInUseError, _checkpointer
+from asyncckpt import Checkpointer, RootInUseError
+from asyncckpt.checkpointer import _facade as _checkpointer
 from asyncckpt.roots import _rootstart
 from asyncckpt.roots.posix import _ownership
 from asyncckpt.threads import _writer

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._errors import (
+from .._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,36 +35,36 @@ from ._errors import (
     SaveTimeoutError,
     with_global_ranks,
 )
-from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
-from .format._gcpause import paused_gc
-from .format._header import round_up
-from .format._layout import check_step, step_dir_name
-from .format._lifecycle import SaveState
-from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
-from .format._structure import TensorRef, check_strip_prefixes, flatten, tree_json
-from .loading import _load, _load_global, _resume
-from .loading._stepfiles import NoSuchShard
-from .ranks import _agree, _distributed
-from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
-from .roots import _readfault, _rootstart, _runs
-from .roots._backend import Backend, PosixBackend
-from .roots._scheme import is_url
-from .roots.posix import _discovery
-from .roots.posix._ownership import Ownership
-from .roots.posix._retention import retire
-from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
-from .saving import _dedupe
-from .saving._commit import SaveJob, run_save
-from .saving._handle import SaveHandle, SaveRecord
-from .saving._mirror import Mirror, UploadRecord, check_options
-from .saving._staging import Arena, StageProgress, StagingPool
-from .threads._iopool import IOPool
-from .threads._sync import run_sync
-from .threads._writer import StartGate, WriterThread
+from .._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
+from ..format._gcpause import paused_gc
+from ..format._header import round_up
+from ..format._layout import check_step, step_dir_name
+from ..format._lifecycle import SaveState
+from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
+from ..format._structure import TensorRef, check_strip_prefixes, flatten, tree_json
+from ..loading import _load, _load_global, _resume
+from ..loading._stepfiles import NoSuchShard
+from ..ranks import _agree, _distributed
+from ..ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
+from ..roots import _readfault, _rootstart, _runs
+from ..roots._backend import Backend, PosixBackend
+from ..roots._scheme import is_url
+from ..roots.posix import _discovery
+from ..roots.posix._ownership import Ownership
+from ..roots.posix._retention import retire
+from ..roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
+from ..saving import _dedupe
+from ..saving._commit import SaveJob, run_save
+from ..saving._handle import SaveHandle, SaveRecord
+from ..saving._mirror import Mirror, UploadRecord, check_options
+from ..saving._staging import Arena, StageProgress, StagingPool
+from ..threads._iopool import IOPool
+from ..threads._sync import run_sync
+from ..threads._writer import StartGate, WriterThread
 
 if TYPE_CHECKING:
-    from .roots.objstore._lease import Lease
-    from .roots.objstore._remote import RemoteCheckpointInfo
+    from ..roots.objstore._lease import Lease
+    from ..roots.objstore._remote import RemoteCheckpointInfo
 
 OnError = Literal["raise", "warn"]
 DirectIO = Literal["auto", "on", "off"]
@@ -367,7 +367,7 @@ class Checkpointer:
         store = None
         if is_url(root):
             store = _open_store_root(root, mirror, keep_last_remote, storage_options, direct_io, allow_earlier_steps)
-            from .roots.objstore._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
+            from ..roots.objstore._lease import DEFAULT_TTL_S, Lease, check_ttl  # obstore: only for s3:// roots
 
             ttl = check_ttl(lease_ttl) if lease_ttl is not None else DEFAULT_TTL_S
         else:
@@ -377,7 +377,7 @@ class Checkpointer:
                     raise ValueError(
                         "lease_ttl applies to an object-store root (s3://...) or a mirror=; a local root is locked"
                     )
-                from .roots.objstore._lease import check_ttl  # obstore: only for tier mode
+                from ..roots.objstore._lease import check_ttl  # obstore: only for tier mode
 
                 lease_ttl = check_ttl(lease_ttl)  # the mirror's lease (taken at its first upload)
         if not isinstance(root, (str, os.PathLike)):
@@ -481,7 +481,7 @@ class Checkpointer:
             rt.ownership = ownership
             rt.lease = lease
             if store is not None:
-                from .roots.objstore._backend import ObjectBackend
+                from ..roots.objstore._backend import ObjectBackend
 
                 rt.backend = ObjectBackend(store, lease, surveyed)
             else:
@@ -806,7 +806,7 @@ class Checkpointer:
 
         def look() -> list[int]:
             if self._store is not None:
-                from .roots.objstore._steps import step_states
+                from ..roots.objstore._steps import step_states
 
                 store, timeout = self._store, self.timeout
                 states = run_sync(lambda: step_states(store, time.monotonic() + timeout))
@@ -1364,7 +1364,7 @@ class Checkpointer:
         if found is None:
             return None
         if len(found) == 7:
-            from .roots.objstore._remote import RemoteCheckpointInfo
+            from ..roots.objstore._remote import RemoteCheckpointInfo
 
             return RemoteCheckpointInfo(*found)
         step, nbytes, world_size, created, run = found
@@ -1491,7 +1491,7 @@ class Checkpointer:
         """The newest complete step of this Checkpointer's root (no collective); on a store
         within ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
         if self._store is not None:
-            from .roots.objstore._remote import newest_complete
+            from ..roots.objstore._remote import newest_complete
 
             store, timeout = self._store, self.timeout if deadline_s is None else deadline_s
             found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
@@ -1507,7 +1507,7 @@ class Checkpointer:
         ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
         picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
         every rank fall back to the same older step; an explicit step raises on every rank)."""
-        from .loading import _remote_load
+        from ..loading import _remote_load
 
         if mmap:
             raise ValueError(f"mmap=True needs a local root, not {self.root}")
@@ -1527,7 +1527,7 @@ class Checkpointer:
         agree to retry. As on a file system: a step without a global index is read into the
         targets at once unless ``verify_first`` (then restored once every rank verified); an
         indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
-        from .loading import _remote_load
+        from ..loading import _remote_load
 
         return _remote_load.load(
             self.root, step, into=None if reader.verify_first else reader.into, verify=verify, rank=shard,
@@ -1568,7 +1568,7 @@ class Checkpointer:
         (``load()`` with no step) a step that does not verify is logged and the newest older
         one of this run on either tier loads instead. Each rank reads its own shard (no
         agreement round: see README), so a read ``reader`` defers is finished at once."""
-        from .loading import _remote_load
+        from ..loading import _remote_load
 
         assert self._mirror is not None
         mirror = self._mirror
@@ -1805,7 +1805,7 @@ def load(
     if is_url(root):
         if mmap:
             raise ValueError("mmap=True needs a local root, not an s3:// URL")
-        from .remote import load as load_remote
+        from ..remote import load as load_remote
 
         return load_remote(
             root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
@@ -1844,7 +1844,7 @@ def _spread_replica_writes(
     """``flatten``'s DTensors and tensors with each replicated box written by the replica
     ``_sharding.spread_writers`` picks instead of the lowest one (HSDP: spread over the
     replica dim); the tensors to stage follow: this rank's local shards it now writes."""
-    from .format import _sharding
+    from ..format import _sharding
 
     infos = _sharding.spread_writers([info for _, info, _ in found])
     before = {name for name, info, _ in found if info.writer}
@@ -1927,7 +1927,7 @@ def _exit_hook() -> None:
         for r in failures:
             unseen.append(f"asyncckpt: save of step {r.step} under {ck.root} failed: {_describe(r.failure())}")
     if settle:
-        from .roots.objstore._client import let_runtime_settle
+        from ..roots.objstore._client import let_runtime_settle
 
         let_runtime_settle()
     if unseen:
@@ -1962,19 +1962,19 @@ def _open_store_root(
         raise ValueError("allow_earlier_steps=True is not supported on an object-store root yet")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a mapping of str to str, not {type(storage_options).__name__}")
-    from .roots.objstore._remote import open_store
+    from ..roots.objstore._remote import open_store
 
     return open_store(url, storage_options)
 
 
 def _remote_steps(store: Any, timeout: float) -> list[int]:
-    from .roots.objstore._remote import complete_steps
+    from ..roots.objstore._remote import complete_steps
 
     return [m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout))]
 
 
 def _remote_info(store: Any, m: Any) -> RemoteCheckpointInfo:
-    from .roots.objstore._remote import info_of
+    from ..roots.objstore._remote import info_of
 
     info: RemoteCheckpointInfo = info_of(store, m)
     return info
