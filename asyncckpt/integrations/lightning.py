@@ -36,7 +36,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from .._errors import CheckpointError
 from .._info import CheckpointInfo
-from ..checkpointer._facade import Checkpointer, load
+from ..checkpointer._facade import Checkpointer
+from ..checkpointer._loader import load
 from ._publish import Publisher, drop_step, fsync_dir, write_durably
 
 __all__ = ["ROOT_NAME", "AsyncckptCheckpointIO", "load_checkpoint", "read_pointer"]
