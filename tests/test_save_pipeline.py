@@ -24,6 +24,7 @@ from conftest import FaultOps, assert_same
 
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, find_latest, load
+from asyncckpt.checkpointer._pipeline import SavePipeline
 from asyncckpt.roots.posix import _storage
 from asyncckpt.saving import _staging
 
@@ -325,8 +326,8 @@ def test_interrupt_at_every_line_of_the_streaming_copy_leaves_every_commit_true(
 
     codes = _codes(
         [
-            Checkpointer._stage_streaming,
-            Checkpointer._forget_unstaged,
+            SavePipeline._stage_streaming,
+            SavePipeline._forget_unstaged,
             _staging.StagingPool.stage,
             _staging.StagingPool._stage_cpu,
             _staging._CopyRun.work,

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,12 +23,12 @@ from ..format._gcpause import paused_gc
 from ..loading import _load, _load_global
 from ..roots.posix._storage import DEFAULT_OPS, OsOps
 from ..saving._handle import SaveHandle
-from . import _runtime
+from . import _runtime, _sigterm
 from ._books import Books
 from ._loader import Loader, LoadRequest, check_load_args, load
 from ._options import DirectIO, OnError, Options
 from ._pipeline import SavePipeline
-from ._runtime import MARGIN_S, describe
+from ._runtime import MARGIN_S
 from ._session import RootSession
 from ._waits import Waits
 
@@ -260,46 +257,8 @@ class Checkpointer:
         or runs out of time, the failure is printed and the process exits with status 1.
         Call from the main thread (Python's signal rule).
         """
-        if threading.current_thread() is not threading.main_thread():
-            raise ValueError("install_sigterm_handler() must be called from the main thread")
-        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
-            raise ValueError(f"grace_s must be a positive number, not {grace_s!r}")
-        previous = signal.getsignal(signal.SIGTERM)
-        pipeline = self._pipeline
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-            # one deadline for all of it (final save's slot wait, staging, flush): the process is
-            # gone within grace_s, whatever it was doing when the signal came
-            pipeline.grace_end = end = time.monotonic() + grace_s
-            self._waits.sigterm_seen = True
-            # the signal may have landed inside save() on this thread, which holds (or waits for)
-            # a staging slot it will not give back before this handler returns
-            pipeline.interrupted_save = _inside_save(frame, self)
-            try:
-                if not self._waits.closed:  # closed (or closing): its saves are flushed already
-                    # a save whose copy this signal interrupted cannot finish before the handler
-                    # returns: the flush waits for every other one
-                    interrupted = self._books.staging_record if pipeline.interrupted_save else None
-                    if final_save is not None:
-                        final_save(self)
-                    # the removal of retired steps is left to run (or to the next start): a
-                    # slow deletion must not turn a good final save into a failed exit
-                    self._waits.flush(max(0.0, end - time.monotonic()), skip=interrupted, removals=False)
-            except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
-                print(f"asyncckpt: final flush on SIGTERM failed: {describe(e)}", file=sys.stderr)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
-            finally:
-                pipeline.grace_end = None
-                pipeline.interrupted_save = False
-            if callable(previous):
-                previous(signum, frame)
-            elif previous in (signal.SIG_DFL, None):
-                os.kill(os.getpid(), signal.SIGTERM)  # the default action: die by the signal
-
-        signal.signal(signal.SIGTERM, on_sigterm)
+        save = Checkpointer.save.__code__
+        _sigterm.install(self, save, self._pipeline, self._waits, self._books, grace_s, final_save)
 
     # ------------------------------------------------------------------ waiting
     def flush(self, timeout: float | None = None, *, local_only: bool = False) -> None:
@@ -487,14 +446,4 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed")
         self._rt.refuse_if_forked()
         self._rt.refuse_in_writer()
-
-
-def _inside_save(frame: Any, ck: Checkpointer) -> bool:
-    """True if ``frame`` (where a signal interrupted this thread) is inside ``ck.save()``."""
-    while frame is not None:
-        if frame.f_code is Checkpointer.save.__code__ and frame.f_locals.get("self") is ck:
-            return True
-        frame = frame.f_back
-    return False
-
 
