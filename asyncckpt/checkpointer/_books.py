@@ -17,7 +17,7 @@ class Books:
     """Guarded by :attr:`lock` (reentrant: the SIGTERM handler may flush while the main thread
     is inside ``save()``). Every other part reads and writes these fields under it."""
 
-    def __init__(self, committed: set[int]) -> None:
+    def __init__(self) -> None:
         self.lock = threading.RLock()
         self.failed_commits: set[str] = set()
         self.dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
@@ -28,7 +28,7 @@ class Books:
         self.records: list[SaveRecord] = []  # not yet settled, or failed and not yet flushed
         self.unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
         self.staging_record: SaveRecord | None = None  # the save whose copy is running in save()
-        self.committed = committed
+        self.committed: set[int] = set()  # steps committed (by this job, or found at start)
         self.commits = 0  # commits added to committed (a generation: see SavePipeline.reserve_step)
         self.seq = 0
 

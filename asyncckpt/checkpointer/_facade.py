@@ -124,7 +124,6 @@ class Checkpointer:
     later save with ``RootInUseError`` on every rank, committing nothing.
     """
 
-
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -165,7 +164,7 @@ class Checkpointer:
         self.verify = opts.verify
         self.allow_earlier_steps = opts.allow_earlier_steps
         self.dedupe = opts.dedupe
-        self._books = books = Books(set())
+        self._books = books = Books()
         self._session = session = RootSession(opts, books.dead, books.lock)
         self.rank = session.rank
         self.world_size = session.world_size
@@ -348,7 +347,8 @@ class Checkpointer:
         waits = getattr(self, "_waits", None)
         if rt is None or waits is None or waits.closed or rt.stopped or rt.forked:
             return
-        pending = [f for f in self._books.pending_futures() if not f.done()]
+        # no lock: a collection may run this on a thread that holds it (or while another does)
+        pending = [r.future for r in list(self._books.records) if not r.future.done()]
         if pending:
             warnings.warn(
                 f"asyncckpt Checkpointer({self.root!r}) garbage-collected with {len(pending)} "
@@ -371,7 +371,6 @@ class Checkpointer:
         cannot be reached raises its ``ObjectStoreError``.
         With many ranks this is collective: rank 0 looks and every rank gets its answer.
         """
-
         return self._session.latest()
 
     def steps(self) -> list[int]:
@@ -446,4 +445,3 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed")
         self._rt.refuse_if_forked()
         self._rt.refuse_in_writer()
-
