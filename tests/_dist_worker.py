@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -266,18 +267,26 @@ def scenario_two_checkpointers(rank: int, world: int, root: str, result: dict[st
 
 
 class PhaseOps(OsOps):
-    """Stands in for one OS call: when this rank reaches ``op`` on a path containing ``where``
-    during step 2, the process kills or stops itself - a real death/stop in that phase."""
+    """Stands in for one OS call: when this rank reaches ``op`` on a path ending in ``where``
+    during step 2, the process kills or stops itself - a real death/stop in that phase:
+    ``kill``/``stop`` before the call, ``stopafter`` once it returned."""
 
     def __init__(self, op: str, where: str, action: str) -> None:
         self.op, self.where, self.action = op, where, action
         self._paths: dict[int, str] = {}
 
+    def _matches(self, op: str, path: str) -> bool:
+        return op == self.op and path.endswith(self.where) and "step_00000002" in path
+
     def _hit(self, op: str, path: str) -> None:
-        if op == self.op and self.where in path and "step_00000002" in path:
+        if self._matches(op, path) and self.action != "stopafter":
             if self.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            _stop_here()
+
+    def _after(self, op: str, path: str) -> None:
+        if self._matches(op, path) and self.action == "stopafter":
+            _stop_here()
 
     def open(self, path: str, flags: int, mode: int = 0o644) -> int:
         self._hit("open", path)
@@ -292,6 +301,16 @@ class PhaseOps(OsOps):
     def rename(self, src: str, dst: str) -> None:
         self._hit("rename", dst)
         super().rename(src, dst)
+        self._after("rename", dst)
+
+
+def _stop_here() -> None:
+    """Stop the whole process before this thread runs one more instruction. A SIGSTOP sent to
+    the process (``os.kill(os.getpid(), ...)``) from a thread other than the main one is
+    taken by another thread, and the caller runs on until that thread starts the group stop:
+    under load, long enough to commit a step "after" the stop. Sent to the calling thread
+    itself, the stop begins before the call returns."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def scenario_phase(rank: int, world: int, root: str, result: dict[str, Any]) -> None:

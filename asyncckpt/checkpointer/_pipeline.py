@@ -19,7 +19,7 @@ from ..format._safetensors import ShardLayout
 from ..format._structure import flatten, tree_json
 from ..loading import _load_global
 from ..roots import _runs
-from ..saving._commit import SaveJob, run_save
+from ..saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._staging import Arena, StageProgress
 from ..threads._writer import StartGate
@@ -421,7 +421,7 @@ async def guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ())
         if follower:
             failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
             failures = with_global_ranks({0: failure}, ranks)
-            raise SaveTimeoutError(job.step, failures, missing=(0,), detail="rank 0 did not answer") from e
+            raise SaveTimeoutError(job.step, failures, missing=(0,), detail=LEADER_SILENT_UNKNOWN) from e
         failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
         raise SaveTimeoutError(job.step, with_global_ranks({rank: failure}, ranks)) from e
     except Exception as e:

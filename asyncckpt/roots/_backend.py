@@ -56,6 +56,23 @@ def dir_deadline(job: SaveJob) -> float:
     return max(0.0, remaining - min(0.5, 0.1 * remaining))
 
 
+#: How long a commit cancelled by the save's deadline waits for its rename to return.
+LATE_RENAME_WAIT_S = 10.0
+
+
+async def _landed_late(rename: asyncio.Future[None], loc: str, final: str) -> bool:
+    """Whether a commit rename whose waiter was cancelled took effect after all: waits (bounded)
+    for the thread; a rename still running after that is judged by what the paths show."""
+    try:
+        await asyncio.wait_for(asyncio.shield(rename), LATE_RENAME_WAIT_S)
+        return True
+    except OSError:
+        return False  # refused: nothing was committed
+    except (TimeoutError, asyncio.CancelledError):
+        # the pool is stuck in the rename: look from another thread
+        return await asyncio.to_thread(lambda: os.path.isdir(final) and not os.path.exists(loc))
+
+
 class Backend(Protocol):
     """The storage operations of one save; every method runs on the writer loop."""
 
@@ -264,7 +281,16 @@ class PosixBackend:
         # retention of an overlapping save must not retire this step between its commit rename
         # and the check of what was committed (it would look like a failed commit)
         async with job.retention_lock if job.retention_lock is not None else contextlib.nullcontext():
-            await storage.rename(loc, final)  # commit point
+            # commit point. The rename runs on the I/O pool: if the save's deadline cancels
+            # this coroutine meanwhile, the thread goes on and may still land it, after every
+            # rank was told "failed". Shielded, so its outcome is known before this returns.
+            rename = asyncio.ensure_future(storage.rename(loc, final))
+            try:
+                await asyncio.shield(rename)
+            except asyncio.CancelledError:
+                if await _landed_late(rename, loc, final):
+                    await self._take_back(job, final, attempt)
+                raise
             try:
                 await storage.fsync_dir(job.root)
                 # check what was committed: exactly the manifest's files with their sizes, our attempt
@@ -272,18 +298,23 @@ class PosixBackend:
             except (OSError, CheckpointError, asyncio.CancelledError):
                 # the rename may not survive a power loss, the directory is not what was written,
                 # or the save's deadline cancelled us after the rename, and every rank is about to
-                # hear "failed": take the commit back so disk and verdict agree (best effort; GC'd
-                # at start if not)
-                try:
-                    aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
-                    await storage.rename(final, aside)
-                    job.dead.add(os.path.basename(aside))
-                    await storage.remove_tree(aside)
-                    job.dead.discard(os.path.basename(aside))
-                except OSError as e2:
-                    job.failed_commits.add(attempt)
-                    log.warning("could not take back the commit of step %d: %s", job.step, e2)
+                # hear "failed": take the commit back so disk and verdict agree
+                await self._take_back(job, final, attempt)
                 raise
+
+    async def _take_back(self, job: SaveJob, final: str, attempt: str) -> None:
+        """Undo the commit rename of ``attempt`` (best effort: if that fails, the attempt is
+        remembered as failed, and the next start collects the directory)."""
+        storage = self.storage
+        try:
+            aside = os.path.join(job.root, deleting_dir_name(job.step, uuid.uuid4().hex[:16]))
+            await storage.rename(final, aside)
+            job.dead.add(os.path.basename(aside))
+            await storage.remove_tree(aside)
+            job.dead.discard(os.path.basename(aside))
+        except OSError as e2:
+            job.failed_commits.add(attempt)
+            log.warning("could not take back the commit of step %d: %s", job.step, e2)
 
     async def abandon(self, job: SaveJob, loc: str, ranks: Collection[int], leader: bool) -> None:
         # not marked dead if it stays (another rank's files in it): a retry's clean-up must not

@@ -395,13 +395,22 @@ async def _clean_up(job: SaveJob, aw: Awaitable[Any], what: str) -> None:
     await asyncio.wait({task}, timeout=max(0.0, job.deadline - time.monotonic()) + CLEANUP_WAIT_S)
 
 
+#: A follower's ``SaveTimeoutError`` detail when rank 0 went silent before it could commit.
+LEADER_SILENT = "rank 0 did not answer"
+#: ... and when it may have begun the commit (this rank could not claim the commit lock first).
+LEADER_SILENT_UNKNOWN = (
+    "rank 0 did not answer; whether it committed is not known here: a step it renamed before it"
+    " stopped is complete on disk and resume finds it, and a rank 0 that goes on takes a late commit back"
+)
+
+
 def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
     if isinstance(e, CoordinationLost):  # the store host died: say so, not "did not answer"
         failure = RankFailure(0, "CoordinationLost", str(e))
         return SaveTimeoutError(step, {0: failure}, missing=(0,), detail="the coordinator is gone")
-    return SaveTimeoutError(
-        step, {0: RankFailure(0, "TimeoutError", str(e))}, missing=(0,), detail="rank 0 did not answer"
-    )
+    # unless this rank claimed the commit lock first, rank 0 may have begun the commit
+    detail = LEADER_SILENT if isinstance(e, LeaderSilent) and e.aborted else LEADER_SILENT_UNKNOWN
+    return SaveTimeoutError(step, {0: RankFailure(0, "TimeoutError", str(e))}, missing=(0,), detail=detail)
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
