@@ -40,8 +40,9 @@ from ._errors import (
 )
 
 if TYPE_CHECKING:
-    from ._checkpointer import Checkpointer, load
     from ._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
+    from .checkpointer._facade import Checkpointer
+    from .checkpointer._loader import load
     from .format._lifecycle import SaveState
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
@@ -53,8 +54,8 @@ __version__ = "0.1.0"
 
 #: Public name -> the private module that defines it (imported when first asked for).
 _LAZY = {
-    "Checkpointer": "._checkpointer",
-    "load": "._checkpointer",
+    "Checkpointer": ".checkpointer._facade",
+    "load": ".checkpointer._loader",
     "find_latest": ".roots._find",
     "SaveHandle": ".saving._handle",
     "CheckpointerStatistics": "._info",

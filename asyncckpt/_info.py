@@ -94,3 +94,33 @@ class CheckpointerStatistics:
     total_s: float = 0.0
     writer_cpu_s: float = 0.0
     last: SaveStatistics | None = None
+
+
+@dataclass(frozen=True)
+class StagingBuffer:
+    """One free staging buffer (:meth:`Checkpointer.staging_statistics`).
+
+    ``address``: where it starts in this process's memory; ``capacity``: its size in bytes;
+    ``huge_pages``/``pinned``: backed by transparent huge pages / registered with CUDA;
+    ``copy_plans``: how many copy plans it built (one per new layout it staged)."""
+
+    address: int
+    capacity: int
+    huge_pages: bool
+    pinned: bool
+    copy_plans: int
+
+
+@dataclass(frozen=True)
+class StagingStatistics:
+    """The staging buffers of one Checkpointer, read-only (:meth:`Checkpointer.staging_statistics`).
+
+    ``allocations``: buffers allocated so far (a save or ``reserve()`` that reuses one
+    allocates none); ``slots``: staging slots free now (``max_pending`` when no save is in
+    flight); ``free``: the buffers those slots hold (a slot never used holds none);
+    ``layouts_planned``: shard layouts planned so far (kept while a state's structure stays)."""
+
+    allocations: int
+    slots: int
+    free: tuple[StagingBuffer, ...]
+    layouts_planned: int

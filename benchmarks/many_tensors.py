@@ -17,7 +17,7 @@ Each case process:
   until ``handle.result()``; the *peak RSS above the baseline* of that second save (the
   staging buffer is already allocated, so this is what the save costs per tensor); the
   phases of ``save()`` (the structure walk, the tree JSON, the layout plan) by wrapping the
-  functions ``_checkpointer`` calls (a wrapper adds ~1 us per phase, not per tensor);
+  functions ``checkpointer._pipeline`` calls (a wrapper adds ~1 us per phase, not per tensor);
 - ``close()``, every tensor of the live state changed, then ``load(root, step, into=state)``
   cold (the step's files evicted from the page cache) and warm, then ``load(root, step)``
   cold and warm; each under a peak-RSS meter (``load()``: above the state's bytes, the fresh
@@ -80,7 +80,8 @@ class GcPasses:
 # ---------------------------------------------------------------------- one case (own process)
 def _phase_stamps() -> dict[str, float]:
     """Wrap what ``save()`` calls for its fixed work; the dict accumulates seconds per phase."""
-    from asyncckpt import _checkpointer as ck
+    from asyncckpt.checkpointer import _pipeline as ck
+    from asyncckpt.checkpointer._plan import Planner
 
     acc: dict[str, float] = {}
 
@@ -100,7 +101,7 @@ def _phase_stamps() -> dict[str, float]:
 
     wrap(ck, "flatten", "walk_s")
     wrap(ck, "tree_json", "json_s")
-    wrap(ck.Checkpointer, "_plan", "plan_s")
+    wrap(Planner, "plan", "plan_s")
     return acc
 
 

@@ -142,7 +142,7 @@ def worker(root: str, server: int) -> None:
     """Save successive steps under ``root`` until killed (runs in the forked child)."""
     torch.set_num_threads(1)
     pid = os.getpid()
-    ck = Checkpointer(root, keep_last=KEEP_LAST, timeout=60.0, _ops=PacedOps())
+    ck = Checkpointer(root, keep_last=KEEP_LAST, timeout=60.0, os_ops=PacedOps())
     latest = ck.latest()
     step = latest.step + 1 if latest is not None else 1
     emit(f"{pid} start {step}")

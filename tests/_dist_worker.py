@@ -316,7 +316,7 @@ def _stop_here() -> None:
 def scenario_phase(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
     victim, op, where, action = os.environ["PHASE"].split(":")
     ops = PhaseOps(op, where, action) if rank == int(victim) else OsOps()
-    ck = Checkpointer(root, timeout=4, _ops=ops)
+    ck = Checkpointer(root, timeout=4, os_ops=ops)
     ck.save(1, state_for(rank, 1)).result(timeout=60)
     t0 = time.monotonic()
     h = ck.save(2, state_for(rank, 2))
@@ -407,7 +407,7 @@ def scenario_dedupe_early(rank: int, world: int, root: str, result: dict[str, An
     logger.setLevel(logging.DEBUG)
     logger.addHandler(Seen())
     result["steps"] = {}
-    with Checkpointer(root, timeout=20, _ops=ops) as ck:
+    with Checkpointer(root, timeout=20, os_ops=ops) as ck:
         for step in (1, 2, 3, 4, 5):
             before = len(rewrites)
             t0 = time.monotonic()

@@ -88,7 +88,7 @@ def main() -> None:
     cases: list[dict[str, Any]] = []
     result: dict[str, Any] = {"rank": rank, "cases": cases}
     try:
-        with Checkpointer(root, timeout=TIMEOUT, _ops=ops) as ck:
+        with Checkpointer(root, timeout=TIMEOUT, os_ops=ops) as ck:
             step = 0
             ops.arm(None)
             # the same on every rank, like every later save: counted with the same (deduplicated) work

@@ -347,7 +347,7 @@ class Recording:
 def record_single(root: Path, drop: int | None = None) -> Recording:
     """Save steps 1 and 2 with ``keep_last=1`` in this process; log step 2 after a syncfs point."""
     ops = RecordingOps(drop=drop)
-    with Checkpointer(root, keep_last=1, _ops=ops, timeout=60) as ck:
+    with Checkpointer(root, keep_last=1, os_ops=ops, timeout=60) as ck:
         ck.save(1, single_state(1)).result(timeout=60)
         os.sync()
         ops.start(str(root))
@@ -414,7 +414,7 @@ def _rank_main(argv: list[str]) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     ops = RecordingOps(tag=f"r{rank}")
-    with Checkpointer(root, keep_last=1, _ops=ops, timeout=60) as ck:
+    with Checkpointer(root, keep_last=1, os_ops=ops, timeout=60) as ck:
         ck.save(1, rank_state(rank, 1)).result(timeout=60)
         dist.barrier()
         os.sync()

@@ -231,7 +231,7 @@ def test_a_manifest_no_reader_would_accept_is_never_committed(
     and only the check after it takes the step back."""
     monkeypatch.setattr(_commit, "_CHECK_BEFORE_COMMIT", checked)
     ops = FaultOps()  # records every rename; injects nothing
-    with Checkpointer(tmp_path, keep_last=1, _ops=ops) as ck:
+    with Checkpointer(tmp_path, keep_last=1, os_ops=ops) as ck:
         ck.save(1, {"w": torch.ones(2)}).result(timeout=60)
         monkeypatch.setattr(_manifest, "MAX_MANIFEST_FILES", 1)
         with pytest.raises(SaveError) as ei:

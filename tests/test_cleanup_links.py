@@ -147,7 +147,7 @@ def test_symlink_swaps_under_cleanup_never_delete_outside_the_root(tmp_path: Pat
         end = time.monotonic() + RACE_S
         while time.monotonic() < end:
             try:
-                Checkpointer(root, timeout=30, _ops=ops).close()  # takes the root: removes leftovers
+                Checkpointer(root, timeout=30, os_ops=ops).close()  # takes the root: removes leftovers
                 constructions += 1
             except OSError as e:  # the tree kept changing under it: may fail, never escape the root
                 failed[errno.errorcode.get(e.errno or 0, str(e.errno))] += 1

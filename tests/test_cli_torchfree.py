@@ -79,7 +79,7 @@ def test_package_import_is_lazy_and_complete() -> None:
         "exec('from asyncckpt import *', ns)\n"
         "missing = [n for n in asyncckpt.__all__ if n not in ns]\n"
         "assert not missing, missing\n"
-        "assert asyncckpt.Checkpointer.__module__ == 'asyncckpt._checkpointer'\n"
+        "assert asyncckpt.Checkpointer.__module__ == 'asyncckpt.checkpointer._facade'\n"
         "try:\n"
         "    asyncckpt.nope\n"
         "except AttributeError as e:\n"

@@ -42,7 +42,7 @@ class SlowCommitRename(OsOps):
 def test_a_commit_rename_that_lands_after_the_deadline_is_taken_back(tmp_path: Path) -> None:
     ops = SlowCommitRename(delay=2.5)
     root = tmp_path / "ck"
-    with Checkpointer(str(root), timeout=1.5, _ops=ops) as ck:
+    with Checkpointer(str(root), timeout=1.5, os_ops=ops) as ck:
         ck.save(1, {"w": torch.arange(4.0)}).result(timeout=30)
         h = ck.save(2, {"w": torch.arange(4.0) + 1})
         err = h.exception(timeout=30)

@@ -161,7 +161,7 @@ class MisbehavingRename(OsOps):
 @pytest.mark.parametrize("how", ["delete", "truncate"])
 def test_commit_of_a_directory_that_is_not_what_was_written_fails_and_is_taken_back(tmp_path: Path, how: str) -> None:
     ops = MisbehavingRename(2, how)
-    with Checkpointer(tmp_path, timeout=WAIT_S, _ops=ops) as ck:
+    with Checkpointer(tmp_path, timeout=WAIT_S, os_ops=ops) as ck:
         ck.save(1, _state(1, 0)).result(timeout=WAIT_S)
         h = ck.save(2, _state(2, 0))
         with pytest.raises(SaveError) as ei:
@@ -192,7 +192,7 @@ def test_a_stray_file_joining_the_commit_is_ignored(tmp_path: Path) -> None:
     """A file the manifest does not list proves nothing wrong with the files it does list: the
     commit stands, the step loads, the file stays where it was put (issue 26 attack C)."""
     ops = MisbehavingRename(2, "extra")
-    with Checkpointer(tmp_path, timeout=WAIT_S, _ops=ops) as ck:
+    with Checkpointer(tmp_path, timeout=WAIT_S, os_ops=ops) as ck:
         ck.save(1, _state(1, 0)).result(timeout=WAIT_S)
         ck.save(2, _state(2, 0)).result(timeout=WAIT_S)
         assert ops.fired and ck.steps() == [1, 2]

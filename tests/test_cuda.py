@@ -68,13 +68,13 @@ def test_reserve_pins_the_arena_and_saves_reuse_it(tmp_path: Path) -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(77, device="cuda", dtype=torch.bfloat16)}
     with asyncckpt.Checkpointer(tmp_path / "ck", keep_last=2) as ck:
         ck.reserve(state)
-        arenas = [a for a in ck._rt.staging._free if a is not None]
+        arenas = ck.staging_statistics().free
         assert arenas and all(a.pinned for a in arenas)
-        ptrs = {a.tensor.data_ptr() for a in arenas}
+        ptrs = {a.address for a in arenas}
         for step in range(3):
             state["w"].add_(1.0)
             ck.save(step, state).result(120)
-        assert {a.tensor.data_ptr() for a in ck._rt.staging._free if a is not None} <= ptrs  # reused
+        assert {a.address for a in ck.staging_statistics().free} <= ptrs  # reused
         got = ck.load()
     assert torch.equal(got["w"], state["w"].cpu()) and torch.equal(got["b"], state["b"].cpu())
 

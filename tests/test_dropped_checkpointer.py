@@ -51,7 +51,7 @@ def test_a_dropped_checkpointer_with_a_pending_save_finishes_it_then_releases(tm
             gate.wait(30)
             super().fsync(fd)
 
-    ck = Checkpointer(tmp_path, _ops=Held())
+    ck = Checkpointer(tmp_path, os_ops=Held())
     h = ck.save(1, make_state(1))
     with pytest.warns(RuntimeWarning, match=r"1 pending save\(s\).*finish(es|) in the background"):
         del ck

@@ -33,7 +33,7 @@ def _assert_nothing_lost(root: Path, good_step: int, good_state: dict[str, objec
 def test_io_error_at_each_operation_fails_the_save_cleanly(tmp_path: Path, op: str, err: int) -> None:
     ops = FaultOps()
     good = make_state(1)
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ck.save(1, good).result(timeout=30)
         where = "step_00000002"
         ops.fail(op, err, where=where)
@@ -54,7 +54,7 @@ def test_io_error_at_each_operation_fails_the_save_cleanly(tmp_path: Path, op: s
 
 def test_failed_fsync_is_never_retried_on_the_same_file(tmp_path: Path) -> None:
     ops = FaultOps()
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ops.fail("fsync", errno.EIO, where="rank00000.safetensors", times=1)
         with pytest.raises(SaveError):
             ck.save(1, make_state(1)).result(timeout=30)
@@ -66,11 +66,11 @@ def test_failed_fsync_is_never_retried_on_the_same_file(tmp_path: Path) -> None:
 
 def test_failure_delivery_handle_next_save_once_flush_close(tmp_path: Path) -> None:
     ops = FaultOps()
-    ck = Checkpointer(tmp_path, _ops=ops)
+    ck = Checkpointer(tmp_path, os_ops=ops)
     ops.fail("write", errno.EIO, where="step_00000001", times=1)
     h = ck.save(1, make_state(1))
     deadline = time.monotonic() + 30
-    while not ck._unraised and time.monotonic() < deadline:  # failed, and nobody looked at the handle
+    while ck.statistics().saves_failed == 0 and time.monotonic() < deadline:  # failed, and nobody looked at the handle
         time.sleep(0.01)
     assert h.done()
     with pytest.raises(SaveError) as first:  # raised once at the next save ...
@@ -92,11 +92,11 @@ def test_failure_delivery_handle_next_save_once_flush_close(tmp_path: Path) -> N
 
 def test_on_error_warn_keeps_training(tmp_path: Path) -> None:
     ops = FaultOps()
-    with Checkpointer(tmp_path, on_error="warn", _ops=ops) as ck:
+    with Checkpointer(tmp_path, on_error="warn", os_ops=ops) as ck:
         ops.fail("write", errno.EIO, where="step_00000001", times=1)
         ck.save(1, make_state(1))
         deadline = time.monotonic() + 30
-        while not ck._unraised and time.monotonic() < deadline:  # not looked at on its handle
+        while ck.statistics().saves_failed == 0 and time.monotonic() < deadline:  # not looked at on its handle
             time.sleep(0.01)
         with pytest.warns(RuntimeWarning, match="step 1 failed"):
             ck.save(2, make_state(2)).result(timeout=30)
@@ -154,7 +154,7 @@ def test_writer_deadline_raises_save_timeout(tmp_path: Path) -> None:
             release.wait(20)
             super().fsync(fd)
 
-    with Checkpointer(tmp_path, timeout=0.5, _ops=Stuck()) as ck:
+    with Checkpointer(tmp_path, timeout=0.5, os_ops=Stuck()) as ck:
         h = ck.save(1, make_state(1))
         exc = h.exception(timeout=15)
         release.set()
@@ -178,7 +178,7 @@ def test_process_with_unseen_failure_exits_nonzero(tmp_path: Path) -> None:
         from conftest import FaultOps
         ops = FaultOps()
         ops.fail("fsync", errno.EIO)
-        ck = Checkpointer({str(tmp_path / "ck")!r}, _ops=ops)
+        ck = Checkpointer({str(tmp_path / "ck")!r}, os_ops=ops)
         ck.save(1, {{"w": torch.ones(3)}})
         print("exiting normally")
     """)
@@ -194,7 +194,7 @@ def test_process_that_saw_the_failure_exits_normally(tmp_path: Path) -> None:
         from conftest import FaultOps
         ops = FaultOps()
         ops.fail("fsync", errno.EIO)
-        ck = Checkpointer({str(tmp_path / "ck")!r}, _ops=ops)
+        ck = Checkpointer({str(tmp_path / "ck")!r}, os_ops=ops)
         try:
             ck.save(1, {{"w": torch.ones(3)}}).result(30)
         except SaveError:

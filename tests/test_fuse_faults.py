@@ -398,11 +398,10 @@ def test_slow_storage_does_not_stall_the_training_loop_and_memory_stays_bounded(
     step_s_idle: list[float] = []
     step_s_busy: list[float] = []
     calls: list[dict[str, Any]] = []
-    arenas: list[Any] = []
+    arenas: set[int] = set()  # the addresses of the staging buffers seen
     free_max = 0
     rss0 = _rss()
     with Checkpointer(fs.path("slow"), timeout=60, max_pending=max_pending, keep_last=2) as ck:
-        pool = ck._rt.staging
         handles: list[Any] = []
         for step in range(steps):
             busy = any(not h.done() for h in handles)
@@ -411,9 +410,9 @@ def test_slow_storage_does_not_stall_the_training_loop_and_memory_stays_bounded(
                 t.add_(1.0)
             time.sleep(0.01)
             (step_s_busy if busy else step_s_idle).append(time.perf_counter() - t0)
-            free = [a for a in list(pool._free) if a is not None]
-            free_max = max(free_max, len(pool._free))
-            arenas.extend(a for a in free if not any(a is b for b in arenas))
+            staging = ck.staging_statistics()
+            free_max = max(free_max, staging.slots)
+            arenas.update(a.address for a in staging.free)
             if step % every == every - 1:
                 in_flight = sum(not h.done() for h in handles)
                 t1 = time.perf_counter()
@@ -421,7 +420,8 @@ def test_slow_storage_does_not_stall_the_training_loop_and_memory_stays_bounded(
                 calls.append({"in_flight": in_flight, "call_s": time.perf_counter() - t1})
         infos = [h.result(timeout=60) for h in handles]
         ck.flush()
-        arenas.extend(a for a in pool._free if a is not None and not any(a is b for b in arenas))
+        arenas.update(a.address for a in ck.staging_statistics().free)
+        assert ck.staging_statistics().allocations <= max_pending
         assert ck.steps() == [infos[-2].step, infos[-1].step]
     rss_growth = _rss() - rss0
     for c, info in zip(calls, infos, strict=True):

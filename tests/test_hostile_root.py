@@ -122,7 +122,7 @@ def test_a_deadline_after_the_commit_rename_takes_the_commit_back(tmp_path: Path
                 time.sleep(3.0)  # the commit rename happened; the save's deadline passes here
 
     ops = SlowRootFsync()
-    with Checkpointer(tmp_path, timeout=2.0, _ops=ops) as ck:
+    with Checkpointer(tmp_path, timeout=2.0, os_ops=ops) as ck:
         ck.save(1, _state(1.0)).result(timeout=30)
         ops.armed = True
         with pytest.raises(SaveError):

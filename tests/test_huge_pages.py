@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,16 @@ def test_huge_pages_must_be_a_bool(tmp_path: Path) -> None:
     assert not (tmp_path / ".asyncckpt").exists() or not any((tmp_path / ".asyncckpt").iterdir())
 
 
+def _free_buffer(ck: Checkpointer) -> Any:
+    """The one free staging buffer, once the settled save gave it back (bounded wait)."""
+    deadline = time.monotonic() + 10.0
+    while not (free := ck.staging_statistics().free):
+        assert time.monotonic() < deadline, "the staging buffer never came back"
+        time.sleep(0.01)
+    (buffer,) = free
+    return buffer
+
+
 @pytest.mark.parametrize("huge", [True, False])
 def test_saves_through_huge_page_buffers_load_back_exactly(tmp_path: Path, huge: bool) -> None:
     state = state_of(1)
@@ -86,15 +97,12 @@ def test_saves_through_huge_page_buffers_load_back_exactly(tmp_path: Path, huge:
         state["model"]["w"].add_(1.0)  # mutated right after save() returned: the save keeps the old values
         handle.result(timeout=60)
         ck.save(2, state).result(timeout=60)  # the same buffer again
-        arena = ck._rt.staging.acquire(1, 10.0)[0]  # the buffer the saves used, once it is back
-        try:
-            assert arena.huge_pages is huge
-            assert arena.capacity % (HUGE_PAGE if huge else 4096) == 0 and arena.capacity >= 4096
-            assert ck._rt.staging.allocations == 1
-            if sys.platform == "linux" and _plain_madvise_thp():
-                assert _thp_eligible(arena.tensor.data_ptr()) is huge  # advised exactly when asked for
-        finally:
-            ck._rt.staging.give_back(arena)
+        arena = _free_buffer(ck)  # the buffer the saves used, once it is back
+        assert arena.huge_pages is huge
+        assert arena.capacity % (HUGE_PAGE if huge else 4096) == 0 and arena.capacity >= 4096
+        assert ck.staging_statistics().allocations == 1
+        if sys.platform == "linux" and _plain_madvise_thp():
+            assert _thp_eligible(arena.address) is huge  # advised exactly when asked for
     assert_same(load(tmp_path, 1), expected)
     assert_same(load(tmp_path, 2), state)
 
@@ -103,10 +111,10 @@ def test_reserve_with_huge_pages_sizes_the_buffer_in_whole_huge_pages(tmp_path: 
     state = state_of(2)
     with Checkpointer(tmp_path, huge_pages=True) as ck:
         ck.reserve(state)
-        (arena,) = ck._rt.staging._free
-        assert arena is not None and arena.capacity % HUGE_PAGE == 0
+        (arena,) = ck.staging_statistics().free
+        assert arena.capacity % HUGE_PAGE == 0
         ck.save(1, state).result(timeout=60)
-        assert ck._rt.staging.allocations == 1  # the reserved buffer took the save
+        assert ck.staging_statistics().allocations == 1  # the reserved buffer took the save
     assert_same(load(tmp_path, 1), state)
 
 

@@ -23,7 +23,10 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import Checkpointer, RootInUseError, _checkpointer
+from asyncckpt import Checkpointer, RootInUseError
+from asyncckpt.checkpointer._pipeline import SavePipeline
+from asyncckpt.checkpointer._runtime import Runtime
+from asyncckpt.checkpointer._session import RootSession
 from asyncckpt.roots import _rootstart
 from asyncckpt.roots.posix import _ownership
 from asyncckpt.threads import _writer
@@ -79,7 +82,7 @@ def _state(value: float) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)  # the line sweep over the streaming copy
 def test_interrupt_at_every_line_of_save_leaves_every_commit_true_and_no_slot_leaked(tmp_path: Path) -> None:
-    codes = _codes([Checkpointer.save, Checkpointer._submit, _writer.WriterThread.launch])
+    codes = _codes([Checkpointer.save, SavePipeline._submit, _writer.WriterThread.launch])
     fired = 0
     step = 0
     with Checkpointer(tmp_path / "ck", max_pending=1, timeout=20) as ck:
@@ -113,11 +116,13 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
     codes = _codes(
         [
             Checkpointer.__init__,
+            RootSession.__init__,
+            RootSession.claim,
             _rootstart.start_on_root,
             _rootstart.make_root,
             _rootstart.take_root,
-            Checkpointer._start_run,
-            _checkpointer._Runtime.__init__,
+            RootSession.start_run,
+            Runtime.__init__,
             _ownership.acquire,
             _ownership._lock,
             _ownership._write_record,
@@ -148,6 +153,6 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
 
 def test_sweep_covers_real_lines() -> None:
     # the sweep must reach the lines it names (guards against a refactor emptying it)
-    lines = _lines(Checkpointer._submit)
+    lines = _lines(SavePipeline._submit)
     assert len(lines) > 20 and all(isinstance(x, int) for x in lines)
-    assert dis.findlinestarts(Checkpointer._submit.__code__)
+    assert dis.findlinestarts(SavePipeline._submit.__code__)

@@ -162,7 +162,7 @@ class FailStep(OsOps):
 
 
 def test_failed_save_never_lets_a_removal_take_the_good_checkpoint(tmp_path: Path) -> None:
-    io = AsyncckptCheckpointIO(_ops=FailStep(1))
+    io = AsyncckptCheckpointIO(os_ops=FailStep(1))
     old, new = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt"
     io.save_checkpoint(big_state(10), old)
     io.save_checkpoint(big_state(10), new)  # step 1: fails in the background

@@ -21,7 +21,7 @@ from asyncckpt import Checkpointer, CheckpointInfo, SaveError, find_latest
 
 def test_statistics_totals_and_last(tmp_path: Path) -> None:
     ops = FaultOps()
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         infos = [ck.save(s, make_state(s)).result(timeout=30) for s in (1, 2, 3)]
         ops.fail("fsync", errno.EIO, where="step_00000004", times=1)
         ck.save(4, make_state(4)).exception(timeout=30)
@@ -107,7 +107,7 @@ def test_sigterm_with_failed_final_flush_exits_nonzero(tmp_path: Path) -> None:
         from conftest import FaultOps
         ops = FaultOps()
         ops.fail("fsync", errno.EIO)
-        ck = Checkpointer({str(tmp_path / "ck")!r}, _ops=ops)
+        ck = Checkpointer({str(tmp_path / "ck")!r}, os_ops=ops)
         ck.install_sigterm_handler(grace_s=30)
         ck.save(1, {{"w": torch.ones(16)}})
         print("ready", flush=True)

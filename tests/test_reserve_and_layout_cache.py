@@ -29,14 +29,14 @@ def test_first_save_after_reserve_allocates_nothing(tmp_path: Path) -> None:
     state = state_of(100_000)
     with Checkpointer(tmp_path) as ck:
         ck.reserve(state)
-        pool = ck._rt.staging
-        assert pool.allocations == 1
-        arena = pool._free[0]
-        layout = ck._layout
+        staging = ck.staging_statistics()
+        assert staging.allocations == 1 and staging.layouts_planned == 1
+        (arena,) = staging.free
         info = ck.save(1, state).result(timeout=60)
-        assert pool.allocations == 1  # the save used the reserved buffer
-        assert pool._free == [arena]
-        assert ck._layout is layout  # and the layout reserve() planned
+        staging = ck.staging_statistics()
+        assert staging.allocations == 1  # the save used the reserved buffer
+        assert [a.address for a in staging.free] == [arena.address]
+        assert staging.layouts_planned == 1  # and the layout reserve() planned
         assert info.statistics is not None
     assert_same(load(tmp_path, 1), state)
 
@@ -44,39 +44,39 @@ def test_first_save_after_reserve_allocates_nothing(tmp_path: Path) -> None:
 def test_reserve_fills_every_free_slot(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, max_pending=3) as ck:
         ck.reserve(state_of(10_000))
-        assert ck._rt.staging.allocations == 3
-        assert all(a is not None for a in ck._rt.staging._free)
+        staging = ck.staging_statistics()
+        assert staging.allocations == 3
+        assert len(staging.free) == staging.slots == 3
         for s in range(1, 4):
             ck.save(s, state_of(10_000, seed=s))
         ck.flush(timeout=60)
-        assert ck._rt.staging.allocations == 3
+        assert ck.staging_statistics().allocations == 3
 
 
 def test_smaller_state_reuses_a_reserved_buffer_and_a_larger_one_grows_it(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
-        pool = ck._rt.staging
         ck.reserve(state_of(200_000))
         ck.save(1, state_of(50_000, seed=1)).result(timeout=60)  # smaller: fits
-        assert pool.allocations == 1
+        assert ck.staging_statistics().allocations == 1
         big = state_of(400_000, seed=2)
         ck.save(2, big).result(timeout=60)  # larger: grown at this save, as documented
-        assert pool.allocations == 2
+        assert ck.staging_statistics().allocations == 2
     assert_same(load(tmp_path, 2), big)
     assert_same(load(tmp_path, 1), state_of(50_000, seed=1))
 
 
 def test_reserving_larger_replaces_and_reserving_smaller_keeps(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
-        pool = ck._rt.staging
         ck.reserve(state_of(10_000))
-        small = pool._free[0]
+        (small,) = ck.staging_statistics().free
         ck.reserve(state_of(100_000))
-        assert pool.allocations == 2
-        large = pool._free[0]
-        assert large is not small and large is not None and small is not None
+        staging = ck.staging_statistics()
+        assert staging.allocations == 2
+        (large,) = staging.free
         assert large.capacity > small.capacity
         ck.reserve(state_of(10_000))
-        assert pool.allocations == 2 and pool._free[0] is large
+        staging = ck.staging_statistics()
+        assert staging.allocations == 2 and staging.free == (large,)
 
 
 class _Gate(OsOps):
@@ -93,11 +93,11 @@ class _Gate(OsOps):
 
 def test_reserve_leaves_buffers_of_saves_in_flight_alone(tmp_path: Path) -> None:
     ops = _Gate()
-    with Checkpointer(tmp_path, max_pending=2, _ops=ops) as ck:
+    with Checkpointer(tmp_path, max_pending=2, os_ops=ops) as ck:
         h = ck.save(1, state_of(10_000))
         assert ops.entered.wait(10)
         ck.reserve(state_of(10_000))  # one slot is held by the save: only the other is filled
-        assert ck._rt.staging.allocations == 2
+        assert ck.staging_statistics().allocations == 2
         ops.gate.set()
         h.result(timeout=60)
 
@@ -108,7 +108,7 @@ def test_reserve_refuses_what_save_refuses_at_the_call(tmp_path: Path) -> None:
         ck.reserve({"opt": {"bad": object()}})
     with pytest.raises(TypeError):
         ck.reserve({"t": torch.zeros(2, dtype=torch.complex128)})
-    assert ck._rt.staging.allocations == 0
+    assert ck.staging_statistics().allocations == 0
     ck.close()
     with pytest.raises(RuntimeError, match="closed"):
         ck.reserve(state_of(10))
@@ -148,25 +148,24 @@ def test_any_change_of_names_dtypes_shapes_or_order_plans_a_new_layout(tmp_path:
     with Checkpointer(tmp_path) as ck:
         for step, (what, st) in enumerate(_changed_states(), start=1):
             ck.save(step, st).result(timeout=60)
-            seen.append(ck._layout)
+            seen.append(ck.staging_statistics().layouts_planned)
             assert_same(load(tmp_path, step), st, what)
     # every change planned anew; the final state has the base's structure again, so its
-    # layout is planned again too (only the last one is kept), yet with base's slots
-    assert len({id(x) for x in seen}) == len(seen)
-    assert seen[-1].slots == seen[0].slots
+    # layout is planned again too (only the last one is kept)
+    assert seen == list(range(1, len(seen) + 1))
 
 
 def test_same_structure_new_values_reuses_the_layout_and_writes_the_new_values(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         ck.save(1, state_of(5000, seed=1)).result(timeout=60)
-        layout = ck._layout
-        arena = ck._rt.staging._free[0]
-        assert arena is not None
-        plan = arena.copy_plan(layout)
+        (arena,) = ck.staging_statistics().free
+        assert arena.copy_plans == 1
         for s in range(2, 5):
             st = state_of(5000, seed=s)
             ck.save(s, st).result(timeout=60)
-            assert ck._layout is layout and arena.copy_plan(layout) is plan
+            staging = ck.staging_statistics()
+            # the layout and the arena's copy plan of the first save, reused
+            assert staging.layouts_planned == 1 and staging.free == (arena,)
             assert_same(load(tmp_path, s), st)
 
 

@@ -48,7 +48,7 @@ def _entries(root: Path) -> list[str]:
 
 def test_result_does_not_wait_for_the_deletion_flush_does(tmp_path: Path) -> None:
     ops = HeldUnlink()
-    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, _ops=ops)
+    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, os_ops=ops)
     try:
         ck.save(1, _state(1)).result(WAIT_S)
         info = ck.save(2, _state(2)).result(WAIT_S)  # returns while step 1's unlink is held
@@ -68,7 +68,7 @@ def test_result_does_not_wait_for_the_deletion_flush_does(tmp_path: Path) -> Non
 
 def test_close_waits_for_the_deletion(tmp_path: Path) -> None:
     ops = HeldUnlink()
-    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, _ops=ops)
+    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, os_ops=ops)
     ck.save(1, _state(1)).result(WAIT_S)
     ck.save(2, _state(2)).result(WAIT_S)
     assert ops.entered.wait(WAIT_S)
@@ -84,7 +84,7 @@ def test_a_failed_deletion_is_logged_the_save_stands_and_the_next_start_removes_
     ops.fail = True
     ops.release.set()
     with caplog.at_level(logging.WARNING, logger="asyncckpt"), Checkpointer(
-        tmp_path, keep_last=1, timeout=WAIT_S, _ops=ops
+        tmp_path, keep_last=1, timeout=WAIT_S, os_ops=ops
     ) as ck:
         ck.save(1, _state(1)).result(WAIT_S)
         assert ck.save(2, _state(2)).result(WAIT_S).step == 2
@@ -113,7 +113,7 @@ def test_aflush_waits_for_the_deletion_too(tmp_path: Path) -> None:
     import asyncio
 
     ops = HeldUnlink()
-    with Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, _ops=ops) as ck:
+    with Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, os_ops=ops) as ck:
         try:
             asyncio.run(_asave_then_aflush(ck, ops))
         finally:

@@ -51,7 +51,7 @@ def test_flush_does_not_wait_for_removals_of_saves_started_after_it(tmp_path: Pa
     the removal of a save another thread started meanwhile: with a thread saving on, the
     removals never all end at once, and flush() would never return."""
     ops = HeldPerStep([1, 2])
-    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, _ops=ops)
+    ck = Checkpointer(tmp_path, keep_last=1, timeout=WAIT_S, os_ops=ops)
     try:
         ck.save(1, _state(1)).result(WAIT_S)
         ck.save(2, _state(2)).result(WAIT_S)  # step 1's removal runs on, held
@@ -66,14 +66,14 @@ def test_flush_does_not_wait_for_removals_of_saves_started_after_it(tmp_path: Pa
                 outcome.append(e)
 
         waiting = threading.Event()  # flush() has waited for the saves: now on the removals
-        real = ck._removals_future
+        real = ck._waits.removals_future
 
         def spy() -> object:
             fut = real()
             waiting.set()
             return fut
 
-        ck._removals_future = spy  # type: ignore[method-assign]
+        ck._waits.removals_future = spy  # type: ignore[method-assign]
         t = threading.Thread(target=flusher)
         t.start()
         assert waiting.wait(WAIT_S)
@@ -123,7 +123,7 @@ def test_the_exit_hook_finishes_the_removal_of_retired_steps(tmp_path: Path) -> 
     root = tmp_path / "ck"
     _old_steps(root, 4)
     r = _run_job(tmp_path, _SLOW_OPS + """
-    ck = Checkpointer(sys.argv[1], keep_last=1, _ops=SlowUnlink(0.05))
+    ck = Checkpointer(sys.argv[1], keep_last=1, os_ops=SlowUnlink(0.05))
     ck.save(5, {"w": torch.full((1000,), 5.0)}).result(30)  # retires steps 1-4
     """, 120, str(root))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -142,7 +142,7 @@ def test_a_garbage_collected_checkpointer_finishes_the_removal_first(tmp_path: P
             time.sleep(0.05)
             super().unlink_at(dir_fd, name)
 
-    ck = Checkpointer(root, keep_last=1, timeout=WAIT_S, _ops=SlowUnlink())
+    ck = Checkpointer(root, keep_last=1, timeout=WAIT_S, os_ops=SlowUnlink())
     ck.save(5, _state(5)).result(WAIT_S)
     del ck
     gc.collect()
@@ -164,7 +164,7 @@ def test_sigterm_does_not_wait_for_the_removal(tmp_path: Path, previous: str) ->
     r = _run_job(tmp_path, _SLOW_OPS + """
     if sys.argv[2] == "sys.exit":
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-    ck = Checkpointer(sys.argv[1], keep_last=1, _ops=SlowUnlink(60))
+    ck = Checkpointer(sys.argv[1], keep_last=1, os_ops=SlowUnlink(60))
     ck.install_sigterm_handler(grace_s=20)
     ck.save(3, {"w": torch.full((1000,), 3.0)}).result(30)  # retires steps 1 and 2: held
     os.kill(os.getpid(), signal.SIGTERM)

@@ -24,6 +24,7 @@ from conftest import FaultOps, assert_same
 
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, find_latest, load
+from asyncckpt.checkpointer._pipeline import SavePipeline
 from asyncckpt.roots.posix import _storage
 from asyncckpt.saving import _staging
 
@@ -100,7 +101,7 @@ def test_writer_streams_the_staged_prefix_while_save_still_copies(
     stall = Stall(ops, at=1)
     stall.install(monkeypatch)
     state = big_state(1)
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         info = ck.save(1, state).result(timeout=60)
     # the first shard write happened while the copy was stopped after its second group
     assert stall.streamed_before_staged is True
@@ -111,7 +112,7 @@ def test_writer_streams_the_staged_prefix_while_save_still_copies(
 def test_at_least_two_shard_writes_in_flight(tmp_path: Path) -> None:
     ops = ShardWrites(slow_s=0.02)
     state = big_state(2)
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ck.save(1, state).result(timeout=60)
     assert ops.most >= 2, ops.most
     assert_same(load(tmp_path, 1), state)
@@ -131,7 +132,7 @@ def test_copy_failing_while_the_writer_streams_commits_nothing_and_raises_its_ow
 ) -> None:
     ops = ShardWrites()
     before = big_state(0)
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ck.save(1, before).result(timeout=60)
         ops.first.clear()
         stall = Stall(ops, at=1, raise_=exc_type("the copy failed"))
@@ -148,7 +149,7 @@ def test_copy_failing_while_the_writer_streams_commits_nothing_and_raises_its_ow
         monkeypatch.undo()
         after = big_state(3)
         ck.save(2, after).result(timeout=60)
-        assert ck._rt.staging.allocations == 1  # the failed save gave its arena back
+        assert ck.staging_statistics().allocations == 1  # the failed save gave its arena back
     assert_same(load(tmp_path, 2), after)
     assert_same(load(tmp_path, 1), before)
 
@@ -158,7 +159,7 @@ def test_writer_failure_while_save_copies_reaches_the_handle(tmp_path: Path) -> 
     # (everything staged), the handle carries the error, nothing is committed
     ops = ShardWrites()
     ops.fail("write", errno.EIO, where=".safetensors", times=1)
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         h = ck.save(1, big_state(1))
         with pytest.raises(SaveError) as ei:
             h.result(timeout=60)
@@ -204,7 +205,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
 
         _staging.StageProgress.group_done = group_done
         state = {{f"w{{i}}": torch.full((1 << 20,), float(i)) for i in range(12)}}
-        ck = Checkpointer({str(root)!r}, _ops=Ops())
+        ck = Checkpointer({str(root)!r}, os_ops=Ops())
         ck.save(1, state).result(timeout=60)
         ck.armed = True
         ck.save(2, state)
@@ -237,7 +238,7 @@ class Fallocate(FaultOps):
 def test_buffered_shard_is_preallocated_where_supported_and_a_refusal_is_ignored(tmp_path: Path) -> None:
     ops = Fallocate(errno.EOPNOTSUPP)
     state = big_state(4)
-    with Checkpointer(tmp_path, _ops=ops, direct_io="off") as ck:
+    with Checkpointer(tmp_path, os_ops=ops, direct_io="off") as ck:
         ck.save(1, state).result(timeout=60)
     assert ops.calls_fallocate == 1  # the shard only (small files are not preallocated)
     assert_same(load(tmp_path, 1), state)
@@ -245,7 +246,7 @@ def test_buffered_shard_is_preallocated_where_supported_and_a_refusal_is_ignored
 
 def test_preallocation_enospc_fails_the_save_before_any_write(tmp_path: Path) -> None:
     ops = Fallocate(errno.ENOSPC)
-    with Checkpointer(tmp_path, _ops=ops, direct_io="off") as ck:
+    with Checkpointer(tmp_path, os_ops=ops, direct_io="off") as ck:
         with pytest.raises(SaveError) as ei:
             ck.save(1, big_state(5)).result(timeout=60)
         f = ei.value.failures[0]
@@ -278,7 +279,7 @@ def test_writer_cpu_seconds_are_reported_per_save(tmp_path: Path) -> None:
     st = info.statistics
     assert st is not None
     # the CRC of 48 MiB alone takes CPU; a thread's CPU can never exceed the wall time it ran
-    assert 0 < st.writer_cpu_s < st.total_s * (1 + ck._rt.pool.threads.__len__())
+    assert 0 < st.writer_cpu_s < st.total_s * (1 + 2)  # the writer loop and at most io_threads=2 I/O threads
     assert st.cpu_s_per_gib == pytest.approx(st.writer_cpu_s / (st.nbytes / 2**30))
     assert totals.writer_cpu_s == pytest.approx(st.writer_cpu_s)
 
@@ -325,8 +326,8 @@ def test_interrupt_at_every_line_of_the_streaming_copy_leaves_every_commit_true(
 
     codes = _codes(
         [
-            Checkpointer._stage_streaming,
-            Checkpointer._forget_unstaged,
+            SavePipeline._stage_streaming,
+            SavePipeline._forget_unstaged,
             _staging.StagingPool.stage,
             _staging.StagingPool._stage_cpu,
             _staging._CopyRun.work,

@@ -36,7 +36,7 @@ def test_mutation_after_save_does_not_change_what_is_written(tmp_path: Path) -> 
     ops = GateOps()
     state = make_state(1, n=3, numel=100_000)
     expected = {k: v.clone() for k, v in state["model"].items()}
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         h = ck.save(1, state)
         assert ops.entered.wait(10)
         for t in state["model"].values():
@@ -51,7 +51,7 @@ def test_mutation_after_save_does_not_change_what_is_written(tmp_path: Path) -> 
 
 def test_backpressure_waits_for_a_slot_and_reuses_the_buffer(tmp_path: Path) -> None:
     ops = GateOps()
-    with Checkpointer(tmp_path, max_pending=1, _ops=ops) as ck:
+    with Checkpointer(tmp_path, max_pending=1, os_ops=ops) as ck:
         h1 = ck.save(1, make_state(1))
         assert ops.entered.wait(10)
         assert h1.state is SaveState.WRITING
@@ -66,12 +66,12 @@ def test_backpressure_waits_for_a_slot_and_reuses_the_buffer(tmp_path: Path) -> 
         info2 = result[0].result(timeout=30)
         assert h1.result(timeout=30).step == 1
         assert info2.statistics is not None and info2.statistics.wait_s > 0.3
-        assert len(ck._rt.staging._free) == 1
+        assert ck.staging_statistics().slots == 1
 
 
 def test_max_pending_two_allows_two_in_flight(tmp_path: Path) -> None:
     ops = GateOps()
-    with Checkpointer(tmp_path, max_pending=2, _ops=ops) as ck:
+    with Checkpointer(tmp_path, max_pending=2, os_ops=ops) as ck:
         h1 = ck.save(1, make_state(1))
         h2 = ck.save(2, make_state(2))  # must not block
         assert not h1.done() and not h2.done()
@@ -83,17 +83,17 @@ def test_max_pending_two_allows_two_in_flight(tmp_path: Path) -> None:
 def test_staging_buffer_is_reused_across_saves(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         ck.save(1, make_state(1)).result(timeout=30)
-        arena = ck._rt.staging._free[0]
+        (arena,) = ck.staging_statistics().free
         for s in range(2, 6):
             ck.save(s, make_state(s)).result(timeout=30)
-        assert ck._rt.staging._free == [arena]
+        assert ck.staging_statistics().free == (arena,)
 
 
 def test_committed_step_cannot_be_overwritten_but_failed_step_can_be_retried(tmp_path: Path) -> None:
     from conftest import FaultOps
 
     ops = FaultOps()
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ck.save(1, make_state(1)).result(timeout=30)
         with pytest.raises(ValueError, match="already committed"):
             ck.save(1, make_state(1))
@@ -110,7 +110,7 @@ def test_committed_step_cannot_be_overwritten_but_failed_step_can_be_retried(tmp
 
 def test_step_in_flight_is_refused(tmp_path: Path) -> None:
     ops = GateOps()
-    with Checkpointer(tmp_path, max_pending=2, _ops=ops) as ck:
+    with Checkpointer(tmp_path, max_pending=2, os_ops=ops) as ck:
         ck.save(3, make_state(3))
         with pytest.raises(ValueError, match="already being saved"):
             ck.save(3, make_state(3))
@@ -167,7 +167,7 @@ def test_retention_counts_only_complete_checkpoints(tmp_path: Path) -> None:
     from conftest import FaultOps
 
     ops = FaultOps()
-    with Checkpointer(tmp_path, keep_last=1, _ops=ops) as ck:
+    with Checkpointer(tmp_path, keep_last=1, os_ops=ops) as ck:
         ck.save(1, make_state(1)).result(timeout=30)
         ops.fail("rename", 5, where="step_00000002")  # the commit rename of step 2 fails
         with pytest.raises(asyncckpt.SaveError):
@@ -207,7 +207,7 @@ def test_handle_api_and_statistics(tmp_path: Path) -> None:
 
 def test_result_timeout_raises_builtin_timeout_and_save_continues(tmp_path: Path) -> None:
     ops = GateOps()
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         h = ck.save(1, make_state(1))
         with pytest.raises(TimeoutError) as ei:
             h.result(timeout=0.05)
@@ -246,7 +246,7 @@ def test_cancelling_an_awaiting_task_does_not_cancel_the_save(tmp_path: Path) ->
     ops = GateOps()
 
     async def main() -> None:
-        with Checkpointer(tmp_path, _ops=ops) as ck:
+        with Checkpointer(tmp_path, os_ops=ops) as ck:
             h = ck.save(1, make_state(1))
             task = asyncio.ensure_future(h._wait())
             await asyncio.sleep(0.05)
@@ -277,7 +277,7 @@ def test_no_thread_left_after_close(tmp_path: Path) -> None:
 
 def test_gc_with_pending_saves_warns_and_the_save_completes(tmp_path: Path) -> None:
     ops = GateOps()
-    ck = Checkpointer(tmp_path, _ops=ops)
+    ck = Checkpointer(tmp_path, os_ops=ops)
     h = ck.save(1, make_state(1))
     with pytest.warns(RuntimeWarning, match="garbage-collected with 1 pending"):
         del ck

@@ -86,7 +86,7 @@ def test_step_lower_than_the_newest_committed_is_refused_naming_it(tmp_path: Pat
 @pytest.mark.timeout(60)
 def test_step_lower_than_one_in_flight_is_refused(tmp_path: Path) -> None:
     ops = SlowShardFsync(10)
-    with Checkpointer(tmp_path, timeout=WAIT_S, max_pending=2, _ops=ops) as ck:
+    with Checkpointer(tmp_path, timeout=WAIT_S, max_pending=2, os_ops=ops) as ck:
         ck.save(3, _state(3)).result(timeout=WAIT_S)
         h = ck.save(10, _state(10))
         try:
@@ -108,7 +108,7 @@ def test_step_lower_than_one_in_flight_is_refused(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_allow_earlier_steps_keeps_the_most_recently_committed(tmp_path: Path) -> None:
     ops = SlowShardFsync(30)
-    with Checkpointer(tmp_path, keep_last=2, allow_earlier_steps=True, max_pending=2, timeout=WAIT_S, _ops=ops) as ck:
+    with Checkpointer(tmp_path, keep_last=2, allow_earlier_steps=True, max_pending=2, timeout=WAIT_S, os_ops=ops) as ck:
         ck.save(10, _state(10)).result(timeout=WAIT_S)
         ck.save(20, _state(20)).result(timeout=WAIT_S)
         ck.save(5, _state(5)).result(timeout=WAIT_S)  # lower than the newest: allowed

@@ -93,8 +93,8 @@ def wait_until(cond: Callable[[], bool], seconds: float, what: str) -> None:
 
 
 def uploads(ck: Checkpointer) -> list[UploadRecord]:
-    with ck._lock:
-        return [r for r in ck._records if isinstance(r, UploadRecord)]
+    with ck._books.lock:
+        return [r for r in ck._books.records if isinstance(r, UploadRecord)]
 
 
 def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(

@@ -189,7 +189,7 @@ class FailStep(OsOps):
 
 def test_a_failed_save_stops_training_and_keeps_the_older_checkpoints(tmp_path: Path) -> None:
     t, _ = w.trainer(str(tmp_path), "async", STEPS, limit=1, record=False, save_steps=5)
-    t._asyncckpt_options["_ops"] = FailStep(15)
+    t._asyncckpt_options["os_ops"] = FailStep(15)
     with pytest.raises(SaveError) as e:
         t.train()
     assert e.value.__cause__ is None or isinstance(e.value.__cause__, OSError)

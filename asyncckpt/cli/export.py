@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         tensors, keys, skipped, dropped = _stream(args, manifest.step, dest)
         nbytes = sum(_export_nbytes(s) for s in tensors.values())
     else:
-        from .._checkpointer import load  # torch: only this command needs it
+        from ..checkpointer._loader import load  # torch: only this command needs it
 
         state = load(args.root, manifest.step, rank=args.rank, verify=True)
         pairs, skipped = named_tensors(state)

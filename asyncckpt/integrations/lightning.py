@@ -34,9 +34,10 @@ from typing import Any
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from .._checkpointer import Checkpointer, load
 from .._errors import CheckpointError
 from .._info import CheckpointInfo
+from ..checkpointer._facade import Checkpointer
+from ..checkpointer._loader import load
 from ._publish import Publisher, drop_step, fsync_dir, write_durably
 
 __all__ = ["ROOT_NAME", "AsyncckptCheckpointIO", "load_checkpoint", "read_pointer"]

@@ -80,8 +80,8 @@ from nemo_automodel.recipes.base_recipe import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from .._checkpointer import Checkpointer
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..checkpointer._facade import Checkpointer
 from ..ranks._every_rank import on_every_rank
 from ..roots.posix._storage import remove_tree
 from . import _nemo_folders as folders

@@ -67,7 +67,7 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from .. import reading
-from .._checkpointer import Checkpointer
+from ..checkpointer._facade import Checkpointer
 
 __all__ = ["AsyncckptCheckpointManager"]
 
@@ -292,7 +292,7 @@ class AsyncckptCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
     def _load_initial(self, path: str) -> None:
         """``initial_load_path``: a DCP folder, an asyncckpt root, or one of its step directories
         (read, never owned: it is another run's)."""
-        from .._checkpointer import load
+        from ..checkpointer._loader import load
 
         if not os.path.isdir(path):
             raise ValueError(f"Checkpoint.initial_load_path is invalid: {path}")

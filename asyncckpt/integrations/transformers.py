@@ -52,9 +52,10 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import SaveStrategy
 
-from .._checkpointer import Checkpointer, load
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._info import CheckpointInfo
+from ..checkpointer._facade import Checkpointer
+from ..checkpointer._loader import load
 from ..roots._scheme import is_url
 from . import _hf_folders as folders
 from ._publish import Publisher, write_durably

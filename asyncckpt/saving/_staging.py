@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._info import StagingBuffer, StagingStatistics
 from ..format._header import ALIGN, round_up
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
 
@@ -324,6 +325,7 @@ class Arena:
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.pinned = False
         self.spare = False  # outside the pool's slots: released, not pooled, when given back
+        self.copy_plans = 0  # copy plans built (StagingBuffer.copy_plans)
         self._views_for: ShardLayout | None = None
         self._views: list[torch.Tensor] = []
         self._plan_for: ShardLayout | None = None
@@ -358,6 +360,7 @@ class Arena:
         if self._plan_for is not layout or self._plan is None:
             self._plan = _CopyPlan(self, layout, self.views(layout))
             self._plan_for = layout
+            self.copy_plans += 1
         return self._plan
 
     def release(self) -> None:
@@ -448,6 +451,14 @@ class StagingPool:
         with self._cond:
             self._free.append(arena)
             self._cond.notify()
+
+    def snapshot(self, layouts_planned: int) -> StagingStatistics:
+        """A read-only snapshot of the pool (``Checkpointer.staging_statistics``)."""
+        with self._cond:
+            free = [a for a in self._free if a is not None]
+            buffers = tuple(StagingBuffer(a.tensor.data_ptr(), a.capacity, a.huge_pages, a.pinned, a.copy_plans)
+                            for a in free)  # fmt: skip
+            return StagingStatistics(self.allocations, len(self._free), buffers, layouts_planned)
 
     def close(self) -> None:
         """Release the free arenas and stop the helper thread (joined, bounded)."""

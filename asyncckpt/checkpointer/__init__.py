@@ -1,0 +1,1 @@
+"""The facade: ``Checkpointer`` and ``load()``, and the parts the facade delegates to."""

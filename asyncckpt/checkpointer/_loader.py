@@ -1,0 +1,371 @@
+"""Loading for the facade: ``Checkpointer.load``'s three paths (this root, the mirror, the
+collective agreement) behind one request object, and the module-level ``load()``."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..format._gcpause import paused_gc
+from ..format._layout import check_step
+from ..format._structure import check_strip_prefixes
+from ..loading import _load, _load_global, _resume
+from ..loading._stepfiles import NoSuchShard
+from ..ranks import _agree
+from ..roots import _readfault, _runs
+from ..roots._scheme import is_url
+from ..roots.posix import _discovery
+from ._options import is_int
+from ._session import RootSession
+
+#: Rounds of a collective load(step=None) (each one a retired choice or a corrupt fallback).
+MAX_LOAD_ROUNDS = 64
+log = logging.getLogger("asyncckpt")
+
+
+def check_load_args(step: int | None, rank: int | None, per_rank: object, verify_first: object) -> None:
+    """The checks ``Checkpointer.load`` and ``load()`` share: ``TypeError``/``ValueError``."""
+    if step is not None:
+        check_step(step)
+    if rank is not None and (not is_int(rank) or rank < 0):
+        raise (TypeError if not is_int(rank) else ValueError)(f"rank must be a non-negative int, not {rank!r}")
+    if per_rank not in _load_global.PER_RANK:
+        raise ValueError(f"per_rank must be one of {_load_global.PER_RANK}, not {per_rank!r}")
+    if type(verify_first) is not bool:
+        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One checked ``Checkpointer.load`` call: ``step`` (``None``: the newest that verifies),
+    ``shard`` the saved rank this rank reads, ``expect`` the world size the checkpoint must
+    have (``None``: any, ``rank=`` named the shard), ``reader`` the targets and the deferral."""
+
+    step: int | None
+    shard: int
+    verify: bool
+    mmap: bool
+    expect: int | None
+    reader: _load_global.Reader
+
+
+class Loader:
+    """Loads for one Checkpointer: its root, its mirror (tier mode), its ranks."""
+
+    def __init__(self, session: RootSession) -> None:
+        self.session = session
+        self.root = session.root
+        self.store = session.store
+        self.timeout = session.timeout
+        self.strip_prefixes = session.opts.strip_prefixes
+        self.store_options = session.opts.store_options
+
+    def load(self, req: LoadRequest) -> Any:
+        """The state of ``req`` (restored into its targets, if any)."""
+        reader = req.reader
+        into = reader.into
+        if self.store is not None:
+            state = self._load_store_root(req)
+            if into is not None:
+                _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+            return state
+        chosen = self._remote_choice(req.step)
+        if chosen is not None:  # tier mode: the step is on the store only, or newer there
+            far, attempt = _runs.unpack(chosen)
+            if req.mmap:
+                raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
+                                 f"({self.session.mirror_url()}): load it without mmap")
+            state = self._load_remote(req, far, req.step is None, attempt)
+        elif self.session.dist is None:
+            # into=: tensors read into in place once their shard verified (_load.plan_targets)
+            kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": req.mmap,
+                  "deadline": time.monotonic() + self.timeout}  # an I/O fault is retried within it
+            if req.step is None:
+                _, state = _resume.load_newest(
+                    self.root, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
+                )
+            else:
+                state = _resume.load_step(
+                    self.root, req.step, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
+                )
+        else:
+            state = self._load_agreed(req)
+        if into is not None:
+            _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+        return state
+
+    def _load_store_root(self, req: LoadRequest) -> Any:
+        """``load()`` under an object-store root: each rank reads its own shard with ranged
+        GETs, verified. One process: the newest step that verifies (``_remote_load``). Many
+        ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
+        picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
+        every rank fall back to the same older step; an explicit step raises on every rank)."""
+        from ..loading import _remote_load
+
+        if req.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {self.root}")
+        if self.session.dist is not None:
+            return self._load_agreed(req)
+        return _remote_load.load(
+            self.root, req.step, into=req.reader.into, verify=req.verify, rank=req.shard,
+            storage_options=self.store_options, deadline_s=self.timeout, reader=req.reader, world_size=req.expect,
+        )  # fmt: skip
+
+    def _load_store_step(self, req: LoadRequest, step: int, attempt: str | None = None) -> Any:
+        """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
+        or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
+        agree to retry. As on a file system: a step without a global index is read into the
+        targets at once unless ``verify_first`` (then restored once every rank verified); an
+        indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
+        from ..loading import _remote_load
+
+        reader = req.reader
+        return _remote_load.load(
+            self.root, step, into=None if reader.verify_first else reader.into, verify=req.verify, rank=req.shard,
+            storage_options=self.store_options, deadline_s=self.timeout, reader=reader, world_size=req.expect,
+            expect=attempt,
+        )  # fmt: skip
+
+    def _remote_choice(self, step: int | None) -> list[Any] | None:
+        """Tier mode: the commit to load from the store (``_runs.choice``; ``None``: load
+        locally, as without a mirror). The newest complete step of this run on either tier
+        (the store's steps of another run are never chosen), local when both hold it; an
+        explicit step comes from the store only when it is not complete locally. Decided by
+        rank 0, which names the commit's attempt so that every rank reads that one."""
+        mirror = self.session.mirror
+        if mirror is None:
+            return None
+
+        def pick() -> list[Any] | None:
+            if step is not None:
+                if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
+                    return None
+                return _runs.store_choice(mirror.store, step, self.timeout, self.session.run_id)
+            far = mirror.latest(warn=True)
+            near = _discovery.newest_complete(self.root)
+            if far is not None and (near is None or far.step > near.step):
+                return [far.step, far.attempt, far.run]
+            return None
+
+        chosen: list[Any] | None = self.session.decided_by_leader(pick)
+        return chosen
+
+    def _load_remote(self, req: LoadRequest, step: int, fall_back: bool, attempt: str | None = None) -> Any:
+        """Load ``req.shard`` of ``step`` (commit ``attempt``, see ``_runs``) from the mirror
+        (into the reader's targets, resharding DTensors, as a local load would); with
+        ``fall_back`` (``load()`` with no step) a step that does not verify is logged and the
+        newest older one of this run on either tier loads instead. Each rank reads its own
+        shard (no agreement round: see README), so a read the reader defers is finished at once."""
+        from ..loading import _remote_load
+
+        mirror = self.session.mirror
+        assert mirror is not None
+        reader = req.reader
+
+        def from_store(s: int, expected: str | None = None) -> Any:
+            state = _remote_load.load(
+                mirror.url, s, into=reader.into, verify=req.verify, rank=req.shard,
+                storage_options=mirror.storage_options, reader=reader, world_size=req.expect, expect=expected,
+            )  # fmt: skip
+            reader.finish()
+            return state
+
+        try:
+            return from_store(step, attempt)
+        except CheckpointCorruptError as e:
+            if not fall_back:
+                raise
+            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
+        near = _discovery.newest_complete(self.root)
+        if near is not None:
+            state = _resume.load_newest(self.root, rank=req.shard, verify=req.verify, world_size=req.expect,
+                                        into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
+                                        deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
+            reader.finish()
+            return state
+        tried = {step}  # the older steps of this run on the store, newest first (never another run's)
+        for _ in range(MAX_LOAD_ROUNDS):
+            older = mirror.latest(skip=frozenset(tried))
+            if older is None:
+                break
+            try:
+                return from_store(older.step)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+                log.warning("asyncckpt: remote step %d under %s cannot be loaded (%s); falling back", older.step,
+                            mirror.url, e)  # fmt: skip
+                tried.add(older.step)
+        raise CheckpointNotFoundError(f"no complete checkpoint of this run under {self.root} or {mirror.url} "
+                                      "verifies")
+
+    def _load_agreed(self, req: LoadRequest) -> Any:
+        """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
+        session, step, reader = self.session, req.step, req.reader
+        assert session.dist is not None
+        rejected: dict[int, CheckpointCorruptError] = {}
+        for _ in range(MAX_LOAD_ROUNDS):
+
+            # rank 0 names the exact commit (step, attempt, run: _runs.choice); every rank checks
+            # that the manifest it reads is that attempt, so none reads another commit's files
+            def pick() -> Any:
+                if step is not None:
+                    if self.store is not None:
+                        return _runs.store_choice(self.store, step, self.timeout, None)
+                    return _runs.local_choice(self.root, step)
+                if self.store is not None:
+                    found = session.find_latest(skip=frozenset(rejected))
+                    return None if found is None else [found.step, found.attempt, found.run]  # type: ignore[union-attr]
+                skipped: dict[int, CheckpointCorruptError] = {}
+                info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
+                for s, e in sorted(skipped.items(), reverse=True):
+                    if s not in rejected:
+                        _resume.warn_corrupt(self.root, s, e)
+                        rejected[s] = e
+                return None if info is None else _runs.local_choice(self.root, info.step)
+
+            # an I/O fault of rank 0's look is raised on every rank (none waits for a choice)
+            retry_until = time.monotonic() + self.timeout / 2
+            picked = _resume.picked(session.decided_by_leader(functools.partial(_resume.leader_pick, pick,
+                                                                                retry_until)))  # fmt: skip
+            if picked is None:
+                raise _resume.no_checkpoint(self.root, rejected)
+            chosen, attempt = _runs.unpack(picked)
+            state: Any = None
+            error: BaseException | None = None
+            report: dict[str, Any] = {}
+            try:
+                if self.store is not None:
+                    state = self._load_store_step(req, chosen, attempt)
+                else:
+                    # one pass: straight into the targets; verify_first: fresh tensors, restored
+                    # once every rank verified (an indexed step defers inside the reader); an
+                    # I/O fault is tried again first, leaving the others time to wait for us
+                    into = None if reader.verify_first else reader.into
+                    state = _readfault.retrying(
+                        functools.partial(_resume.attempt, self.root, chosen, req.shard, req.verify, req.expect, into,
+                                          reader.strip_prefixes, reader=reader, mmap=req.mmap, report=report,
+                                          expect=attempt),
+                        retry_until,
+                    )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
+                error = e
+            session.queries += 1
+            try:
+                verdict = _agree.agree(
+                    session.dist,
+                    f"q/{session.queries}/load",
+                    _resume.outcome_of(error, report),
+                    lambda outcomes: _resume.decide(step is not None, outcomes),
+                    self.timeout,
+                )
+            except BaseException:
+                reader.abandon()
+                raise
+            kind = verdict["kind"]
+            if kind == "ok":
+                reader.finish()
+                if verdict.get("full") and session.rank == 0:  # every file of the step verified
+                    _resume.unmark(self.root, chosen, verdict["attempt"])
+                return state
+            reader.abandon()
+            if kind == "error":
+                if error is not None:
+                    if isinstance(error, _discovery.Vanished | NoSuchShard):
+                        raise CheckpointNotFoundError(str(error)) from None
+                    raise error
+                raise _resume.error_from(chosen, verdict["failures"])
+            if kind == "fallback":
+                failures = verdict["failures"]
+                r, first = min(failures.items(), key=lambda kv: int(kv[0]))
+                _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
+                rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
+                if session.rank == 0 and error is None and attempt is not None and self.store is None:
+                    # rank 0 decides the step rules: it must know even if rank r's mark was not written
+                    _resume.mark(self.root, chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
+            # "retry": the choice was retired meanwhile; rank 0 looks again
+            del state
+        raise CheckpointNotFoundError(
+            f"no checkpoint under {self.root} stayed in place long enough to load ({MAX_LOAD_ROUNDS} tries)"
+        )
+
+
+def load(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    into: Any = None,
+    verify: bool = True,
+    rank: int | None = None,
+    strip_prefixes: Sequence[str] = (),
+    per_rank: _load_global.PerRank = "error",
+    storage_options: dict[str, str] | None = None,
+    mmap: bool = False,
+    verify_first: bool = False,
+) -> Any:
+    """Load rank ``rank``'s state (default 0) of a complete checkpoint under ``root`` (no Checkpointer needed).
+
+    A checkpoint holding DTensors comes back with full global tensors (or, into DTensors
+    of ``into=``, their local shards). Its other values are per rank: ``rank=`` picks the
+    saved rank; without it they load only where every saved rank holds the same values,
+    else ``CheckpointError`` names the keys, unless ``per_rank="rank0"``.
+
+    ``step=None`` loads the newest checkpoint that verifies: a corrupt newest one is logged
+    (WARNING, naming the file) and the next newest is loaded. An explicit ``step`` raises
+    ``CheckpointNotFoundError`` if it is missing or was retired while being read and
+    ``CheckpointCorruptError`` if it fails verification. A read that fails on I/O is tried
+    again a few times (about 2 s of pauses), then raises ``CheckpointReadError`` naming the
+    file, whatever ``step``: never a fallback, never a bad mark. With ``into=``, restores in place
+    (tensors read straight into and checksummed as they land, see :meth:`Checkpointer.load`:
+    a step that fails may leave them partly overwritten; ``verify_first=True`` writes no
+    target before the whole state verified). Needs no ownership of the root:
+    any number of readers may run while a job writes.
+
+    ``strip_prefixes`` as for :class:`Checkpointer`: wrapper prefixes matched at ``into=``.
+    ``root`` may be an ``s3://bucket/prefix`` URL (see :mod:`asyncckpt.remote`), with
+    ``storage_options`` for its store.
+
+    ``mmap=True`` returns tensors backed by the shard file (a private, copy-on-write mapping:
+    nothing is copied, pages are read when first touched, writes never reach the file), for
+    inspection and export of checkpoints larger than memory. With ``verify`` (the default)
+    the shard's CRC-32C is checked once, up front, by streaming it through small buffers (no
+    copy kept); ``verify=False`` reads nothing until touched. The tensors stay valid after
+    retention removes the step (the mapping holds the file). Raises ``ValueError`` with
+    ``into=``, for an ``s3://`` root, and for a step with a global index (DTensors, dedupe).
+    """
+    _load.check_mmap(mmap, into)
+    if type(verify_first) is not bool:
+        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
+    if is_url(root):
+        if mmap:
+            raise ValueError("mmap=True needs a local root, not an s3:// URL")
+        from ..remote import load as load_remote
+
+        return load_remote(
+            root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
+            verify_first=verify_first, storage_options=storage_options,
+        )  # fmt: skip
+    prefixes = check_strip_prefixes(strip_prefixes)
+    check_load_args(step, rank, per_rank, verify_first)
+    root_s = os.fspath(root)
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
+    shard = 0 if rank is None else rank
+    kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
+    # one pause of the collector for the whole load and restore (_gcpause: see _load.load_files)
+    with _load.noting_partial_targets(reader), paused_gc():
+        return _load_and_restore(root_s, step, shard, verify, kw)
+
+
+def _load_and_restore(root: str, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
+    """:func:`load`'s body, its arguments checked (a function: its temporaries die inside the pause)."""
+    if step is None:
+        _, state = _resume.load_newest(root, rank=shard, verify=verify, **kw)
+    else:
+        state = _resume.load_step(root, step, rank=shard, verify=verify, **kw)
+    if kw["into"] is not None:
+        _load.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
+    return state

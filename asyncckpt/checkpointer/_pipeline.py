@@ -1,0 +1,428 @@
+"""The save pipeline: check and reserve the step, flatten and plan, take a staging slot,
+copy (streaming to the writer while the copy runs), hand the job to the writer, book its end."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import RankFailure, SaveError, SaveTimeoutError, with_global_ranks
+from .._info import CheckpointInfo
+from ..format._layout import check_step
+from ..format._lifecycle import SaveState
+from ..format._safetensors import ShardLayout
+from ..format._structure import flatten, tree_json
+from ..loading import _load_global
+from ..roots import _runs
+from ..saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
+from ..saving._handle import SaveHandle, SaveRecord
+from ..saving._staging import Arena, StageProgress
+from ..threads._writer import StartGate
+from ._books import Books
+from ._options import Options
+from ._plan import Planner, spread_replica_writes
+from ._runtime import MARGIN_S, Runtime
+from ._session import RootSession
+
+#: Past the save deadline, when a save that is still running is given up (``guarded``).
+GUARD_S = 2.5
+log = logging.getLogger("asyncckpt")
+
+
+class SavePipeline:
+    """The saves of one Checkpointer, from ``save()``'s call to their settling.
+
+    Referenced only by its Checkpointer (the writer's callbacks hold it weakly): a dropped
+    Checkpointer's saves finish, but nothing is booked or reported for them any more."""
+
+    def __init__(self, opts: Options, session: RootSession, rt: Runtime, books: Books) -> None:
+        self.opts = opts
+        self.session = session
+        self.rt = rt
+        self.books = books
+        self.planner = Planner(session.rank)
+        # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
+        self.grace_end: float | None = None
+        self.interrupted_save = False
+
+    def track_upload(self, info: CheckpointInfo) -> None:
+        """Hand committed ``info`` to the mirror and track its upload like a save."""
+        assert self.session.mirror is not None
+        record = self.session.mirror.committed(info)
+        me = weakref.ref(self)
+        with self.books.lock:
+            self.books.records.append(record)
+
+        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            owner = me()
+            if owner is None:
+                return
+            with owner.books.lock:
+                if f.exception() is None:
+                    if record in owner.books.records:
+                        owner.books.records.remove(record)
+                else:
+                    owner.books.unraised.append(record)  # raised at the next save(), flush(), close()
+
+        record.future.add_done_callback(settled)
+
+    def save(self, step: int, state: Any, t_call: float) -> SaveHandle:
+        """``Checkpointer.save``'s body, called with the collector paused (a method of its
+        own: its temporaries die before the pause ends)."""
+        check_step(step)
+        self.books.surface_earlier_failure(self.opts.on_error == "warn")
+        self.reserve_step(step)
+        # set by _submit once the save's record owns the slot and the step (its settling
+        # frees both); until then an exception anywhere here gives them back
+        handed = [False]
+        arena: Arena | None = None
+        try:
+            try:
+                found: list[tuple[str, Any, Any]] = []
+                n_tied: list[int] = []
+                aliases: dict[str, str] = {}
+                tree, refs = flatten(
+                    state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
+                )
+                if found and self.opts.dedupe and self.session.world_size > 1:
+                    found, refs = spread_replica_writes(found, refs)
+                tree_bytes = tree_json(tree)
+                del tree
+                layout, perm, all_cpu = self.planner.plan(refs)
+                dtensors = _load_global.describe_for_index(found, aliases, self.session.world_size) if found else None
+                tied = n_tied[0] > 0
+                plan_key, file = layout, None
+                if self.opts.dedupe and self.session.world_size > 1:
+                    layout, file, perm = self.planner.expected_file(layout, perm, dtensors)
+            except (TypeError, ValueError) as e:
+                if self.session.dist is not None:
+                    # the other ranks are saving this step too: fail it for them, within the protocol
+                    self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed)
+                raise
+            arena, waited = self.acquire_slot(layout.file_size)
+            sources = [refs[i].tensor for i in perm]
+            if all_cpu:
+                return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
+                                             dtensors=dtensors, tied=tied, handed=handed, file=file,
+                                             plan_key=plan_key)  # fmt: skip
+            events = self.rt.staging.stage(arena, layout, sources, all_cpu=False)
+            # everything save() did but wait for a slot: flatten, plan, allocation, copy
+            staging_s = time.perf_counter() - t_call - waited
+            return self._submit(
+                step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
+                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key,
+            )  # fmt: skip
+        finally:
+            if not handed[0] and arena is not None:
+                self.rt.staging.give_back(arena)
+            with self.books.lock:  # still unregistered (no record took it): free the step
+                if self.books.reserved.get(step, 0) is None:
+                    del self.books.reserved[step]
+
+    def reserve_buffers(self, state: Any) -> None:
+        """``Checkpointer.reserve``: plan ``state``'s layout and fill the free slots with
+        buffers big enough for it (pinned for CUDA tensors)."""
+        import torch  # loaded already by staging; imported here to keep this module's imports torch-free
+
+        _, refs = flatten(state, self.opts.strip_prefixes, dtensors=[])
+        layout, _, all_cpu = self.planner.plan(refs)
+        pin = not all_cpu and torch.cuda.is_available() and any(r.tensor.device.type == "cuda" for r in refs)
+        self.rt.staging.reserve(layout.file_size, pin)
+
+    def _stage_streaming(
+        self,
+        step: int,
+        t_call: float,
+        arena: Arena,
+        layout: ShardLayout,
+        tree_bytes: bytes,
+        sources: list[Any],
+        waited: float,
+        *,
+        dtensors: list[dict[str, Any]] | None,
+        tied: bool,
+        handed: list[bool],
+        file: ShardLayout | None,
+        plan_key: ShardLayout,
+    ) -> SaveHandle:
+        """Hand the save to the writer first, then copy: the writer streams the staged prefix
+        of the arena while the rest is copied. Returns once everything is staged.
+
+        If the copy fails (or is interrupted), the writer gives the save up (nothing is
+        committed: the manifest is written only after the whole shard), this call waits for
+        that to settle (so the slot and the step are free again, as if the save had never
+        started) and re-raises the copy's exception; the failed save is nobody's failure to
+        report later."""
+        progress = StageProgress(layout.file_size)
+        got: list[SaveRecord] = []
+        try:
+            handle = self._submit(
+                step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
+                dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
+                file=file, plan_key=plan_key,
+            )  # fmt: skip
+            self.books.staging_record = got[0]
+            self.rt.staging.stage(arena, layout, sources, progress, all_cpu=True)
+            # everything save() did but wait for a slot: flatten, plan, allocation, copy
+            progress.finish(time.perf_counter() - t_call - waited)
+            return handle
+        except BaseException as e:
+            if progress.finished:
+                raise  # interrupted after the copy completed: the save goes on, as any staged one
+            progress.fail(e)
+            if got:
+                self._forget_unstaged(got[0])
+            raise
+        finally:
+            self.books.staging_record = None
+
+    def _forget_unstaged(self, record: SaveRecord) -> None:
+        """A save whose copy failed: wait (bounded) until the writer gave it up, then drop it
+        from the books, so flush()/close() and the next save() never report it."""
+        record.reported = True
+        record.silent = True
+        try:
+            concurrent.futures.wait([record.future], min(self.opts.timeout, 60.0) + MARGIN_S)
+        finally:
+            self.books.forget(record)
+
+    def reserve_step(self, step: int) -> None:
+        """Check ``step`` may be saved and reserve it, in one step under the lock, so two
+        threads saving the same step cannot both pass: the second raises ``ValueError``.
+
+        A committed step at or above ``step`` that is no longer resumable (known bad: a load
+        fell back past it, or a verification failed; or gone) does not count: it is looked up
+        (collective: rank 0 decides) only then, so a save of a new, higher step costs nothing."""
+        with self.books.lock:
+            self.books.settle_reserved()
+            later = not self.opts.allow_earlier_steps
+            blockers = sorted(s for s in self.books.committed if s == step or (s > step and later))
+            generation = self.books.commits
+        if self.session.mirror is not None and not self.session.store_known:
+            self.session.look_at_store_again()
+        if blockers:
+            gone = self.session.not_resumable(blockers)
+            with self.books.lock:
+                if self.books.commits == generation:  # else a save committed meanwhile (of that very step?): keep all
+                    self.books.committed.difference_update(gone)
+        with self.books.lock:
+            self.books.settle_reserved()
+            if step in self.books.committed:
+                raise ValueError(f"step {step} is already committed under {self.opts.root}")
+            if step in self.books.reserved:
+                raise ValueError(f"step {step} is already being saved")
+            if not self.opts.allow_earlier_steps:
+                newest = max(self.books.committed, default=None)
+                if newest is not None and step < newest:
+                    raise ValueError(
+                        f"step {step} is lower than step {newest}, the newest committed checkpoint under "
+                        f"{self.opts.root}: steps must increase (keep_last and latest() go by step); pass "
+                        "allow_earlier_steps=True to save earlier steps anyway"
+                    )
+                pending = max(self.books.reserved, default=None)
+                if pending is not None and step < pending:
+                    raise ValueError(
+                        f"step {step} is lower than step {pending}, which is being saved: steps must "
+                        "increase; pass allow_earlier_steps=True to save earlier steps anyway"
+                    )
+            if self.session.mirror is not None:  # tier mode: the store's steps count too (as found at construction)
+                _runs.check_store_step(step, self.session.store_newest, self.session.mirror.url, self.session.run_id,
+                                       self.opts.allow_earlier_steps)
+            self.books.reserved[step] = None
+
+    def _submit(
+        self,
+        step: int,
+        t_call: float,
+        arena: Arena | None,
+        layout: ShardLayout | None,
+        tree_bytes: bytes,
+        events: Any,
+        waited: float,
+        staging_s: float,
+        prefailed: BaseException | None = None,
+        handed: list[bool] | None = None,
+        dtensors: list[dict[str, Any]] | None = None,
+        tied: bool = False,
+        progress: StageProgress | None = None,
+        record_out: list[SaveRecord] | None = None,
+        file: ShardLayout | None = None,
+        plan_key: ShardLayout | None = None,
+    ) -> SaveHandle:
+        """Hand a staged save to the writer; the arena goes back to the pool when it settles.
+
+        ``handed[0]`` turns True the moment the save's record owns the arena and the step.
+        With ``progress``, the copy is still running and the writer waits on it;
+        ``record_out`` receives the save's record as soon as it exists.
+        """
+        with self.books.lock:
+            self.books.seq += 1
+            seq = self.books.seq
+        job = SaveJob(
+            step=step,
+            seq=seq,
+            root=self.opts.root,
+            arena=arena,
+            layout=layout,
+            tree=tree_bytes,
+            cuda_events=events,
+            nbytes=(file or layout).data_len if layout is not None else 0,
+            deadline=time.monotonic() + self.opts.timeout,
+            started=t_call,
+            wait_s=waited,
+            staging_s=staging_s,
+            keep_last=self.opts.keep_last if self.session.mirror is None else None,  # tier mode: the mirror retires
+            timeout=self.opts.timeout,
+            prefailed=prefailed,
+            failed_commits=self.books.failed_commits,
+            dead=self.books.dead,
+            retention_lock=self.rt.retention_lock,
+            removals=self.rt.removals,
+            by_commit_order=self.opts.allow_earlier_steps,
+            ranks=self.session.ranks,
+            dtensors=dtensors,
+            dedupe=self.opts.dedupe,
+            tied=tied,
+            progress=progress,
+            file=file,
+            plan_hint=self.planner.plan_hint,
+            plan_key=plan_key,
+            run=self.session.run_id,
+        )
+        holder: list[SaveRecord] = []
+
+        def on_state(state: SaveState) -> None:
+            if holder:
+                holder[0].state = state
+
+        rt = self.rt
+        # the record and its callback exist before the job can start, so an interrupt anywhere
+        # in here leaves the save either tracked to its end or never run; the slot goes back
+        # exactly once, by whoever gets to it first (this call's caller or the settling)
+        fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
+        record = SaveRecord(step, fut)
+        holder.append(record)
+        me = weakref.ref(self)
+        gate = StartGate()
+        ranks = self.session.ranks
+
+        once = [True]
+
+        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            try:
+                once.pop()  # atomic: runs once even if called from two places
+            except IndexError:
+                return
+            if arena is not None:
+                rt.staging.give_back(arena)
+            ok = not f.cancelled() and f.exception() is None
+            record.state = SaveState.COMMITTED if ok else SaveState.FAILED
+            owner = me()
+            if owner is not None:
+                owner.settle(record, ok)
+
+        def make() -> Any:
+            return guarded(run_save(job, rt.storage, rt.coord, on_state, rt.backend), job, rt.coord.rank, ranks)
+
+        try:
+            if handed is not None:
+                handed[0] = True  # from here on the settling gives the slot back
+            fut.add_done_callback(settled)
+            with self.books.lock:
+                self.books.records.append(record)
+                if step in self.books.reserved:
+                    self.books.reserved[step] = record
+            # handed out only here, inside the guard: a caller that sees the record may wait
+            # for its future, which from here on either runs or is cancelled below (an
+            # interrupt earlier left no record to wait for: waiting would take the timeout)
+            if record_out is not None:
+                record_out.append(record)
+            rt.writer.launch(make, fut, gate)
+        except BaseException:
+            if gate.abandon():
+                # never started and never will: the caller hears the exception; settle the
+                # record quietly (slot and step go back through ``settled``, attached or not)
+                record.reported = True
+                fut.cancel()
+                fut.set_running_or_notify_cancel()  # CANCELLED -> notified: wait() sees it done
+                if handed is None or handed[0]:
+                    settled(fut)
+                self.books.forget(record)  # a save that never ran is nobody's failure to report later
+            raise
+        return SaveHandle(record)
+
+    def settle(self, record: SaveRecord, ok: bool) -> None:
+        """A save's future resolved (on the writer thread): book it, hand a commit to the
+        mirror (tier mode, rank 0) and to ``on_commit``."""
+        info = record.future.result() if ok else None
+        with self.books.lock:
+            if self.books.reserved.get(record.step) is record:
+                del self.books.reserved[record.step]
+            if record.silent:  # its copy failed in save(), which raised that: not a save failure
+                self.books.records = [r for r in self.books.records if r is not record]
+                return
+            if ok:
+                self.books.committed.add(record.step)
+                self.books.commits += 1
+                if record in self.books.records:
+                    self.books.records.remove(record)
+            else:
+                self.books.unraised.append(record)
+            self.books.totals.add(info)
+        if info is not None and self.session.mirror is not None and self.session.rank == 0:
+            self.track_upload(info)  # tier mode: upload in the background
+        if info is not None and self.opts.on_commit is not None:
+            try:
+                self.opts.on_commit(info)
+            except BaseException:  # on the writer thread: even SystemExit must not kill it
+                log.exception("asyncckpt on_commit callback raised")
+
+    def acquire_slot(self, nbytes: int) -> tuple[Arena, float]:
+        """A staging arena for the next save: wait for a slot, bounded by the save timeout, or
+        by the grace period inside the SIGTERM handler. A final save that interrupted another
+        save() on this thread cannot wait for the slot that save holds: it stages into a spare
+        buffer instead (freed when it settles)."""
+        grace_end = self.grace_end
+        if grace_end is None:
+            return self.rt.staging.acquire(nbytes, self.opts.timeout + MARGIN_S)
+        if self.interrupted_save:
+            try:
+                return self.rt.staging.acquire(nbytes, 0.0)
+            except TimeoutError:
+                return self.rt.staging.spare(nbytes), 0.0
+        left = max(0.0, grace_end - time.monotonic())
+        return self.rt.staging.acquire(nbytes, min(self.opts.timeout + MARGIN_S, left))
+
+
+
+async def guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ()) -> CheckpointInfo:
+    """Bound the whole save by its deadline and turn any escape into a ``SaveError``.
+
+    Every phase of a save is bounded by its deadline (``_commit``), so this is a backstop
+    for a rank whose own calls overran it. A follower still waiting here past the deadline
+    is waiting on rank 0: the coordinator, which usually also hosts the c10d store (a
+    stopped rank 0 freezes the store, so no store call of ours can complete). It names rank
+    0, within timeout + 2.5 s. Rank 0 past its deadline here names itself: no wait of its
+    own is for another rank beyond the deadline.
+    """
+    follower = rank != 0
+    remaining = job.deadline - time.monotonic() + GUARD_S
+    try:
+        result: CheckpointInfo = await asyncio.wait_for(coro, remaining)
+        return result
+    except SaveError:
+        raise
+    except TimeoutError as e:
+        if follower:
+            failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
+            failures = with_global_ranks({0: failure}, ranks)
+            raise SaveTimeoutError(job.step, failures, missing=(0,), detail=LEADER_SILENT_UNKNOWN) from e
+        failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
+        raise SaveTimeoutError(job.step, with_global_ranks({rank: failure}, ranks)) from e
+    except Exception as e:
+        raise SaveError(job.step, with_global_ranks({rank: RankFailure.from_exception(rank, e)}, ranks)) from e

@@ -1,0 +1,103 @@
+"""Planning a save's shard: the layout of the flattened tensors (kept while the structure
+stays the same), the file a dedupe round is expected to leave this rank, and replica spreading."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..format._header import round_up
+from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
+from ..format._structure import TensorRef
+from ..saving import _dedupe
+
+
+class Planner:
+    """The layout cache of one Checkpointer (used by ``save()`` and ``reserve()``, one at a
+    time: ``save()``'s caller thread)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.layout_key: list[tuple[str, Any, Any]] | None = None
+        self.layout: ShardLayout | None = None
+        self.perm: list[int] = []
+        self.layouts_planned = 0  # StagingStatistics.layouts_planned
+        # with dedupe: the last round's plan, and the arena laid out for it (see expected_file)
+        self.plan_hint = _dedupe.PlanHint()
+        self.split_key: tuple[Any, frozenset[str]] | None = None
+        self.split: tuple[ShardLayout, ShardLayout, list[int]] | None = None
+
+    def plan(self, refs: Sequence[Any]) -> tuple[ShardLayout, list[int], bool]:
+        """The shard layout for these tensors, the permutation from ``refs`` to its slots, and
+        whether every tensor is on the CPU. The layout (and the arena's copy plan, which
+        hangs on the layout object) is reused while names, dtypes and shapes stay exactly
+        the same; any difference in one of them, or in their order, plans anew."""
+        key = [(r.name, r.tensor.dtype, r.tensor.shape) for r in refs]
+        all_cpu = all(r.tensor.is_cpu for r in refs)
+        if key != self.layout_key or self.layout is None:
+            layout = plan_layout([(n, d, tuple(s)) for n, d, s in key], {"format": "pt", "writer": "asyncckpt"})
+            index = {r.name: i for i, r in enumerate(refs)}
+            self.perm = [index[s.name] for s in layout.slots]
+            self.layout, self.layout_key = layout, key
+            self.layouts_planned += 1
+        return self.layout, self.perm, all_cpu
+
+    def expected_file(
+        self, layout: ShardLayout, perm: list[int], dtensors: list[dict[str, Any]] | None
+    ) -> tuple[ShardLayout, ShardLayout | None, list[int]]:
+        """With dedupe on many ranks: the arena's layout, the file this rank writes before its
+        dedupe round ends (``SaveJob.file``; None: the round decides first) and the permutation
+        from the flattened tensors to the arena's slots.
+
+        A rank whose plain tensors are too few to pay for an image without them (FSDP2: step
+        counters next to its shard) writes its staged file whole, whatever the round decides.
+        Otherwise, once a round planned this structure, the next save expects the same plan:
+        the slots it gave this rank are laid out first, and that prefix of the arena is the
+        file (no copy to drop the others). The first save of a structure waits for the round.
+        """
+        if not _dedupe.may_pay_for_an_image(layout.slots, dtensors):
+            return layout, layout, perm
+        writers = self.plan_hint.writers_for(layout)
+        if writers is None:
+            return layout, None, perm
+        keep = _dedupe.kept(layout.slots, writers, self.rank)
+        if len(keep) == len(layout.slots):
+            return layout, layout, perm
+        key = (layout, frozenset(s.name for s in keep))
+        if key != self.split_key:
+            names = key[1]
+            specs = [(s.name, ST_TO_DTYPE[s.dtype], s.shape) for s in layout.slots]
+            staging, file = plan_split_layout(
+                [x for x in specs if x[0] in names], [x for x in specs if x[0] not in names],
+                {"format": "pt", "writer": "asyncckpt"},
+            )  # fmt: skip
+            if round_up(staging.file_size) > round_up(layout.file_size):
+                # alignment padding would need a larger arena than the structure's (what
+                # reserve() allocated): let the round decide first instead
+                self.split = None
+            else:
+                at = {s.name: i for i, s in enumerate(layout.slots)}
+                self.split = (staging, file, [perm[at[s.name]] for s in staging.slots])
+            self.split_key = key
+        if self.split is None:
+            return layout, None, perm
+        return self.split
+
+
+def spread_replica_writes(
+    found: list[tuple[str, Any, Any]], refs: list[TensorRef]
+) -> tuple[list[tuple[str, Any, Any]], list[TensorRef]]:
+    """``flatten``'s DTensors and tensors with each replicated box written by the replica
+    ``_sharding.spread_writers`` picks instead of the lowest one (HSDP: spread over the
+    replica dim); the tensors to stage follow: this rank's local shards it now writes."""
+    from ..format import _sharding
+
+    infos = _sharding.spread_writers([info for _, info, _ in found])
+    before = {name for name, info, _ in found if info.writer}
+    spread = [(name, info, dt) for (name, _, dt), info in zip(found, infos, strict=True)]
+    after = {name: info for name, info, _ in spread if info.writer}
+    if before == after.keys():
+        return spread, refs
+    kept = [r for r in refs if r.name not in before or r.name in after]
+    added = [TensorRef(name, info.local.detach()) for name, info in after.items() if name not in before]
+    return spread, kept + added

@@ -1,0 +1,272 @@
+"""The root session of one Checkpointer: claiming the root (lock or lease), starting its
+runtime, the run it continues, the tier glue, and the questions rank 0 answers for all ranks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._errors import CheckpointError
+from .._info import CheckpointInfo
+from ..format._layout import step_dir_name
+from ..ranks import _distributed
+from ..ranks._coordination import LocalCoordinator, StoreCoordinator
+from ..roots import _rootstart, _runs
+from ..roots._backend import PosixBackend
+from ..roots.posix import _discovery
+from ..roots.posix._ownership import Ownership
+from ..roots.posix._retention import retire
+from ..saving._mirror import Mirror
+from ..threads._iopool import IOPool
+from ..threads._sync import run_sync
+from ._options import Options
+from ._runtime import Runtime
+
+if TYPE_CHECKING:
+    from ..roots.objstore._lease import Lease
+    from ..roots.objstore._remote import RemoteCheckpointInfo
+
+#: At most this long (and half the timeout, which bounds the other ranks' wait for its answer)
+#: for rank 0's look at the store's newest step at construction.
+SURVEY_S = 30.0
+
+
+class RootSession:
+    """One job's hold on one root, from :meth:`claim` to the runtime's stop.
+
+    Built with no I/O (the ranks resolved, the ownership or lease made, nothing taken);
+    :meth:`claim` takes the root; whatever interrupts it, :meth:`abandon` releases what was
+    taken. Its questions (:meth:`decided_by_leader`) are collective with many ranks."""
+
+    def __init__(self, opts: Options, dead: set[str], lock: threading.RLock) -> None:
+        self.opts = opts
+        self.lock = lock  # the books' lock: guards store_newest and store_known
+        self.root = opts.root
+        self.store = opts.store  # object-store root (Checkpointer("s3://...")): saves commit by conditional create
+        self.timeout = opts.timeout
+        self.dead = dead
+        self.dist = _distributed.resolve(opts.process_group, self.timeout)
+        self.rank = self.dist.rank if self.dist else 0
+        self.world_size = self.dist.world_size if self.dist else 1
+        self.ranks = global_ranks(opts.process_group, self.world_size) if self.dist else (0,)
+        self.queries = 0
+        self.committed: list[int] = []  # the complete steps found at start (set by claim)
+        self.rt: Runtime | None = None
+        self.mirror: Mirror | None = None
+        # made before anything is locked: whatever interrupts the rest of construction (an
+        # error, Ctrl-C, no thread to start), abandon() releases what was taken
+        self.ownership = Ownership(self.root, None) if self.rank == 0 and self.store is None else None
+        self.lease: Lease | None = None
+        if self.rank == 0 and self.store is not None:
+            from ..roots.objstore._lease import Lease  # obstore: only for s3:// roots
+
+            self.lease = Lease(self.store, self.ranks, ttl=opts.ttl)
+        self.key = self.dist.start_key(opts.given) if self.dist is not None else ""
+        self.run_id = ""
+        self.store_newest = _runs.Newest.from_json(None)
+        self.store_known = False
+        self.store_look = _runs.StoreLook()
+
+    def claim(self, t_start: float) -> Runtime:
+        """Take the root, agree with the other ranks, start the runtime and decide the run;
+        sets :attr:`committed` (the steps found complete) and returns the runtime."""
+        opts = self.opts
+        committed: list[int] = []
+        surveyed: set[int] = set()
+        failure: BaseException | None = None
+        if self.lease is not None:
+            try:
+                committed, surveyed = _rootstart.remote_start(self.lease, self.timeout, t_start)
+            except (CheckpointError, OSError, ValueError) as e:
+                failure = e
+        elif self.store is None:
+            failure, committed = _rootstart.start_on_root(
+                self.root, opts.os_ops, self.ownership, self.dist, self.key, self.timeout, self.ranks, self.dead
+            )
+        namespace = ""
+        if self.dist is not None:
+            namespace, committed = self.dist.agree_at_start(self.key, committed, self.timeout, failure)
+        elif failure is not None:
+            raise failure
+        self.committed = committed
+        self.rt = rt = Runtime(opts.io_threads, opts.os_ops, opts.direct_io, opts.max_pending, LocalCoordinator(),
+                               opts.huge_pages)  # fmt: skip
+        rt.ownership = self.ownership
+        rt.lease = self.lease
+        if self.store is not None:
+            from ..roots.objstore._backend import ObjectBackend
+
+            rt.backend = ObjectBackend(self.store, self.lease, surveyed)
+        else:
+            rt.backend = PosixBackend(rt.storage, self.root)
+        if self.dist is not None:
+            rt.coord_pool = IOPool(2, "asyncckpt-coord")
+            rt.coord = StoreCoordinator(self.dist.connect, self.rank, self.world_size, namespace, rt.run_coordination)
+        if opts.mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
+            rt.mirror = Mirror(self.root, opts.mirror, opts.mirror_options, keep_last_remote=opts.keep_last_remote,
+                               timeout=self.timeout, retire_local=self.local_retention(rt),
+                               uploads=self.rank == 0, ranks=self.ranks, lease_ttl=opts.lease_ttl)
+        self.mirror = rt.mirror
+        self.start_run(committed)  # the run this job continues (_runs)
+        return rt
+
+    def abandon(self) -> None:
+        """Release what :meth:`claim` took (a construction that failed or was interrupted)."""
+        if self.rt is not None:
+            self.rt.stop(5.0, collective=False)  # releases the ownership too
+        if self.ownership is not None:
+            self.ownership.release()
+        if self.lease is not None:
+            self.lease.release()
+
+    def newest_to_upload(self) -> CheckpointInfo | None:
+        """Tier mode, rank 0, at construction: the newest local commit, which the last job may
+        not have uploaded (uploading it again is a no-op if it is there)."""
+        if self.mirror is None or self.rank != 0 or not self.committed:
+            return None
+        newest = _discovery.newest_complete(self.root)
+        return newest if isinstance(newest, CheckpointInfo) else None
+
+    # ------------------------------------------------------------------ runs
+    def start_run(self, committed: list[int]) -> None:
+        """Rank 0 decides the run this job continues and, in tier mode, finds the store's newest
+        step (``_runs``; a store that cannot be read is logged, never fatal: the rule is then
+        pending, see :meth:`look_at_store_again`); every rank gets both: the run goes into
+        every manifest, the store's newest into ``save()``'s step rule."""
+
+        def look() -> list[Any]:
+            mirror = None if self.mirror is None else self.mirror.store
+            return _runs.at_start(self.root, bool(committed), self.store, mirror, min(self.timeout / 2, SURVEY_S))
+
+        run, far, known = self.decided_by_leader(look)
+        self.run_id = run
+        self.store_newest = _runs.Newest.from_json(far)
+        self.store_known = known
+        self.store_look = _runs.StoreLook()
+        if self.mirror is not None:
+            self.mirror.run = run
+            self.mirror.floor_unknown = not known
+
+    def look_at_store_again(self) -> None:
+        """Tier mode, while the store's newest step is unknown (construction could not read it):
+        rank 0 looks again (``_runs.StoreLook``: bounded, at most once a minute) and every rank
+        takes its answer, so ``save()``'s step rule across tiers is kept, never dropped; until a
+        look succeeds the mirror checks before each upload."""
+        assert self.mirror is not None
+        store, timeout = self.mirror.store, min(self.timeout / 2, SURVEY_S)
+        far, known = self.decided_by_leader(lambda: self.store_look(store, timeout))
+        if known:
+            with self.lock:
+                self.store_newest, self.store_known = _runs.Newest.from_json(far), True
+            self.mirror.floor_unknown = False
+
+    # ------------------------------------------------------------------ tier mode
+    def local_retention(self, rt: Runtime) -> Callable[[frozenset[int], int], Any] | None:
+        """Local ``keep_last`` for tier mode, run by the mirror (the save itself does none):
+        on the writer loop, under its retention lock, with pending uploads protected."""
+        keep_last = self.opts.keep_last
+        if keep_last is None:
+            return None
+        root, by_commit_order = self.root, self.opts.allow_earlier_steps
+
+        def start(protect: frozenset[int], latest: int) -> concurrent.futures.Future[list[int]]:
+            return rt.writer.submit(retire(rt.storage, root, keep_last, by_commit_order=by_commit_order,
+                                           lock=rt.retention_lock, latest=latest, protect=protect))
+
+        return start
+
+    def mirror_url(self) -> str:
+        return "" if self.mirror is None else self.mirror.url
+
+    # ------------------------------------------------------------------ questions
+    def decided_by_leader(self, compute: Any) -> Any:
+        """Rank 0 computes a JSON value and every rank gets that same value (collective)."""
+        if self.dist is None:
+            return compute()
+        assert self.rt is not None
+        self.rt.refuse_if_forked()  # the store connection is the parent's: a child must not speak on it
+        self.queries += 1
+        return self.dist.share(f"q/{self.queries}", compute if self.rank == 0 else None, self.timeout)
+
+    def not_resumable(self, steps: list[int]) -> list[int]:
+        """Which of ``steps`` (committed by this job or found at start) are not resumable now
+        (``_stepstates``: known bad, or gone), as rank 0 sees the root; every rank gets its answer."""
+
+        def look() -> list[int]:
+            if self.store is not None:
+                from ..roots.objstore._steps import step_states
+
+                store, timeout = self.store, self.timeout
+                states = run_sync(lambda: step_states(store, time.monotonic() + timeout))
+            else:
+                states = _discovery.step_states(self.root)
+            return [s for s in steps if states.state(s) != "complete"]
+
+        gone: list[int] = self.decided_by_leader(look)
+        return gone
+
+    def find_latest(
+        self, deadline_s: float | None = None, skip: frozenset[int] = frozenset()
+    ) -> CheckpointInfo | RemoteCheckpointInfo | None:
+        """The newest complete step of this root (no collective); on a store within
+        ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
+        if self.store is not None:
+            from ..roots.objstore._remote import info_of, newest_complete
+
+            store, timeout = self.store, self.timeout if deadline_s is None else deadline_s
+            found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
+            return None if found is None else info_of(store, found[0])
+        return _discovery.newest_complete(self.root)
+
+    def latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
+        """:meth:`Checkpointer.latest`: rank 0 looks, every rank gets its answer."""
+
+        def look() -> Any:
+            info = self.find_latest()
+            if self.store is not None:  # an object-store root: a RemoteCheckpointInfo or None
+                return None if info is None else [info.step, info.url, info.nbytes, info.world_size,
+                                                  info.created, info.attempt, info.run]  # type: ignore[union-attr]
+            if self.mirror is not None:
+                far = self.mirror.latest()  # this run's newest there (another run's: never)
+                if far is not None and (info is None or far.step > info.step):
+                    return [far.step, far.url, far.nbytes, far.world_size, far.created, far.attempt, far.run]
+            return None if info is None else [info.step, info.nbytes, info.world_size, info.created, info.run]
+
+        # every rank takes rank 0's whole answer: re-reading the directory here could race
+        # with rank 0's next save (retention, or replacing a commit that was taken back)
+        found = self.decided_by_leader(look)
+        if found is None:
+            return None
+        if len(found) == 7:
+            from ..roots.objstore._remote import RemoteCheckpointInfo
+
+            return RemoteCheckpointInfo(*found)
+        step, nbytes, world_size, created, run = found
+        return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created, run=run)
+
+    def steps(self) -> list[int]:
+        """Every complete step under the root, ascending (collective with many ranks)."""
+        if self.store is not None:
+            store, timeout = self.store, self.timeout
+
+            def on_store() -> list[int]:
+                from ..roots.objstore._remote import complete_steps
+
+                return sorted(m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout)))
+
+            return self.decided_by_leader(on_store)  # type: ignore[no-any-return]
+        steps: list[int] = self.decided_by_leader(lambda: [i.step for i in _discovery.complete_checkpoints(self.root)])
+        return steps
+
+
+def global_ranks(process_group: Any, world_size: int) -> tuple[int, ...]:
+    """The global ranks of the group's members, in group-rank order."""
+    import torch.distributed as dist
+
+    if process_group is None or process_group is dist.group.WORLD:
+        return tuple(range(world_size))
+    return tuple(dist.get_process_group_ranks(process_group))
