@@ -53,7 +53,7 @@ from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
-from .saving import _dedupe
+from .saving import _dedupe, _deferred
 from .saving._commit import SaveJob, run_save
 from .saving._handle import SaveHandle, SaveRecord
 from .saving._mirror import Mirror, UploadRecord, check_options
@@ -436,6 +436,7 @@ class Checkpointer:
         self._records: list[SaveRecord] = []  # not yet settled, or failed and not yet flushed
         self._unraised: list[SaveRecord] = []  # failed, not yet raised/warned by save()
         self._staging_record: SaveRecord | None = None  # the save whose copy is running in save()
+        self._deferred_copies: list[_deferred.DeferredCopy] = []  # deferred saves not yet released
         self._committed: set[int] = set()
         self._commits = 0  # commits added to _committed (a generation: see _reserve)
         self._seq = 0
@@ -590,11 +591,18 @@ class Checkpointer:
         record.future.add_done_callback(settled)
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, *, until: Any = None, copy_now: Sequence[str] = ()) -> SaveHandle:
         """Stage ``state`` for ``step`` and return at once; the write runs in the background.
 
         When this returns, the state has been copied into staging buffers the library
-        owns: the caller may mutate its tensors freely. Raises ``TypeError``/``ValueError``
+        owns: the caller may mutate its tensors freely. With ``until`` (an optimizer, or a
+        sequence of them: *deferred staging*), the tensors those optimizers own are copied in
+        the background instead, and the next optimizer step (any optimizer's), ``wait_staged()``,
+        the next ``save()`` or ``flush()`` waits for that copy; the rest (buffers, one-element
+        tensors, tensors no optimizer in ``until`` owns, the keys named in ``copy_now``) is
+        copied before this returns. Such a save commits only after that guard ran, and fails
+        with ``StateChangedError`` naming the keys if a deferred tensor was written in place
+        before it (docs/deferred.md). Raises ``TypeError``/``ValueError``
         for bad arguments (unsupported objects name their key path), ``ValueError`` for a
         step already committed or in flight, ``RuntimeError`` when closed, and (with
         ``on_error="raise"``) the ``SaveError`` of an earlier save that has not been raised
@@ -604,13 +612,15 @@ class Checkpointer:
         # the collector paused for all of save() (_gcpause): the walk, the plan and the copy
         # allocate a few objects per tensor, and _save's temporaries die before it resumes, so
         # no collection traverses them on the caller's path
+        lazy = None if until is None else (_deferred.check_until(until), _deferred.check_copy_now(copy_now))
         with paused_gc():
-            return self._save(step, state, t_call)
+            return self._save(step, state, t_call, lazy)
 
-    def _save(self, step: int, state: Any, t_call: float) -> SaveHandle:
+    def _save(self, step: int, state: Any, t_call: float, lazy: Any = None) -> SaveHandle:
         """:meth:`save`'s body (a method: its temporaries die before the pause ends)."""
         self._check_usable()
         check_step(step)
+        self._release_deferred()  # a save is a guard too: the last deferred copy completes first
         self._surface_earlier_failure()
         self._reserve(step)
         # set by _submit once the save's record owns the slot and the step (its settling
@@ -642,6 +652,11 @@ class Checkpointer:
                 raise
             arena, waited = self._acquire_slot(layout.file_size)
             sources = [refs[i].tensor for i in perm]
+            deferred = _deferred.split([refs[i].name for i in perm], sources, *lazy) if lazy else None
+            if deferred:
+                return self._stage_deferred(step, t_call, arena, layout, tree_bytes, sources, waited, deferred,
+                                            [refs[i].name for i in perm], dtensors=dtensors, tied=tied,
+                                            handed=handed, file=file, plan_key=plan_key)  # fmt: skip
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
@@ -733,6 +748,53 @@ class Checkpointer:
             raise
         finally:
             self._staging_record = None
+
+    def _stage_deferred(
+        self, step: int, t_call: float, arena: Arena, layout: ShardLayout, tree_bytes: bytes, sources: list[Any],
+        waited: float, deferred: list[int], names: list[str], **submit: Any,
+    ) -> SaveHandle:
+        """Deferred staging (``save(until=)``, ``saving/_deferred.py``): copy what may change
+        before the optimizer step now, hand the save to the writer, start the copy of the rest
+        in the background and return. A failure before the copy started gives the slot and
+        the step back and raises, as :meth:`_stage_streaming`."""
+        progress = StageProgress(layout.file_size)
+        got: list[SaveRecord] = []
+        try:
+            sources = _deferred.snapshot(sources, deferred)
+            copy = _deferred.DeferredCopy(
+                step, self.rank, self._ranks, progress, {names[i]: sources[i] for i in deferred},
+                time.perf_counter() - t_call - waited, time.monotonic() + self.timeout,
+            )  # fmt: skip
+            handle = self._submit(step, t_call, arena, layout, tree_bytes, None, waited, 0.0, progress=progress,
+                                  record_out=got, **submit)  # fmt: skip
+            with self._lock:
+                self._deferred_copies = [c for c in self._deferred_copies if not c.released] + [copy]
+            copy.start(self._rt.staging, arena, layout, sources)
+            return handle
+        except BaseException as e:
+            progress.fail(e)
+            if got:
+                self._forget_unstaged(got[0])
+            raise
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Deferred staging: wait until every tensor of this Checkpointer's deferred saves is
+        copied (with CUDA: make the current stream wait for the copies), so the caller may
+        write them. Call it before writing a saved tensor other than through an optimizer
+        step (whose pre-hook does this). A save whose tensors were written in place since
+        ``save()`` fails here with ``StateChangedError`` on its handle (not raised by this
+        call). A no-op without deferred saves. Raises ``TimeoutError`` after ``timeout`` s."""
+        self._release_deferred(None if timeout is None else time.monotonic() + timeout)
+
+    def _release_deferred(self, deadline: float | None = None) -> None:
+        with self._lock:
+            copies, self._deferred_copies = self._deferred_copies, []
+        try:
+            _deferred.release_all(copies, deadline)
+        except BaseException:
+            with self._lock:  # not released (a timeout, an interrupt): the next guard tries again
+                self._deferred_copies = [c for c in copies if not c.released] + self._deferred_copies
+            raise
 
     def _forget_unstaged(self, record: SaveRecord) -> None:
         """A save whose copy failed: wait (bounded) until the writer gave it up, then drop it
@@ -1164,6 +1226,7 @@ class Checkpointer:
         self._check_not_in_writer()
         self._check_not_forked()
         end = None if timeout is None else time.monotonic() + timeout
+        self._release_deferred(end)
         futures = [f for f in self._pending_futures(local_only=True) if skip is None or f is not skip.future]
         _, not_done = concurrent.futures.wait(futures, timeout)
         if not_done:
@@ -1192,6 +1255,7 @@ class Checkpointer:
         self._check_not_in_writer()
         self._check_not_forked()
         end = None if timeout is None else time.monotonic() + timeout
+        await asyncio.to_thread(self._release_deferred, end)
         futures = [asyncio.shield(asyncio.wrap_future(f)) for f in self._pending_futures(local_only=True)]
         if futures:
             _, not_done = await asyncio.wait(futures, timeout=timeout)
@@ -1900,6 +1964,10 @@ def _exit_hook() -> None:
             continue  # a forked child: the saves belong to the parent, which waits for them
         if not ck._closed:
             # wait without marking anything reported: what nobody saw is printed below
+            try:
+                ck._release_deferred(time.monotonic() + ck.timeout)
+            except Exception:  # noqa: BLE001 - its save fails by its deadline, and is printed
+                pass
             concurrent.futures.wait(ck._pending_futures(), ck.timeout + _MARGIN_S)
             if ck._mirror is not None:  # tier mode: and the uploads of what just committed
                 try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._errors import SaveError
 from ..format._header import ALIGN, round_up
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
 
@@ -154,12 +155,19 @@ class StageProgress:
             if self._staged >= pos:
                 return True
             if self._error is not None:
-                raise StagingAborted(
-                    f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
-                )
+                raise self._aborted()
             if self._gone:
                 raise StagingAborted("the save was given up before its state was staged")
             return False
+
+    def _aborted(self) -> Exception:
+        """What a wait raises once the copy failed: the failure itself when it is already the
+        save's verdict (a ``SaveError``: deferred staging's ``StateChangedError``), else
+        :class:`StagingAborted` describing it."""
+        err = self._error
+        if isinstance(err, SaveError):
+            return err
+        return StagingAborted(f"save() did not finish copying the state: {type(err).__name__}: {err}")
 
     def wait_for(self, pos: int, deadline: float) -> None:
         """Block until offset ``pos`` is staged; ``StagingAborted`` if the copy failed or the
@@ -167,9 +175,7 @@ class StageProgress:
         with self._cond:
             while self._staged < pos:
                 if self._error is not None:
-                    raise StagingAborted(
-                        f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
-                    )
+                    raise self._aborted()
                 if self._gone:
                     raise StagingAborted("the save was given up before its state was staged")
                 left = deadline - time.monotonic()
