@@ -767,6 +767,7 @@ class Checkpointer:
             )  # fmt: skip
             handle = self._submit(step, t_call, arena, layout, tree_bytes, None, waited, 0.0, progress=progress,
                                   record_out=got, **submit)  # fmt: skip
+            got[0].before_wait = copy.release_if_owner
             with self._lock:
                 self._deferred_copies = [c for c in self._deferred_copies if not c.released] + [copy]
             copy.start(self._rt.staging, arena, layout, sources)

@@ -50,6 +50,8 @@ _hook_lock = threading.Lock()
 _hook: Any = None
 # every deferred copy not yet released, in any Checkpointer of this process
 _pending: weakref.WeakSet[DeferredCopy] = weakref.WeakSet()
+# every optimizer that stepped since the hook was installed (see stepped_optimizers)
+_stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def check_until(until: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -146,6 +148,7 @@ class DeferredCopy:
         self._events: list[Any] = []  # CUDA: the copy's events (the current stream waits on them)
         self._lock = threading.Lock()
         self._released = False
+        self._owner = threading.get_ident()  # the thread that saved: the training thread
         self._ok = False  # released and no deferred tensor changed: the shard may complete
         self.copy_s = 0.0
 
@@ -230,6 +233,12 @@ class DeferredCopy:
             return
         self._finish_if_ready()
 
+    def release_if_owner(self) -> None:
+        """:meth:`release`, when called on the thread that saved (a wait for the save's
+        outcome there is its guard); else nothing."""
+        if threading.get_ident() == self._owner:
+            self.release()
+
     def _finish_if_ready(self) -> None:
         """Once copied and released unchanged: the whole shard is staged (its last byte goes out)."""
         with self._lock:
@@ -269,6 +278,20 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """The process-wide optimizer step pre-hook: any optimizer's step is a first write."""
     if _pending:
         release_all()
+    _stepped.add(optimizer)
+
+
+def watch_optimizers() -> None:
+    """Start noting which optimizers step (for :func:`stepped_optimizers`); installs the hook."""
+    _install_hook()
+
+
+def stepped_optimizers() -> tuple[torch.optim.Optimizer, ...]:
+    """The live optimizers that stepped since :func:`watch_optimizers`: for an integration that
+    sees the state dicts but not the optimizers (Lightning's ``CheckpointIO``). Every optimizer's
+    step is guarded by the same hook, so deferring the tensors of all of them is as safe as
+    deferring those of the ones named."""
+    return tuple(_stepped)
 
 
 def _install_hook() -> None:
