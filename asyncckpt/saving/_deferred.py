@@ -145,7 +145,7 @@ class DeferredCopy:
         #: name -> (tensor, its version in save()); dropped once released
         self._watch: dict[str, tuple[torch.Tensor, int]] | None = {n: (t, t._version) for n, t in deferred.items()}
         self._copied = threading.Event()
-        self._events: list[Any] = []  # CUDA: the copy's events (the current stream waits on them)
+        self._events: list[tuple[torch.device, Any]] = []  # CUDA: (device, the copy's event)
         self._lock = threading.Lock()
         self._released = False
         self._owner = threading.get_ident()  # the thread that saved: the training thread
@@ -153,32 +153,41 @@ class DeferredCopy:
         self.copy_s = 0.0
 
     def start(self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor]) -> None:
-        """Copy ``sources`` into ``arena`` on a new background thread (the pool's helper thread
-        shares a CPU copy). The shard stays one byte short of staged until :meth:`release`."""
+        """Start the copy of ``sources`` into ``arena``: CPU tensors on a new background thread
+        (the pool's helper thread shares the copy); CUDA tensors are queued here on the pool's
+        side stream after what the caller's stream computed so far, without making that stream
+        wait, and the background thread waits for their events. The shard stays one byte short
+        of staged until :meth:`release`."""
         try:
             _install_hook()
             with _hook_lock:
                 _pending.add(self)
+            cpu = StagingPool.can_stream(sources)
+            if not cpu:
+                events = pool.stage(arena, layout, sources, None, all_cpu=False, compute_waits=False) or []
+                devices = [d for d in dict.fromkeys(s.device for s in sources) if d.type == "cuda"]
+                with self._lock:
+                    self._events = list(zip(devices, events, strict=False))
             t = threading.Thread(
-                target=self._copy, args=(pool, arena, layout, list(sources)), name="asyncckpt-deferred", daemon=True
-            )
+                target=self._copy, args=(pool, arena, layout, list(sources) if cpu else [], cpu),
+                name="asyncckpt-deferred", daemon=True,
+            )  # fmt: skip
             t.start()
         except BaseException as e:
             self.progress.fail(e)
             self._copied.set()
             raise
 
-    def _copy(self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: list[torch.Tensor]) -> None:
+    def _copy(
+        self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: list[torch.Tensor], cpu: bool
+    ) -> None:
         t0 = time.perf_counter()
         try:
-            cpu = StagingPool.can_stream(sources)
-            events = pool.stage(arena, layout, sources, self.progress if cpu else None, all_cpu=cpu)
-            if events:
-                with self._lock:
-                    self._events = list(events)
-                for ev in events:
+            if cpu:
+                pool.stage(arena, layout, sources, self.progress, all_cpu=True)
+            else:
+                for _, ev in self._events:
                     ev.synchronize()  # this thread waits for the D2H copy, never the training thread
-            if not cpu:
                 self.progress.advance(layout.file_size - 1)  # the last byte waits for release()
         except BaseException as e:  # noqa: BLE001 - the save fails with it; the writer reports it
             self.progress.fail(e)
@@ -255,11 +264,11 @@ def snapshot(sources: Sequence[torch.Tensor], deferred: Sequence[int]) -> list[t
     return [s if i in lazy else s.clone() for i, s in enumerate(sources)]
 
 
-def _wait_on_stream(events: list[Any]) -> bool:
+def _wait_on_stream(events: list[tuple[torch.device, Any]]) -> bool:
     """Make the current CUDA stream of each event's device wait for it (no host wait)."""
     try:
-        for ev in events:
-            torch.cuda.current_stream(ev.device if getattr(ev, "device", None) else None).wait_event(ev)
+        for device, ev in events:
+            torch.cuda.current_stream(device).wait_event(ev)
     except (RuntimeError, AttributeError):
         return False
     return True

@@ -501,9 +501,12 @@ class StagingPool:
         progress: StageProgress | None = None,
         *,
         all_cpu: bool | None = None,
+        compute_waits: bool = True,
     ) -> Any:
         """Copy ``sources`` (in ``layout.slots`` order) into ``arena``. ``all_cpu``: what
         :meth:`can_stream` says of ``sources``, when the caller knows it already.
+        ``compute_waits=False`` (deferred staging): the caller's CUDA streams do not wait for
+        the device-to-host copies; the caller makes them wait before the first write.
 
         Returns ``None`` when the copy is complete on return, or CUDA events the writer must
         synchronize before reading the arena. With ``progress`` (CPU sources only, see
@@ -531,7 +534,7 @@ class StagingPool:
             torch._foreach_copy_(cpu_dst, cpu_src)
         if not gpu:
             return None
-        return self._stage_cuda(arena, gpu)
+        return self._stage_cuda(arena, gpu, compute_waits)
 
     def _stage_cpu(
         self, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor], progress: StageProgress | None
@@ -558,7 +561,10 @@ class StagingPool:
             raise run.error
 
     def _stage_cuda(
-        self, arena: Arena, groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+        self,
+        arena: Arena,
+        groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]],
+        compute_waits: bool = True,
     ) -> list[Any]:
         arena.pin()
         events = []
@@ -585,7 +591,7 @@ class StagingPool:
                     s.record_stream(stream)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-            # later training kernels that overwrite the sources run after the copy
-            current.wait_event(event)
+            if compute_waits:  # later training kernels that overwrite the sources run after the copy
+                current.wait_event(event)
             events.append(event)
         return events
