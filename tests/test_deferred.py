@@ -269,3 +269,29 @@ def test_nothing_owned_falls_back_to_copy_in_save(setup: Any) -> None:
         m[0].weight.add_(1.0)
     h.result(60)
     assert_same(asyncckpt.load(root, step=1), want)
+
+
+def test_a_copy_that_fails_in_the_background_never_commits(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libc's memmove replaced (the one fault nothing real produces on demand): the save fails,
+    through its handle and flush(), the step still runs, the previous checkpoint stays."""
+    from asyncckpt.saving import _staging
+
+    m, opt, ck, root = setup
+    ck.save(1, {"model": m}).result(60)
+    real = _staging._memmove
+    calls = [0]
+
+    def failing(dst: int, src: int, n: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(5, "injected copy failure")
+        return real(dst, src, n)
+
+    monkeypatch.setattr(_staging, "_memmove", failing)
+    h = ck.save(2, {"model": m}, until=opt)
+    train_step(m, opt)  # the guard finds the copy failed: the step goes on, the save fails
+    with pytest.raises(asyncckpt.SaveError, match="injected copy failure"):
+        h.result(60)
+    with pytest.raises(asyncckpt.SaveError):
+        ck.flush()
+    assert ck.steps() == [1] and asyncckpt.find_latest(root).step == 1  # type: ignore[union-attr]

@@ -150,6 +150,7 @@ class DeferredCopy:
         self._released = False
         self._owner = threading.get_ident()  # the thread that saved: the training thread
         self._ok = False  # released and no deferred tensor changed: the shard may complete
+        self._failed = False  # the copy raised
         self.copy_s = 0.0
 
     def start(self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor]) -> None:
@@ -190,6 +191,8 @@ class DeferredCopy:
                     ev.synchronize()  # this thread waits for the D2H copy, never the training thread
                 self.progress.advance(layout.file_size - 1)  # the last byte waits for release()
         except BaseException as e:  # noqa: BLE001 - the save fails with it; the writer reports it
+            with self._lock:
+                self._failed = True  # never finished, whatever release() finds
             self.progress.fail(e)
         finally:
             del sources
@@ -251,7 +254,7 @@ class DeferredCopy:
     def _finish_if_ready(self) -> None:
         """Once copied and released unchanged: the whole shard is staged (its last byte goes out)."""
         with self._lock:
-            ok = self._ok
+            ok = self._ok and not self._failed
         if ok and self._copied.is_set():
             self.progress.finish(self.blocked_s)
 

@@ -124,8 +124,11 @@ class StageProgress:
         _wake(due)
 
     def finish(self, staging_s: float) -> None:
-        """Everything is staged (called by ``save()`` once the copy returned)."""
+        """Everything is staged (called by ``save()`` once the copy returned). A no-op once
+        :meth:`fail` was called: a failed copy never completes."""
         with self._cond:
+            if self._error is not None:
+                return
             self.staging_s = staging_s
             self._staged = self.total
             self._cond.notify_all()
