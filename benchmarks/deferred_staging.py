@@ -116,6 +116,35 @@ def run_loop(mode: str, every: int, iters: int, model: Any, opt: Any, a: argpars
     return {"wall_s": wall, "iter_s": times, "save_call_s": blocked}
 
 
+def interleaved(model: Any, opt: Any, a: argparse.Namespace, root: str, iters: int) -> dict[str, Any]:
+    """One loop, one Checkpointer, saves alternating between today's mode and deferred every
+    5 iterations: both see the same load. Excess of a save = its iteration + the next one -
+    2 x the median of the iterations two or more after a save."""
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1)).to(a.device)
+    times, kinds = [], []
+    with asyncckpt.Checkpointer(root, keep_last=2) as ck:
+        ck.reserve({"model": model, "optim": opt})
+        for i in range(iters):
+            t0 = time.perf_counter()
+            kind = None
+            if i % 5 == 0:
+                kind = "copy" if (i // 5) % 2 == 0 else "deferred"
+                ck.save(i + 1, {"model": model, "optim": opt}, **({"until": opt} if kind == "deferred" else {}))
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            sync(a.device)
+            times.append(time.perf_counter() - t0)
+            kinds.append(kind)
+    shutil.rmtree(root, ignore_errors=True)
+    quiet = statistics.median(t for i, t in enumerate(times) if i % 5 >= 2)
+    out: dict[str, Any] = {"quiet_iteration_s": quiet, "iter_s": times}
+    for kind in ("copy", "deferred"):
+        ex = [times[i] + times[i + 1] - 2 * quiet for i, k in enumerate(kinds) if k == kind and i + 1 < len(times)]
+        out[kind] = {"excess_s": ex, "median_excess_s": statistics.median(ex)}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
@@ -131,6 +160,7 @@ def main() -> None:
     p.add_argument("--scratch", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--json", default="deferred-staging.json")
     p.add_argument("--md", default="deferred-staging.md")
+    p.add_argument("--interleaved", action="store_true", help="one loop, saves alternating today's/deferred")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -139,6 +169,17 @@ def main() -> None:
         modes.insert(0, "none")
     model, opt = build(a)
     scratch = tempfile.mkdtemp(prefix="deferred-bench-", dir=a.scratch)
+    if a.interleaved:
+        run_loop("none", 1, 2, model, opt, a, os.path.join(scratch, "warm"), 0)
+        res = interleaved(model, opt, a, os.path.join(scratch, "ab"), a.iters)
+        res["state_bytes"] = state_bytes(model, opt)
+        res["load_avg"] = os.getloadavg()
+        c, d = res["copy"]["median_excess_s"], res["deferred"]["median_excess_s"]
+        print(f"state {res['state_bytes'] / 2**30:.2f} GiB, quiet iteration {res['quiet_iteration_s']:.3f} s: "
+              f"lost per save (median) today {c * 1e3:.0f} ms, deferred {d * 1e3:.0f} ms", flush=True)  # fmt: skip
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
     # AdamW's state exists (and a warm-up): the saved state is the steady one
     run_loop("none", 1, 2, model, opt, a, os.path.join(scratch, "warm"), 0)
     nbytes = state_bytes(model, opt)
