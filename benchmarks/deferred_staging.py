@@ -121,7 +121,7 @@ def interleaved(model: Any, opt: Any, a: argparse.Namespace, root: str, iters: i
     5 iterations: both see the same load. Excess of a save = its iteration + the next one -
     2 x the median of the iterations two or more after a save."""
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1)).to(a.device)
-    times, kinds = [], []
+    times, kinds, blocked = [], [], []
     with asyncckpt.Checkpointer(root, keep_last=2) as ck:
         ck.reserve({"model": model, "optim": opt})
         for i in range(iters):
@@ -130,9 +130,15 @@ def interleaved(model: Any, opt: Any, a: argparse.Namespace, root: str, iters: i
             if i % 5 == 0:
                 kind = "copy" if (i // 5) % 2 == 0 else "deferred"
                 ck.save(i + 1, {"model": model, "optim": opt}, **({"until": opt} if kind == "deferred" else {}))
+            t_saved = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             model(input_ids=tokens, labels=tokens).loss.backward()
+            t_guard = time.perf_counter()
+            ck.wait_staged()  # what the step's pre-hook does, timed (the hook then finds nothing to wait for)
+            t_stepped = time.perf_counter()
             opt.step()
+            if kind is not None:  # the training thread's stall: the save() call + the guard's wait
+                blocked.append((kind, t_saved - t0 + t_stepped - t_guard))
             sync(a.device)
             times.append(time.perf_counter() - t0)
             kinds.append(kind)
@@ -141,7 +147,9 @@ def interleaved(model: Any, opt: Any, a: argparse.Namespace, root: str, iters: i
     out: dict[str, Any] = {"quiet_iteration_s": quiet, "iter_s": times}
     for kind in ("copy", "deferred"):
         ex = [times[i] + times[i + 1] - 2 * quiet for i, k in enumerate(kinds) if k == kind and i + 1 < len(times)]
-        out[kind] = {"excess_s": ex, "median_excess_s": statistics.median(ex)}
+        stall = [b for k, b in blocked if k == kind]
+        out[kind] = {"excess_s": ex, "median_excess_s": statistics.median(ex), "stall_s": stall,
+                     "median_stall_s": statistics.median(stall)}  # fmt: skip
     return out
 
 
@@ -175,8 +183,11 @@ def main() -> None:
         res["state_bytes"] = state_bytes(model, opt)
         res["load_avg"] = os.getloadavg()
         c, d = res["copy"]["median_excess_s"], res["deferred"]["median_excess_s"]
+        cs, ds = res["copy"]["median_stall_s"], res["deferred"]["median_stall_s"]
         print(f"state {res['state_bytes'] / 2**30:.2f} GiB, quiet iteration {res['quiet_iteration_s']:.3f} s: "
-              f"lost per save (median) today {c * 1e3:.0f} ms, deferred {d * 1e3:.0f} ms", flush=True)  # fmt: skip
+              f"lost per save (median) today {c * 1e3:.0f} ms, deferred {d * 1e3:.0f} ms; training thread "
+              f"stalled per save (save() + the step's wait) today {cs * 1e3:.0f} ms, deferred {ds * 1e3:.0f} ms "
+              f"({ds / cs:.2f}x)", flush=True)  # fmt: skip
         Path(a.json).write_text(json.dumps(res, indent=1))
         shutil.rmtree(scratch, ignore_errors=True)
         return
