@@ -37,6 +37,7 @@ from ._errors import (
     RootNotWritableError,
     SaveError,
     SaveTimeoutError,
+    StateChangedError,
 )
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ __all__ = [
     "SaveStatistics",
     "SaveTimeoutError",
     "StaleDirectoryError",
+    "StateChangedError",
     "__version__",
     "ensure_dir",
     "find_latest",

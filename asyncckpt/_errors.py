@@ -4,8 +4,10 @@
 
     CheckpointError                      base of everything asyncckpt raises on purpose
     ├── SaveError                        a background save failed (carries step, failures)
-    │   └── SaveTimeoutError             ... because a participant did not answer in time
-    │                                        (also a builtin TimeoutError)
+    │   ├── SaveTimeoutError             ... because a participant did not answer in time
+    │   │                                    (also a builtin TimeoutError)
+    │   └── StateChangedError            ... because a deferred save's tensor was written before
+    │                                        its copy finished (carries keys)
     ├── RanksFailedError                 on_every_rank(): the function failed on some ranks
     │   │                                    (carries failures, the same on every rank)
     │   └── RanksTimeoutError            ... or some ranks did not answer in time
@@ -171,6 +173,20 @@ class SaveTimeoutError(SaveError, TimeoutError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.step, self.failures, "", self.missing))
+
+
+class StateChangedError(SaveError):
+    """A deferred save (``save(..., until=optimizer)``) failed because tensors it was still
+    copying were written in place before the save's guard (the optimizer step,
+    ``wait_staged()``, the next ``save()``, ``flush()``): their copy may mix two states, so
+    nothing of the save was committed. ``keys`` names them (the checkpoint's tensor names)."""
+
+    def __init__(self, step: int, failures: Mapping[int, RankFailure], detail: str = "", keys: tuple[str, ...] = ()):
+        self.keys = tuple(keys)
+        super().__init__(step, failures, detail)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.step, self.failures, "", self.keys))
 
 
 class RanksFailedError(CheckpointError):

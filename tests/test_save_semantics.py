@@ -296,7 +296,7 @@ def test_public_exports_are_pinned() -> None:
         "RanksFailedError", "RanksTimeoutError", "RootInUseError", "RootNotWritableError",
         "SaveError", "SaveHandle", "SaveState",
         "SaveStatistics",
-        "SaveTimeoutError", "__version__", "ensure_dir", "find_latest", "import_dcp", "load",
+        "SaveTimeoutError", "StateChangedError", "__version__", "ensure_dir", "find_latest", "import_dcp", "load",
         "on_every_rank",
         # every documented error type (docs/failures.md), object-store ones included
         "ObjectStoreError", "ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
@@ -318,6 +318,7 @@ def test_public_exports_are_pinned() -> None:
     assert issubclass(asyncckpt.ObjectNotFoundError, FileNotFoundError)
     assert issubclass(asyncckpt.ObjectStoreTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.StaleDirectoryError, FileExistsError)
+    assert issubclass(asyncckpt.StateChangedError, asyncckpt.SaveError)
     assert issubclass(asyncckpt.RanksTimeoutError, asyncckpt.RanksFailedError)
     assert issubclass(asyncckpt.RanksTimeoutError, TimeoutError)
     assert issubclass(asyncckpt.RanksFailedError, asyncckpt.CheckpointError)

@@ -8,6 +8,7 @@ import threading
 import warnings
 
 from .._info import CheckpointInfo
+from ..saving import _deferred
 from ..saving._handle import SaveRecord
 from ..saving._mirror import UploadRecord
 from ._runtime import Totals
@@ -31,6 +32,25 @@ class Books:
         self.committed: set[int] = set()  # steps committed (by this job, or found at start)
         self.commits = 0  # commits added to committed (a generation: see SavePipeline.reserve_step)
         self.seq = 0
+        self.deferred: list[_deferred.DeferredCopy] = []  # deferred saves not yet released
+
+    def hold_deferred(self, copy: _deferred.DeferredCopy) -> None:
+        """Keep ``copy`` (a deferred save's background copy) until a guard releases it."""
+        with self.lock:
+            self.deferred = [c for c in self.deferred if not c.released] + [copy]
+
+    def release_deferred(self, deadline: float | None = None) -> None:
+        """Deferred staging's guard (``saving/_deferred.py``): wait until every deferred copy
+        held here completed and check its tensors were not written since ``save()``. A copy
+        not released (a timeout, an interrupt) stays held: the next guard tries again."""
+        with self.lock:
+            copies, self.deferred = self.deferred, []
+        try:
+            _deferred.release_all(copies, deadline)
+        except BaseException:
+            with self.lock:
+                self.deferred = [c for c in copies if not c.released] + self.deferred
+            raise
 
     def forget(self, record: SaveRecord) -> None:
         """Drop ``record`` from the books: nobody's failure to report later."""

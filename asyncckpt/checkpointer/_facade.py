@@ -22,6 +22,7 @@ from .._info import CheckpointerStatistics, CheckpointInfo, StagingStatistics
 from ..format._gcpause import paused_gc
 from ..loading import _load, _load_global
 from ..roots.posix._storage import DEFAULT_OPS, OsOps
+from ..saving import _deferred
 from ..saving._handle import SaveHandle
 from . import _runtime, _sigterm
 from ._books import Books
@@ -192,11 +193,18 @@ class Checkpointer:
         return self._session.run_id
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, *, until: Any = None, copy_now: Sequence[str] = ()) -> SaveHandle:
         """Stage ``state`` for ``step`` and return at once; the write runs in the background.
 
         When this returns, the state has been copied into staging buffers the library
-        owns: the caller may mutate its tensors freely. Raises ``TypeError``/``ValueError``
+        owns: the caller may mutate its tensors freely. With ``until`` (an optimizer, or a
+        sequence of them: *deferred staging*), the tensors those optimizers own are copied in
+        the background instead, and the next optimizer step (any optimizer's), ``wait_staged()``,
+        the next ``save()`` or ``flush()`` waits for that copy; the rest (buffers, one-element
+        tensors, tensors no optimizer in ``until`` owns, the keys named in ``copy_now``) is
+        copied before this returns. Such a save commits only after that guard ran, and fails
+        with ``StateChangedError`` naming the keys if a deferred tensor was written in place
+        before it (docs/deferred.md). Raises ``TypeError``/``ValueError``
         for bad arguments (unsupported objects name their key path), ``ValueError`` for a
         step already committed or in flight, ``RuntimeError`` when closed, and (with
         ``on_error="raise"``) the ``SaveError`` of an earlier save that has not been raised
@@ -207,8 +215,18 @@ class Checkpointer:
         # the collector paused for all of save() (_gcpause): the walk, the plan and the copy
         # allocate a few objects per tensor, and the pipeline's temporaries die before it
         # resumes, so no collection traverses them on the caller's path
+        lazy = None if until is None else (_deferred.check_until(until), _deferred.check_copy_now(copy_now))
         with paused_gc():
-            return self._pipeline.save(step, state, t_call)
+            return self._pipeline.save(step, state, t_call, lazy)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Deferred staging: wait until every tensor of this Checkpointer's deferred saves is
+        copied (with CUDA: make the current stream wait for the copies), so the caller may
+        write them. Call it before writing a saved tensor other than through an optimizer
+        step (whose pre-hook does this). A save whose tensors were written in place since
+        ``save()`` fails here with ``StateChangedError`` on its handle (not raised by this
+        call). A no-op without deferred saves. Raises ``TimeoutError`` after ``timeout`` s."""
+        self._books.release_deferred(None if timeout is None else time.monotonic() + timeout)
 
     def reserve(self, state: Any) -> None:
         """Allocate the staging buffers a save of ``state`` needs, now, so that the first

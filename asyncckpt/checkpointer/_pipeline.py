@@ -19,6 +19,7 @@ from ..format._safetensors import ShardLayout
 from ..format._structure import flatten, tree_json
 from ..loading import _load_global
 from ..roots import _runs
+from ..saving import _deferred
 from ..saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._staging import Arena, StageProgress
@@ -71,10 +72,12 @@ class SavePipeline:
 
         record.future.add_done_callback(settled)
 
-    def save(self, step: int, state: Any, t_call: float) -> SaveHandle:
+    def save(self, step: int, state: Any, t_call: float, lazy: Any = None) -> SaveHandle:
         """``Checkpointer.save``'s body, called with the collector paused (a method of its
-        own: its temporaries die before the pause ends)."""
+        own: its temporaries die before the pause ends). ``lazy``: deferred staging's checked
+        ``(until, copy_now)``, or None."""
         check_step(step)
+        self.books.release_deferred()  # a save is a guard too: the last deferred copy completes first
         self.books.surface_earlier_failure(self.opts.on_error == "warn")
         self.reserve_step(step)
         # set by _submit once the save's record owns the slot and the step (its settling
@@ -106,6 +109,11 @@ class SavePipeline:
                 raise
             arena, waited = self.acquire_slot(layout.file_size)
             sources = [refs[i].tensor for i in perm]
+            deferred = _deferred.split([refs[i].name for i in perm], sources, *lazy) if lazy else None
+            if deferred:
+                return self._stage_deferred(step, t_call, arena, layout, tree_bytes, sources, waited, deferred,
+                                            [refs[i].name for i in perm], dtensors=dtensors, tied=tied,
+                                            handed=handed, file=file, plan_key=plan_key)  # fmt: skip
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
@@ -180,6 +188,34 @@ class SavePipeline:
             raise
         finally:
             self.books.staging_record = None
+
+    def _stage_deferred(
+        self, step: int, t_call: float, arena: Arena, layout: ShardLayout, tree_bytes: bytes, sources: list[Any],
+        waited: float, deferred: list[int], names: list[str], **submit: Any,
+    ) -> SaveHandle:
+        """Deferred staging (``save(until=)``, ``saving/_deferred.py``): copy what may change
+        before the optimizer step now, hand the save to the writer, start the copy of the rest
+        in the background and return. A failure before the copy started gives the slot and
+        the step back and raises, as :meth:`_stage_streaming`."""
+        progress = StageProgress(layout.file_size)
+        got: list[SaveRecord] = []
+        try:
+            sources = _deferred.snapshot(sources, deferred)
+            copy = _deferred.DeferredCopy(
+                step, self.session.rank, self.session.ranks, progress, {names[i]: sources[i] for i in deferred},
+                time.perf_counter() - t_call - waited, time.monotonic() + self.opts.timeout,
+            )  # fmt: skip
+            handle = self._submit(step, t_call, arena, layout, tree_bytes, None, waited, 0.0, progress=progress,
+                                  record_out=got, **submit)  # fmt: skip
+            got[0].before_wait = copy.release_if_owner
+            self.books.hold_deferred(copy)
+            copy.start(self.rt.staging, arena, layout, sources)
+            return handle
+        except BaseException as e:
+            progress.fail(e)
+            if got:
+                self._forget_unstaged(got[0])
+            raise
 
     def _forget_unstaged(self, record: SaveRecord) -> None:
         """A save whose copy failed: wait (bounded) until the writer gave it up, then drop it

@@ -69,6 +69,7 @@ class Waits:
         def left() -> float | None:
             return None if end is None else max(0.0, end - time.monotonic())
 
+        yield Call(lambda: self.books.release_deferred(end))  # a flush is a guard of deferred saves
         futures = [f for f in self.books.pending_futures(local_only=True) if skip is None or f is not skip.future]
         running = yield Wait(futures, timeout)
         if running:
@@ -169,6 +170,10 @@ class Waits:
             return [], False  # a forked child: the saves belong to the parent, which waits for them
         settle = False
         if not self.closed:
+            try:
+                self.books.release_deferred(time.monotonic() + self.timeout)
+            except Exception:  # noqa: BLE001 - its save fails by its deadline, and is printed
+                pass
             # wait without marking anything reported: what nobody saw is printed below
             concurrent.futures.wait(self.books.pending_futures(), self.timeout + MARGIN_S)
             if self.session.mirror is not None:  # tier mode: and the uploads of what just committed

@@ -38,6 +38,7 @@ from .._errors import CheckpointError
 from .._info import CheckpointInfo
 from ..checkpointer._facade import Checkpointer
 from ..checkpointer._loader import load
+from ..saving import _deferred
 from ._publish import Publisher, drop_step, fsync_dir, write_durably
 
 __all__ = ["ROOT_NAME", "AsyncckptCheckpointIO", "load_checkpoint", "read_pointer"]
@@ -135,13 +136,24 @@ class AsyncckptCheckpointIO(CheckpointIO):
         verify: check CRC-32C of every file when loading.
         timeout: seconds one save may take (``Checkpointer(timeout=)``).
         max_pending: saves in flight at once (each holds a staging buffer the size of the state).
+        deferred: deferred staging (docs/deferred.md): the tensors of the optimizers that have
+            stepped are copied in the background, and the next optimizer step waits for the
+            copy. Under automatic optimization Lightning runs forward and backward inside
+            ``optimizer.step(closure)``, so that wait comes before them: the copy overlaps only
+            what runs between the save and the next step.
         **checkpointer_kwargs: passed on to each :class:`Checkpointer` (``direct_io``, ...).
     """
 
     def __init__(
-        self, verify: bool = True, timeout: float = 600.0, max_pending: int = 1, **checkpointer_kwargs: Any
-    ) -> None:
+        self, verify: bool = True, timeout: float = 600.0, max_pending: int = 1, deferred: bool = False,
+        **checkpointer_kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__()
+        if not isinstance(deferred, bool):
+            raise TypeError(f"deferred must be a bool, not {deferred!r}")
+        self.deferred = deferred
+        if deferred:
+            _deferred.watch_optimizers()  # before the first step: the optimizers are found as they step
         for k in ("keep_last", "process_group", "on_commit", "root"):
             if k in checkpointer_kwargs:
                 raise TypeError(f"AsyncckptCheckpointIO manages {k!r} itself")
@@ -171,7 +183,9 @@ class AsyncckptCheckpointIO(CheckpointIO):
         with self._lock:
             step = self._next_step[root]
             self._next_step[root] = step + 1
-        handle = ck.save(step, {"checkpoint": tree, "attrdicts": where})
+        opts = _deferred.stepped_optimizers() if self.deferred else ()
+        state = {"checkpoint": tree, "attrdicts": where}
+        handle = ck.save(step, state, until=opts) if opts else ck.save(step, state)
         self._publisher.after_commit(handle, lambda info: _point(target, info))
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -185,13 +199,22 @@ class AsyncckptCheckpointIO(CheckpointIO):
 
         Tensors come back on the CPU; Lightning moves them where the model lives.
         """
+        self._wait_staged()
         self._publisher.drain()
         return load_checkpoint(os.fspath(path), verify=self.verify)
+
+    def _wait_staged(self) -> None:
+        """Deferred staging: the guard of the saves in flight (on the training thread)."""
+        with self._lock:
+            ckpts = list(self._ckpts.values())
+        for ck in ckpts:
+            ck.wait_staged()
 
     # ------------------------------------------------------------------ lifecycle
     def teardown(self) -> None:
         """Wait for every save and removal, close the Checkpointers, raise the first failure."""
         try:
+            self._wait_staged()  # the last deferred save's guard: no step follows it
             self._publisher.drain()
         finally:
             with self._lock:

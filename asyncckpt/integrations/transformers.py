@@ -77,14 +77,19 @@ class AsyncckptTrainerMixin:
         asyncckpt_options: passed on to :class:`asyncckpt.Checkpointer` (``timeout``,
             ``max_pending``, ``direct_io``, ``huge_pages``, ...); ``keep_last`` is refused:
             use ``TrainingArguments(save_total_limit=)``.
+        asyncckpt_deferred: deferred staging (docs/deferred.md): the model's and optimizer's
+            tensors are copied while the next step's forward and backward run; its optimizer
+            step waits for the copy.
     """
 
     _asyncckpt_publisher: Publisher
 
     def __init__(
         self, *args: Any, asyncckpt_root: str | os.PathLike[str] | None = None,
-        asyncckpt_options: dict[str, Any] | None = None, **kwargs: Any,
+        asyncckpt_options: dict[str, Any] | None = None, asyncckpt_deferred: bool = False, **kwargs: Any,
     ) -> None:  # fmt: skip
+        if not isinstance(asyncckpt_deferred, bool):
+            raise TypeError(f"asyncckpt_deferred must be a bool, not {asyncckpt_deferred!r}")
         options = dict(asyncckpt_options or {})
         for k in _MANAGED:
             if k in options:
@@ -105,6 +110,7 @@ class AsyncckptTrainerMixin:
         _check_supported(self)
         self._asyncckpt_root = None if asyncckpt_root is None else os.path.abspath(os.fspath(asyncckpt_root))
         self._asyncckpt_options = options
+        self._asyncckpt_deferred = asyncckpt_deferred
         timeout = float(options.get("timeout", 600.0))
         self._asyncckpt_publisher = Publisher("asyncckpt-trainer", timeout + 30.0)
         self._asyncckpt_ck: Checkpointer | None = None
@@ -173,7 +179,10 @@ class AsyncckptTrainerMixin:
         root = self._asyncckpt_root or os.path.join(run_dir, folders.ROOT_NAME)
         ck = self._asyncckpt_checkpointer(root, run_dir)
         step = max(n, self._asyncckpt_next)
-        handle = ck.save(step, state)  # returns once staged
+        if self._asyncckpt_deferred and "optimizer" in state and t.optimizer is not None:
+            handle = ck.save(step, state, until=t.optimizer)  # returns after the walk; the step waits
+        else:
+            handle = ck.save(step, state)  # returns once staged
         self._asyncckpt_next = step + 1
         publish = partial(
             _publish, run_dir=run_dir, global_step=n, trainer_state=trainer_state,
@@ -245,6 +254,8 @@ class AsyncckptTrainerMixin:
         """Wait for every pending save and its publication, close the Checkpointer, and raise
         the first failure (or, when training itself failed, only log it)."""
         try:
+            if self._asyncckpt_ck is not None:
+                self._asyncckpt_ck.wait_staged()  # the last deferred save's guard: no step follows it
             self._asyncckpt_publisher.drain()
         finally:
             self._asyncckpt_publisher.stop()

@@ -38,7 +38,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .._errors import CoordinationLost, RankFailure, SaveError, SaveTimeoutError, describe_ranks, with_global_ranks
+from .._errors import (
+    CoordinationLost,
+    RankFailure,
+    SaveError,
+    SaveTimeoutError,
+    StateChangedError,
+    describe_ranks,
+    with_global_ranks,
+)
 from .._info import CheckpointInfo, SaveStatistics
 from ..format import _index, _manifest
 from ..format._lifecycle import SaveEvent, SaveState, advance
@@ -414,6 +422,8 @@ def _leader_lost(step: int, e: BaseException) -> SaveTimeoutError:
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
+    if isinstance(exc, SaveError) and rank in exc.failures:
+        return exc.failures[rank]  # a verdict made on this rank already (deferred staging's StateChangedError)
     return RankFailure.from_exception(rank, exc)
 
 
@@ -564,6 +574,8 @@ async def run_save(
                 missing=verdict.missing,
                 detail=f"ranks {describe_ranks(verdict.missing, job.ranks)} did not answer" if verdict.missing else "",
             )
+        elif any(f.exc_type == "StateChangedError" for f in failures.values()):
+            err = StateChangedError(job.step, failures, keys=getattr(local_exc, "keys", ()))
         else:
             err = SaveError(job.step, failures)
         raise err from local_exc

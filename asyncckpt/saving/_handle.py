@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from .._info import CheckpointInfo, SaveStatistics
@@ -21,6 +21,9 @@ class SaveRecord:
         self.state = SaveState.STAGED
         self.reported = False  # the failure reached the caller through some API call
         self.silent = False  # its copy failed inside save(), which raised that instead
+        # deferred staging: the save's guard, run by a wait on the thread that saved (else the
+        # wait could only end at the save's deadline: the guard is what lets it commit)
+        self.before_wait: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     def failure(self) -> BaseException | None:
@@ -76,7 +79,11 @@ class SaveHandle:
         return self._record.future.done()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """Wait for the outcome; the info of the committed checkpoint, or raise its error."""
+        """Wait for the outcome; the info of the committed checkpoint, or raise its error.
+        For a deferred save (``save(until=)``) called on the thread that saved, this is its
+        guard (as ``wait_staged()``); on another thread it waits for the guard."""
+        if self._record.before_wait is not None:
+            self._record.before_wait()
         done, _ = concurrent.futures.wait([self._record.future], timeout)
         if not done:
             raise TimeoutError(f"save of step {self.step} still running after {timeout}s")

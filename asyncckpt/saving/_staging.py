@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._errors import SaveError
 from .._info import StagingBuffer, StagingStatistics
 from ..format._header import ALIGN, round_up
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE, ShardLayout
@@ -124,8 +125,11 @@ class StageProgress:
         _wake(due)
 
     def finish(self, staging_s: float) -> None:
-        """Everything is staged (called by ``save()`` once the copy returned)."""
+        """Everything is staged (called by ``save()`` once the copy returned). A no-op once
+        :meth:`fail` was called: a failed copy never completes."""
         with self._cond:
+            if self._error is not None:
+                return
             self.staging_s = staging_s
             self._staged = self.total
             self._cond.notify_all()
@@ -155,12 +159,19 @@ class StageProgress:
             if self._staged >= pos:
                 return True
             if self._error is not None:
-                raise StagingAborted(
-                    f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
-                )
+                raise self._aborted()
             if self._gone:
                 raise StagingAborted("the save was given up before its state was staged")
             return False
+
+    def _aborted(self) -> Exception:
+        """What a wait raises once the copy failed: the failure itself when it is already the
+        save's verdict (a ``SaveError``: deferred staging's ``StateChangedError``), else
+        :class:`StagingAborted` describing it."""
+        err = self._error
+        if isinstance(err, SaveError):
+            return err
+        return StagingAborted(f"save() did not finish copying the state: {type(err).__name__}: {err}")
 
     def wait_for(self, pos: int, deadline: float) -> None:
         """Block until offset ``pos`` is staged; ``StagingAborted`` if the copy failed or the
@@ -168,9 +179,7 @@ class StageProgress:
         with self._cond:
             while self._staged < pos:
                 if self._error is not None:
-                    raise StagingAborted(
-                        f"save() did not finish copying the state: {type(self._error).__name__}: {self._error}"
-                    )
+                    raise self._aborted()
                 if self._gone:
                     raise StagingAborted("the save was given up before its state was staged")
                 left = deadline - time.monotonic()
@@ -506,9 +515,12 @@ class StagingPool:
         progress: StageProgress | None = None,
         *,
         all_cpu: bool | None = None,
+        compute_waits: bool = True,
     ) -> Any:
         """Copy ``sources`` (in ``layout.slots`` order) into ``arena``. ``all_cpu``: what
         :meth:`can_stream` says of ``sources``, when the caller knows it already.
+        ``compute_waits=False`` (deferred staging): the caller's CUDA streams do not wait for
+        the device-to-host copies; the caller makes them wait before the first write.
 
         Returns ``None`` when the copy is complete on return, or CUDA events the writer must
         synchronize before reading the arena. With ``progress`` (CPU sources only, see
@@ -536,7 +548,7 @@ class StagingPool:
             torch._foreach_copy_(cpu_dst, cpu_src)
         if not gpu:
             return None
-        return self._stage_cuda(arena, gpu)
+        return self._stage_cuda(arena, gpu, compute_waits)
 
     def _stage_cpu(
         self, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor], progress: StageProgress | None
@@ -563,7 +575,10 @@ class StagingPool:
             raise run.error
 
     def _stage_cuda(
-        self, arena: Arena, groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+        self,
+        arena: Arena,
+        groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]],
+        compute_waits: bool = True,
     ) -> list[Any]:
         arena.pin()
         events = []
@@ -590,7 +605,7 @@ class StagingPool:
                     s.record_stream(stream)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-            # later training kernels that overwrite the sources run after the copy
-            current.wait_event(event)
+            if compute_waits:  # later training kernels that overwrite the sources run after the copy
+                current.wait_event(event)
             events.append(event)
         return events
