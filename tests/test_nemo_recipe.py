@@ -26,7 +26,7 @@ import asyncckpt
 from asyncckpt.integrations import _nemo_folders as folders
 
 TESTS = Path(__file__).parent
-WORKER = str(TESTS / "_nemo_recipe_worker.py")
+WORKER = str(TESTS / "support" / "_nemo_recipe_worker.py")
 WORLD = 2
 # 12 steps, a checkpoint after every second one, the newest 2 kept (NeMo's max_recent_checkpoints)
 ARGS = ("--max-steps", "12", "--ckpt-every", "2", "--keep", "2")
@@ -56,7 +56,7 @@ def _run(py: str, tmp_path: Path, tag: str, impl: str, ckpt_dir: Path, *args: st
     ``save_checkpoint`` for step ``kill_after_save`` returned (the step is then being
     written in the background). Returns each rank's events."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS / "support")]), OMP_NUM_THREADS="1")
     env.pop("ASYNCCKPT_NEMO_PYTHON", None)
     ev = [tmp_path / f"{tag}-events{r}.jsonl" for r in range(WORLD)]
     logs = [open(tmp_path / f"{tag}-rank{r}.log", "wb") for r in range(WORLD)]
