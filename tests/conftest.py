@@ -34,7 +34,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 LONGEST_FIRST = (
     "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py", "test_sharded_state.py",
     "test_torchtitan_2d.py", "test_exit_paths.py", "test_s3_lease.py", "test_cli_hostile.py", "test_s3_traffic.py",
-    "test_placement.py", "test_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
+    "test_placement.py", "test_retention_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
     "test_dcp_storage.py", "test_objstore.py", "test_remote.py", "test_interrupts.py", "test_export_sharded.py",
 )
 

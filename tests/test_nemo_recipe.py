@@ -120,7 +120,7 @@ def _check_dir(ckpt_dir: Path, nemo_folders: tuple[str, ...] = ()) -> dict[str, 
     return found
 
 
-@pytest.mark.slow  # two runs of the recipe in its own venv (~1 min); test_nemo_dirs.py and _folders.py stay
+@pytest.mark.slow  # two recipe runs in its own venv (~1 min); test_nemo_stale_mkdir.py, test_nemo_folders.py stay
 def test_killed_recipe_resumes_bit_exactly(nemo_python: str, tmp_path: Path) -> None:
     # the uninterrupted run
     ref_dir = tmp_path / "ref"
