@@ -28,9 +28,9 @@ $(BIN)/.installed: pyproject.toml
 	@echo "set-up: installing asyncckpt (editable) with its test and dev tools and the Lightning and transformers extras"
 	# the torch pin again, so that no extra's dependency can swap the build installed above
 	$(BIN)/pip install -q -e ".[test,dev,lightning,transformers]" "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@echo "set-up: nemo-automodel's own files for tests/test_nemo_dirs.py (its 3.8 MB wheel, no dependencies)"
+	@echo "set-up: nemo-automodel's own files for tests/test_nemo_stale_mkdir.py (its 3.8 MB wheel, no dependencies)"
 	$(BIN)/pip install -q --no-deps --target $(VENV)/nemo-automodel nemo-automodel==0.7.0
-	@echo "set-up: torchtitan 0.3.0's own files for tests/test_torchtitan.py (~17 MB in .venv/torchtitan; see tests/_torchtitan.py)"
+	@echo "set-up: torchtitan 0.3.0's own files for tests/test_torchtitan.py (~17 MB in .venv/torchtitan; see tests/support/_torchtitan.py)"
 	# --no-deps: torch stays the build above; the five packages are what its trainer components import
 	$(BIN)/pip install -q --no-deps --target $(VENV)/torchtitan torchtitan==0.3.0 tyro==1.0.17 \
 		docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3 torchdata==0.11.0

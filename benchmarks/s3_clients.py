@@ -40,7 +40,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
-sys.path.insert(1, os.path.join(REPO, "tests"))
+sys.path.insert(1, os.path.join(REPO, "tests", "support"))
 
 MiB = 1 << 20
 BUCKET = "bench-bucket"

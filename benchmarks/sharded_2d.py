@@ -4,7 +4,7 @@
 
 **The state** (issue 28): transformers' ``LlamaForCausalLM`` built from a config (random init,
 nothing downloaded; default: hidden 512, 4 layers, vocab 8192, GQA 8/4 heads: 21 M parameters),
-set up as ``tests/_llama_worker.py`` does: TP by the model's own plan over ``mesh["tp"]`` and
+set up as ``tests/support/_llama_worker.py`` does: TP by the model's own plan over ``mesh["tp"]`` and
 FSDP2 over ``mesh["dp"]`` of a 2 x 2 gloo mesh (4 real processes), one AdamW step, saved as
 ``get_state_dict(model, optim)``: every parameter and both moments are DTensors; the norms,
 embeddings and output layer are sharded over dp only, so each lies on two dp sub-meshes.
@@ -50,7 +50,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(HERE), str(REPO / "tests"), str(REPO)):
+for p in (str(HERE), str(REPO / "tests" / "support"), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -61,7 +61,7 @@ LOADS = ("asyncckpt load(into=)", "asyncckpt load(into=, verify=False)", "dcp.lo
 
 # ---------------------------------------------------------------------- the ranks
 def _llama(args: dict[str, Any]) -> Any:
-    """``tests/_llama_worker`` with the benchmark's config (its functions read ``CONFIG``)."""
+    """``tests/support/_llama_worker`` with the benchmark's config (its functions read ``CONFIG``)."""
     import _llama_worker
 
     _llama_worker.CONFIG.update(

@@ -4,7 +4,7 @@
     python benchmarks/torchtitan_save.py --world 2 --steps 8 --json out.json
 
 Both runs are the same training (torchtitan 0.3.0's Llama3 ``debugmodel`` through its own
-``parallelize_llama``, FSDP2 over gloo ranks on the CPU, the loop of ``tests/_torchtitan_worker.py``)
+``parallelize_llama``, FSDP2 over gloo ranks on the CPU, the loop of ``tests/support/_torchtitan_worker.py``)
 with a save after every step: torchtitan's ``CheckpointManager`` with ``async_mode="async"``
 (``dcp.async_save`` on its own gloo group) and ``AsyncckptCheckpointManager``. For every save it
 records the time rank 0's training loop spent in ``checkpointer.save()`` (the time a save
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import _torchtitan  # noqa: E402
 from _ranks import free_port, log_tail, run_ranks  # noqa: E402
 
-WORKER = str(REPO / "tests" / "_torchtitan_worker.py")
+WORKER = str(REPO / "tests" / "support" / "_torchtitan_worker.py")
 
 
 def run(manager: str, world: int, steps: int, tmp: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Same YAML, same ``checkpoint:`` section (``checkpoint_dir``, ``restore_from``,
     # killed? run the same command again: it resumes from LATEST
 
 NeMo's LLM recipe needs CUDA (its ``setup()`` builds the model on ``cuda``); the same
-integration on CPU, with NeMo's ``BaseRecipe`` and a tiny model, is ``tests/_nemo_recipe_worker.py``.
+integration on CPU, with NeMo's ``BaseRecipe`` and a tiny model, is ``tests/support/_nemo_recipe_worker.py``.
 """
 
 from __future__ import annotations

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from asyncckpt.roots.posix._storage import OsOps
+
+#: Workers, the FUSE and S3 fixtures and the test utilities live in tests/support (its
+#: __init__ says what each is for): on the import path, so test files import them by name.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 # pytest-xdist's workers must collect the same test ids, and some ids are the repr of a set
 # (tests/test_values.py), whose order follows the string hash: one hash seed for every
@@ -26,9 +34,16 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 LONGEST_FIRST = (
     "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py", "test_sharded_state.py",
     "test_torchtitan_2d.py", "test_exit_paths.py", "test_s3_lease.py", "test_cli_hostile.py", "test_s3_traffic.py",
-    "test_placement.py", "test_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
+    "test_placement.py", "test_retention_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
     "test_dcp_storage.py", "test_objstore.py", "test_remote.py", "test_interrupts.py", "test_export_sharded.py",
 )
+
+
+def pytest_sessionfinish() -> None:
+    """Stop the SeaweedFS this process shared among its object-store test modules, if any."""
+    s3fixtures = sys.modules.get("s3fixtures")
+    if s3fixtures is not None:
+        s3fixtures.close_shared()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

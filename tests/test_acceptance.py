@@ -261,7 +261,7 @@ def test_a_global_index_no_reader_would_accept_is_never_committed(tmp_path: Path
     the unloadable step commits and keep_last=1 retires the good one."""
     root, out = tmp_path / "root", tmp_path / "out"
     port = free_port()
-    worker = str(HERE / "_acceptance_worker.py")
+    worker = str(HERE / "support" / "_acceptance_worker.py")
     scenario = "index" if checked else "index_unchecked"
     hung = run_ranks(lambda r: [worker, scenario, str(r), "2", str(port), str(root), str(out)], 2, tmp_path, 100)
     assert not hung, [log_tail(tmp_path, r) for r in hung]

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from s3fixtures import get, opts, put, require_s3, running_server
+from s3fixtures import get, opts, put, require_s3, shared_server
 
 from asyncckpt import Checkpointer, remote
 from asyncckpt.cli import main as cli_main
@@ -67,7 +67,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
     with Checkpointer(root, keep_last=None) as ck:
         for step in (1, 2, 3, 4):
             ck.save(step, state(step)).result(timeout=60)
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         so = opts(server.endpoint)
         remote.push(root, URL, storage_options=so, deadline_s=60)
         local = root / f"step_{BAD:08d}" / "rank00000.safetensors"

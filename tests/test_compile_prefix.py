@@ -18,7 +18,7 @@ from asyncckpt.loading._load import restore_into
 # importing torch's compiler stack warns about torch.jit (not ours)
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 
-WORKER = str(Path(__file__).with_name("_ddp_prefix_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_ddp_prefix_worker.py")
 
 
 def net(seed: int) -> torch.nn.Sequential:

@@ -44,7 +44,7 @@ from conftest import assert_same
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
 from asyncckpt.format._layout import META_DIR
 
-WORKER = Path(__file__).with_name("_crash_worker.py")
+WORKER = Path(__file__).parent / "support" / "_crash_worker.py"
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20240521
 TARGETS = ("staging", "shard write", "commit", "post-commit", "between saves")

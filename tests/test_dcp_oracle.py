@@ -40,7 +40,7 @@ from asyncckpt.roots.posix._discovery import read_manifest
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
-WORKER = str(Path(__file__).with_name("_oracle_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_oracle_worker.py")
 #: per world size, every mesh of it the cases draw from (sub-meshes are drawn from their dims)
 MESHES = {
     4: [(4,), (2, 2), (1, 4), (4, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)],

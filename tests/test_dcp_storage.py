@@ -32,7 +32,7 @@ import asyncckpt
 from asyncckpt import CheckpointCorruptError, CheckpointNotFoundError
 from asyncckpt.integrations.dcp import StorageReader, StorageWriter, import_dcp
 
-WORKER = str(Path(__file__).with_name("_dcp_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_dcp_worker.py")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 

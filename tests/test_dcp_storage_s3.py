@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _ranks import free_port, log_tail, run_ranks
 from s3fixtures import data_keys, get, opts, put, require_s3, server_fixture
@@ -48,7 +48,7 @@ from asyncckpt.integrations.dcp import StorageReader, StorageWriter
 require_s3()
 
 BUCKET = "dcp-bucket"
-WORKER = str(Path(__file__).with_name("_dcp_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_dcp_worker.py")
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 s3 = server_fixture(BUCKET)
 

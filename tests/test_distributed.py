@@ -16,7 +16,7 @@ from _ranks import run_ranks as launch
 
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
 
-WORKER = str(Path(__file__).with_name("_dist_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_dist_worker.py")
 
 
 def run_ranks(

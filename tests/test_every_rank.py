@@ -14,7 +14,7 @@ from _ranks import free_port, log_tail, run_ranks
 import asyncckpt
 from asyncckpt import RanksFailedError, RanksTimeoutError
 
-WORKER = str(Path(__file__).with_name("_every_rank_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_every_rank_worker.py")
 WORLD = 4
 
 

@@ -26,7 +26,7 @@ from asyncckpt import Checkpointer, SaveError, SaveTimeoutError, find_latest, lo
 from asyncckpt.format._layout import META_DIR
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "_exit_worker.py")
+WORKER = str(HERE / "support" / "_exit_worker.py")
 
 
 def _env() -> dict[str, str]:

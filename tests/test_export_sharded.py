@@ -24,8 +24,8 @@ from asyncckpt.format._reshard import Box
 from asyncckpt.loading._export import bands, contiguous_in, linear
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "_export_worker.py")
-sys.path.insert(0, str(HERE))
+WORKER = str(HERE / "support" / "_export_worker.py")
+sys.path.insert(0, str(HERE / "support"))
 from _export_worker import BIG, Net, Pair, big_value, ddp_state  # noqa: E402
 
 STEP = "step_00000001"
@@ -245,7 +245,7 @@ def test_export_streams_a_state_larger_than_its_memory_bound(on2: tuple[Path, di
     dest = tmp_path / "big.safetensors"
     env_path = str(HERE.parent)
     r = subprocess.run(
-        [sys.executable, str(HERE / "_export_rss.py"), str(root), "--to", str(dest)],
+        [sys.executable, str(HERE / "support" / "_export_rss.py"), str(root), "--to", str(dest)],
         capture_output=True, text=True, timeout=200, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -12,7 +12,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 from asyncckpt import find_latest, load
 
-WORKER = str(Path(__file__).with_name("_sweep_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_sweep_worker.py")
 TIMEOUT = 10.0  # the save timeout the ranks use (_sweep_worker.TIMEOUT)
 
 

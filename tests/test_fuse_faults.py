@@ -1,4 +1,4 @@
-"""Faults through the real kernel path: a FUSE file system (``tests/faultfs.py``) that fails,
+"""Faults through the real kernel path: a FUSE file system (``tests/support/faultfs.py``) that fails,
 shortens, slows down or hides operations, under unmodified library code.
 
 * the directory race of the virtiofs incident: ``mkdir`` answers EEXIST while ``stat``
@@ -39,7 +39,7 @@ from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._layout import META_DIR
 from asyncckpt.roots.posix._storage import StaleDirectoryError, ensure_dir
 
-WORKER = str(Path(__file__).with_name("_fault_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_fault_worker.py")
 STEP_LEAF = "step_00000297/rng"
 
 # rounds of the directory race through FUSE: default run and the long (-m slow) variant

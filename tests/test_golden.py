@@ -39,14 +39,14 @@ from _golden_worker import (
 )
 from _ranks import free_port, log_tail, run_ranks
 from conftest import assert_same
-from s3fixtures import data_keys, get, opts, put, require_s3, running_server
+from s3fixtures import data_keys, get, opts, put, require_s3, shared_server
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointError, remote
 from asyncckpt.cli import main as cli_main
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
-WORKER = str(Path(__file__).with_name("_golden_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_golden_worker.py")
 STEP_DIR = f"step_{STEP:08d}"
 LOCAL = ("single", "ddp2", "fsdp_tp4")
 PUSHED = ("single", "fsdp_tp4")
@@ -283,9 +283,9 @@ def test_cli_verify_ls_info_on_each_golden(copy: Any, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[tuple[str, dict[str, str]]]:
-    """A fresh SeaweedFS holding the golden objects as they sat on the store they were pushed to."""
+    """A SeaweedFS holding the golden objects as they sat on the store they were pushed to."""
     require_s3()
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         for name in PUSHED:
             base = GOLDEN / "s3" / name
             for f in sorted(base.rglob("*")):

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from _ranks import free_port, log_tail, run_ranks
 
-WORKER = str(Path(__file__).with_name("_fault_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_fault_worker.py")
 WORLD = 4
 TIMEOUT = 10.0  # the Checkpointer's save timeout in the ranks
 SKIP = "needs root/mount:"

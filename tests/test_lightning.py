@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.timeout(90),
 ]
 
-WORKER = str(Path(__file__).with_name("_lightning_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_lightning_worker.py")
 
 
 def same(a: Any, b: Any, where: str = "") -> None:

@@ -24,7 +24,7 @@ from asyncckpt.integrations.lightning import ROOT_NAME, load_checkpoint, read_po
 
 pytestmark = [pytest.mark.timeout(240)]
 
-WORKER = str(Path(__file__).with_name("_lightning_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_lightning_worker.py")
 EPOCHS = 5  # 2 steps per epoch and rank (each rank gets half of the 4 batches)
 
 

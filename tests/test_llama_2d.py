@@ -20,7 +20,7 @@ from asyncckpt.roots.posix._discovery import read_manifest
 
 pytest.importorskip("transformers")
 
-WORKER = str(Path(__file__).with_name("_llama_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_llama_worker.py")
 
 
 def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, dead: tuple[int, ...] = ()) -> dict[int, Any]:

@@ -26,7 +26,7 @@ import asyncckpt
 from asyncckpt.integrations import _nemo_folders as folders
 
 TESTS = Path(__file__).parent
-WORKER = str(TESTS / "_nemo_recipe_worker.py")
+WORKER = str(TESTS / "support" / "_nemo_recipe_worker.py")
 WORLD = 2
 # 12 steps, a checkpoint after every second one, the newest 2 kept (NeMo's max_recent_checkpoints)
 ARGS = ("--max-steps", "12", "--ckpt-every", "2", "--keep", "2")
@@ -56,7 +56,7 @@ def _run(py: str, tmp_path: Path, tag: str, impl: str, ckpt_dir: Path, *args: st
     ``save_checkpoint`` for step ``kill_after_save`` returned (the step is then being
     written in the background). Returns each rank's events."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS / "support")]), OMP_NUM_THREADS="1")
     env.pop("ASYNCCKPT_NEMO_PYTHON", None)
     ev = [tmp_path / f"{tag}-events{r}.jsonl" for r in range(WORLD)]
     logs = [open(tmp_path / f"{tag}-rank{r}.log", "wb") for r in range(WORLD)]
@@ -120,7 +120,7 @@ def _check_dir(ckpt_dir: Path, nemo_folders: tuple[str, ...] = ()) -> dict[str, 
     return found
 
 
-@pytest.mark.slow  # two runs of the recipe in its own venv (~1 min); test_nemo_dirs.py and _folders.py stay
+@pytest.mark.slow  # two recipe runs in its own venv (~1 min); test_nemo_stale_mkdir.py, test_nemo_folders.py stay
 def test_killed_recipe_resumes_bit_exactly(nemo_python: str, tmp_path: Path) -> None:
     # the uninterrupted run
     ref_dir = tmp_path / "ref"

@@ -5,7 +5,7 @@ tier upload of a training process, ``push``, ``pull``, ``asyncckpt.remote.pull()
 ``export`` from an ``s3://`` URL (tests/test_no_sigbus_export.py has the local export) - runs
 in a real subprocess (a SIGBUS would kill it, rc -7, not pytest) under
 
-* an EIO from the FUSE fault file system (``tests/faultfs.py``) on the file being read or
+* an EIO from the FUSE fault file system (``tests/support/faultfs.py``) on the file being read or
   written, and
 * a full, small tmpfs (real ENOSPC),
 
@@ -53,7 +53,7 @@ require_s3()
 
 from asyncckpt import load  # noqa: E402
 
-WORKER = str(Path(__file__).with_name("_sigbus_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_sigbus_worker.py")
 pytestmark = [pytest.mark.timeout(120), pytest.mark.needs_root]
 
 s3 = server_fixture(BUCKET)

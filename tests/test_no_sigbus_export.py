@@ -1,7 +1,7 @@
 """No signal deaths in ``asyncckpt export``, to a local file and from an ``s3://`` URL.
 
 The command runs as a real process (a SIGBUS would show as rc -7) under a FUSE EIO
-(``tests/faultfs.py``) on the output, on the checkpoint it reads, or on the step a remote
+(``tests/support/faultfs.py``) on the output, on the checkpoint it reads, or on the step a remote
 export pulls first, and with the output on a full, small tmpfs. Each ends in exit 1 with a
 message naming the fault and the file, no output file and no temporary left beside it;
 an I/O error reading the checkpoint does not mark the step bad (it says nothing about the

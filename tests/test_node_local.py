@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from _ranks import free_port, log_tail, run_ranks
 
-WORKER = str(Path(__file__).with_name("_rank_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_rank_worker.py")
 T = 5.0  # the Checkpointer's timeout: how long a rank looks for rank 0's token
 
 

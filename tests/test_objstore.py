@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from s3fixtures import shared_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
@@ -48,13 +49,8 @@ PART = 5 * MiB
 
 @pytest.fixture(scope="session")
 def s3() -> Iterator[S3Server]:
-    server = S3Server()
-    try:
-        server.start()
-        server.create_bucket(BUCKET)
+    with shared_server(BUCKET) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

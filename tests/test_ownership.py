@@ -38,7 +38,7 @@ import asyncckpt
 from asyncckpt import Checkpointer, CheckpointError, RootInUseError, RootNotWritableError, find_latest
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "_owner_worker.py")
+WORKER = str(HERE / "support" / "_owner_worker.py")
 WAIT_S = 60.0
 HOST = socket.gethostname()
 

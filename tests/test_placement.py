@@ -22,7 +22,7 @@ from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.roots.posix._discovery import read_manifest
 
-WORKER = str(Path(__file__).with_name("_placement_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_placement_worker.py")
 STEP = "step_00000001"
 
 
@@ -197,13 +197,13 @@ def test_remote_verify_checks_the_index_load_checks(
     pytest.importorskip("obstore")
     import obstore
     from obstore.store import S3Store
-    from s3fixtures import opts, running_server
+    from s3fixtures import opts, shared_server
 
     from asyncckpt import remote
     from asyncckpt.cli import main as cli_main
 
     root, step = copy_of(submesh, tmp_path)
-    with running_server("placement") as s3:
+    with shared_server("placement") as s3:
         o = opts(s3.endpoint)
         so = [f"--storage-option={k}={v}" for k, v in o.items()]
         url = "s3://placement/run"

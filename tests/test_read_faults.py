@@ -5,7 +5,7 @@ deadline and then raised as ``CheckpointReadError`` naming the file; it never ma
 bad and never makes ``load()`` fall back to an older step. A store that answers 503 is the
 same. A stale mark is dropped by a later full verification of the same attempt that passes.
 
-The faults are real: the FUSE fault file system (``tests/faultfs.py``, through the kernel;
+The faults are real: the FUSE fault file system (``tests/support/faultfs.py``, through the kernel;
 skipped with ``needs root/FUSE:`` where it cannot mount), a fault proxy in front of a real
 SeaweedFS for the store, real gloo processes for two ranks.
 """
@@ -32,7 +32,7 @@ from asyncckpt.format._manifest import MANIFEST, decode
 from asyncckpt.roots import _readfault
 from asyncckpt.roots._badmarks import bad_mark, mark_name, record_bad
 
-WORKER = str(Path(__file__).with_name("_readfault_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_readfault_worker.py")
 SHARD = "rank00000.safetensors"
 
 

@@ -1,7 +1,7 @@
 """A store that errors or times out during a load is an I/O fault, not corruption (issue 26,
 problem 4): ``CheckpointReadError`` naming the object, no fallback to an older step.
 
-A real SeaweedFS on loopback with a fault proxy in front of it (``tests/s3proxy.py``).
+A real SeaweedFS on loopback with a fault proxy in front of it (``tests/support/s3proxy.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from s3fixtures import opts, require_s3, running_server
+from s3fixtures import opts, require_s3, shared_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 from conftest import assert_same
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from s3fixtures import opts, running_server
+from s3fixtures import opts, shared_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 

@@ -28,7 +28,7 @@ from asyncckpt import Checkpointer
 from asyncckpt.format._manifest import MANIFEST, decode
 from asyncckpt.roots._badmarks import bad_mark
 
-WORKER = str(Path(__file__).with_name("_fallback_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_fallback_worker.py")
 STEPS = (5, 10, 15)
 
 

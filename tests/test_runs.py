@@ -120,7 +120,7 @@ def test_two_ranks_whose_views_hold_different_commits_of_a_step_both_refuse_the_
 
     root_a, root_b, link = tmp_path / "a", tmp_path / "b", tmp_path / "root"
     os.symlink(root_a, link)
-    worker = str(Path(__file__).parent / "_runs_worker.py")
+    worker = str(Path(__file__).parent / "support" / "_runs_worker.py")
     port = free_port()
 
     def argv(r: int) -> list[str]:

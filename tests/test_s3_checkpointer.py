@@ -23,10 +23,10 @@ import pytest
 import torch
 from conftest import assert_same
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _s3_worker import state_for
-from s3fixtures import SECRET, get, kill_when_held, opts, put, running_server
+from s3fixtures import SECRET, get, kill_when_held, opts, put, running_server, shared_server
 from s3fixtures import keys as all_keys
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
@@ -44,13 +44,13 @@ from asyncckpt.roots.objstore._client import ConditionalWriteUnsupportedError
 
 HERE = Path(__file__).parent
 BUCKET = "direct-bucket"
-WORKER = str(HERE / "_s3_worker.py")
+WORKER = str(HERE / "support" / "_s3_worker.py")
 pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import assert_same
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _s3_worker import state_for
 from s3fixtures import (
@@ -49,7 +49,7 @@ require_s3()
 
 HERE = Path(__file__).parent
 BUCKET = "lease-bucket"
-WORKER = str(HERE / "_s3_worker.py")
+WORKER = str(HERE / "support" / "_s3_worker.py")
 OWNER = ".asyncckpt/owner"
 TTL = 4.0
 pytestmark = pytest.mark.timeout(150)

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _cli_util import run_cli, strict_json
-from s3fixtures import data_keys, get, keys, opts, put, require_s3, running_server
+from s3fixtures import data_keys, get, keys, opts, put, require_s3, shared_server
 from s3server import S3Server
 
 import asyncckpt
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from s3fixtures import get, opts, proxy_fixture, put, require_s3, running_server, server_fixture, store_for
 from s3fixtures import keys as all_keys

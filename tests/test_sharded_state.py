@@ -18,8 +18,8 @@ import asyncckpt
 from asyncckpt import CheckpointCorruptError, CheckpointError, reading
 from asyncckpt.roots.posix._discovery import open_step
 
-WORKER = str(Path(__file__).with_name("_global_worker.py"))
-sys.path.insert(0, str(Path(__file__).parent))
+WORKER = str(Path(__file__).parent / "support" / "_global_worker.py")
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 from _global_worker import Net, same  # noqa: E402
 
 STEP = "step_00000001"

@@ -15,7 +15,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 from asyncckpt.format._reshard import Box, check_tiling
 
-WORKER = str(Path(__file__).with_name("_shard_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_shard_worker.py")
 
 
 def run_world(tmp_path: Path, world: int) -> dict[int, dict[str, Any]]:

@@ -23,7 +23,7 @@ from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 
 from asyncckpt import Checkpointer, find_latest
 
-WORKER = str(Path(__file__).with_name("_rank_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_rank_worker.py")
 TIMEOUT_S = 5.0
 STUCK = 2
 

@@ -20,8 +20,8 @@ from asyncckpt.format import _index
 from asyncckpt.roots.posix._discovery import open_step
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "_tied_worker.py")
-sys.path.insert(0, str(HERE))
+WORKER = str(HERE / "support" / "_tied_worker.py")
+sys.path.insert(0, str(HERE / "support"))
 from _global_worker import same  # noqa: E402
 from _ranks import free_port, log_tail, run_ranks  # noqa: E402
 from _tied_worker import DIM, VOCAB  # noqa: E402
@@ -87,7 +87,7 @@ def test_load_without_a_process_group_returns_one_shared_tensor(saved_on_4: Any)
 def test_export_writes_the_tied_weight_once(saved_on_4: Any, tmp_path: Path) -> None:
     from safetensors.torch import load_model
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "support"))
     from _tied_worker import TiedLM
 
     root, out, _ = saved_on_4

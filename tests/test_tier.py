@@ -25,9 +25,9 @@ import pytest
 import torch
 from conftest import assert_same
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from s3fixtures import get, keys, opts, put, running_server
+from s3fixtures import get, keys, opts, put, shared_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server, weed_binary
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 
@@ -375,7 +375,7 @@ def test_two_gloo_ranks_on_a_shared_root_rank0_uploads_and_both_resume_from_the_
 
     o = opts(s3.endpoint)
     root = tmp_path / "shared"
-    worker = str(Path(__file__).parent / "_tier_rank_worker.py")
+    worker = str(Path(__file__).parent / "support" / "_tier_rank_worker.py")
     for phase in ("save", "resume"):
         port = free_port()
         def argv(r: int, phase: str = phase, port: int = port) -> list[str]:

@@ -20,9 +20,9 @@ import pytest
 import torch
 from conftest import assert_same
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from s3fixtures import get, opts, require_s3, running_server
+from s3fixtures import get, opts, require_s3, shared_server
 from s3server import S3Server
 
 require_s3()
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(150)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with running_server(BUCKET) as server:
+    with shared_server(BUCKET) as server:
         yield server
 
 

@@ -1,6 +1,6 @@
 """asyncckpt.integrations.torchtitan with torchtitan 0.3.0 itself: its Llama3 ``debugmodel``
 through its own ``parallelize_llama`` (FSDP2) on 4 real gloo processes, trained with the loop
-torchtitan's ``Trainer.train`` runs (``tests/_torchtitan_worker.py``).
+torchtitan's ``Trainer.train`` runs (``tests/support/_torchtitan_worker.py``).
 
 One uninterrupted run with torchtitan's own ``CheckpointManager`` (async DCP) is the reference.
 A second job starts from that run's DCP ``step-1`` (a job switching to asyncckpt), saves steps 2
@@ -37,7 +37,7 @@ from _ranks import free_port, log_tail, run_ranks
 import asyncckpt
 import asyncckpt.reading
 
-WORKER = str(Path(__file__).with_name("_torchtitan_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_torchtitan_worker.py")
 STEPS = 4
 pytestmark = [pytest.mark.timeout(400)]
 

@@ -3,7 +3,7 @@
 torchtitan 0.3.0's Llama3 ``debugmodel`` parallelized by its own ``parallelize_llama`` on a
 2 x 2 mesh of real gloo processes: TP by torchtitan's own plan over ``tp`` (sequence parallel
 on, its default; vocab-parallel loss) and FSDP2 over ``fsdp``, trained by the loop of
-``tests/_torchtitan_worker.py``. Its state holds every placement that layout produces:
+``tests/support/_torchtitan_worker.py``. Its state holds every placement that layout produces:
 ``(_StridedShard(0), Shard(0))`` (column-wise layers, embeddings, output), ``(Shard(0), Shard(1))``
 (row-wise layers), ``(Shard(0), Replicate())`` (the norms: sharded over fsdp, replicated over tp)
 and ``(Replicate(), Replicate())`` (the ``wq``/``wk``/``wv`` views that torchtitan's fused-QKV
@@ -33,7 +33,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 from asyncckpt import reading
 
-WORKER = str(Path(__file__).with_name("_torchtitan_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_torchtitan_worker.py")
 pytestmark = [pytest.mark.timeout(400)]
 
 

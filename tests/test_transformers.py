@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-WORKER = str(Path(__file__).with_name("_hf_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_hf_worker.py")
 STEPS = 40
 
 

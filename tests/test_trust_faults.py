@@ -1,7 +1,7 @@
 """What a reader may trust when the storage misbehaves: a red team's reproductions for issue 26
 ("committed means resumable") against its merged fixes, each fixed since and kept as a test.
 
-Real files, the FUSE fault file system (``tests/faultfs.py``, skipped with ``needs root/FUSE:``
+Real files, the FUSE fault file system (``tests/support/faultfs.py``, skipped with ``needs root/FUSE:``
 where it cannot mount), the CLI as a real process, a real SeaweedFS behind the fault proxy for
 the tier tests. Each test's docstring names its finding:
 
@@ -261,10 +261,10 @@ def test_d_export_refuses_a_header_safetensors_would_refuse(tmp_path: Path, monk
 # ------------------------------------------------------------------------------ E
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    from s3fixtures import require_s3, running_server
+    from s3fixtures import require_s3, shared_server
 
     require_s3()
-    with running_server("attack26") as server:
+    with shared_server("attack26") as server:
         yield server
 
 
@@ -366,7 +366,7 @@ def test_f_one_transient_enoent_never_makes_load_fall_back(fs: FaultFS) -> None:
         saved(root, (10, 15))
         with Checkpointer(root) as ck:
             # one lookup of step 15's shard answers ENOENT: a stale negative dentry (NFS,
-            # virtiofs, Lustre: tests/faultfs.py's stale_s), a FUSE server's glitch
+            # virtiofs, Lustre: tests/support/faultfs.py's stale_s), a FUSE server's glitch
             fs.set_rules(
                 [
                     rule(

@@ -2,7 +2,7 @@
 
 Run it as a process::
 
-    python tests/faultfs.py BACKING MOUNT RULES.json [--direct-io]
+    python tests/support/faultfs.py BACKING MOUNT RULES.json [--direct-io]
 
 and drive it from a test with :class:`FaultFS` (mount, change rules at run time, unmount)::
 

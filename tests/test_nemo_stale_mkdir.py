@@ -31,7 +31,7 @@ from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 
 import asyncckpt
 
-WORKER = str(Path(__file__).with_name("_nemo_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_nemo_worker.py")
 WORLD = 4
 
 

@@ -1,9 +1,17 @@
 """What the object-store test modules share: a started SeaweedFS with one bucket (and the
 fixtures that give one, or a fault proxy in front of it, to a module), the storage options
-that reach it, and an independent look at what a prefix holds."""
+that reach it, and an independent look at what a prefix holds.
+
+One SeaweedFS per test process (per pytest-xdist worker) serves every module that does not
+kill or fill its server (:func:`shared_server`, :func:`server_fixture`): starting one costs
+seconds, a bucket on a running one a fraction of a second. Each module keeps its own bucket
+(or fresh prefixes in a shared one), so modules see only their own objects and uploads.
+A test that kills, restarts or fills its server takes a fresh one (:func:`running_server`).
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
 from collections.abc import Iterator
@@ -37,6 +45,45 @@ def running_server(bucket: str) -> Iterator[S3Server]:
         server.close()
 
 
+#: Buckets on the shared server hold at most this many volumes each (SeaweedFS grows a
+#: collection by 7 at its first write); sparse files, a few MB on disk in all.
+SHARED_VOLUMES = 256
+
+_shared: S3Server | None = None
+_shared_error: str | None = None
+
+
+@contextlib.contextmanager
+def shared_server(bucket: str) -> Iterator[S3Server]:
+    """This process's SeaweedFS, started on first use (stopped at the end of the session or
+    exit), with ``bucket`` created: what :func:`running_server` gives, without a start per
+    module. The test skips (with a reason CI refuses) when it cannot start; once it failed,
+    every later caller skips with the same reason at once instead of waiting again. Do not
+    kill, restart or fill it: other modules use it after you."""
+    global _shared, _shared_error
+    if _shared_error is None:
+        try:
+            if _shared is None:
+                _shared = S3Server(volumes=SHARED_VOLUMES)
+                atexit.register(close_shared)
+            _shared.start()  # no-op while it runs; a restart on the same data if it died
+            _shared.create_bucket(bucket)
+        except Exception as e:  # noqa: BLE001 - CI fails on this skip
+            _shared_error = f"needs s3/server: SeaweedFS did not start ({e})"
+    if _shared_error is not None or _shared is None:
+        pytest.skip(_shared_error or "needs s3/server")
+    yield _shared
+
+
+def close_shared() -> None:
+    """Stop the shared server and remove its data (idempotent); tests/conftest.py calls this at
+    the end of the session, ``atexit`` again."""
+    global _shared
+    if _shared is not None:
+        _shared.close()
+        _shared = None
+
+
 def require_s3() -> None:
     """Skip the calling test module (at import) when obstore or the weed binary is missing;
     CI refuses these skips ("needs s3/")."""
@@ -51,11 +98,11 @@ def require_s3() -> None:
 
 
 def server_fixture(bucket: str) -> Any:
-    """A module-scoped fixture ``s3``: a started server with ``bucket``."""
+    """A module-scoped fixture ``s3``: the process's shared server with ``bucket``."""
 
     @pytest.fixture(scope="module")
     def s3() -> Iterator[S3Server]:
-        with running_server(bucket) as server:
+        with shared_server(bucket) as server:
             yield server
 
     return s3

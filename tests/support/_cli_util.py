@@ -15,7 +15,7 @@ from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.roots.posix._discovery import read_manifest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass

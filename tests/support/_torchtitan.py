@@ -100,7 +100,7 @@ class _Kernel:
 
     def __getitem__(self, grid: Any) -> Any:
         raise RuntimeError(
-            f"triton kernel {self.fn.__name__} launched on a machine without triton (tests/_torchtitan.py)"
+            f"triton kernel {self.fn.__name__} launched on a machine without triton (tests/support/_torchtitan.py)"
         )
 
 
