@@ -20,7 +20,7 @@ from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
 
-WORKER = str(Path(__file__).with_name("_deferred_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "_deferred_worker.py")
 
 
 def spawn(tmp: Path, scenario: str, world: int) -> dict[int, dict[str, Any]]:
