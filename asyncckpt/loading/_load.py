@@ -55,7 +55,7 @@ from ..format._gcpause import paused_gc
 from ..format._header import TensorSlot, declared_length, parse_header, validate_header
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
+from ..format._structure import COMPILE_PREFIX, UnknownTensorError, strip_state_dict_prefixes, unflatten
 from ..roots._readfault import read_error, regular_file
 from ..roots.posix._discovery import read_regular_file
 from . import _readinto
@@ -225,14 +225,30 @@ def _rebuild(
     :func:`plan_targets` already compared the tree's tensor names with the shard's."""
     try:
         with paused_gc():  # the state's containers, rebuilt: many small objects
-            # (a set: tied tensors are named twice)
-            if not names_checked and set(tensor_names(tree)) != tensors.keys():
-                raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
-            return unflatten(tree, tensors)
+            if names_checked:
+                return unflatten(tree, tensors)
+            state, _ = unflatten_named(tree, tensors, shard_path)
+            return state
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     except MemoryError:
         raise CheckpointError(f"not enough memory to rebuild the state: {tree_path}") from None
+
+
+def unflatten_named(tree: Any, tensors: Mapping[str, torch.Tensor], shard_path: str) -> tuple[Any, list[str]]:
+    """``unflatten(tree, tensors)`` and the names the tree references (tied tensors more than
+    once), in one walk. ``CheckpointCorruptError`` naming ``shard_path`` unless the tree
+    references exactly the tensors of ``tensors`` (a name the shard lacks, or a tensor of the
+    shard no node names); a malformed node raises ``ValueError`` as ``unflatten`` does."""
+    named: list[str] = []
+    try:
+        state = unflatten(tree, tensors, named)
+    except UnknownTensorError:
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path) from None
+    # every name is one of tensors' (else UnknownTensorError): the sets are equal iff as large
+    if len(set(named)) != len(tensors):
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    return state, named
 
 
 def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
@@ -434,25 +450,42 @@ def plan_targets(
     names twice keep the fresh-tensor path, as does everything else (``restore_into`` then
     copies or raises exactly as before). Nothing is written here.
     """
-    placeholders = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for s in slots}
-    names = tensor_names(tree)
-    if set(names) != set(placeholders):  # a name may repeat: tied tensors are stored once
-        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    placeholders = _placeholders(slots)
     try:
-        skeleton = unflatten(tree, placeholders)
+        skeleton, names = unflatten_named(tree, placeholders, shard_path)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     by_id = {id(t): n for n, t in placeholders.items()}
+    del placeholders
     found: dict[str, torch.Tensor] = {}
     _pair(into, skeleton, prefixes, by_id, found)
-    counts = collections.Counter(names)
+    del skeleton, by_id
+    # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
+    counts = collections.Counter(names) if len(names) != len(slots) else None
+    del names
     slot_of = {s.name: s for s in slots}
     usable: dict[str, torch.Tensor] = {}
     for name, t in found.items():
         s = slot_of[name]
-        if counts[name] == 1 and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
+        if (counts is None or counts[name] == 1) and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
             usable[name] = t
     return _without_overlaps(usable, slot_of)
+
+
+def _placeholders(slots: Sequence[TensorSlot]) -> dict[str, torch.Tensor]:
+    """A zero-memory stand-in per slot, of its dtype and shape (``meta`` tensors), each its
+    own object: one is made per distinct (dtype, shape) and the others are its aliases
+    (``detach()``: ~5x cheaper than another ``torch.empty``)."""
+    made: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for s in slots:
+        key = (s.dtype, s.shape)
+        base = made.get(key)
+        if base is None:
+            out[s.name] = made[key] = torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta")
+        else:
+            out[s.name] = base.detach()
+    return out
 
 
 def _pair(
