@@ -358,7 +358,18 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             flush()
             crc = _read_skipped(fd, d, bounce, path, crc)
             continue
-        for i in range(0, d.nbytes, BOUNCE):
+        n = d.nbytes
+        if 0 < n <= BOUNCE:  # one piece: the view itself, not a slice of it (a small tensor)
+            if run and run_start + run_bytes != d.offset:
+                flush()
+            if not run:
+                run_start = d.offset
+            run.append(d.view)
+            run_bytes += n
+            if run_bytes >= BOUNCE or len(run) >= _IOV_MAX:
+                flush()
+            continue
+        for i in range(0, n, BOUNCE):
             if run and run_start + run_bytes != d.offset + i:
                 flush()  # not adjacent to the run: a new preadv
             if not run:
