@@ -305,8 +305,8 @@ def parse_slots(head: bytes, file_size: int, where: str = "<shard>") -> tuple[in
     check_json_memory(text, "parsing the shard header", where)
     try:
         fast = _canonical(text.decode("utf-8"), data_len)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        fast = None  # the general parse raises what it raises
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError):
+        fast = None  # the general parse raises what it raises (memory included, as a ValueError)
     if fast is not None:
         return (n, *fast)
     _, header = parse_header(head, file_size, where)
