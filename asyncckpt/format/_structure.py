@@ -644,29 +644,49 @@ def _dec_float(v: Any) -> float:
     raise ValueError("malformed float")
 
 
-def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+class UnknownTensorError(ValueError):
+    """A tree node names a tensor that the mapping given to :func:`unflatten` lacks."""
+
+
+def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] | None = None) -> Any:
     """Rebuild the state encoded by :func:`flatten` from its tree and loaded tensors.
 
     Raises ``ValueError`` on any malformed node (the loader turns it into
-    ``CheckpointCorruptError``), and ``RuntimeError`` for a ``torch.Generator`` whose device
-    this machine cannot create.
+    ``CheckpointCorruptError``); :class:`UnknownTensorError`, a ``ValueError``, for a node
+    naming a tensor ``tensors`` lacks; and ``RuntimeError`` for a ``torch.Generator`` whose
+    device this machine cannot create. With ``named``, every name the tree references as
+    :func:`tensor_names` lists it (``$tensor`` and ``$ndarray`` nodes, not ``$dtensor``) is
+    appended to it as it is decoded: a caller that compares the names with a shard's needs
+    no second walk of the tree.
     """
+    note = named.append if named is not None else None
 
     def tensor(val: Any) -> torch.Tensor:
-        if not isinstance(val, str) or val not in tensors:
-            raise ValueError(f"tree names a tensor the shard lacks: {val!r}")
-        return tensors[val]
+        t = tensors.get(val) if type(val) is str else None
+        if t is None:
+            raise UnknownTensorError(f"tree names a tensor the shard lacks: {val!r}")
+        return t
 
-    def items(val: Any, depth: int) -> Iterable[tuple[Any, Any]]:
-        if not isinstance(val, list):
+    def items(val: Any, depth: int) -> list[tuple[Any, Any]]:
+        if type(val) is not list:
             raise ValueError("malformed mapping items")
+        out = []
+        inner = depth + 1
         for item in val:
-            if not (isinstance(item, list) and len(item) == 2):
+            if not (type(item) is list and len(item) == 2):
                 raise ValueError("malformed mapping item")
             k, v = item
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
+            tk = type(k)  # (json makes no subclasses; a bool key is refused)
+            if tk is not str and tk is not int:
                 raise ValueError("malformed mapping key")
-            yield k, dec(v, depth + 1)
+            # the common value of a state dict, a plain tensor node, without dec's dispatch
+            if type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:
+                out.append((k, tensor(name)))
+                if note is not None:
+                    note(name)
+            else:
+                out.append((k, dec(v, inner)))
+        return out
 
     def listed(val: Any, what: str) -> list[Any]:
         if not isinstance(val, list):
@@ -698,6 +718,12 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return tuple(dec(v, depth + 1) for v in listed(val, "$tuple"))
 
     def d_tensor(val: Any, depth: int) -> Any:
+        t = tensor(val)
+        if note is not None:
+            note(val)
+        return t
+
+    def d_dtensor(val: Any, depth: int) -> Any:
         return tensor(val)
 
     def d_float(val: Any, depth: int) -> Any:
@@ -747,7 +773,10 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         val = listed(val, "$ndarray")
         if len(val) != 3:
             raise ValueError("malformed $ndarray")
-        return _array_from(tensor(val[0]), val[1], val[2])
+        t = tensor(val[0])
+        if note is not None:
+            note(val[0])
+        return _array_from(t, val[1], val[2])
 
     def d_np(val: Any, depth: int) -> Any:
         val = listed(val, "$np")
@@ -848,7 +877,7 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         "$dict": d_dict,
         "$tuple": d_tuple,
         "$tensor": d_tensor,
-        "$dtensor": d_tensor,
+        "$dtensor": d_dtensor,
         "$float": d_float,
         "$bytes": d_bytes,
         "$bytearray": d_bytearray,

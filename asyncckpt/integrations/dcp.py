@@ -52,7 +52,7 @@ from ..format._layout import MAX_STEP, check_step, parse_step_dir, step_dir_name
 from ..format._manifest import Manifest
 from ..format._safetensors import ST_TO_DTYPE
 from ..loading import _readinto
-from ..loading._load import byte_view
+from ..loading._readinto import byte_view
 from ..loading._stepfiles import PinnedFiles, StepFiles
 from ..roots._scheme import is_url
 from ..roots.objstore._lease import DEFAULT_TTL_S, check_ttl

@@ -51,8 +51,9 @@ from ..format._structure import resolve_dtensor_aliases, unflatten
 from ..roots._readfault import read_error
 from ..roots.posix._discovery import PinnedStep, pin_step
 from ..roots.posix._fileio import read_exact, reserve, write_all
-from ._load import byte_view, check_tree_size, read_header
+from ._load import check_tree_size, read_header
 from ._load_global import indexed
+from ._readinto import byte_view
 from ._stepfiles import read_all
 
 #: The size of one piece in flight (there are two: the band and the bounce buffer).

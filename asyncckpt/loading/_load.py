@@ -42,7 +42,7 @@ import collections
 import contextlib
 import mmap as _mmap
 import os
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -52,32 +52,16 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._bounds import check_memory, check_structure_size, human, parse_structure
 from ..format._checksum import crc32c, crc32c_combine
 from ..format._gcpause import paused_gc
-from ..format._header import TensorSlot, declared_length, parse_header, validate_header
+from ..format._header import TensorSlot, declared_length, parse_slots
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._structure import COMPILE_PREFIX, strip_state_dict_prefixes, tensor_names, unflatten
+from ..format._structure import COMPILE_PREFIX, UnknownTensorError, strip_state_dict_prefixes, unflatten
 from ..roots._readfault import read_error, regular_file
 from ..roots.posix._discovery import read_regular_file
 from . import _readinto
 from ._stepfiles import StepFiles
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: dtypes whose tensors ``Tensor.numpy()`` converts
-_NUMPY_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-    torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
-})  # fmt: skip
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
-    if t.numel() == 0:
-        return memoryview(bytearray())
-    if not t.requires_grad and t.dtype in _NUMPY_DTYPES:
-        # numpy's own view: half the cost of the generic path (~2 us of a 10,000-tensor load's
-        # per-tensor work); bf16 and the float8s have no numpy dtype
-        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def open_regular(path: str, size: int) -> int:
@@ -92,18 +76,19 @@ def open_regular(path: str, size: int) -> int:
 
 
 def read_header(fd: _readinto.Source, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:
-    """Read and validate a shard's header: its raw bytes, the data offset, its slots, the dict."""
+    """Read and validate a shard's header: its raw bytes, the data offset, its slots, and the
+    header's ``__metadata__`` entry alone as a dict (``{}`` without one): the parsed entries,
+    ~0.5 KB a tensor, die here instead of living through the load."""
     try:
         if size < 8:
             raise ValueError(f"a file of {size} bytes has no header length")
         prefix = _readinto.pread(fd, 8, 0, path)
         n = declared_length(prefix, size, path)
         head = prefix + _readinto.pread(fd, n, 8, path)
-        _, header = parse_header(head, size, path)
         data_start = 8 + n
         if data_start % 8:
             raise ValueError("data section is not 8-byte aligned")
-        slots = validate_header(header, size - data_start)
+        _, header, slots = parse_slots(head, size, path)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
     return head, data_start, slots, header
@@ -140,6 +125,7 @@ def read_shard_fd(
     targets: Mapping[str, torch.Tensor] | None = None,
     parsed: Header | None = None,
     verify_first: bool = False,
+    before_read: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`read_shard` on an open file (the caller closes it).
 
@@ -149,6 +135,8 @@ def read_shard_fd(
     target is written before the whole file verified: the first pass reads the fresh tensors
     and only checksums the targets' bytes, the second reads those bytes into the targets.
     ``parsed``: :func:`read_header`'s result for this file, if the caller has it.
+    ``before_read`` is called with every tensor the result holds (the fresh ones and the
+    targets, by name) once they exist and before any byte is read into them.
     """
     targets = targets or {}
     try:
@@ -157,6 +145,8 @@ def read_shard_fd(
         fresh = [s for s in ordered if s.name not in targets]
         with paused_gc():  # a tensor, a view and a destination per saved tensor
             tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
+            if before_read is not None:
+                before_read({**tensors, **targets})
             guard = expected_crc is not None and verify_first
             first, into = _destinations(ordered, data_start, tensors, targets, guard)
         crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
@@ -192,10 +182,10 @@ def _destinations(
         offset, nbytes = data_start + s.begin, s.end - s.begin
         t = targets.get(s.name)
         if t is None:
-            first.append(_readinto.Direct(offset, byte_view(tensors[s.name])))
+            first.append(_readinto.Whole(offset, nbytes, tensors[s.name]))
             continue
         if t.is_cpu and t.is_contiguous():
-            into.append(_readinto.Direct(offset, byte_view(t)))
+            into.append(_readinto.Whole(offset, nbytes, t))
         elif t.is_cuda and t.is_contiguous():
             into.append(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))
         else:
@@ -225,14 +215,30 @@ def _rebuild(
     :func:`plan_targets` already compared the tree's tensor names with the shard's."""
     try:
         with paused_gc():  # the state's containers, rebuilt: many small objects
-            # (a set: tied tensors are named twice)
-            if not names_checked and set(tensor_names(tree)) != tensors.keys():
-                raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
-            return unflatten(tree, tensors)
+            if names_checked:
+                return unflatten(tree, tensors)
+            state, _ = unflatten_named(tree, tensors, shard_path)
+            return state
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     except MemoryError:
         raise CheckpointError(f"not enough memory to rebuild the state: {tree_path}") from None
+
+
+def unflatten_named(tree: Any, tensors: Mapping[str, torch.Tensor], shard_path: str) -> tuple[Any, list[str]]:
+    """``unflatten(tree, tensors)`` and the names the tree references (tied tensors more than
+    once), in one walk. ``CheckpointCorruptError`` naming ``shard_path`` unless the tree
+    references exactly the tensors of ``tensors`` (a name the shard lacks, or a tensor of the
+    shard no node names); a malformed node raises ``ValueError`` as ``unflatten`` does."""
+    named: list[str] = []
+    try:
+        state = unflatten(tree, tensors, named)
+    except UnknownTensorError:
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path) from None
+    # every name is one of tensors' (else UnknownTensorError): the sets are equal iff as large
+    if len(set(named)) != len(tensors):
+        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    return state, named
 
 
 def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
@@ -312,22 +318,41 @@ def _load_files(
         raise unreadable(e, "structure", tree_path) from None
     targets: dict[str, torch.Tensor] = {}
     parsed: Header | None = None
+    expected = shard_crc if verify else None
+    if mmap:
+        tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
+        del raw
+        assert isinstance(shard_fd, int)
+        tensors = map_shard(shard_fd, shard_path, shard_size, expected)
+        return _rebuild(tree, tensors, tree_path, shard_path)
+    # the shard's header parsed before the tree: its parse holds ~1 KB a tensor for a moment,
+    # which the tree's parse then reuses instead of adding to
+    try:
+        parsed = read_header(shard_fd, shard_path, shard_size)
+    except OSError as e:
+        raise unreadable(e, "shard", shard_path) from None
+    # the state is rebuilt over the tensors once they exist, before their bytes are read, so
+    # the tree is gone while the reads' destinations live (the peak of a load of many
+    # tensors); not where a node uses its tensor's values as it is decoded (a generator's
+    # state: the text names the tag, perhaps also inside a string, which only costs the order)
+    early = b'"$generator"' not in raw
     tree = parse_structure(raw, tree_path, tree_size, tree_crc if verify else None)
     del raw
     if into is not None:
-        try:
-            parsed = read_header(shard_fd, shard_path, shard_size)
-        except OSError as e:
-            raise unreadable(e, "shard", shard_path) from None
         targets = plan_targets(into, tree, parsed[2], tuple(strip_prefixes), tree_path, shard_path)
-    expected = shard_crc if verify else None
-    if mmap:
-        assert isinstance(shard_fd, int)
-        tensors = map_shard(shard_fd, shard_path, shard_size, expected)
-    else:
-        tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first)
-    # with into=, plan_targets compared the names with the header's; the tensors are the header's
-    return _rebuild(tree, tensors, tree_path, shard_path, names_checked=parsed is not None)
+    rebuilt: list[Any] = []
+    pending = [tree]
+    del tree
+
+    def rebuild(tensors: dict[str, torch.Tensor]) -> None:
+        # with into=, plan_targets compared the names with the header's; the tensors are the header's
+        rebuilt.append(_rebuild(pending.pop(), tensors, tree_path, shard_path, names_checked=into is not None))
+
+    hook = rebuild if early else None
+    tensors, _ = read_shard_fd(shard_fd, shard_path, shard_size, expected, targets, parsed, verify_first, hook)
+    if not early:
+        rebuild(tensors)
+    return rebuilt[0]
 
 
 _E = TypeVar("_E", bound=BaseException)
@@ -434,31 +459,60 @@ def plan_targets(
     names twice keep the fresh-tensor path, as does everything else (``restore_into`` then
     copies or raises exactly as before). Nothing is written here.
     """
-    placeholders = {s.name: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for s in slots}
-    names = tensor_names(tree)
-    if set(names) != set(placeholders):  # a name may repeat: tied tensors are stored once
-        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
+    placeholders = _placeholders(slots)
     try:
-        skeleton = unflatten(tree, placeholders)
+        skeleton, names = unflatten_named(tree, placeholders, shard_path)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     by_id = {id(t): n for n, t in placeholders.items()}
+    del placeholders
     found: dict[str, torch.Tensor] = {}
     _pair(into, skeleton, prefixes, by_id, found)
-    counts = collections.Counter(names)
+    del skeleton, by_id
+    # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
+    counts = collections.Counter(names) if len(names) != len(slots) else None
+    del names
     slot_of = {s.name: s for s in slots}
     usable: dict[str, torch.Tensor] = {}
     for name, t in found.items():
         s = slot_of[name]
-        if counts[name] == 1 and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
+        if (counts is None or counts[name] == 1) and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
             usable[name] = t
     return _without_overlaps(usable, slot_of)
+
+
+def _placeholders(slots: Sequence[TensorSlot]) -> dict[str, torch.Tensor]:
+    """A zero-memory stand-in per slot, of its dtype and shape (``meta`` tensors), each its
+    own object: one is made per distinct (dtype, shape) and the others are its aliases
+    (``detach()``: ~5x cheaper than another ``torch.empty``)."""
+    made: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for s in slots:
+        key = (s.dtype, s.shape)
+        base = made.get(key)
+        if base is None:
+            out[s.name] = made[key] = torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta")
+        else:
+            out[s.name] = base.detach()
+    return out
 
 
 def _pair(
     target: Any, loaded: Any, prefixes: tuple[str, ...], by_id: dict[int, str], out: dict[str, torch.Tensor]
 ) -> None:
     """Collect (saved name -> target tensor) the way :func:`restore_into` pairs them."""
+    if type(target) is dict:  # the common container (no load_state_dict): its tensors inline
+        if isinstance(loaded, Mapping):
+            for key, sub in target.items():
+                if key in loaded:
+                    got = loaded[key]
+                    if type(sub) in PLAIN_TENSORS:
+                        name = by_id.get(id(got)) if isinstance(got, torch.Tensor) else None
+                        if name is not None:
+                            out.setdefault(name, sub)
+                    else:
+                        _pair(sub, got, prefixes, by_id, out)
+        return
     if isinstance(target, torch.Tensor):
         name = by_id.get(id(loaded)) if isinstance(loaded, torch.Tensor) else None
         if name is not None:
@@ -515,13 +569,14 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
     """The device (``get_device()``: -1 for the CPU) and byte range of the memory ``t`` can
     touch. (The first element's address: torch has no negative strides.)"""
+    if t.is_contiguous():  # the common target: one attribute per figure
+        begin = t.data_ptr()
+        return t.get_device(), begin, begin + t.nbytes  # (empty: begin == end, never an overlap)
     numel = t.numel()
     if numel == 0:
         return t.get_device(), 0, 0
     size = t.element_size()
     begin = t.data_ptr()
-    if t.is_contiguous():
-        return t.get_device(), begin, begin + numel * size
     extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(), strict=True))
     return t.get_device(), begin, begin + extent * size
 
@@ -590,13 +645,16 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
         if not isinstance(loaded, Mapping):
             raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a mapping")
         for key in list(target):
+            value = target[key]
+            if key in loaded and value is loaded[key] and isinstance(value, torch.Tensor):
+                continue  # read in place (the common case: no key path to spell)
             sub = f"{path}.{key}" if path else str(key)
             if key not in loaded:
                 raise MissingKeyError(f"{sub} is not in the checkpoint")
-            if _is_leaf(target[key]) and isinstance(target, MutableMapping):
+            if _is_leaf(value) and isinstance(target, MutableMapping):
                 target[key] = loaded[key]
             else:
-                restore_into(target[key], loaded[key], sub, strip_prefixes)
+                restore_into(value, loaded[key], sub, strip_prefixes)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):

@@ -47,7 +47,8 @@ from ..format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
 from ..format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
 from ..roots._readfault import read_error
 from . import _readinto
-from ._load import byte_view, check_tree_size, read_shard_fd
+from ._load import check_tree_size, read_shard_fd
+from ._readinto import byte_view
 from ._stepfiles import NoSuchShard, StepFiles
 
 PerRank = Literal["error", "rank0"]
