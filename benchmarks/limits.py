@@ -10,6 +10,15 @@
 * ``read_cold`` / ``read_warm``: ``os.readv`` of that file into a preallocated buffer,
   after evicting its pages with ``posix_fadvise(DONTNEED)`` (cold) or right after a read
   (warm).
+
+``image_bytes`` bounds the file image and the read buffer (a multiple of 16 MiB): the file
+then holds the first ``image_bytes`` of the tensors' bytes over and over, still
+``nbytes`` long, and reads cycle through a buffer that size; ``copy_bytes`` likewise makes
+the memcpy targets views into one preallocated buffer of that size, reused from its start
+whenever the next tensor would not fit. Both let the limits of a state near the machine's
+memory be measured beside it and beside the save's staging buffer: the disk sees the same
+number of incompressible bytes in the same calls, and every tensor is still copied into
+memory that is already mapped.
 """
 
 from __future__ import annotations
@@ -33,28 +42,55 @@ def _round_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
+def _views_in(src: list[torch.Tensor], nbytes: int, pin: bool) -> list[torch.Tensor]:
+    """A target for every tensor of ``src``: views into one buffer of ``nbytes``, 64-byte aligned,
+    reused from its start whenever the next tensor would not fit (its pages faulted in now)."""
+    largest = max((t.numel() * t.element_size() for t in src), default=0)
+    if nbytes < largest:
+        raise ValueError(f"copy_bytes={nbytes} is smaller than the largest tensor ({largest} bytes)")
+    flat = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+    out, pos = [], 0
+    for t in src:
+        n = t.numel() * t.element_size()
+        if pos + n > nbytes:
+            pos = 0
+        out.append(flat[pos : pos + n].view(t.dtype).view(t.shape))
+        pos = -(-(pos + n) // 64) * 64
+    return out
+
+
 class Limits:
     """Buffers and files for the limit measurements of one state."""
 
-    def __init__(self, state: Any, scratch: str) -> None:
+    def __init__(self, state: Any, scratch: str, image_bytes: int | None = None, copy_bytes: int | None = None) -> None:
+        if image_bytes is not None and (image_bytes <= 0 or image_bytes % CHUNK):
+            raise ValueError(f"image_bytes must be a positive multiple of {CHUNK}, not {image_bytes}")
         self.src = list(tensors_of(state))
         self.nbytes = sum(t.numel() * t.element_size() for t in self.src)
         cuda = any(t.device.type == "cuda" for t in self.src)
         pin = cuda and torch.cuda.is_available()
-        self.dst = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self.src]
+        if copy_bytes is None:
+            self.dst = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self.src]
+        else:
+            self.dst = _views_in(self.src, copy_bytes, pin)
         self.cuda = cuda
-        # the file image: every tensor's bytes back to back, in a page-aligned mapping
+        # the file image: every tensor's bytes back to back (or the first image_bytes of them),
+        # in a page-aligned mapping
         self.size = _round_up(max(self.nbytes, 1))
-        self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.image = self.size if image_bytes is None else min(self.size, image_bytes)
+        self.buf = mmap.mmap(-1, self.image, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(self.buf)
         pos = 0
         for t in self.src:
+            if pos >= self.image:
+                break
             b = byte_view(t.detach().cpu().contiguous() if cuda else t.detach().contiguous())
-            view[pos : pos + len(b)] = b
-            pos += len(b)
+            n = min(len(b), self.image - pos)
+            view[pos : pos + n] = b[:n]
+            pos += n
         self.view = view
         self.huge_buf: mmap.mmap | None = None  # made by the first write(huge=True)
-        self.read_buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.read_buf = mmap.mmap(-1, self.image, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.read_view = memoryview(self.read_buf)
         self.read_view[:] = self.view  # fault its pages in now, not during the timed read
         self.scratch = scratch
@@ -81,7 +117,7 @@ class Limits:
         """The bytes again, in a buffer advised MADV_HUGEPAGE before its pages were touched
         (allocated once, untimed: the kernel may compact memory for it)."""
         if self.huge_buf is None:
-            buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = mmap.mmap(-1, self.image, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             buf.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
             memoryview(buf)[:] = self.view
             self.huge_buf = buf
@@ -103,7 +139,8 @@ class Limits:
         try:
             pos = 0
             while pos < n:
-                w = os.write(fd, view[pos : min(pos + CHUNK, n)])
+                off = pos % self.image  # the image over and over when it is bounded
+                w = os.write(fd, view[off : off + min(CHUNK, n - pos, self.image - off)])
                 if w <= 0:
                     raise OSError(errno.EIO, "short write")
                 pos += w
@@ -118,8 +155,11 @@ class Limits:
         return elapsed
 
     def _retire(self, path: str) -> None:
+        """Remove the previous file, durably and untimed: its freed blocks are committed (and
+        discarded, on a ``-o discard`` mount) now, not in whatever is timed next (a save)."""
         if self.last_file is not None and os.path.exists(self.last_file):
             os.unlink(self.last_file)
+            fsync_dir(self.scratch)
         self.last_file = path
 
     # ------------------------------------------------------------------ read
@@ -127,9 +167,11 @@ class Limits:
         assert self.last_file is not None, "write() first"
         if cold:
             drop_cache([self.last_file])
-        pieces = [self.read_view[i : i + CHUNK] for i in range(0, self.nbytes, CHUNK)]
-        if pieces and self.nbytes % CHUNK:
-            pieces[-1] = self.read_view[(len(pieces) - 1) * CHUNK : self.nbytes]
+        # file offset o lands at o % image: with a bounded image the buffer ends up holding it
+        pieces = [
+            self.read_view[i % self.image : i % self.image + min(CHUNK, self.nbytes - i)]
+            for i in range(0, self.nbytes, CHUNK)
+        ]
         t0 = time.perf_counter()
         fd = os.open(self.last_file, os.O_RDONLY)
         try:
@@ -146,7 +188,8 @@ class Limits:
         return time.perf_counter() - t0
 
     def verify_read(self) -> bool:
-        return self.read_view[: self.nbytes] == self.view[: self.nbytes]
+        n = min(self.nbytes, self.image)
+        return self.read_view[:n] == self.view[:n]
 
     def close(self) -> None:
         if self.last_file is not None and os.path.exists(self.last_file):

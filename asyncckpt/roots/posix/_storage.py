@@ -426,8 +426,14 @@ class Storage:
         return await self._run_on(path, remove_tree, path, self.ops)
 
     async def write_bytes(self, path: str, data: bytes) -> WriteResult:
-        """Create ``path`` exclusively with ``data``, fsync and close it."""
-        return await self.write_file(path, memoryview(data), len(data), direct=False)
+        """Create ``path`` exclusively with ``data``, fsync and close it.
+
+        Up to :data:`CHUNK` bytes (a tree, a manifest, a marker) in one call on the I/O pool:
+        each hop between the writer loop and a pool thread costs more than these calls on a
+        busy machine, and the small files are written at the end of every save."""
+        if len(data) > CHUNK:
+            return await self.write_file(path, memoryview(data), len(data), direct=False)
+        return await self._run_on(path, _write_small, self.ops, path, data)
 
     async def write_file(
         self,
@@ -502,13 +508,10 @@ class Storage:
                 else:
                     first = 1
             await self._write_pieces(f, chain, staged, buf, pieces, first, use_direct, until, later is None)
-            if use_direct and size % ALIGN:
-                await self.run(self.ops.ftruncate, fd, size)
             t1 = time.perf_counter()
-            await self.run(self.ops.fsync, fd)
-            t2 = time.perf_counter()
+            # the tail in one call on the pool: truncate the O_DIRECT padding, fsync, close
             closing, f = f, None
-            await self.run(closing.close)
+            t2 = await self.run(_finish, closing, size if use_direct and size % ALIGN else None)
             if later is not None:
                 crc = await later
             else:
@@ -595,6 +598,47 @@ class Storage:
         if errors:
             real = [e for e in errors if not isinstance(e, _Broken)]
             raise (real or errors)[0]
+
+
+def _finish(f: _OpenFile, truncate: int | None) -> float:
+    """The end of a written file: cut it to ``truncate`` bytes (if given), fsync, close. Returns
+    when the fsync ended (``perf_counter``). Any error closes the descriptor (quietly) and is raised."""
+    try:
+        if truncate is not None:
+            f.ops.ftruncate(f.fd, truncate)
+        f.ops.fsync(f.fd)
+    except BaseException:
+        f.stop_and_close()
+        raise
+    t = time.perf_counter()
+    f.close()
+    return t
+
+
+def _write_small(ops: OsOps, path: str, data: bytes) -> WriteResult:
+    """:meth:`Storage.write_bytes` of up to :data:`CHUNK` bytes, blocking: create ``path``
+    exclusively, write (short writes looped), fsync, close; any error closes the descriptor
+    and is raised (a failed fsync is never retried)."""
+    t0 = time.perf_counter()
+    fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC | _NOFOLLOW, 0o644)
+    try:
+        view, pos = memoryview(data), 0
+        while pos < len(view):
+            n = ops.pwrite(fd, view[pos:], pos)
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            pos += n
+        t1 = time.perf_counter()
+        ops.fsync(fd)
+        t2 = time.perf_counter()
+    except BaseException:
+        try:
+            ops.close(fd)
+        except OSError:
+            pass
+        raise
+    ops.close(fd)
+    return WriteResult(len(data), crc32c(data), False, t1 - t0, t2 - t1)
 
 
 def metered(fn: Callable[..., T], meter: CpuMeter) -> Callable[..., T]:
