@@ -90,7 +90,7 @@ FAULTS = [
 @pytest.mark.parametrize(("op", "where"), FAULTS)
 def test_a_save_whose_small_file_or_shard_end_fails_loses_nothing(tmp_path: Path, op: str, where: str) -> None:
     ops = FaultOps()
-    with Checkpointer(tmp_path, _ops=ops) as ck:
+    with Checkpointer(tmp_path, os_ops=ops) as ck:
         ck.save(1, make_state(1)).result(timeout=30)
         before = _open_fds()
         ops.fail(op, errno.EIO, where=where, times=1)
