@@ -20,6 +20,7 @@ import asyncckpt
 from asyncckpt import CheckpointCorruptError, reading
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
+from asyncckpt.loading._verify import verify_step
 from asyncckpt.roots.posix._discovery import read_manifest
 
 WORKER = str(Path(__file__).with_name("_placement_worker.py"))
@@ -50,8 +51,7 @@ def submesh(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[
 
 
 def verify(root: Path, step: int = 1) -> list[str]:
-    step_dir = root / f"step_{step:08d}"
-    return [str(p) for p in reading.verify_step(str(root), str(step_dir), read_manifest(str(step_dir)), record=False)]
+    return [str(p) for p in verify_step(str(root), step, record=False)]
 
 
 def dtensor_bytes_written(step: Path, index: dict[str, Any]) -> int:

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...format._layout import deleting_dir_name, step_dir_name
-from ...format._manifest import Manifest
+from ...format._manifest import MANIFEST, FileEntry, Manifest
 from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
 from .._readfault import read_error
-from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
+from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
 from . import _ownership
-from ._discovery import complete_checkpoints, newest_complete, open_step, pin_step
+from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step
 from ._listing import StepDir, scan, usage
 from ._retention import choose_victims, leftovers, retire
 from ._storage import DEFAULT_OPS, Storage, remove_tree
@@ -46,6 +47,74 @@ class _FlockClaim:
 
     def release(self) -> None:
         self._own.release()
+
+
+class PosixStepReader(StepReader):
+    """A step directory held by its handle (``_discovery.PinnedStep``) and its files by their
+    descriptors, opened on first read (a regular file of exactly the listed size, never
+    through a link) and kept until :meth:`close`; one that failed on I/O is opened afresh by
+    the next read (a retry). Reads are ``preadv`` into the caller's buffer."""
+
+    def __init__(self, root: str, step: int) -> None:
+        pinned = pin_step(root, step)
+        assert pinned.manifest is not None
+        self._pinned: PinnedStep = pinned
+        self.manifest = pinned.manifest
+        self.notes = tuple(pinned.unlisted)
+        try:
+            self.manifest_size = os.stat(MANIFEST, dir_fd=pinned.fd, follow_symlinks=False).st_size
+        except OSError:
+            self.manifest_size = 0
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, entry: FileEntry) -> int:
+        with self._lock:
+            fd = self._fds.get(entry.name)
+            if fd is None:
+                if self._pinned.fd < 0:
+                    raise ValueError("read of a closed step reader")
+                fd = self._fds[entry.name] = self._pinned.open_file(entry.name, entry.size)
+                if hasattr(os, "posix_fadvise"):
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    except OSError:
+                        pass  # only a hint
+            return fd
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
+        fd = self._fd(entry)
+        path = self.locate(entry.name)
+        got = 0
+        try:
+            while got < len(out):
+                n = os.preadv(fd, [out[got:]], offset + got)
+                if n <= 0:
+                    raise CheckpointCorruptError("file ended early", path)
+                got += n
+        except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
+            self._forget(entry.name)  # a retry opens it afresh
+            raise read_error(e, "cannot read", path) from None
+
+    def locate(self, name: str | None = None) -> str:
+        where = os.path.abspath(self._pinned.path)
+        return where if name is None else os.path.join(where, name)
+
+    def still_there(self) -> bool:
+        return self._pinned.still_there()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        self._pinned.close()
 
 
 class PosixRoot:
@@ -86,25 +155,12 @@ class PosixRoot:
         self._need_dir()
         return open_step(self.path, step)[1]
 
+    def open_reader(self, step: int) -> StepReader:
+        return PosixStepReader(self.path, step)
+
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        with pin_step(self.path, step) as pinned:
-            assert pinned.manifest is not None
-            entry = listed_file(pinned.manifest, name, pinned.path)
-            end = check_range(entry.size, offset, length)
-            fd = pinned.open_file(name, entry.size)  # a regular file of exactly the listed size
-            path = os.path.join(pinned.path, name)
-            try:
-                out = bytearray()
-                while offset + len(out) < end:
-                    chunk = os.pread(fd, min(end - offset - len(out), 8 << 20), offset + len(out))
-                    if not chunk:
-                        raise CheckpointCorruptError("file ended early", path)
-                    out += chunk
-                return bytes(out)
-            except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
-                raise read_error(e, "cannot read", path) from None
-            finally:
-                os.close(fd)
+        with self.open_reader(step) as reader:
+            return reader.read(name, offset, length)
 
     def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
         where = os.path.join(self.url, step_dir_name(step))
