@@ -75,8 +75,8 @@ class ObjectStepReader(StepReader):
     """A committed step of a store held by its attempt's prefix: the manifest read and its
     objects checked by one LIST at opening (``_steps.open_step``), every read a ranged GET of
     ``a-<attempt>/NAME`` (a later commit of the step cannot be mixed in: it has another
-    attempt). A read fills its buffer with parallel ranged GETs (``get_range_into``); a window
-    of two parts keeps ``max_concurrency`` of them in flight. Every call is bounded by the
+    attempt). A read fills its buffer with parallel ranged GETs (``get_range_into``), at most
+    ``max_concurrency`` in flight. Every call is bounded by the
     deadline set at opening."""
 
     def __init__(self, store: ObjectStore, step: int, deadline: float) -> None:
@@ -84,8 +84,10 @@ class ObjectStepReader(StepReader):
         self.manifest, raw = run_sync(lambda: open_step(store, step, deadline))
         self.manifest_size = len(raw)
         self._prefix = data_prefix(step, self.manifest.attempt)
-        self.window = 2 * store.part_size
-        self.parallel = 2
+        # two windows of a part each (one checksummed, the next being fetched): the scratch of
+        # the store's own streamed reads; a file at a time, its ranges in parallel
+        self.window = store.part_size
+        self.parallel = 1
 
     def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
         url = self.locate(entry.name)
