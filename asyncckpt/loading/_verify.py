@@ -67,7 +67,11 @@ def verify_step(
     is: ``asyncckpt.roots.open_root``). Opening errors propagate (not committed, files not
     the manifest's, unreadable)."""
     if isinstance(root, str):
-        root = open_root(root)
+        opened = open_root(root)
+        try:
+            return verify_step(opened, step, advance, record=record)
+        finally:
+            opened.close()
     with root.open_reader(step) as reader:
         return verify_opened(root, reader, advance, record=record)
 
@@ -97,9 +101,15 @@ def verify_opened(
             ranges = _index.checked_ranges(index)
         except CheckpointError as e:
             problems.append(_problem(e, reader.locate(_index.INDEX)))
-    workers = max(1, min(reader.parallel, len(m.files)))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-verify") as pool:
-        found = list(pool.map(lambda f: _check_file(reader, f, ranges.get(f.name, ()), tick), m.files))
+    def check(f: FileEntry) -> Problem | None:
+        return _check_file(reader, f, ranges.get(f.name, ()), tick)
+
+    workers = min(reader.parallel, len(m.files))
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-verify") as pool:
+            found = list(pool.map(check, m.files))
+    else:  # in the calling thread: an interrupt stops it at the next window
+        found = [check(f) for f in m.files]
     problems.extend(p for p in found if p is not None)
     if not problems:
         total = 0
