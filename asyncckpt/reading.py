@@ -52,6 +52,7 @@ from .roots.posix._discovery import (
     read_manifest,
 )
 from .roots.posix._listing import StepDir, scan, timestamp, usage
+from .roots.posix._root import PosixStepReader
 
 __all__ = [
     "Entry",
@@ -212,28 +213,6 @@ def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
     return parse_structure(raw, path, size, expected_crc)
 
 
-def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
-    """Path, size and CRC of ``name`` as the manifest lists it (corrupt if it does not)."""
-    try:
-        f = manifest.file(name)
-    except CheckpointCorruptError:
-        raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(step_dir, MANIFEST)) from None
-    return os.path.join(step_dir, f.name), f.size, f.crc32c
-
-
-def read_index(step_dir: str, manifest: Manifest) -> Any:
-    """The global index of an indexed step, checked as a load checks it (``_index.parse``:
-    every DTensor's chunks tile it inside the listed files, every entry well formed);
-    ``CheckpointCorruptError`` naming ``index.json`` otherwise."""
-    path, size, crc = _listed(step_dir, manifest, _index.INDEX)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(size + 1)
-    except OSError as e:
-        raise read_error(e, "cannot read the index", path) from None
-    return parse_index(raw, size, crc, manifest, path)
-
-
 def parse_index(raw: bytes, size: int, crc: int, manifest: Manifest, where: str, plain_only: bool = False) -> Any:
     """A step's global index from its bytes ``raw`` (listed with ``size`` and ``crc``), checked
     by the loader's own validator (``_index.parse``); ``CheckpointCorruptError`` naming
@@ -271,24 +250,21 @@ def check_rank(manifest: Manifest, rank: int) -> None:
 def read_rank_outline(
     step_dir: str, manifest: Manifest, rank: int, index: Any = None
 ) -> tuple[list[Entry], dict[str, TensorSlot]]:
-    """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots.
+    """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots, of the
+    step directory ``step_dir`` (``ROOT/step_N``) whose manifest is ``manifest``.
 
-    Reads only the structure file (checksum verified), the shard header and the global
-    index (``index``: already :func:`read_index`'d), never the tensor data. Raises
-    ``CheckpointNotFoundError`` if the step has no such rank and ``CheckpointCorruptError``
-    if the files are malformed, the tree names a tensor the shard lacks or a DTensor the
-    index does not store (what a load of that rank raises).
+    :func:`outline_of` through the step held open (``PosixStepReader``): reads only the
+    structure file (checksum verified), the shard header and the global index (``index``:
+    already parsed), never the tensor data. Raises ``CheckpointNotFoundError`` if the step has
+    no such rank (or is another commit by now) and ``CheckpointCorruptError`` if the files are
+    malformed, the tree names a tensor the shard lacks or a DTensor the index does not store
+    (what a load of that rank raises).
     """
     check_rank(manifest, rank)
-    tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
-    shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
-    tree = read_structure(tree_path, tree_size, tree_crc)
-    shard_slots = read_shard_slots(shard_path, shard_size)
-    if index is None and any(f.name == _index.INDEX for f in manifest.files):
-        index = read_index(step_dir, manifest)
-    more = index_slots(index, rank) if index is not None else {}
-    where = os.path.join(step_dir, _index.INDEX)
-    return rank_outline(tree, shard_slots, more, tree_path, shard_path, index=index, index_where=where)
+    with PosixStepReader(os.path.dirname(os.path.abspath(step_dir)), manifest.step) as reader:
+        if reader.manifest.attempt != manifest.attempt:
+            raise CheckpointNotFoundError(f"{step_dir} was replaced while being read")
+        return outline_of(reader, rank, index)
 
 
 def resolve_in(root: Root, step: int | None) -> tuple[Manifest, list[tuple[int, str]]]:
