@@ -505,3 +505,25 @@ class TestStepReader:
         rig._tamper(5, attempt, shard_name(0), shard)  # repaired: a passing verify drops the mark
         assert verify_step(rig.root, 5) == []
         assert rig.root.newest_resumable() == 5
+
+
+def test_a_posix_reader_holds_a_bounded_number_of_files_open(tmp_path: Path) -> None:
+    """A step of many files (one per rank and more) read through one reader opens at most
+    ``MAX_OPEN`` of them at once, and gives every one back at its close."""
+    import os
+
+    from asyncckpt.roots.posix._root import MAX_OPEN
+
+    root = open_root(str(tmp_path))
+    files = {f"rank{r:05d}.json": b"x" * (r + 1) for r in range(3 * MAX_OPEN)}
+    a = root.begin(1)
+    for name, data in files.items():
+        a.write(name, data)
+    a.commit(manifest(1, a.attempt, files))
+    before = len(os.listdir("/proc/self/fd"))
+    with root.open_reader(1) as r:
+        for name, data in files.items():
+            assert r.read(name) == data
+            assert len(os.listdir("/proc/self/fd")) <= before + 1 + MAX_OPEN  # + the directory
+    assert len(os.listdir("/proc/self/fd")) == before
+    root.close()

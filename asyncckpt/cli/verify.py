@@ -23,6 +23,8 @@ from .info import note_passed_over
 
 #: Entry states that carry a committed step's name (the others: leftovers, retirements, set aside).
 _NAMED = ("complete", "bad", "incomplete")
+#: How many steps ``--all`` holds open at once (a POSIX reader holds a directory descriptor).
+HELD = 32
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -116,31 +118,49 @@ def run(args: argparse.Namespace) -> int:
         root.close()
 
 
+def _open(root: Root, step: int, results: list[dict[str, Any]], as_json: bool) -> StepReader | None:
+    """``step`` held open, or ``None`` with its verdict added to ``results`` (and said)."""
+    try:
+        return root.open_reader(step)
+    except CheckpointError as e:
+        what = _not_opened(root, step, e)
+        results.append({"step": step, "status": what, "ok": False,
+                        "problems": [{"path": getattr(e, "path", None), "reason": str(e)}]})  # fmt: skip
+        if not as_json:
+            say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
+        return None
+
+
 def _run(root: Root, args: argparse.Namespace) -> int:
     steps = _steps(root, args)
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as held:
-        opened: list[StepReader] = []
+        # every step opened first (what the progress counts, what cannot be opened said
+        # first); at most HELD of them stay open until verified, the others are opened again
+        opened: list[tuple[int, StepReader | None, int]] = []
         for step in steps:
-            try:
-                opened.append(held.enter_context(root.open_reader(step)))
-            except CheckpointError as e:
-                what = _not_opened(root, step, e)
-                path = getattr(e, "path", None)
-                results.append({"step": step, "status": what, "ok": False,
-                                "problems": [{"path": path, "reason": str(e)}]})  # fmt: skip
-                if not args.json:
-                    say(f"{PROG}: step {step}: {what}: {e}", sys.stderr)
-        progress = Progress(sys.stderr, sum(step_bytes(r) for r in opened), sys.stderr.isatty())
+            reader = _open(root, step, results, args.json)
+            if reader is None:
+                continue
+            if len(opened) < HELD:
+                held.enter_context(reader)
+                opened.append((step, reader, step_bytes(reader)))
+            else:
+                with reader:
+                    opened.append((step, None, step_bytes(reader)))
+        progress = Progress(sys.stderr, sum(n for _, _, n in opened), sys.stderr.isatty())
         try:
-            for reader in opened:
-                m = reader.manifest
-                progress.label(f"verifying step {m.step}")
-                problems = verify_opened(root, reader, progress.advance)
-                progress.close()
-                report(results, m.step, problems, reader.locate(), len(m.files) + 1, step_bytes(reader), args.json,
-                       unlisted_note(list(reader.notes)))  # fmt: skip
-                reader.close()  # what it held goes now, not at the end of --all
+            for step, kept, _ in opened:
+                reader = kept if kept is not None else _open(root, step, results, args.json)
+                if reader is None:
+                    continue  # retired since it was first opened: said as such
+                with reader:
+                    m = reader.manifest
+                    progress.label(f"verifying step {m.step}")
+                    problems = verify_opened(root, reader, progress.advance)
+                    progress.close()
+                    report(results, m.step, problems, reader.locate(), len(m.files) + 1, step_bytes(reader),
+                           args.json, unlisted_note(list(reader.notes)))  # fmt: skip
         finally:
             progress.close()
     return summarize(results, root.url, len(steps), args.json)

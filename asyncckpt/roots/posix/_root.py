@@ -5,6 +5,7 @@ leftovers (``_retention``), and the save protocol's :class:`~asyncckpt.roots._ba
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import threading
@@ -25,6 +26,9 @@ from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_
 from ._listing import StepDir, scan, usage
 from ._retention import choose_victims, leftovers, retire
 from ._storage import DEFAULT_OPS, Storage, remove_tree
+
+#: The most files one :class:`PosixStepReader` holds open.
+MAX_OPEN = 16
 
 CAPS = Capabilities(
     "posix", "flock", "rename",
@@ -52,8 +56,9 @@ class _FlockClaim:
 class PosixStepReader(StepReader):
     """A step directory held by its handle (``_discovery.PinnedStep``) and its files by their
     descriptors, opened on first read (a regular file of exactly the listed size, never
-    through a link) and kept until :meth:`close`; one that failed on I/O is opened afresh by
-    the next read (a retry). Reads are ``preadv`` into the caller's buffer."""
+    through a link): at most :data:`MAX_OPEN` of them, the least recently used one not being
+    read closed first (a step of thousands of ranks opens no more); one that failed on I/O is
+    opened afresh by the next read (a retry). Reads are ``preadv`` into the caller's buffer."""
 
     def __init__(self, root: str, step: int) -> None:
         pinned = pin_step(root, step)
@@ -65,33 +70,39 @@ class PosixStepReader(StepReader):
             self.manifest_size = os.stat(MANIFEST, dir_fd=pinned.fd, follow_symlinks=False).st_size
         except OSError:
             self.manifest_size = 0
-        self._fds: dict[str, int] = {}
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently used first
+        self._using: collections.Counter[str] = collections.Counter()  # reads in flight per file
         self._lock = threading.Lock()
 
-    def _fd(self, entry: FileEntry) -> int:
+    def _take(self, entry: FileEntry) -> int:
+        """The descriptor of ``entry``'s file, counted as in use until :meth:`_give`."""
         with self._lock:
+            if self._pinned.fd < 0:
+                raise ValueError("read of a closed step reader")
             fd = self._fds.get(entry.name)
             if fd is None:
-                if self._pinned.fd < 0:
-                    raise ValueError("read of a closed step reader")
+                for name in [n for n in self._fds if not self._using[n]][: max(0, len(self._fds) + 1 - MAX_OPEN)]:
+                    os.close(self._fds.pop(name))
                 fd = self._fds[entry.name] = self._pinned.open_file(entry.name, entry.size)
                 if hasattr(os, "posix_fadvise"):
                     try:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     except OSError:
                         pass  # only a hint
+            self._fds.move_to_end(entry.name)
+            self._using[entry.name] += 1
             return fd
 
-    def _forget(self, name: str) -> None:
+    def _give(self, name: str, drop: bool) -> None:
         with self._lock:
-            fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
+            self._using[name] -= 1
+            if drop and not self._using[name] and name in self._fds:
+                os.close(self._fds.pop(name))
 
     def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
-        fd = self._fd(entry)
+        fd = self._take(entry)
         path = self.locate(entry.name)
-        got = 0
+        got, failed = 0, False
         try:
             while got < len(out):
                 n = os.preadv(fd, [out[got:]], offset + got)
@@ -99,8 +110,10 @@ class PosixStepReader(StepReader):
                     raise CheckpointCorruptError("file ended early", path)
                 got += n
         except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
-            self._forget(entry.name)  # a retry opens it afresh
+            failed = True  # a retry opens it afresh
             raise read_error(e, "cannot read", path) from None
+        finally:
+            self._give(entry.name, failed)
 
     def locate(self, name: str | None = None) -> str:
         where = os.path.abspath(self._pinned.path)
@@ -111,7 +124,7 @@ class PosixStepReader(StepReader):
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
+            fds, self._fds = list(self._fds.values()), collections.OrderedDict()
         for fd in fds:
             os.close(fd)
         self._pinned.close()
