@@ -18,32 +18,29 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import math
 import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ._errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointNotFoundError,
-    without_path,
 )
 from .format import _index
 from .format._bounds import MAX_DEPTH, check_structure_size, parse_structure, recursion_room
-from .format._checksum import RangeCheck, crc32c
+from .format._checksum import crc32c
 from .format._gcpause import paused_gc
 from .format._header import TORCH_NAME, TensorSlot, declared_length, parse_header, validate_header
-from .format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from .format._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from .roots import Root
-from .roots._badmarks import clear, record_bad
 from .roots._find import find_latest
-from .roots._readfault import fault_of, read_error, regular_file, retrying
+from .roots._readfault import read_error, regular_file
+from .roots._root import StepReader
 from .roots.posix._discovery import (
     KnownBad,
     candidate_steps,
@@ -55,15 +52,14 @@ from .roots.posix._discovery import (
     read_manifest,
 )
 from .roots.posix._listing import StepDir, scan, timestamp, usage
+from .roots.posix._root import PosixStepReader
 
 __all__ = [
     "Entry",
-    "Problem",
     "StepDir",
     "candidate_steps",
     "check_files",
     "complete_checkpoints",
-    "file_crc",
     "find_latest",
     "local_time",
     "newest_complete",
@@ -77,16 +73,12 @@ __all__ = [
     "resolve_step",
     "resolve_step_noting",
     "scan",
-    "step_bytes",
     "timestamp",
     "usage",
-    "verify_step",
 ]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-#: Bytes read per call while recomputing checksums (memory use stays at one chunk).
-VERIFY_CHUNK = 8 * 1024 * 1024
 
 #: Tags this module decodes itself; any other ``$tag`` node is shown as stored.
 _CORE_TAGS = frozenset({"$dict", "$tuple", "$tensor", "$float", "$bytes"})
@@ -221,28 +213,6 @@ def read_structure(path: str, size: int, expected_crc: int | None) -> Any:
     return parse_structure(raw, path, size, expected_crc)
 
 
-def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
-    """Path, size and CRC of ``name`` as the manifest lists it (corrupt if it does not)."""
-    try:
-        f = manifest.file(name)
-    except CheckpointCorruptError:
-        raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(step_dir, MANIFEST)) from None
-    return os.path.join(step_dir, f.name), f.size, f.crc32c
-
-
-def read_index(step_dir: str, manifest: Manifest) -> Any:
-    """The global index of an indexed step, checked as a load checks it (``_index.parse``:
-    every DTensor's chunks tile it inside the listed files, every entry well formed);
-    ``CheckpointCorruptError`` naming ``index.json`` otherwise."""
-    path, size, crc = _listed(step_dir, manifest, _index.INDEX)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(size + 1)
-    except OSError as e:
-        raise read_error(e, "cannot read the index", path) from None
-    return parse_index(raw, size, crc, manifest, path)
-
-
 def parse_index(raw: bytes, size: int, crc: int, manifest: Manifest, where: str, plain_only: bool = False) -> Any:
     """A step's global index from its bytes ``raw`` (listed with ``size`` and ``crc``), checked
     by the loader's own validator (``_index.parse``); ``CheckpointCorruptError`` naming
@@ -280,24 +250,21 @@ def check_rank(manifest: Manifest, rank: int) -> None:
 def read_rank_outline(
     step_dir: str, manifest: Manifest, rank: int, index: Any = None
 ) -> tuple[list[Entry], dict[str, TensorSlot]]:
-    """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots.
+    """Rank ``rank``'s key tree as :class:`Entry` lines, and its shard's tensor slots, of the
+    step directory ``step_dir`` (``ROOT/step_N``) whose manifest is ``manifest``.
 
-    Reads only the structure file (checksum verified), the shard header and the global
-    index (``index``: already :func:`read_index`'d), never the tensor data. Raises
-    ``CheckpointNotFoundError`` if the step has no such rank and ``CheckpointCorruptError``
-    if the files are malformed, the tree names a tensor the shard lacks or a DTensor the
-    index does not store (what a load of that rank raises).
+    :func:`outline_of` through the step held open (``PosixStepReader``): reads only the
+    structure file (checksum verified), the shard header and the global index (``index``:
+    already parsed), never the tensor data. Raises ``CheckpointNotFoundError`` if the step has
+    no such rank (or is another commit by now) and ``CheckpointCorruptError`` if the files are
+    malformed, the tree names a tensor the shard lacks or a DTensor the index does not store
+    (what a load of that rank raises).
     """
     check_rank(manifest, rank)
-    tree_path, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
-    shard_path, shard_size, _ = _listed(step_dir, manifest, shard_name(rank))
-    tree = read_structure(tree_path, tree_size, tree_crc)
-    shard_slots = read_shard_slots(shard_path, shard_size)
-    if index is None and any(f.name == _index.INDEX for f in manifest.files):
-        index = read_index(step_dir, manifest)
-    more = index_slots(index, rank) if index is not None else {}
-    where = os.path.join(step_dir, _index.INDEX)
-    return rank_outline(tree, shard_slots, more, tree_path, shard_path, index=index, index_where=where)
+    with PosixStepReader(os.path.dirname(os.path.abspath(step_dir)), manifest.step) as reader:
+        if reader.manifest.attempt != manifest.attempt:
+            raise CheckpointNotFoundError(f"{step_dir} was replaced while being read")
+        return outline_of(reader, rank, index)
 
 
 def resolve_in(root: Root, step: int | None) -> tuple[Manifest, list[tuple[int, str]]]:
@@ -317,36 +284,53 @@ def resolve_in(root: Root, step: int | None) -> tuple[Manifest, list[tuple[int, 
 
 
 def outline_in(root: Root, manifest: Manifest, rank: int) -> tuple[list[Entry], dict[str, TensorSlot]]:
-    """:func:`read_rank_outline` of a step of any root, through its bounded reads
-    (``Root.read``): the structure file, the shard's 8-byte length and header, the global
-    index; never the tensor data. Every defect names the file (``Root.locate``)."""
-    m = manifest
+    """:func:`read_rank_outline` of a step of any root: :func:`outline_of` through a reader of
+    that step (``Root.open_reader``). ``CheckpointNotFoundError`` if the step was replaced by
+    another commit since ``manifest`` was read."""
+    with root.open_reader(manifest.step) as reader:
+        if reader.manifest.attempt != manifest.attempt:
+            raise CheckpointNotFoundError(f"step {manifest.step} under {root.url} was replaced while being read")
+        return outline_of(reader, rank)
+
+
+def index_of(reader: StepReader) -> Any:
+    """The global index of the step ``reader`` holds (bounded by ``_index.MAX_INDEX_BYTES``),
+    checked as a load checks it (:func:`parse_index`); ``CheckpointCorruptError`` naming it."""
+    m = reader.manifest
+    f = listed(reader, _index.INDEX)
+    where = reader.locate(_index.INDEX)
+    if f.size > _index.MAX_INDEX_BYTES:
+        raise CheckpointCorruptError(f"index of {f.size} bytes is too large", where)
+    return parse_index(reader.read(_index.INDEX), f.size, f.crc32c, m, where)
+
+
+def listed(reader: StepReader, name: str) -> FileEntry:
+    """The manifest's entry of ``name``; ``CheckpointCorruptError`` naming the manifest if it
+    lists none (a step's structure needs it)."""
+    try:
+        return reader.manifest.file(name)
+    except CheckpointCorruptError:
+        raise CheckpointCorruptError(f"manifest does not list {name}", f"{reader.locate()}/{MANIFEST}") from None
+
+
+def outline_of(reader: StepReader, rank: int, index: Any = None) -> tuple[list[Entry], dict[str, TensorSlot]]:
+    """:func:`read_rank_outline` through ``reader``'s bounded reads: the structure file, the
+    shard's 8-byte length and header, the global index (``index``: already :func:`index_of`'d);
+    never the tensor data. Every defect names the file (``StepReader.locate``)."""
+    m = reader.manifest
     check_rank(m, rank)
-
-    def entry(name: str) -> tuple[int, int, str]:
-        try:
-            f = m.file(name)
-        except CheckpointCorruptError:
-            where = root.locate(m.step, None, MANIFEST)
-            raise CheckpointCorruptError(f"manifest does not list {name}", where) from None
-        return f.size, f.crc32c, root.locate(m.step, m.attempt, name)
-
-    tree_size, tree_crc, tree_where = entry(tree_name(rank))
-    shard_size, _, shard_where = entry(shard_name(rank))
-    check_structure_size(tree_size, tree_where)
-    tree = parse_structure(root.read(m.step, tree_name(rank)), tree_where, tree_size, tree_crc)
-    head = root.read(m.step, shard_name(rank), 0, 8) if shard_size >= 8 else b""
-    n = header_length(head, shard_size, shard_where)
-    shard_slots = slots_of_header(head + root.read(m.step, shard_name(rank), 8, n), shard_size, shard_where)
-    index: Any = None
-    index_where = root.locate(m.step, m.attempt, _index.INDEX)
-    if any(f.name == _index.INDEX for f in m.files):
-        size, crc, _ = entry(_index.INDEX)
-        if size > _index.MAX_INDEX_BYTES:
-            raise CheckpointCorruptError(f"index of {size} bytes is too large", index_where)
-        index = parse_index(root.read(m.step, _index.INDEX), size, crc, m, index_where)
+    tree, shard = listed(reader, tree_name(rank)), listed(reader, shard_name(rank))
+    tree_where, shard_where = reader.locate(tree.name), reader.locate(shard.name)
+    check_structure_size(tree.size, tree_where)
+    parsed = parse_structure(reader.read(tree.name), tree_where, tree.size, tree.crc32c)
+    head = reader.read(shard.name, 0, 8) if shard.size >= 8 else b""
+    n = header_length(head, shard.size, shard_where)
+    shard_slots = slots_of_header(head + reader.read(shard.name, 8, n), shard.size, shard_where)
+    if index is None and any(f.name == _index.INDEX for f in m.files):
+        index = index_of(reader)
     more = index_slots(index, rank) if index is not None else {}
-    return rank_outline(tree, shard_slots, more, tree_where, shard_where, index=index, index_where=index_where)
+    index_where = reader.locate(_index.INDEX)
+    return rank_outline(parsed, shard_slots, more, tree_where, shard_where, index=index, index_where=index_where)
 
 
 def rank_outline(
@@ -594,177 +578,6 @@ def outline(tree: Any, slots: dict[str, TensorSlot]) -> list[Entry]:
     if missing:
         raise CheckpointCorruptError(f"structure names tensor(s) the shard lacks: {', '.join(missing[:5])}")
     return entries
-
-
-# ---------------------------------------------------------------------------- verification
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One defect found by :func:`verify_step`: the file and what is wrong with it."""
-
-    path: str
-    reason: str
-    #: the checkpoint went away while it was verified (retired or replaced): not damage
-    vanished: bool = False
-    #: the storage could not serve the file (an I/O error, tried again first): not damage
-    io: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {self.path}"
-
-
-def file_crc(
-    path: str, size: int, advance: Callable[[int], None] | None = None, ranges: RangeCheck | None = None
-) -> int:
-    """CRC-32C of the regular file ``path``, which must be ``size`` bytes, read in bounded chunks.
-
-    ``advance(n)`` is called after each chunk; ``ranges`` is fed every byte read and
-    finished. Raises ``CheckpointCorruptError`` naming ``path`` if it is not such a file or
-    ends early, ``CheckpointReadError`` if the storage cannot serve it.
-    """
-    fd = _open_regular(path, size)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass  # only a hint
-        buf = memoryview(bytearray(min(VERIFY_CHUNK, max(size, 1))))
-        crc, off = 0, 0
-        while off < size:
-            n = os.preadv(fd, [buf[: min(len(buf), size - off)]], off)
-            if n <= 0:
-                raise CheckpointCorruptError("file ended early", path)
-            crc = crc32c(buf[:n], crc)
-            if ranges is not None:
-                ranges.feed(off, buf[:n])
-            off += n
-            if advance is not None:
-                advance(n)
-        if ranges is not None:
-            ranges.finish()
-        return crc
-    except OSError as e:
-        raise read_error(e, "cannot read", path) from None
-    finally:
-        os.close(fd)
-
-
-def step_bytes(step_dir: str, manifest: Manifest) -> int:
-    """Bytes :func:`verify_step` reads: every listed file plus the manifest."""
-    try:
-        mbytes = os.lstat(os.path.join(step_dir, MANIFEST)).st_size
-    except OSError:
-        mbytes = 0
-    return mbytes + sum(f.size for f in manifest.files)
-
-
-def verify_step(
-    root: str,
-    step_dir: str,
-    manifest: Manifest,
-    advance: Callable[[int], None] | None = None,
-    *,
-    record: bool = True,
-) -> list[Problem]:
-    """Recompute every file's CRC-32C and check each rank's tree against its shard header.
-
-    Checks everything a load checks, so a step passes exactly when every rank of it loads:
-    the manifest (checked against its own checksum when it was opened), every listed file's
-    CRC, a global index with the loader's own validator (``_index.parse``: chunks tiling
-    every DTensor, no overlap, in bounds, well-formed entries) and the CRC of every block and
-    entry it lists, computed in the same pass, and every rank's tree against its shard and
-    the index. Tensor data is streamed, never held in memory; ``advance(n)`` reports bytes
-    read. Returns the problems found (empty: every rank of this step would load). With
-    ``record``, a content fault is remembered for ``asyncckpt ls`` (``_badmarks.record_bad``;
-    best effort, a read-only root simply keeps no mark) and a step that verified drops a mark
-    of this very attempt. A file the storage could not serve (tried again first) is a problem
-    with ``io`` set: not damage, never marked.
-    """
-    problems: list[Problem] = []
-    if advance is not None:
-        advance(step_bytes(step_dir, manifest) - sum(f.size for f in manifest.files))
-    index: Any = None
-    ranges: dict[str, list[tuple[int, int, int, str]]] = {}
-    if any(f.name == _index.INDEX for f in manifest.files):
-        try:
-            index = retrying(functools.partial(read_index, step_dir, manifest))
-            ranges = _index.checked_ranges(index)
-        except CheckpointError as e:
-            problems.append(_problem(e, step_dir))
-    for f in manifest.files:
-        path = os.path.join(step_dir, f.name)
-        check = RangeCheck(ranges.get(f.name, ()))
-        try:
-            crc, check = _file_crc_retrying(path, f.size, advance, ranges.get(f.name, ()))
-            if crc != f.crc32c:
-                problems.append(Problem(path, "checksum mismatch"))
-            elif check.bad:
-                more = f" and {len(check.bad) - 3} more" if len(check.bad) > 3 else ""
-                problems.append(Problem(path, f"checksum mismatch in {', '.join(check.bad[:3])}{more}"))
-        except CheckpointError as e:
-            problems.append(_problem(e, path))
-    if not problems:
-        total = 0
-        for rank in range(manifest.world_size):
-            try:
-                _, slots = retrying(functools.partial(read_rank_outline, step_dir, manifest, rank, index))
-                total += sum(s.end - s.begin for s in slots.values())
-            except CheckpointError as e:
-                problems.append(_problem(e, step_dir))
-        if not problems and total != manifest.nbytes:
-            reason = f"shards hold {total} tensor bytes, the manifest says {manifest.nbytes}"
-            problems.append(Problem(os.path.join(step_dir, MANIFEST), reason))
-    if problems and not _still_there(step_dir, manifest):
-        # retired or replaced while we read it: that is not damage, and nothing to remember
-        return [Problem(step_dir, f"step {manifest.step} was retired or replaced while being verified", vanished=True)]
-    damage = [p for p in problems if not p.io]
-    if damage and record:
-        record_bad(root, manifest.step, manifest.attempt, damage[0].path, damage[0].reason)
-    elif not problems and record:
-        clear(root, manifest.step, manifest.attempt)  # a stale verdict on this attempt
-    return problems
-
-
-def _problem(e: CheckpointError, where: str) -> Problem:
-    """``e`` as the problem of a file (``where`` if it names none)."""
-    path = getattr(e, "path", None) or where
-    if fault_of(e) == "io":
-        return Problem(path, f"I/O error, not damage ({without_path(e)})", io=True)
-    return Problem(path, without_path(e))
-
-
-def _file_crc_retrying(
-    path: str, size: int, advance: Callable[[int], None] | None, blocks: Sequence[tuple[int, int, int, str]] = ()
-) -> tuple[int, RangeCheck]:
-    """:func:`file_crc` with a fresh :class:`RangeCheck` of ``blocks`` (the index's blocks in
-    this file), tried again after an I/O error (``_readfault.retrying``); ``advance`` counts
-    each byte once however often it was read."""
-    pos = high = 0
-
-    def tick(n: int) -> None:
-        nonlocal pos, high
-        pos += n
-        if advance is not None and pos > high:
-            advance(pos - high)
-            high = pos
-
-    def once() -> tuple[int, RangeCheck]:
-        nonlocal pos
-        pos = 0
-        check = RangeCheck(blocks)
-        return file_crc(path, size, tick, check), check
-
-    return retrying(once)
-
-
-def _still_there(step_dir: str, manifest: Manifest) -> bool:
-    """Whether ``step_dir`` still holds the checkpoint ``manifest`` describes (same attempt)."""
-    try:
-        return read_manifest(step_dir).attempt == manifest.attempt
-    except CheckpointError:
-        return False
 
 
 def local_time(ts: float | None) -> str:

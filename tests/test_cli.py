@@ -570,3 +570,21 @@ def test_python_m_asyncckpt_help() -> None:
     assert r.stdout.startswith("usage: asyncckpt")
     for command in ("ls", "info", "verify", "gc", "export"):
         assert command in r.stdout
+
+
+def test_verify_all_holds_a_bounded_number_of_steps_open(
+    root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--all`` opens every step first (the progress total, what cannot be opened said first)
+    but holds at most ``HELD`` open (a POSIX reader holds a directory descriptor); the others
+    are opened again when their turn comes, with the same verdicts."""
+    from asyncckpt.cli import verify
+
+    monkeypatch.setattr(verify, "HELD", 1)
+    code, out, err = cli(capsys, "verify", root, "--all", "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(1, "ok"), (2, "ok"), (3, "ok")]
+    flip_last_byte(step_dir(root, 3) / "rank00000.safetensors")
+    code, out, _ = cli(capsys, "verify", root, "--all", "--json")
+    assert code == 1 and [s["status"] for s in json.loads(out)["steps"]] == ["ok", "ok", "corrupt"]

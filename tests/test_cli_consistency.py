@@ -221,9 +221,12 @@ def test_verify_progress_on_a_real_terminal_and_quiet_when_piped(tmp_path: Path)
 
 
 def test_a_step_retired_during_verify_is_not_called_corrupt(root: Path) -> None:
-    from asyncckpt.reading import open_step, verify_step
+    from asyncckpt.loading._verify import verify_opened
+    from asyncckpt.roots import open_root
 
-    step_dir, manifest = open_step(str(root), 2)
+    target = open_root(str(root))
+    reader = target.open_reader(2)
+    step_dir, manifest = reader.locate(), reader.manifest
     calls = []
 
     def retire_midway(n: int) -> None:  # the retention of a running job, between two reads
@@ -232,6 +235,7 @@ def test_a_step_retired_during_verify_is_not_called_corrupt(root: Path) -> None:
             os.rename(step_dir, str(root / "step_00000002.deleting-0abc"))
             shutil.rmtree(root / "step_00000002.deleting-0abc")
 
-    problems = verify_step(str(root), step_dir, manifest, retire_midway)
+    with reader:
+        problems = verify_opened(target, reader, retire_midway)
     assert len(problems) == 1 and "retired or replaced while being verified" in problems[0].reason
     assert bad_mark(root, 2, manifest.attempt) is None  # nothing recorded against the step

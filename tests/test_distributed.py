@@ -223,11 +223,9 @@ def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim
 
 def _verify(root: Path, step: int) -> list[Any]:
     """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
-    from asyncckpt import reading
-    from asyncckpt.roots.posix import _discovery
+    from asyncckpt.loading._verify import verify_step
 
-    step_dir, manifest = _discovery.open_step(str(root), step)
-    return reading.verify_step(str(root), step_dir, manifest, record=False)
+    return verify_step(str(root), step, record=False)
 
 
 def _dedupe_early_on_disk(root: Path, step: int) -> int:

@@ -18,8 +18,8 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer, RootInUseError, RootNotWritableError, SaveError
 from asyncckpt.format._layout import META_DIR
-from asyncckpt.reading import verify_step
-from asyncckpt.roots.posix._discovery import open_step
+from asyncckpt.loading._verify import verify_opened
+from asyncckpt.roots import open_root
 from asyncckpt.roots.posix._storage import OsOps
 
 
@@ -152,8 +152,9 @@ def test_an_on_commit_callback_raising_system_exit_does_not_kill_the_writer(
 def test_a_step_retired_while_verified_is_reported_gone_not_corrupt(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         ck.save(1, _state(1.0)).result(timeout=30)
-    step_dir, manifest = open_step(str(tmp_path), 1)
-    os.rename(step_dir, tmp_path / "step_00000001.deleting-00ff")  # retention renames it away
-    problems = verify_step(str(tmp_path), step_dir, manifest)
+    root = open_root(str(tmp_path))
+    with root.open_reader(1) as reader:
+        os.rename(reader.locate(), tmp_path / "step_00000001.deleting-00ff")  # retention renames it away
+        problems = verify_opened(root, reader)
     assert problems and all(p.vanished for p in problems), problems
     assert json.dumps([p.reason for p in problems])

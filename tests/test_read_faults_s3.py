@@ -72,3 +72,31 @@ def test_a_store_fault_during_a_load_is_a_read_error_not_corruption(proxy: Fault
         ck.load()
     proxy.clear()
     assert remote.load(url, storage_options=o, deadline_s=30)["step"] == 2
+
+
+def test_verify_of_a_url_calls_a_store_fault_unreadable_and_marks_nothing(
+    proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asyncckpt verify s3://...`` (the one engine, through the store's step reader): 503s on
+    the data GETs are ``unreadable``, exit 1, no bad mark on the store; once the store answers,
+    the same step verifies."""
+    import json
+
+    from asyncckpt.cli import main as cli_main
+    from asyncckpt.roots import open_root
+
+    url = f"s3://{BUCKET}/rf-{uuid.uuid4().hex[:10]}"
+    o = opts(proxy.endpoint)
+    with Checkpointer(url, storage_options=o, timeout=10) as ck:
+        ck.save(2, state(2)).result(timeout=60)
+    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    proxy.add(Rule("status", method="GET", path_contains="/step_00000002/a-", status=503, times=10**6))
+    assert cli_main(["verify", url, "--step", "2", "--deadline", "4", "--json", *so]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    (got,) = doc["steps"]
+    assert got["status"] == "unreadable" and got["problems"], got
+    assert all("I/O error, not damage" in p["reason"] for p in got["problems"]), got
+    proxy.clear()
+    rows = open_root(url, storage_options=o).list_steps()
+    assert [(r.step, r.state, r.bad) for r in rows] == [(2, "complete", None)]  # nothing marked
+    assert cli_main(["verify", url, "--step", "2", *so]) == 0

@@ -22,7 +22,8 @@ import pytest
 
 from asyncckpt import CheckpointCorruptError, CheckpointNotFoundError, RootInUseError
 from asyncckpt.format._checksum import crc32c
-from asyncckpt.format._manifest import FileEntry, encode, shard_name, tree_name
+from asyncckpt.format._manifest import MANIFEST, FileEntry, Manifest, decode, encode, shard_name, tree_name
+from asyncckpt.loading._verify import verify_opened, verify_step
 from asyncckpt.roots import Root, _memory, open_root
 
 pytestmark = pytest.mark.timeout(120)
@@ -403,3 +404,126 @@ class TestRegistry:
 
         assert main([command, "ftp://host/x"]) == EXIT_USAGE
         assert "unknown root scheme" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[Manifest, dict[str, bytes]]:
+    """A real one-rank checkpoint (a shard, a structure file) saved by a Checkpointer: its
+    manifest and its files' bytes, to commit into any root (:func:`commit_real`)."""
+    import torch
+
+    from asyncckpt import Checkpointer
+
+    where = tmp_path_factory.mktemp("real") / "ck"
+    with Checkpointer(where) as ck:
+        ck.save(1, {"w": torch.arange(4096, dtype=torch.float32), "step": 1}).result(timeout=60)
+    d = where / "step_00000001"
+    m = decode((d / MANIFEST).read_bytes(), str(d))
+    return m, {f.name: (d / f.name).read_bytes() for f in m.files}
+
+
+def commit_real(root: Root, step: int, real: tuple[Manifest, dict[str, bytes]]) -> str:
+    """Commit ``real``'s files as ``step`` through the root's own attempt; its attempt id."""
+    m, files = real
+    a = root.begin(step)
+    for name, data in files.items():
+        a.write(name, data)
+    a.commit(encode(step, a.attempt, m.world_size, m.nbytes, m.created, m.files, m.extra))
+    return a.attempt
+
+
+class TestStepReader:
+    """``Root.open_reader``: one committed step held open, read in ranges bounded by its
+    manifest, and the one verification engine on top of it (``loading._verify``)."""
+
+    def test_reads_are_the_files_and_bounded_by_the_manifest(self, rig: Rig) -> None:
+        files = save(rig.root, 1)
+        shard = files[shard_name(0)]
+        with rig.root.open_reader(1) as r:
+            assert r.manifest.step == 1 and r.manifest_size > 0
+            assert r.read(shard_name(0)) == shard and r.read(shard_name(0), 3, 4) == shard[3:7]
+            out = bytearray(5)
+            r.read_into(shard_name(0), len(shard) - 5, memoryview(out))
+            assert bytes(out) == shard[-5:]
+            assert r.read(shard_name(0), len(shard), 0) == b""
+            # honest but huge: refused by the manifest's bound before anything is asked of the medium
+            with pytest.raises(ValueError, match="outside"):
+                r.read(shard_name(0), 0, 1 << 62)
+            with pytest.raises(ValueError, match="outside"):
+                r.read_into(shard_name(0), 1, memoryview(bytearray(len(shard))))
+            with pytest.raises(CheckpointNotFoundError):
+                r.read("rank00001.safetensors")
+            assert r.locate(shard_name(0)) == rig.root.locate(1, r.manifest.attempt, shard_name(0))
+            assert r.still_there()
+        with pytest.raises(CheckpointNotFoundError):
+            rig.root.open_reader(2)
+
+    def test_a_file_truncated_under_an_open_reader_is_corrupt_never_short(self, rig: Rig) -> None:
+        files = save(rig.root, 1)
+        shard = files[shard_name(0)]
+        with rig.root.open_reader(1) as r:
+            assert r.read(shard_name(0), 0, 4) == shard[:4]  # opened (a POSIX reader holds its fd now)
+            rig.tamper(1, shard_name(0), shard[:10])
+            with pytest.raises(CheckpointCorruptError):
+                r.read(shard_name(0), 0, len(shard))
+        with pytest.raises(CheckpointCorruptError):
+            rig.root.open_reader(1)  # truncated before the opening: the opening says so
+
+    def test_a_reader_racing_retention_never_reads_another_commit(self, rig: Rig) -> None:
+        files = save(rig.root, 1)
+        with rig.root.open_reader(1) as r:
+            assert r.read(tree_name(0)) == files[tree_name(0)]
+            save(rig.root, 2)
+            assert rig.root.retire(1) == [1]
+            again = save(rig.root, 1, b"again")  # the step committed anew, by another attempt
+            assert again[shard_name(0)] != files[shard_name(0)]
+            try:
+                assert r.read(shard_name(0)) == files[shard_name(0)]  # this commit's bytes, or
+            except (CheckpointNotFoundError, CheckpointCorruptError):
+                pass  # gone: never the other commit's bytes
+            assert not r.still_there()
+            problems = verify_opened(rig.root, r)
+            assert [p.vanished for p in problems] == [True], problems  # not damage, not "ok"
+        assert all(row.bad is None for row in rig.root.list_steps())  # nothing marked
+        assert resumable(rig.root) == [1, 2] and rig.root.read(1, shard_name(0)) == again[shard_name(0)]
+
+    def test_verify_passes_what_loads_and_marks_what_does_not_through_the_root(
+        self, rig: Rig, real: tuple[Manifest, dict[str, bytes]]
+    ) -> None:
+        attempt = commit_real(rig.root, 5, real)
+        assert verify_step(rig.root, 5) == []
+        shard = real[1][shard_name(0)]
+        flipped = bytearray(shard)
+        flipped[-3] ^= 0x10  # same size: only a checksum can tell
+        rig._tamper(5, attempt, shard_name(0), bytes(flipped))
+        problems = verify_step(rig.root, 5)
+        assert [(p.reason, p.io, p.vanished) for p in problems] == [("checksum mismatch", False, False)]
+        assert problems[0].path == rig.root.locate(5, attempt, shard_name(0))
+        (row,) = rig.root.list_steps()
+        assert row.state == "bad" and row.bad is not None and row.bad["path"] == problems[0].path
+        assert rig.root.newest_resumable() is None
+        rig._tamper(5, attempt, shard_name(0), shard)  # repaired: a passing verify drops the mark
+        assert verify_step(rig.root, 5) == []
+        assert rig.root.newest_resumable() == 5
+
+
+def test_a_posix_reader_holds_a_bounded_number_of_files_open(tmp_path: Path) -> None:
+    """A step of many files (one per rank and more) read through one reader opens at most
+    ``MAX_OPEN`` of them at once, and gives every one back at its close."""
+    import os
+
+    from asyncckpt.roots.posix._root import MAX_OPEN
+
+    root = open_root(str(tmp_path))
+    files = {f"rank{r:05d}.json": b"x" * (r + 1) for r in range(3 * MAX_OPEN)}
+    a = root.begin(1)
+    for name, data in files.items():
+        a.write(name, data)
+    a.commit(manifest(1, a.attempt, files))
+    before = len(os.listdir("/proc/self/fd"))
+    with root.open_reader(1) as r:
+        for name, data in files.items():
+            assert r.read(name) == data
+            assert len(os.listdir("/proc/self/fd")) <= before + 1 + MAX_OPEN  # + the directory
+    assert len(os.listdir("/proc/self/fd")) == before
+    root.close()

@@ -15,8 +15,8 @@ import torch
 from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, CheckpointError, reading
-from asyncckpt.roots.posix._discovery import open_step
+from asyncckpt import CheckpointCorruptError, CheckpointError
+from asyncckpt.loading._verify import verify_step
 
 WORKER = str(Path(__file__).parent / "support" / "_global_worker.py")
 sys.path.insert(0, str(Path(__file__).parent / "support"))
@@ -27,8 +27,7 @@ STEP = "step_00000001"
 
 def verify(root: Path, step: int) -> list[Any]:
     """What ``asyncckpt verify`` finds wrong with a step (nothing, for a good one)."""
-    step_dir, manifest = open_step(str(root), step)
-    return reading.verify_step(str(root), step_dir, manifest, record=False)
+    return verify_step(str(root), step, record=False)
 
 
 def spawn(

@@ -1,13 +1,12 @@
-"""What ``gc`` and ``verify`` report, said the same way for a local root and an ``s3://`` one
-(``gc`` is written once against ``asyncckpt.roots.Root``; ``verify``'s store half,
-``_verify_remote``, reports through these too)."""
+"""What ``gc`` and ``verify`` report, said the same way for every root (both are written once
+against ``asyncckpt.roots.Root``)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from ..reading import Problem
+from ..loading._verify import Problem
 from ._print import PROG, dump_json, human_age, human_bytes, say
 
 

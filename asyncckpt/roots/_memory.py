@@ -24,10 +24,10 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError, RootInUse
 from .._info import CheckpointInfo
 from ..format._checksum import crc32c
 from ..format._layout import data_prefix, step_dir_name
-from ..format._manifest import MANIFEST, Manifest, decode
+from ..format._manifest import MANIFEST, FileEntry, Manifest, decode
 from ..format._stepstates import Fault, Mark, Seen, save_action, state_of, victims
 from ._backend import StepJob
-from ._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
+from ._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
 from .posix._storage import Staged, WriteResult, until_staged
 
 SCHEME = "memory://"
@@ -215,6 +215,32 @@ class _LockClaim:
                 self._mem.owner = None
 
 
+class MemoryStepReader(StepReader):
+    """A committed memory step held by its bytes (a commit or retirement replaces the step
+    in the store, never these bytes; a tamper of the tests changes them in place)."""
+
+    def __init__(self, backend: MemoryBackend, step: int, s: _Step) -> None:
+        self._backend, self._s = backend, s
+        self.manifest, self.manifest_size = s.manifest, len(s.raw)
+
+    def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
+        data = self._s.files.get(entry.name, b"")[offset:offset + len(out)]
+        if len(data) != len(out):
+            raise CheckpointCorruptError("file ended early", self.locate(entry.name))
+        out[:] = data
+
+    def locate(self, name: str | None = None) -> str:
+        where = self._backend.url_of(self.manifest.step)
+        return where if name is None else f"{where}/{name}"
+
+    def still_there(self) -> bool:
+        with self._backend.mem.lock:
+            return self._backend.mem.steps.get(self.manifest.step) is self._s
+
+    def close(self) -> None:
+        return None
+
+
 class MemoryRoot:
     """A :class:`~asyncckpt.roots._root.Root` over the memory store ``name`` (module docstring)."""
 
@@ -261,7 +287,8 @@ class MemoryRoot:
                 passed.append((row.step, CheckpointCorruptError(f"known bad: {row.reason or row.bad}", row.path)))
         return None
 
-    def _step(self, step: int) -> _Step:
+    def _step(self, step: int, marks: bool = True) -> _Step:
+        """Committed ``step`` whose files match its manifest; with ``marks``, not known bad."""
         with self.mem.lock:
             s = self.mem.steps.get(step)
             seen = None if s is None else self._backend.seen(step, s)
@@ -269,18 +296,19 @@ class MemoryRoot:
             raise CheckpointNotFoundError(f"no committed step {step} under {self.url}")
         if seen.fault is not None:
             raise CheckpointCorruptError(seen.fault.reason, self._backend.url_of(step))
-        if seen.mark is not None:
+        if marks and seen.mark is not None:
             raise CheckpointCorruptError(f"known bad: verification failed: {seen.mark}", self._backend.url_of(step))
         return s
 
     def open_step(self, step: int) -> Manifest:
         return self._step(step).manifest
 
+    def open_reader(self, step: int) -> StepReader:
+        return MemoryStepReader(self._backend, step, self._step(step, marks=False))
+
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        s = self._step(step)
-        entry = listed_file(s.manifest, name, self._backend.url_of(step))
-        end = check_range(entry.size, offset, length)
-        return s.files[name][offset:end]
+        with self.open_reader(step) as reader:
+            return reader.read(name, offset, length)
 
     def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
         where = self._backend.url_of(step)

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -188,6 +189,14 @@ class Root(Protocol):
         (not committed), ``CheckpointCorruptError`` (damaged, known bad)."""
         ...
 
+    def open_reader(self, step: int) -> StepReader:
+        """Committed ``step`` held open for reading (:class:`StepReader`; close it): its files
+        checked against its manifest as :meth:`open_step` checks them, a bad mark not
+        consulted (a verification judges the step again). ``CheckpointNotFoundError`` (not
+        committed), ``CheckpointCorruptError`` (files not the manifest's),
+        ``CheckpointReadError`` (the medium could not serve it)."""
+        ...
+
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
         """``length`` bytes (``None``: to the end) of file ``name`` of committed ``step`` from
         ``offset``, bounded by the size its manifest lists (a range past it: ``ValueError``);
@@ -240,6 +249,66 @@ class Root(Protocol):
     def close(self) -> None:
         """Release what the root holds open (a claim it made, an executor)."""
         ...
+
+
+class StepReader:
+    """One committed step held open (:meth:`Root.open_reader`), in the spirit of DCP's
+    ``StorageReader``: what it opened stays what it reads (a POSIX directory handle and its
+    files' descriptors, a store's attempt prefix, a memory step's bytes), whatever commits or
+    retires meanwhile. Reads are bounded ranges of the files ``manifest`` lists.
+
+    A subclass sets ``manifest``, ``manifest_size`` (the manifest's own bytes), ``notes`` (names
+    the step holds beyond its manifest: ignored, said), ``window`` (bytes per read the medium
+    serves well) and ``parallel`` (how many files are worth reading at once), and implements
+    :meth:`_fill`, :meth:`locate`, :meth:`still_there` and :meth:`close`. Thread-safe: several
+    threads may read at once."""
+
+    manifest: Manifest
+    manifest_size: int = 0
+    notes: Sequence[str] = ()
+    window: int = 8 << 20
+    parallel: int = 1
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of file ``name`` from ``offset``. A range past the size
+        the manifest lists: ``ValueError`` (nothing is asked of the medium beyond it); a name
+        it does not list: ``CheckpointNotFoundError``; a file that ends early:
+        ``CheckpointCorruptError``; the medium failing: ``CheckpointReadError``."""
+        entry = listed_file(self.manifest, name, self.locate())
+        check_range(entry.size, offset, len(out))
+        if len(out):
+            self._fill(entry, offset, out)
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        """``length`` bytes (``None``: to the end) of file ``name`` from ``offset``, bounded as
+        :meth:`read_into` is (the buffer is only made once the range is checked)."""
+        entry = listed_file(self.manifest, name, self.locate())
+        end = check_range(entry.size, offset, length)
+        out = bytearray(end - offset)
+        self.read_into(name, offset, memoryview(out))
+        return bytes(out)
+
+    def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
+        raise NotImplementedError
+
+    def locate(self, name: str | None = None) -> str:
+        """Where the step (``name`` given: its file) is, as messages name it (no I/O)."""
+        raise NotImplementedError
+
+    def still_there(self) -> bool:
+        """Whether the root still holds this very commit at the step (not retired or replaced):
+        a read that failed on a step no longer there found no damage."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the reader holds (idempotent)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> StepReader:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
 
 
 def listed_file(manifest: Manifest, name: str, where: str) -> FileEntry:

@@ -12,18 +12,25 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-from ..._errors import CheckpointCorruptError
+from ..._errors import (
+    CheckpointCorruptError,
+    CheckpointReadError,
+    ObjectIntegrityError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from ...format._layout import data_prefix, step_dir_name
-from ...format._manifest import Manifest
+from ...format._manifest import FileEntry, Manifest
 from ...format._stepstates import victims
 from ...threads._sync import run_sync
 from .._badmarks import clear_on_store, record_on_store
-from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
+from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
 from ._backend import ObjectBackend
+from ._client import ObjectStore
 from ._lease import Lease
 from ._leftovers import remove, survey
 from ._remote import RemoteStep, open_store, retire_remote, rows_of
-from ._steps import newest_resumable, observe, observe_step, open_step, remove_bad
+from ._steps import newest_resumable, observe, observe_step, open_step, read_manifest, remove_bad
 
 CAPS = Capabilities(
     "objstore", "lease", "conditional-create",
@@ -64,6 +71,55 @@ class _LeaseClaim:
         self._lease.release()
 
 
+class ObjectStepReader(StepReader):
+    """A committed step of a store held by its attempt's prefix: the manifest read and its
+    objects checked by one LIST at opening (``_steps.open_step``), every read a ranged GET of
+    ``a-<attempt>/NAME`` (a later commit of the step cannot be mixed in: it has another
+    attempt). A read fills its buffer with parallel ranged GETs (``get_range_into``), at most
+    ``max_concurrency`` in flight. Every call is bounded by the
+    deadline set at opening."""
+
+    def __init__(self, store: ObjectStore, step: int, deadline: float) -> None:
+        self._store, self._deadline = store, deadline
+        self.manifest, raw = run_sync(lambda: open_step(store, step, deadline))
+        self.manifest_size = len(raw)
+        self._prefix = data_prefix(step, self.manifest.attempt)
+        # two windows of a part each (one checksummed, the next being fetched): the scratch of
+        # the store's own streamed reads; a file at a time, its ranges in parallel
+        self.window = store.part_size
+        self.parallel = 1
+
+    def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
+        url = self.locate(entry.name)
+        piece = max(1 << 20, len(out) // self._store.max_concurrency)
+        try:
+            run_sync(lambda: self._store.get_range_into(self._prefix + entry.name, offset, out, self._deadline,
+                                                        range_size=piece))  # fmt: skip
+        except ObjectNotFoundError:  # gone: retired (still_there says) or damage
+            raise CheckpointCorruptError("object listed in the manifest is missing", url) from None
+        except ObjectIntegrityError:
+            raise CheckpointCorruptError("object ended early", url) from None
+        except ObjectStoreError as e:  # 503s, no answer in time: the store, not the data
+            raise CheckpointReadError(e.errno, f"cannot read ({e.strerror})", url) from None
+
+    def locate(self, name: str | None = None) -> str:
+        if name is None:
+            return self._store.object_url(step_dir_name(self.manifest.step))
+        return self._store.object_url(self._prefix + name)
+
+    def still_there(self) -> bool:
+        try:
+            found = run_sync(lambda: read_manifest(self._store, self.manifest.step, self._deadline))
+        except CheckpointCorruptError:
+            return False  # another manifest, one that does not decode: not this commit
+        except ObjectStoreError:
+            return True  # the store cannot tell now: the verdict on the bytes read stands
+        return found is not None and found[0].attempt == self.manifest.attempt
+
+    def close(self) -> None:
+        return None  # nothing held open
+
+
 class ObjectRoot:
     """An object-store root (module docstring); makes no request until a method is called."""
 
@@ -96,19 +152,12 @@ class ObjectRoot:
     def open_step(self, step: int) -> Manifest:
         return run_sync(lambda: open_step(self.store, step, self._deadline()))[0]
 
+    def open_reader(self, step: int) -> StepReader:
+        return ObjectStepReader(self.store, step, self._deadline())
+
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        deadline = self._deadline()
-
-        async def go() -> bytes:
-            m, _ = await open_step(self.store, step, deadline)  # one LIST: every size as listed
-            entry = listed_file(m, name, self.store.object_url(data_prefix(step, m.attempt)))
-            end = check_range(entry.size, offset, length)
-            out = bytearray(end - offset)
-            if out:
-                await self.store.get_range_into(data_prefix(step, m.attempt) + name, offset, memoryview(out), deadline)
-            return bytes(out)
-
-        return run_sync(go)
+        with self.open_reader(step) as reader:  # one GET of the manifest, one LIST: every size as listed
+            return reader.read(name, offset, length)
 
     def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
         if name is None:

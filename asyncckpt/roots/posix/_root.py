@@ -5,25 +5,30 @@ leftovers (``_retention``), and the save protocol's :class:`~asyncckpt.roots._ba
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...format._layout import deleting_dir_name, step_dir_name
-from ...format._manifest import Manifest
+from ...format._manifest import MANIFEST, FileEntry, Manifest
 from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
 from .._readfault import read_error
-from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, check_range, listed_file
+from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
 from . import _ownership
-from ._discovery import complete_checkpoints, newest_complete, open_step, pin_step
+from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step
 from ._listing import StepDir, scan, usage
 from ._retention import choose_victims, leftovers, retire
 from ._storage import DEFAULT_OPS, Storage, remove_tree
+
+#: The most files one :class:`PosixStepReader` holds open.
+MAX_OPEN = 16
 
 CAPS = Capabilities(
     "posix", "flock", "rename",
@@ -46,6 +51,83 @@ class _FlockClaim:
 
     def release(self) -> None:
         self._own.release()
+
+
+class PosixStepReader(StepReader):
+    """A step directory held by its handle (``_discovery.PinnedStep``) and its files by their
+    descriptors, opened on first read (a regular file of exactly the listed size, never
+    through a link): at most :data:`MAX_OPEN` of them, the least recently used one not being
+    read closed first (a step of thousands of ranks opens no more); one that failed on I/O is
+    opened afresh by the next read (a retry). Reads are ``preadv`` into the caller's buffer."""
+
+    def __init__(self, root: str, step: int) -> None:
+        pinned = pin_step(root, step)
+        assert pinned.manifest is not None
+        self._pinned: PinnedStep = pinned
+        self.manifest = pinned.manifest
+        self.notes = tuple(pinned.unlisted)
+        try:
+            self.manifest_size = os.stat(MANIFEST, dir_fd=pinned.fd, follow_symlinks=False).st_size
+        except OSError:
+            self.manifest_size = 0
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently used first
+        self._using: collections.Counter[str] = collections.Counter()  # reads in flight per file
+        self._lock = threading.Lock()
+
+    def _take(self, entry: FileEntry) -> int:
+        """The descriptor of ``entry``'s file, counted as in use until :meth:`_give`."""
+        with self._lock:
+            if self._pinned.fd < 0:
+                raise ValueError("read of a closed step reader")
+            fd = self._fds.get(entry.name)
+            if fd is None:
+                for name in [n for n in self._fds if not self._using[n]][: max(0, len(self._fds) + 1 - MAX_OPEN)]:
+                    os.close(self._fds.pop(name))
+                fd = self._fds[entry.name] = self._pinned.open_file(entry.name, entry.size)
+                if hasattr(os, "posix_fadvise"):
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    except OSError:
+                        pass  # only a hint
+            self._fds.move_to_end(entry.name)
+            self._using[entry.name] += 1
+            return fd
+
+    def _give(self, name: str, drop: bool) -> None:
+        with self._lock:
+            self._using[name] -= 1
+            if drop and not self._using[name] and name in self._fds:
+                os.close(self._fds.pop(name))
+
+    def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
+        fd = self._take(entry)
+        path = self.locate(entry.name)
+        got, failed = 0, False
+        try:
+            while got < len(out):
+                n = os.preadv(fd, [out[got:]], offset + got)
+                if n <= 0:
+                    raise CheckpointCorruptError("file ended early", path)
+                got += n
+        except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
+            failed = True  # a retry opens it afresh
+            raise read_error(e, "cannot read", path) from None
+        finally:
+            self._give(entry.name, failed)
+
+    def locate(self, name: str | None = None) -> str:
+        where = os.path.abspath(self._pinned.path)
+        return where if name is None else os.path.join(where, name)
+
+    def still_there(self) -> bool:
+        return self._pinned.still_there()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), collections.OrderedDict()
+        for fd in fds:
+            os.close(fd)
+        self._pinned.close()
 
 
 class PosixRoot:
@@ -86,25 +168,12 @@ class PosixRoot:
         self._need_dir()
         return open_step(self.path, step)[1]
 
+    def open_reader(self, step: int) -> StepReader:
+        return PosixStepReader(self.path, step)
+
     def read(self, step: int, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        with pin_step(self.path, step) as pinned:
-            assert pinned.manifest is not None
-            entry = listed_file(pinned.manifest, name, pinned.path)
-            end = check_range(entry.size, offset, length)
-            fd = pinned.open_file(name, entry.size)  # a regular file of exactly the listed size
-            path = os.path.join(pinned.path, name)
-            try:
-                out = bytearray()
-                while offset + len(out) < end:
-                    chunk = os.pread(fd, min(end - offset - len(out), 8 << 20), offset + len(out))
-                    if not chunk:
-                        raise CheckpointCorruptError("file ended early", path)
-                    out += chunk
-                return bytes(out)
-            except OSError as e:  # EIO, a timeout: the storage, not the data (CheckpointReadError)
-                raise read_error(e, "cannot read", path) from None
-            finally:
-                os.close(fd)
+        with self.open_reader(step) as reader:
+            return reader.read(name, offset, length)
 
     def locate(self, step: int, attempt: str | None = None, name: str | None = None) -> str:
         where = os.path.join(self.url, step_dir_name(step))
