@@ -42,9 +42,9 @@ from .format._layout import check_step, step_dir_name
 from .format._lifecycle import SaveState
 from .format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
 from .format._structure import TensorRef, check_strip_prefixes, flatten, tree_json
-from .loading import _load, _load_global, _resume
+from .loading import _load, _load_global, _nodeload, _resume
 from .loading._stepfiles import NoSuchShard
-from .ranks import _agree, _distributed
+from .ranks import _agree, _distributed, _nodes
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
 from .roots import _readfault, _rootstart, _runs
 from .roots._backend import Backend, PosixBackend
@@ -53,7 +53,7 @@ from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
-from .saving import _dedupe
+from .saving import _dedupe, _nodelocal
 from .saving._commit import SaveJob, run_save
 from .saving._handle import SaveHandle, SaveRecord
 from .saving._mirror import Mirror, UploadRecord, check_options
@@ -360,6 +360,7 @@ class Checkpointer:
         storage_options: Mapping[str, str] | None = None,
         lease_ttl: float | None = None,
         huge_pages: bool = False,
+        node_local: bool = False,
         _ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -425,6 +426,7 @@ class Checkpointer:
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be a bool, not {huge_pages!r}")
         self.dedupe = dedupe
+        _nodelocal.check_option(node_local, store is not None, mirror, allow_earlier_steps)  # the node-local tier
         self._failed_commits: set[str] = set()
         self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
         # steps reserved by save() (registered atomically with the checks): the record once
@@ -454,10 +456,13 @@ class Checkpointer:
         self._queries = 0
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), the except below releases what was taken
-        ownership = Ownership(self.root, None) if self.rank == 0 and store is None else None
+        key = self._dist.start_key(given) if self._dist is not None else ""
+        self._nodes = _nodes.discover(self._dist, key, self.timeout) if node_local and self._dist is not None else None
+        self._node_run: str | None = None  # the node-local tier: the run of the agreed newest step
+        leads = self.rank == 0 or (self._nodes is not None and self.rank in self._nodes.leaders)
+        ownership = Ownership(self.root, None) if leads and store is None else None
         lease = Lease(store, self._ranks, ttl=ttl) if self.rank == 0 and store is not None else None
         rt: _Runtime | None = None
-        key = self._dist.start_key(given) if self._dist is not None else ""
         try:
             committed: list[int] = []
             surveyed: set[int] = set()
@@ -467,6 +472,13 @@ class Checkpointer:
                     committed, surveyed = _rootstart.remote_start(lease, self.timeout, t_start)
                 except (CheckpointError, OSError, ValueError) as e:
                     failure = e
+            elif self._nodes is not None:
+                assert self._dist is not None
+                failure, agreed = _nodelocal.start_on_nodes(self._dist, key, self.root, self._nodes, functools.partial(
+                    _rootstart.node_start, self.root, _ops, ownership, self.timeout, self._ranks, self._dead),
+                    self.timeout)  # fmt: skip
+                committed = [int(a[0]) for a in agreed]
+                self._node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
             elif store is None:
                 failure, committed = _rootstart.start_on_root(
                     self.root, _ops, ownership, self._dist, key, self.timeout, self._ranks, self._dead
@@ -491,6 +503,9 @@ class Checkpointer:
                 rt.coord = StoreCoordinator(
                     self._dist.connect, self.rank, self.world_size, namespace, rt.run_coordination
                 )
+                if self._nodes is not None:  # the node-local tier: one commit per node
+                    rt.backend = _nodelocal.NodeLocalBackend(rt.storage, self.root, self._nodes, self.rank, rt.coord,
+                                                             committed)  # fmt: skip
             self._rt = rt
             if mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
                 rt.mirror = Mirror(self.root, mirror, storage_options, keep_last_remote=keep_last_remote,
@@ -522,6 +537,8 @@ class Checkpointer:
         every manifest, the store's newest into ``save()``'s step rule."""
 
         def look() -> list[Any]:
+            if self._nodes is not None:  # the node-local tier: the run of the step every rank holds
+                return [self._node_run or _runs.new_run_id(), None, True]
             mirror = None if self._mirror is None else self._mirror.store
             return _runs.at_start(self.root, bool(committed), self._store, mirror, min(self.timeout / 2, _SURVEY_S))
 
@@ -1461,7 +1478,12 @@ class Checkpointer:
                 _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
             return state
         chosen = self._remote_choice(step)
-        if chosen is not None:  # tier mode: the step is on the store only, or newer there
+        if self._nodes is not None:  # the node-local tier: each rank reads its part on its node
+            assert self._dist is not None
+            self._queries += 1
+            _, state = _nodeload.load_part(self._dist, f"q/{self._queries}/node-load", self.root, step, verify,
+                                           self.timeout)  # fmt: skip
+        elif chosen is not None:  # tier mode: the step is on the store only, or newer there
             far, attempt = _runs.unpack(chosen)
             if mmap:
                 raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
