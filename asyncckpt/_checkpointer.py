@@ -319,6 +319,11 @@ class Checkpointer:
             few percent sooner. The price is paid once, when a buffer is allocated (the first
             save, or ``reserve()``): the kernel may have to compact memory for the huge
             pages, which took 3-16 s per GiB on that VM (0.3 s without). Off by default.
+        node_local: the root is the same path on every node with a different disk behind it
+            (a local NVMe): each node commits its own ranks' files on its own disk, and a save
+            commits once every node acknowledged; ``load()`` agrees on the newest step every rank
+            holds with one attempt (docs/node-local.md). Nodes are grouped by host name, or by
+            the ``ASYNCCKPT_NODE`` environment variable where it is set. Not with ``mirror=`` yet.
 
     One root has one writing job: the Checkpointer (rank 0 of its group) takes ownership of
     ``root`` at construction and holds it until ``close()``; a second writer on the same
@@ -1480,6 +1485,8 @@ class Checkpointer:
         chosen = self._remote_choice(step)
         if self._nodes is not None:  # the node-local tier: each rank reads its part on its node
             assert self._dist is not None
+            if shard != self.rank or mmap:
+                raise ValueError("node_local=True loads each rank's own part: rank= and mmap=True are not supported")
             self._queries += 1
             _, state = _nodeload.load_part(self._dist, f"q/{self._queries}/node-load", self.root, step, verify,
                                            self.timeout)  # fmt: skip

@@ -7,6 +7,7 @@ Writes what happened to ``out.<rank>.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -28,7 +29,21 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     timeout = float(os.environ.get("CK_TIMEOUT", "20"))
     keep_last = int(os.environ["KEEP_LAST"]) if os.environ.get("KEEP_LAST") else None
     dying = os.environ.get("DIE_RANKS", "")
-    ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last)
+    ops: Any = None
+    if os.environ.get("FAIL_RENAME_RANK") == str(rank):  # the OS call fails, not our code (conftest.FaultOps)
+        from asyncckpt.roots.posix._storage import OsOps
+
+        target = f"step_{int(os.environ['FAIL_RENAME_STEP']):08d}"
+
+        class FailCommit(OsOps):
+            def rename(self, src: str, dst: str) -> None:
+                if os.path.basename(dst) == target:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO), dst)
+                super().rename(src, dst)
+
+        ops = FailCommit()
+    extra = {"_ops": ops} if ops is not None else {}
+    ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
     result["run_id"] = ck.run_id
     try:
         loaded = ck.load()

@@ -148,3 +148,24 @@ def test_a_wiped_node_or_another_runs_files_are_never_read(tmp_path: Path) -> No
     res = _run(tmp_path, "after-wipe", (a, b))
     for got in res.values():
         assert got["loaded"] == 6 and got["equal"] and got["run_id"] in runs, got
+
+
+@pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_a_node_that_cannot_commit_fails_the_save_on_every_rank_and_nothing_is_lost(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    # node b's leader (rank 2): the rename that commits its part of step 3 fails with EIO
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", FAIL_RENAME_RANK="2", FAIL_RENAME_STEP="3")
+    for r, got in res.items():
+        assert got["saved"] == [1, 2] and got["failed_step"] == 3, got
+        err = got["save_error"]
+        assert err["type"] == "SaveError", err  # the same error on every rank, naming the node
+        assert err["failures"]["0"]["exc_type"] == "NodeCommitError", (r, err)
+        assert "node 'b' (leader rank 2)" in err["failures"]["0"]["message"], (r, err)
+        assert "Input/output error" in err["failures"]["0"]["message"], (r, err)
+    assert _steps(a) == [1, 2] and _steps(b) == [1, 2]  # rank 0's node took its commit back
+    res = _run(tmp_path, "restart", (a, b), STEPS="3")
+    for got in res.values():
+        assert got["loaded"] == 2 and got["equal"], got
+        assert got["saved"] == [3], got
+    assert _steps(a) == [1, 2, 3] and _steps(b) == [1, 2, 3]
