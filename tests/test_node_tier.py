@@ -2,7 +2,8 @@
 
 Each rank runs in a private mount namespace with its node's directory bind-mounted at the job's
 one root path (``_rank_worker.enter_node``); ranks 0-1 are node "a", ranks 2-3 node "b"
-(``ASYNCCKPT_NODE``); gloo over loopback. Needs root (mount namespaces).
+(``ASYNCCKPT_NODE``); gloo over loopback. Needs root (mount namespaces). Each run of 4 ranks
+costs ~10-15 s of process start on a busy 2-core machine: the tests with several runs are slow.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def test_each_node_holds_its_ranks_files_and_every_rank_resumes_bit_exact(tmp_pa
 
 
 @pytest.mark.needs_root
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_lost_mid_save_fails_the_save_everywhere_and_the_restart_resumes_the_last_common_step(
     tmp_path: Path,
@@ -118,7 +120,8 @@ def test_a_node_lost_mid_save_fails_the_save_everywhere_and_the_restart_resumes_
 
 
 @pytest.mark.needs_root
-@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_wiped_node_or_another_runs_files_are_never_read(tmp_path: Path) -> None:
     a, b = _nodes(tmp_path)
     _run(tmp_path, "first", (a, b), STEPS="1,2")
@@ -169,3 +172,19 @@ def test_a_node_that_cannot_commit_fails_the_save_on_every_rank_and_nothing_is_l
         assert got["loaded"] == 2 and got["equal"], got
         assert got["saved"] == [3], got
     assert _steps(a) == [1, 2, 3] and _steps(b) == [1, 2, 3]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_node_whose_commit_hangs_fails_the_save_with_a_timeout_on_every_rank(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2", FAIL_RENAME_RANK="2", FAIL_RENAME_STEP="2",
+               FAIL_RENAME_HANG_S="12", CK_TIMEOUT="6")  # fmt: skip
+    for r, got in res.items():
+        assert got["saved"] == [1] and got["failed_step"] == 2, got
+        err = got["save_error"]
+        assert err["type"] == "SaveTimeoutError", (r, err)
+        if r != 2:  # rank 2, stuck in its rename past the deadline, gave up on rank 0 by itself
+            assert "node 'b' (leader rank 2) did not confirm its commit" in err["failures"]["0"]["message"], (r, err)
+    assert _steps(a) == [1] and _steps(b) == [1]  # rank 0's node took its commit back

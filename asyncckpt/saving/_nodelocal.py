@@ -11,8 +11,9 @@ in its coordination; :class:`NodeLocalBackend` is its storage half. Theory of op
    (the whole step's: every rank's files) as the *go* word through the c10d store, commits its
    own node's part, then waits, bounded by the save's deadline, for every other node's leader
    (its lowest rank) to acknowledge its own node's commit; a node that fails or stays silent
-   fails the save on every rank (``SaveError`` naming that node's leader and its error), and
-   rank 0 takes its own node's commit back;
+   fails the save on every rank (``SaveError`` naming that node's leader and its error, with
+   ``NodeCommitError`` as rank 0's failure; ``SaveTimeoutError`` for a silent one), and rank 0
+   takes its own node's commit back;
 3. each other node's leader, after reporting, waits for the go word (or rank 0's *abort*,
    posted whenever it does not commit), writes the manifest into its node's attempt, fsyncs,
    renames the attempt to ``step_N`` and fsyncs the root: the same commit discipline as a
@@ -53,7 +54,7 @@ from ..ranks._agree import agree
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._distributed import DistContext
 from ..ranks._nodes import Nodes
-from ..roots._backend import PosixBackend, check_deadline
+from ..roots._backend import PhaseTimeout, PosixBackend, check_deadline, dir_deadline
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
 from ._commit import SaveJob
@@ -180,12 +181,13 @@ class NodeLocalBackend(PosixBackend):
         self.confirmed.add(job.step)
 
     async def _acknowledged(self, job: SaveJob) -> None:
+        until = dir_deadline(job)  # a little before the phase's: the error names the silent node
         for k in range(1, len(self.nodes.members)):
-            ack = await self.coord.wait_for(job.seq, f"node-ack/{k}", job.deadline)
+            ack = await self.coord.wait_for(job.seq, f"node-ack/{k}", until)
             leader = self.nodes.leader(k)
-            if ack is None:
-                raise NodeCommitError(f"step {job.step}: node {self.nodes.names[k]!r} (leader rank {leader}) did not "
-                                      "confirm its commit before the save's deadline")  # fmt: skip
+            if ack is None:  # a timeout, as a rank that does not answer: SaveTimeoutError on every rank
+                raise PhaseTimeout(f"step {job.step}: node {self.nodes.names[k]!r} (leader rank {leader}) did not "
+                                   "confirm its commit before the save's deadline")  # fmt: skip
             if not ack.get("ok"):
                 raise NodeCommitError(f"step {job.step}: node {self.nodes.names[k]!r} (leader rank {leader}) could "
                                       f"not commit its part: {ack.get('error')}")  # fmt: skip
