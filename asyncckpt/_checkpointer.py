@@ -46,14 +46,14 @@ from .loading import _load, _load_global, _nodeload, _resume
 from .loading._stepfiles import NoSuchShard
 from .ranks import _agree, _distributed, _nodes
 from .ranks._coordination import Coordinator, LocalCoordinator, StoreCoordinator
-from .roots import _readfault, _rootstart, _runs
+from .roots import _nodeparts, _readfault, _rootstart, _runs
 from .roots._backend import Backend, PosixBackend
 from .roots._scheme import is_url
 from .roots.posix import _discovery
 from .roots.posix._ownership import Ownership
 from .roots.posix._retention import retire
 from .roots.posix._storage import DEFAULT_OPS, OsOps, Storage, current_meter, metered
-from .saving import _dedupe, _nodelocal
+from .saving import _dedupe, _nodelocal, _nodeupload
 from .saving._commit import SaveJob, run_save
 from .saving._handle import SaveHandle, SaveRecord
 from .saving._mirror import Mirror, UploadRecord, check_options
@@ -431,7 +431,7 @@ class Checkpointer:
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be a bool, not {huge_pages!r}")
         self.dedupe = dedupe
-        _nodelocal.check_option(node_local, store is not None, mirror, allow_earlier_steps)  # the node-local tier
+        _nodelocal.check_option(node_local, store is not None, allow_earlier_steps)  # the node-local tier
         self._failed_commits: set[str] = set()
         self._dead: set[str] = set()  # directory names under root known dead (see SaveJob.dead)
         # steps reserved by save() (registered atomically with the checks): the record once
@@ -481,7 +481,8 @@ class Checkpointer:
                 assert self._dist is not None
                 failure, agreed = _nodelocal.start_on_nodes(self._dist, key, self.root, self._nodes, functools.partial(
                     _rootstart.node_start, self.root, _ops, ownership, self.timeout, self._ranks, self._dead),
-                    self.timeout)  # fmt: skip
+                    self.timeout, None if mirror is None else functools.partial(
+                        _nodeparts.store_steps, mirror, storage_options, min(self.timeout / 2, _SURVEY_S)))  # fmt: skip
                 committed = [int(a[0]) for a in agreed]
                 self._node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
             elif store is None:
@@ -512,7 +513,14 @@ class Checkpointer:
                     rt.backend = _nodelocal.NodeLocalBackend(rt.storage, self.root, self._nodes, self.rank, rt.coord,
                                                              committed)  # fmt: skip
             self._rt = rt
-            if mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
+            if mirror is not None and self._nodes is not None:  # the node-local tier: every rank uploads its files
+                assert self._dist is not None and isinstance(rt.backend, _nodelocal.NodeLocalBackend)
+                rt.mirror = _nodeupload.PartUploads(
+                    self.root, mirror, storage_options, rank=self.rank, world_size=self.world_size,
+                    connect=self._dist.connect, namespace=namespace, keep_last_remote=keep_last_remote,
+                    timeout=self.timeout, ranks=self._ranks, lease_ttl=lease_ttl)  # fmt: skip
+                rt.backend.uploaded = rt.mirror.uploaded
+            elif mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
                 rt.mirror = Mirror(self.root, mirror, storage_options, keep_last_remote=keep_last_remote,
                                    timeout=self.timeout, retire_local=self._local_retention(rt),
                                    uploads=self.rank == 0, ranks=self._ranks, lease_ttl=lease_ttl)
@@ -1033,8 +1041,8 @@ class Checkpointer:
             else:
                 self._unraised.append(record)
             self._totals.add(info)
-        if info is not None and self._mirror is not None and self.rank == 0:
-            self._track_upload(info)  # tier mode: upload in the background
+        if info is not None and self._mirror is not None and (self.rank == 0 or self._nodes is not None):
+            self._track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
         if info is not None and self._on_commit is not None:
             try:
                 self._on_commit(info)
@@ -1146,7 +1154,7 @@ class Checkpointer:
         only once every settled save has handed its step to the mirror: ``_settle`` runs on
         the writer loop right after a save's future resolves, so one round trip through that
         loop orders this after it."""
-        if local_only or self._mirror is None or self.rank != 0 or self._rt.stopped:
+        if local_only or self._mirror is None or (self.rank != 0 and self._nodes is None) or self._rt.stopped:
             return False
         self._rt.writer.submit(asyncio.sleep(0)).result(_MARGIN_S)
         return True
@@ -1482,14 +1490,9 @@ class Checkpointer:
             if into is not None:
                 _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
             return state
-        chosen = self._remote_choice(step)
-        if self._nodes is not None:  # the node-local tier: each rank reads its part on its node
-            assert self._dist is not None
-            if shard != self.rank or mmap:
-                raise ValueError("node_local=True loads each rank's own part: rank= and mmap=True are not supported")
-            self._queries += 1
-            _, state = _nodeload.load_part(self._dist, f"q/{self._queries}/node-load", self.root, step, verify,
-                                           self.timeout)  # fmt: skip
+        chosen = None if self._nodes is not None else self._remote_choice(step)
+        if self._nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
+            state = self._load_node_part(step, shard, verify, mmap)
         elif chosen is not None:  # tier mode: the step is on the store only, or newer there
             far, attempt = _runs.unpack(chosen)
             if mmap:
@@ -1513,6 +1516,20 @@ class Checkpointer:
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
+
+    def _load_node_part(self, step: int | None, shard: int, verify: bool, mmap: bool) -> Any:
+        """:meth:`load` on a node-local root (``loading._nodeload``)."""
+        assert self._dist is not None
+        if shard != self.rank or mmap:
+            raise ValueError("node_local=True loads each rank's own part: rank= and mmap=True are not supported")
+        store = None
+        if self._mirror is not None:
+            m = self._mirror
+            listed = _nodeparts.store_steps(m.url, m.storage_options, self.timeout) if self.rank == 0 else None
+            store = (m.url, m.storage_options, listed)
+        self._queries += 1
+        return _nodeload.load_part(self._dist, f"q/{self._queries}/node-load", self.root, step, verify, self.timeout,
+                                   store)[1]  # fmt: skip
 
     def _find_latest(
         self, deadline_s: float | None = None, skip: frozenset[int] = frozenset()

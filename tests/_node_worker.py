@@ -44,7 +44,9 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
                 super().rename(src, dst)
 
         ops = FailCommit()
-    extra = {"_ops": ops} if ops is not None else {}
+    extra: dict[str, Any] = {"_ops": ops} if ops is not None else {}
+    if os.environ.get("MIRROR"):  # the persistent tier
+        extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
     ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
     result["run_id"] = ck.run_id
     try:
@@ -70,8 +72,13 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             result["save_error"] = describe(e)
             result["failed_step"] = s
             break
-    if "save_error" not in result:
-        ck.close()
+    if "save_error" in result:
+        return
+    try:
+        ck.flush(timeout=timeout * 6)  # with the persistent tier: the uploads too
+    except Exception as e:  # noqa: BLE001
+        result["flush_error"] = describe(e)
+    ck.close()
 
 
 def main() -> None:
@@ -82,6 +89,9 @@ def main() -> None:
 
     faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER_S", "100")))
     enter_node(os.environ["NODE_DIRS"].split(":")[rank], root)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     os.environ["ASYNCCKPT_NODE"] = os.environ["NODE_NAMES"].split(":")[rank]
     from datetime import timedelta
 

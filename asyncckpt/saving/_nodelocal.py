@@ -44,7 +44,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError
@@ -65,7 +65,7 @@ log = logging.getLogger("asyncckpt")
 _CONFIRMED_SENT = 64
 
 
-def check_option(node_local: object, store_root: bool, mirror: object, allow_earlier_steps: bool) -> None:
+def check_option(node_local: object, store_root: bool, allow_earlier_steps: bool) -> None:
     """Raise ``TypeError``/``ValueError`` for a ``node_local=`` that cannot work (no I/O)."""
     if not isinstance(node_local, bool):
         raise TypeError(f"node_local must be a bool, not {node_local!r}")
@@ -74,9 +74,6 @@ def check_option(node_local: object, store_root: bool, mirror: object, allow_ear
     if store_root:
         raise ValueError("node_local=True needs a file-system root (the same path on every node); this root is an "
                          "object store, which every node shares already")  # fmt: skip
-    if mirror is not None:
-        raise ValueError("node_local=True with mirror= is not supported yet: each rank's upload of its own files "
-                         "(the persistent tier of node-local roots) is planned")  # fmt: skip
     if allow_earlier_steps:
         raise ValueError("node_local=True does not support allow_earlier_steps=True")
 
@@ -123,21 +120,24 @@ async def _remove_aside(storage: Storage, root: str, step: int, path: str, dead:
 
 async def retire_parts(
     storage: Storage, root: str, keep_last: int, confirmed: Sequence[int], current: int, ranks: Collection[int],
-    dead: set[str], lock: asyncio.Lock | None = None,
+    dead: set[str], lock: asyncio.Lock | None = None, above: int | None = None,
 ) -> list[int]:  # fmt: skip
     """Keep the newest ``keep_last`` steps confirmed on every node and ``current``; remove this
     node's parts of every step below the oldest of them (confirmed or not: a step below steps
-    every node holds is never the one a resume agrees on). Never a step above it."""
+    every node holds is never the one a resume agrees on). Never a step above it; with
+    ``above`` (the persistent tier's floor), never a step above ``above`` (not on the store yet)."""
     keep = set(sorted(confirmed)[-keep_last:]) | {current}
     async with lock if lock is not None else contextlib.nullcontext():  # overlapping saves: one at a time
-        return await _retire(storage, root, keep, ranks, dead)
+        return await _retire(storage, root, keep, ranks, dead, above)
 
 
-async def _retire(storage: Storage, root: str, keep: set[int], ranks: Collection[int], dead: set[str]) -> list[int]:
+async def _retire(
+    storage: Storage, root: str, keep: set[int], ranks: Collection[int], dead: set[str], above: int | None
+) -> list[int]:
     on_disk = await storage.run(parts, root, ranks)
     gone = []
     for s in sorted(set(on_disk) - keep):
-        if s < min(keep):
+        if s < min(keep) and (above is None or s <= above):
             await _remove_aside(storage, root, s, os.path.join(root, step_dir_name(s)), dead)
             gone.append(s)
     return gone
@@ -158,6 +158,12 @@ class NodeLocalBackend(PosixBackend):
         self.node = nodes.node_of(rank)
         self.coord = coord
         self.confirmed: set[int] = set(confirmed)
+        #: with the persistent tier (``_nodeupload``): the newest step this rank saw on the store;
+        #: retention keeps every step above it (``None``: no persistent tier)
+        self.uploaded: Callable[[], int] | None = None
+
+    def _floor(self) -> int | None:
+        return None if self.uploaded is None else self.uploaded()
 
     @property
     def _mine(self) -> tuple[int, ...]:
@@ -215,7 +221,7 @@ class NodeLocalBackend(PosixBackend):
         if ack["ok"] and job.keep_last is not None:
             try:
                 await retire_parts(self.storage, job.root, job.keep_last, go["confirmed"], job.step, self._mine,
-                                   job.dead, job.retention_lock)  # fmt: skip
+                                   job.dead, job.retention_lock, self._floor())  # fmt: skip
             except Exception as e:  # noqa: BLE001 - retention never fails a committed save
                 log.warning("node-local retention under %s failed: %s", job.root, e)
 
@@ -223,15 +229,17 @@ class NodeLocalBackend(PosixBackend):
         if job.keep_last is None:
             return
         await retire_parts(self.storage, job.root, job.keep_last, sorted(self.confirmed), job.step, self._mine,
-                           job.dead, job.retention_lock)  # fmt: skip
+                           job.dead, job.retention_lock, self._floor())  # fmt: skip
 
 
 def start_on_nodes(
-    dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, timeout: float
+    dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, timeout: float,
+    store_steps: Callable[[], list[list[Any]]] | None = None,
 ) -> tuple[BaseException | None, list[list[Any]]]:
     """Construction with ``node_local=True``, on every rank. Each node's leader runs ``start()``
     (make the root on its disk, take it, remove leftovers: ``_rootstart``) and the failures are
     shared; then the ranks agree on the steps complete for every rank (:func:`agree_parts`).
+    ``store_steps`` (rank 0, with the persistent tier): lists the store's resumable steps.
     Returns the first node's failure (the same on every rank) and the agreed steps."""
     failure: BaseException | None = None
     if dist.rank in nodes.leaders:
@@ -253,4 +261,5 @@ def start_on_nodes(
         r, msg = bad[0]
         return CheckpointError(f"asyncckpt: the node-local root {root} could not be started on rank {r}'s node: "
                                f"{msg}"), []  # fmt: skip
-    return None, agree_parts(dist, f"{key}/parts", root, max(1.0, deadline - time.monotonic()))
+    listed = store_steps() if store_steps is not None and dist.rank == 0 else None
+    return None, agree_parts(dist, f"{key}/parts", root, max(1.0, deadline - time.monotonic()), store_steps=listed)
