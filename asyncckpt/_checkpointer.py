@@ -323,7 +323,8 @@ class Checkpointer:
             (a local NVMe): each node commits its own ranks' files on its own disk, and a save
             commits once every node acknowledged; ``load()`` agrees on the newest step every rank
             holds with one attempt (docs/node-local.md). Nodes are grouped by host name, or by
-            the ``ASYNCCKPT_NODE`` environment variable where it is set. Not with ``mirror=`` yet.
+            the ``ASYNCCKPT_NODE`` environment variable where it is set. With ``mirror``, every
+            rank uploads its own files of each committed step and rank 0 commits on the store.
 
     One root has one writing job: the Checkpointer (rank 0 of its group) takes ownership of
     ``root`` at construction and holds it until ``close()``; a second writer on the same
