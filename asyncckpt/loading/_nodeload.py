@@ -21,7 +21,6 @@ from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
 from ..roots._nodeparts import agree_parts
 from ..roots.posix._discovery import read_manifest
-from . import _remote_load
 from ._load import load_rank
 
 log = logging.getLogger("asyncckpt")
@@ -50,6 +49,8 @@ def load_part(
              "the store")  # fmt: skip
     try:
         if source == "store":
+            from . import _remote_load  # obstore is an optional extra: imported only with a store
+
             assert store is not None
             state = _remote_load.load(store[0], chosen, rank=dist.rank, verify=verify, storage_options=store[1],
                                       deadline_s=timeout, expect=attempt)  # fmt: skip
