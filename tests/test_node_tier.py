@@ -107,7 +107,7 @@ def test_a_node_lost_mid_save_fails_the_save_everywhere_and_the_restart_resumes_
     tmp_path: Path,
 ) -> None:
     a, b = _nodes(tmp_path)
-    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", DIE_RANKS="2,3", DIE_BEFORE="3", CK_TIMEOUT="8")
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", DIE_RANKS="2,3", DIE_BEFORE="3", CK_TIMEOUT="30")
     for r in (0, 1):
         assert res[r]["saved"] == [1, 2], res[r]
         assert res[r]["failed_step"] == 3, res[r]
@@ -180,7 +180,7 @@ def test_a_node_that_cannot_commit_fails_the_save_on_every_rank_and_nothing_is_l
 def test_a_node_whose_commit_hangs_fails_the_save_with_a_timeout_on_every_rank(tmp_path: Path) -> None:
     a, b = _nodes(tmp_path)
     res = _run(tmp_path, "first", (a, b), STEPS="1,2", FAIL_RENAME_RANK="2", FAIL_RENAME_STEP="2",
-               FAIL_RENAME_HANG_S="12", CK_TIMEOUT="6")  # fmt: skip
+               FAIL_RENAME_HANG_S="25", CK_TIMEOUT="10")  # fmt: skip
     for r, got in res.items():
         assert got["saved"] == [1] and got["failed_step"] == 2, got
         err = got["save_error"]

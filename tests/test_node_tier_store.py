@@ -71,7 +71,7 @@ def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_sav
 ) -> None:
     a, b = _nodes(tmp_path)
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-    down = {"MIRROR": url, "S3OPTS": json.dumps(opts(f"http://127.0.0.1:{free_port()}")), "CK_TIMEOUT": "6"}
+    down = {"MIRROR": url, "S3OPTS": json.dumps(opts(f"http://127.0.0.1:{free_port()}")), "CK_TIMEOUT": "20"}
     res = _run(tmp_path, "outage", (a, b), STEPS="1,2,3", KEEP_LAST="1", **down)
     for r, got in res.items():
         assert got["saved"] == [1, 2, 3], got  # the node-local commits went on
