@@ -107,6 +107,12 @@ class Checkpointer:
             few percent sooner. The price is paid once, when a buffer is allocated (the first
             save, or ``reserve()``): the kernel may have to compact memory for the huge
             pages, which took 3-16 s per GiB on that VM (0.3 s without). Off by default.
+        node_local: the root is the same path on every node with a different disk behind it
+            (a local NVMe): each node commits its own ranks' files on its own disk, and a save
+            commits once every node acknowledged; ``load()`` agrees on the newest step every rank
+            holds with one attempt (docs/node-local.md). Nodes are grouped by host name, or by
+            the ``ASYNCCKPT_NODE`` environment variable where it is set. With ``mirror``, every
+            rank uploads its own files of each committed step and rank 0 commits on the store.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
@@ -146,6 +152,7 @@ class Checkpointer:
         storage_options: Mapping[str, str] | None = None,
         lease_ttl: float | None = None,
         huge_pages: bool = False,
+        node_local: bool = False,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -154,7 +161,7 @@ class Checkpointer:
             direct_io=direct_io, verify=verify, io_threads=io_threads, process_group=process_group,
             on_commit=on_commit, strip_prefixes=strip_prefixes, allow_earlier_steps=allow_earlier_steps,
             dedupe=dedupe, mirror=mirror, keep_last_remote=keep_last_remote, storage_options=storage_options,
-            lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops,
+            lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
         )  # fmt: skip
         self.root = opts.root
         self.strip_prefixes = opts.strip_prefixes

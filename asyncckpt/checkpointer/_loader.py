@@ -15,10 +15,10 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
 from ..format._structure import check_strip_prefixes
-from ..loading import _load, _load_global, _resume
+from ..loading import _load, _load_global, _nodeload, _resume
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree
-from ..roots import _readfault, _runs
+from ..roots import _nodeparts, _readfault, _runs
 from ..roots._scheme import is_url
 from ..roots.posix import _discovery
 from ._options import is_int
@@ -75,8 +75,10 @@ class Loader:
             if into is not None:
                 _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
             return state
-        chosen = self._remote_choice(req.step)
-        if chosen is not None:  # tier mode: the step is on the store only, or newer there
+        chosen = None if self.session.nodes is not None else self._remote_choice(req.step)
+        if self.session.nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
+            state = self._load_node_part(req)
+        elif chosen is not None:  # tier mode: the step is on the store only, or newer there
             far, attempt = _runs.unpack(chosen)
             if req.mmap:
                 raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
@@ -99,6 +101,23 @@ class Loader:
         if into is not None:
             _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
+
+    def _load_node_part(self, req: LoadRequest) -> Any:
+        """``load()`` on a node-local root (``loading._nodeload``): the ranks agree on the
+        newest step every rank holds with one attempt; each reads its own part from its node's
+        disk if it holds that attempt, else (the persistent tier) from the store."""
+        session = self.session
+        assert session.dist is not None
+        if req.shard != session.rank or req.mmap:
+            raise ValueError("node_local=True loads each rank's own part: rank= and mmap=True are not supported")
+        store = None
+        if session.mirror is not None:
+            m = session.mirror
+            listed = _nodeparts.store_steps(m.url, m.storage_options, self.timeout) if session.rank == 0 else None
+            store = (m.url, m.storage_options, listed)
+        session.queries += 1
+        return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
+                                   self.timeout, store)[1]  # fmt: skip
 
     def _load_store_root(self, req: LoadRequest) -> Any:
         """``load()`` under an object-store root: each rank reads its own shard with ranged

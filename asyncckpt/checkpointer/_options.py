@@ -12,6 +12,7 @@ from ..format._structure import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._storage import OsOps
 from ..saving._mirror import check_options
+from ..saving._nodelocal import check_option as check_node_local
 
 OnError = Literal["raise", "warn"]
 DirectIO = Literal["auto", "on", "off"]
@@ -54,6 +55,7 @@ class Options:
     lease_ttl: float | None
     huge_pages: bool
     os_ops: OsOps
+    node_local: bool = False
 
     @classmethod
     def check(
@@ -78,6 +80,7 @@ class Options:
         lease_ttl: float | None,
         huge_pages: bool,
         os_ops: OsOps,
+        node_local: bool = False,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -132,6 +135,7 @@ class Options:
             raise TypeError(f"dedupe must be a bool, not {dedupe!r}")
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be a bool, not {huge_pages!r}")
+        check_node_local(node_local, store is not None, allow_earlier_steps)  # the node-local tier
         if not isinstance(os_ops, OsOps):
             raise TypeError(f"os_ops must be an asyncckpt.testing.OsOps, not {type(os_ops).__name__}")
         return cls(
@@ -141,7 +145,7 @@ class Options:
             direct_io=direct_io, verify=verify, io_threads=io_threads, process_group=process_group,
             on_commit=on_commit, strip_prefixes=prefixes, allow_earlier_steps=allow_earlier_steps, dedupe=dedupe,
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
-            huge_pages=huge_pages, os_ops=os_ops,
+            huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
         )  # fmt: skip
 
 

@@ -410,8 +410,8 @@ class SavePipeline:
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
-        if info is not None and self.session.mirror is not None and self.session.rank == 0:
-            self.track_upload(info)  # tier mode: upload in the background
+        if info is not None and self.session.uploads_here():
+            self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
         if info is not None and self.opts.on_commit is not None:
             try:
                 self.opts.on_commit(info)

@@ -4,6 +4,7 @@ runtime, the run it continues, the tier glue, and the questions rank 0 answers f
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -13,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointError
 from .._info import CheckpointInfo
 from ..format._layout import step_dir_name
-from ..ranks import _distributed
+from ..ranks import _distributed, _nodes
 from ..ranks._coordination import LocalCoordinator, StoreCoordinator
-from ..roots import _rootstart, _runs
+from ..roots import _nodeparts, _rootstart, _runs
 from ..roots._backend import PosixBackend
 from ..roots.posix import _discovery
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
+from ..saving import _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
 from ..threads._iopool import IOPool
 from ..threads._sync import run_sync
@@ -57,15 +59,20 @@ class RootSession:
         self.committed: list[int] = []  # the complete steps found at start (set by claim)
         self.rt: Runtime | None = None
         self.mirror: Mirror | None = None
+        self.key = self.dist.start_key(opts.given) if self.dist is not None else ""
+        # the node-local tier (saving._nodelocal): which ranks share a node; each node's leader
+        # takes the root on its own disk
+        self.nodes = _nodes.discover(self.dist, self.key, self.timeout) if opts.node_local and self.dist else None
+        self.node_run: str | None = None  # the node-local tier: the run of the agreed newest step
+        leads = self.rank == 0 or (self.nodes is not None and self.rank in self.nodes.leaders)
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), abandon() releases what was taken
-        self.ownership = Ownership(self.root, None) if self.rank == 0 and self.store is None else None
+        self.ownership = Ownership(self.root, None) if leads and self.store is None else None
         self.lease: Lease | None = None
         if self.rank == 0 and self.store is not None:
             from ..roots.objstore._lease import Lease  # obstore: only for s3:// roots
 
             self.lease = Lease(self.store, self.ranks, ttl=opts.ttl)
-        self.key = self.dist.start_key(opts.given) if self.dist is not None else ""
         self.run_id = ""
         self.store_newest = _runs.Newest.from_json(None)
         self.store_known = False
@@ -83,6 +90,9 @@ class RootSession:
                 committed, surveyed = _rootstart.remote_start(self.lease, self.timeout, t_start)
             except (CheckpointError, OSError, ValueError) as e:
                 failure = e
+        elif self.nodes is not None:
+            assert self.dist is not None
+            failure, committed = self.start_on_nodes()
         elif self.store is None:
             failure, committed = _rootstart.start_on_root(
                 self.root, opts.os_ops, self.ownership, self.dist, self.key, self.timeout, self.ranks, self.dead
@@ -106,13 +116,38 @@ class RootSession:
         if self.dist is not None:
             rt.coord_pool = IOPool(2, "asyncckpt-coord")
             rt.coord = StoreCoordinator(self.dist.connect, self.rank, self.world_size, namespace, rt.run_coordination)
-        if opts.mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
+            if self.nodes is not None:  # the node-local tier: one commit per node
+                rt.backend = _nodelocal.NodeLocalBackend(rt.storage, self.root, self.nodes, self.rank, rt.coord,
+                                                         committed)  # fmt: skip
+        if opts.mirror is not None and self.nodes is not None:  # the node-local tier: every rank uploads its files
+            assert self.dist is not None and isinstance(rt.backend, _nodelocal.NodeLocalBackend)
+            rt.mirror = _nodeupload.PartUploads(
+                self.root, opts.mirror, opts.mirror_options, rank=self.rank, world_size=self.world_size,
+                connect=self.dist.connect, namespace=namespace, keep_last_remote=opts.keep_last_remote,
+                timeout=self.timeout, ranks=self.ranks, lease_ttl=opts.lease_ttl)  # fmt: skip
+            rt.backend.uploaded = rt.mirror.uploaded
+        elif opts.mirror is not None:  # tier mode: rank 0 uploads (the root is shared), every rank may load
             rt.mirror = Mirror(self.root, opts.mirror, opts.mirror_options, keep_last_remote=opts.keep_last_remote,
                                timeout=self.timeout, retire_local=self.local_retention(rt),
                                uploads=self.rank == 0, ranks=self.ranks, lease_ttl=opts.lease_ttl)
         self.mirror = rt.mirror
         self.start_run(committed)  # the run this job continues (_runs)
         return rt
+
+    def start_on_nodes(self) -> tuple[BaseException | None, list[int]]:
+        """The start on a node-local root (``_nodelocal.start_on_nodes``): each node's leader
+        takes the root on its disk, the ranks agree on the steps every rank holds (with the
+        persistent tier: or the store); sets :attr:`node_run` to the newest one's run."""
+        assert self.dist is not None and self.nodes is not None
+        opts = self.opts
+        start = functools.partial(_rootstart.node_start, self.root, opts.os_ops, self.ownership, self.timeout,
+                                  self.ranks, self.dead)  # fmt: skip
+        listed = None if opts.mirror is None else functools.partial(
+            _nodeparts.store_steps, opts.mirror, opts.mirror_options, min(self.timeout / 2, SURVEY_S))  # fmt: skip
+        failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, self.timeout,
+                                                    listed)  # fmt: skip
+        self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
+        return failure, [int(a[0]) for a in agreed]
 
     def abandon(self) -> None:
         """Release what :meth:`claim` took (a construction that failed or was interrupted)."""
@@ -122,6 +157,10 @@ class RootSession:
             self.ownership.release()
         if self.lease is not None:
             self.lease.release()
+
+    def uploads_here(self) -> bool:
+        """Tier mode: whether this rank uploads (rank 0, the root is shared; node-local: every rank)."""
+        return self.mirror is not None and (self.rank == 0 or self.nodes is not None)
 
     def newest_to_upload(self) -> CheckpointInfo | None:
         """Tier mode, rank 0, at construction: the newest local commit, which the last job may
@@ -139,6 +178,8 @@ class RootSession:
         every manifest, the store's newest into ``save()``'s step rule."""
 
         def look() -> list[Any]:
+            if self.nodes is not None:  # the node-local tier: the run of the step every rank holds
+                return [self.node_run or _runs.new_run_id(), None, True]
             mirror = None if self.mirror is None else self.mirror.store
             return _runs.at_start(self.root, bool(committed), self.store, mirror, min(self.timeout / 2, SURVEY_S))
 

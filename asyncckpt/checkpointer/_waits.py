@@ -123,7 +123,7 @@ class Waits:
         only once every settled save has handed its step to the mirror: the pipeline's
         ``settle`` runs on the writer loop right after a save's future resolves, so one round
         trip through that loop orders this after it."""
-        if local_only or self.session.mirror is None or self.session.rank != 0 or self.rt.stopped:
+        if local_only or not self.session.uploads_here() or self.rt.stopped:
             return False
         self.rt.writer.submit(asyncio.sleep(0)).result(MARGIN_S)
         return True

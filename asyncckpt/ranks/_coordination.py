@@ -318,6 +318,17 @@ class StoreCoordinator:
         values = await self._call("multi_get", keys)
         return {r: json.loads(v) for r, v in enumerate(values)}
 
+    async def post_once(self, seq: int, tag: str, value: Any) -> Any:
+        """Set ``tag`` of save ``seq`` to ``value`` unless it is set; return the value that stands
+        (the node-local tier's go/abort word, ``saving._nodelocal``)."""
+        stood = await self._call("compare_set", self._key(seq, tag), "", json.dumps(value))
+        return json.loads(stood)
+
+    async def wait_for(self, seq: int, tag: str, deadline: float) -> Any | None:
+        """The value of ``tag`` of save ``seq`` once set (:meth:`post_once`, :meth:`exchange`
+        with the rank as the tag's last part), or ``None`` if ``deadline`` passes first."""
+        return await self._wait_get(self._key(seq, tag), deadline)
+
     async def may_commit(self, seq: int) -> bool:
         """Leader only: claim the commit unless a follower already gave up on this save."""
         won = await self._call("compare_set", self._key(seq, "lock"), "", "commit")

@@ -122,9 +122,9 @@ def check(dist: DistContext, key: str, root: str, start_failed: bool, wait_s: fl
         parts.append(f"rank(s) {describe_ranks(silent, ranks)} did not answer in time (not started?)")
     return CheckpointError(
         f"asyncckpt: the ranks do not share the checkpoint root {root}: {'; '.join(parts)}. The same path "
-        "on different disks (node-local storage) is not supported yet: it needs the node-local tier "
-        "(planned) or a shared file system every rank mounts (NFS, Lustre, GPFS, a FUSE mount of a "
-        "bucket, ...); nothing was written"
+        "on different disks (node-local storage) needs node_local=True (each node keeps its own ranks' "
+        "files: docs/node-local.md) or a shared file system every rank mounts (NFS, Lustre, GPFS, a FUSE "
+        "mount of a bucket, ...); nothing was written"
     )
 
 

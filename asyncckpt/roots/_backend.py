@@ -147,6 +147,16 @@ class Backend(Protocol):
         (``None``: keep every step). Its failures are logged, never fail the save."""
         ...
 
+    async def follow(self, job: StepJob, loc: str, attempt: str) -> None:
+        """Follower, after reporting and before hearing the verdict: take part in the leader's
+        commit (the node-local tier: commit this node's part; ``saving._nodelocal``). Bounded
+        by the save's deadline; a no-op where the leader commits alone."""
+        ...
+
+    async def release(self, job: StepJob) -> None:
+        """Leader, when it decided not to commit: free the followers waiting in :meth:`follow`."""
+        ...
+
 
 # ---------------------------------------------------------------------------------- POSIX
 
@@ -342,6 +352,12 @@ class PosixBackend:
         # not marked dead if it stays (another rank's files in it): a retry's clean-up must not
         # touch them; the next start removes it
         await self.storage.run(remove_part, loc, ranks, leader, self.storage.ops)
+
+    async def follow(self, job: StepJob, loc: str, attempt: str) -> None:
+        return  # the leader commits alone
+
+    async def release(self, job: StepJob) -> None:
+        return
 
     async def retire(self, job: StepJob) -> None:
         if job.keep_last is None:

@@ -184,6 +184,12 @@ class MemoryBackend:
             with self.mem.lock:
                 self.mem.attempts.pop(loc, None)
 
+    async def follow(self, job: StepJob, loc: str, attempt: str) -> None:
+        return  # the leader commits alone
+
+    async def release(self, job: StepJob) -> None:
+        return
+
     async def retire(self, job: StepJob) -> None:
         if job.keep_last is not None:
             retire_steps(self.mem, job.keep_last)

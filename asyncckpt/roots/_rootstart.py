@@ -74,6 +74,17 @@ def start_on_root(
         return e, []
 
 
+def node_start(
+    root: str, ops: OsOps, own: Ownership | None, timeout: float, ranks: Sequence[int], dead: set[str]
+) -> None:
+    """A node's leader on a node-local root (``saving._nodelocal``; ``own``: its ownership to
+    fill in): make the root on its node's disk, take it, remove the leftovers. No shared-root
+    check: the disks differ by design."""
+    assert own is not None, "only a node's leader starts on its disk"
+    make_root(root, timeout, ops)
+    take_root(root, ranks, own, dead, ops)
+
+
 def make_root(root: str, timeout: float, ops: OsOps) -> None:
     """Rank 0: create the root (``RootNotWritableError`` if it cannot)."""
     try:

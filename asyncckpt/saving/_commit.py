@@ -526,6 +526,8 @@ async def run_save(
         committable = not leader and mine.failure is None and start.failure is None
         mine.settled = not isinstance(local_exc, TimeoutError)
         reports = await coord.report(job.step, job.seq, attempt, mine, job.deadline)
+        if not leader:  # the node-local tier: a node's leader commits its node's part here
+            await backend.follow(job, loc, attempt)
 
         # 3. the leader decides, and commits only if everyone succeeded in time
         verdict: Verdict | None = None
@@ -548,6 +550,7 @@ async def run_save(
                     failures[rank] = _failure(rank, e)
             if verdict is None:
                 verdict = Verdict(committed=False, failures=failures, missing=missing)
+                await backend.release(job)
         verdict = await coord.decide(job.step, job.seq, attempt, verdict, job.deadline)
     except (TimeoutError, CoordinationLost) as e:
         if not job.state.final:

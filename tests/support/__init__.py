@@ -38,7 +38,8 @@ Workers (``_*_worker.py``), each one process of a multi-process test, named for 
 ``_fallback_worker`` (test_fallback, test_resumable), ``_fault_worker`` (test_kernel_faults,
 test_fuse_faults), ``_global_worker`` (test_sharded_state), ``_golden_worker`` (test_golden),
 ``_hf_worker`` (test_transformers), ``_lightning_worker`` (test_lightning, test_lightning_ddp),
-``_llama_worker`` (test_llama_2d), ``_nemo_worker`` (test_nemo_stale_mkdir), ``_nemo_recipe_worker``
+``_llama_worker`` (test_llama_2d), ``_nemo_worker`` (test_nemo_stale_mkdir),
+``_node_worker`` (test_node_tier, test_node_tier_store), ``_nemo_recipe_worker``
 (test_nemo_recipe, in NeMo's own virtualenv), ``_oracle_worker`` (test_dcp_oracle),
 ``_owner_worker`` (test_ownership), ``_placement_worker`` (test_placement), ``_rank_worker``
 (test_node_local, test_stuck_rank), ``_readfault_worker`` (test_read_faults), ``_runs_worker``

@@ -229,6 +229,12 @@ class ObjectBackend:
         if self.store.can_list_uploads:
             await self.store.abort_uploads(prefix, deadline=deadline)
 
+    async def follow(self, job: StepJob, loc: str, attempt: str) -> None:
+        return  # the leader commits alone (the conditional create)
+
+    async def release(self, job: StepJob) -> None:
+        return
+
     async def retire(self, job: StepJob) -> None:
         """After ``job`` committed (the leader): one look at the root (``_view``: a
         LIST of the marks and a flat LIST of what lies above the floor; no GET of the manifest

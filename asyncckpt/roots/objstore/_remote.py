@@ -233,7 +233,7 @@ def _select_steps(root: str, steps: str | int | Iterable[int] | None) -> list[in
     return sorted(set(wanted))
 
 
-async def _upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, int], m: Manifest,
+async def upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, int], m: Manifest,
                         names: Iterable[str], deadline: float) -> None:
     """Upload ``names`` (open read-only in ``opened``) read with ``pread`` part by part (never
     mapped: a read error is an ``OSError`` naming the file, not a SIGBUS)."""
@@ -332,7 +332,7 @@ async def push_step(
         try:
             for name in names:
                 opened[name] = pinned.open_file(name, m.file(name).size)
-            await _upload_files(store, pinned.path, opened, m, names, deadline)
+            await upload_files(store, pinned.path, opened, m, names, deadline)
         finally:
             for fd in opened.values():
                 os.close(fd)

@@ -1,0 +1,81 @@
+"""Loading from the node-local tier: each rank reads its own part from its node's disk.
+
+Collective (store only, every wait bounded): the ranks agree on the newest step complete for
+every rank with one attempt (``roots._nodeparts.agree_parts``), each reads and verifies its own
+files of that step on its node, and they agree on the outcome, so either every rank returns
+the same step or every rank raises (its own error where it failed, ``CheckpointError`` naming
+the failed ranks elsewhere). A rank whose node lacks its part
+reads it from the persistent tier (``store``). No fallback to an older step yet: a corrupt part raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..format._layout import step_dir_name
+from ..ranks._agree import agree
+from ..ranks._distributed import DistContext
+from ..roots._nodeparts import agree_parts
+from ..roots.posix._discovery import read_manifest
+from ._load import load_rank
+
+log = logging.getLogger("asyncckpt")
+
+
+def load_part(
+    dist: DistContext, key: str, root: str, step: int | None, verify: bool, timeout: float,
+    store: tuple[str, Mapping[str, str] | None, list[list[Any]] | None] | None = None,
+) -> tuple[int, Any]:  # fmt: skip
+    """This rank's state of the agreed step (``step``: that one, else the newest) and its number.
+    ``store``: the persistent tier's URL, storage options and (rank 0) its resumable steps; a
+    rank whose node lacks its part of the agreed step reads it from there.
+
+    Raises ``CheckpointNotFoundError`` on every rank when no step is complete for every rank
+    in some tier (a node's disk empty, wiped, or holding another run's or attempt's files, and
+    the step not on the store)."""
+    steps = agree_parts(dist, f"{key}/parts", root, timeout, step, None if store is None else store[2])
+    if not steps:
+        what = f"step {step}" if step is not None else "a step"
+        raise CheckpointNotFoundError(f"no node-local checkpoint under {root}: {what} complete for every rank with "
+                                      "one attempt is on no node's disk")  # fmt: skip
+    chosen, attempt, source = int(steps[-1][0]), str(steps[-1][1]), steps[-1][3][dist.rank]
+    error: BaseException | None = None
+    state: Any = None
+    log.info("rank %d: loading step %d from %s", dist.rank, chosen, "its node's disk" if source == "local" else
+             "the store")  # fmt: skip
+    try:
+        if source == "store":
+            from . import _remote_load  # obstore is an optional extra: imported only with a store
+
+            assert store is not None
+            state = _remote_load.load(store[0], chosen, rank=dist.rank, verify=verify, storage_options=store[1],
+                                      deadline_s=timeout, expect=attempt)  # fmt: skip
+        else:
+            state = _read_local(root, chosen, attempt, dist.rank, verify)
+    except (CheckpointError, OSError) as e:
+        error = e
+    mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
+
+    def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"bad": [[r, o["error"]] for r, o in enumerate(outcomes) if o["error"]]}
+
+    bad = agree(dist, f"{key}/outcome", mine, decide, timeout)["bad"]
+    if error is not None:
+        raise error
+    if bad:
+        raise CheckpointError(f"step {chosen} could not be loaded from the node-local root {root} on rank(s) "
+                              f"{[r for r, _ in bad]}: {bad[0][1]}")  # fmt: skip
+    return chosen, state
+
+
+def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool) -> Any:
+    """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified."""
+    step_dir = os.path.join(root, step_dir_name(chosen))
+    m = read_manifest(step_dir)
+    if m.attempt != attempt:
+        raise CheckpointCorruptError(f"holds attempt {m.attempt}, not the agreed {attempt}", step_dir)
+    return load_rank(step_dir, m, rank, verify)

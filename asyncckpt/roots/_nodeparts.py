@@ -1,0 +1,132 @@
+"""A node's parts of steps on a node-local root, and the agreement on which step every rank holds.
+
+On a node-local root (``saving._nodelocal``) a node's ``step_N/`` holds the whole step's
+manifest but only that node's ranks' files. Torch-free; store calls only (``ranks._agree``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..format import _manifest
+from ..format._layout import step_dir_name
+from ..format._stepstates import same_run
+from ..ranks._agree import agree
+from ..ranks._distributed import DistContext
+from .posix._discovery import read_manifest
+
+log = logging.getLogger("asyncckpt")
+_STEP_DIR = re.compile(r"step_(\d{8,})$")
+
+
+def part_state(root: str, step: int, ranks: Collection[int]) -> _manifest.Manifest | None:
+    """The manifest of ``step`` on this node's ``root`` if its files of ``ranks`` are all there
+    with the sizes it lists (the part is complete for them); ``None`` otherwise."""
+    step_dir = os.path.join(root, step_dir_name(step))
+    try:
+        m = read_manifest(step_dir)
+    except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+        return None
+    for r in ranks:
+        for name in (_manifest.shard_name(r), _manifest.tree_name(r)):
+            try:
+                size = m.file(name).size
+                st = os.stat(os.path.join(step_dir, name), follow_symlinks=False)
+            except (CheckpointCorruptError, OSError):
+                return None
+            if not os.path.isfile(os.path.join(step_dir, name)) or st.st_size != size:
+                return None
+    return m
+
+
+def parts(root: str, ranks: Collection[int]) -> dict[int, tuple[str, str | None]]:
+    """Every step under this node's ``root`` complete for ``ranks``: step -> (attempt, run)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return {}
+    out: dict[int, tuple[str, str | None]] = {}
+    for name in names:
+        hit = _STEP_DIR.match(name)
+        if hit is None:
+            continue
+        m = part_state(root, int(hit.group(1)), ranks)
+        if m is not None and m.step == int(hit.group(1)):
+            out[m.step] = (m.attempt, m.run)
+    return out
+
+
+def agree_parts(
+    dist: DistContext, key: str, root: str, timeout: float, step: int | None = None,
+    store_steps: list[list[Any]] | None = None,
+) -> list[list[Any]]:  # fmt: skip
+    """Collective (store only, bounded by ``timeout``): the steps complete for every rank with
+    one attempt, ascending, as ``[step, attempt, run, sources]``; ``sources[r]`` is where rank
+    ``r`` reads its part: ``"local"`` (its node's ``root``) or ``"store"`` (the persistent tier,
+    whose resumable steps rank 0 passes as ``store_steps``: ``[step, attempt, run]``). Each rank
+    looks at its own files only; a part is read locally wherever the node holds that very
+    attempt (same manifest, CRC-checked files: provably the same bytes as on the store).
+    With ``step``: that step only, or none. The run rule (``roots._runs``): when some step is
+    complete on the nodes' disks alone, only steps of its run count; else any run's (a job
+    whose disks are all new resumes its run from the store)."""
+    mine: dict[str, Any] = {
+        "parts": {str(s): list(v) for s, v in parts(root, [dist.rank]).items() if step is None or s == step}
+    }
+    if dist.rank == 0:
+        mine["store"] = [e for e in store_steps or () if step is None or e[0] == step]
+
+    def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"steps": common_steps([o["parts"] for o in outcomes], outcomes[0].get("store", []))}
+
+    return list(agree(dist, key, mine, decide, timeout)["steps"])
+
+
+def common_steps(local: list[dict[str, list[Any]]], store_steps: list[list[Any]]) -> list[list[Any]]:
+    """:func:`agree_parts`'s decision from every rank's parts and the store's steps (pure)."""
+    store = {int(e[0]): (str(e[1]), e[2]) for e in store_steps}
+    steps = {int(s) for p in local for s in p} | set(store)
+    out: list[list[Any]] = []
+    for s in sorted(steps):
+        found = {(str(p[str(s)][0]), p[str(s)][1]) for p in local if str(s) in p}
+        found |= {store[s]} if s in store else set()
+        for attempt, run in sorted(found, key=str):
+            sources = []
+            for p in local:
+                if str(s) in p and p[str(s)][0] == attempt:
+                    sources.append("local")
+                elif s in store and store[s][0] == attempt:
+                    sources.append("store")
+                else:
+                    break
+            else:
+                out.append([s, attempt, run, sources])
+                break
+    on_disks = [e for e in out if all(x == "local" for x in e[3])]
+    if on_disks:
+        run = on_disks[-1][2]
+        out = [e for e in out if same_run(e[2], run)]
+    return out
+
+
+def store_steps(url: str, storage_options: Mapping[str, str] | None, timeout: float) -> list[list[Any]]:
+    """Rank 0: the persistent tier's resumable steps as ``[step, attempt, run]``, within
+    ``timeout``; a store that cannot be read is logged and taken as holding none (a resume then
+    uses the nodes' disks alone: never a reason not to start)."""
+    from ..threads._sync import run_sync
+    from .objstore._remote import open_store
+    from .objstore._steps import resumable
+
+    try:
+        store = open_store(url, storage_options)
+        found = run_sync(lambda: resumable(store, time.monotonic() + timeout))
+    except Exception as e:  # noqa: BLE001 - ObjectStoreError, a corrupt listing: never fatal here
+        log.warning("asyncckpt: could not list the steps under %s (%s: %s): resuming from the nodes' disks only",
+                    url, type(e).__name__, e)  # fmt: skip
+        return []
+    return [[m.step, m.attempt, m.run] for m, _ in found]

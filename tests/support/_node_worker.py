@@ -1,0 +1,119 @@
+"""One rank of a node-local tier test (``test_node_tier.py``): argv scenario rank world port root out.
+
+``NODE_DIRS``: per rank, the directory bind-mounted at ``root`` in this rank's own mount
+namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``.
+Writes what happened to ``out.<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from _rank_worker import describe, enter_node, state_for
+
+
+def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
+    """Resume (``load()``: the step and whether it is bit-exact, or the error), then save the
+    steps in ``STEPS`` (comma-separated); ``DIE_BEFORE``: this node's ranks ``_exit`` before
+    saving that step (a node lost mid-run); the others record the save's error."""
+    import torch
+
+    from asyncckpt import Checkpointer
+
+    timeout = float(os.environ.get("CK_TIMEOUT", "60"))  # ample on a busy machine; failure tests set less
+    keep_last = int(os.environ["KEEP_LAST"]) if os.environ.get("KEEP_LAST") else None
+    dying = os.environ.get("DIE_RANKS", "")
+    ops: Any = None
+    if os.environ.get("FAIL_RENAME_RANK") == str(rank):  # the OS call fails, not our code (conftest.FaultOps)
+        from asyncckpt.testing import OsOps
+
+        target = f"step_{int(os.environ['FAIL_RENAME_STEP']):08d}"
+
+        class FailCommit(OsOps):
+            def rename(self, src: str, dst: str) -> None:
+                if os.path.basename(dst) == target:
+                    if os.environ.get("FAIL_RENAME_HANG_S"):  # a disk that stops answering, then fails
+                        time.sleep(float(os.environ["FAIL_RENAME_HANG_S"]))
+                    raise OSError(errno.EIO, os.strerror(errno.EIO), dst)
+                super().rename(src, dst)
+
+        ops = FailCommit()
+    extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
+    if os.environ.get("MIRROR"):  # the persistent tier
+        extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
+    ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
+    result["run_id"] = ck.run_id
+    try:
+        loaded = ck.load()
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["load_error"] = describe(e)
+    else:
+        step = int(loaded["extra"]["step"])
+        want = state_for(rank, step)
+        result["loaded"] = step
+        result["equal"] = bool(torch.equal(loaded["model"]["w"], want["model"]["w"])) and loaded["extra"] == want[
+            "extra"
+        ]
+    result["saved"] = []
+    for s in [int(x) for x in os.environ.get("STEPS", "").split(",") if x]:
+        if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
+            json.dump(result, open(f"{out}.{rank}.json", "w"))
+            os._exit(9)  # this node is lost: no close, no goodbye
+        try:
+            ck.save(s, state_for(rank, s)).result(timeout + 30)
+            result["saved"].append(s)
+        except Exception as e:  # noqa: BLE001
+            result["save_error"] = describe(e)
+            result["failed_step"] = s
+            break
+    if "save_error" in result:
+        return
+    try:
+        ck.flush(timeout=timeout * 6)  # with the persistent tier: the uploads too
+    except Exception as e:  # noqa: BLE001
+        result["flush_error"] = describe(e)
+    ck.close()
+
+
+def main() -> None:
+    scenario, rank, world, port, root, out = (
+        sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6],
+    )  # fmt: skip
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER_S", "100")))
+    enter_node(os.environ["NODE_DIRS"].split(":")[rank], root)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    os.environ["ASYNCCKPT_NODE"] = os.environ["NODE_NAMES"].split(":")[rank]
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        globals()[f"scenario_{scenario}"](rank, world, root, out, result)
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
+        result["crash"] = "".join(traceback.format_exception(e))
+    with open(f"{out}.{rank}.json.tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(f"{out}.{rank}.json.tmp", f"{out}.{rank}.json")
+    if rank == 0:
+        end = time.monotonic() + float(os.environ.get("HOST_STORE_S", "0"))
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+            time.sleep(0.05)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

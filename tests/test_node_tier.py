@@ -1,0 +1,190 @@
+"""The node-local tier (``Checkpointer(root, node_local=True)``): 2 nodes x 2 ranks, real processes.
+
+Each rank runs in a private mount namespace with its node's directory bind-mounted at the job's
+one root path (``_rank_worker.enter_node``); ranks 0-1 are node "a", ranks 2-3 node "b"
+(``ASYNCCKPT_NODE``); gloo over loopback. Needs root (mount namespaces). Each run of 4 ranks
+costs ~10-15 s of process start on a busy 2-core machine: the tests with several runs are slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _ranks import free_port, log_tail, run_ranks
+
+WORKER = str(Path(__file__).parent / "support" / "_node_worker.py")
+NAMES = "a:a:b:b"
+
+
+@pytest.fixture(autouse=True)
+def _needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root/mount namespaces: bind mounts in a private mount namespace (euid {os.geteuid()})")
+
+
+def _tree(d: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else "/"
+        for p in sorted(d.rglob("*"))
+        if not p.name.startswith(".asyncckpt-owner")
+    }
+
+
+def _run(tmp_path: Path, tag: str, nodes: tuple[Path, Path], **env: str) -> dict[int, dict[str, Any]]:
+    mount = tmp_path / "ck"
+    mount.mkdir(exist_ok=True)
+    out, logs = tmp_path / f"{tag}-result", tmp_path / tag
+    logs.mkdir()
+    port = free_port()
+    dirs = ":".join(map(str, [nodes[0], nodes[0], nodes[1], nodes[1]]))
+    hung = run_ranks(
+        lambda r: [WORKER, "run", str(r), "4", str(port), str(mount), str(out)], 4, logs, 150,
+        extra_env={"NODE_DIRS": dirs, "NODE_NAMES": NAMES, "HOST_STORE_S": "30", **env},
+    )  # fmt: skip
+    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
+    res = {}
+    for r in range(4):
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        res[r] = json.loads(f.read_text())
+        assert "crash" not in res[r], res[r]["crash"]
+    assert os.listdir(mount) == []  # every bind mount stayed in its rank's namespace
+    return res
+
+
+def _nodes(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "nodeA", tmp_path / "nodeB"
+    a.mkdir(exist_ok=True)
+    b.mkdir(exist_ok=True)
+    return a, b
+
+
+def _steps(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit())
+
+
+def _files(d: Path, step: int) -> set[str]:
+    p = d / f"step_{step:08d}"
+    return {x.name for x in p.iterdir()} if p.exists() else set()
+
+
+@pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_each_node_holds_its_ranks_files_and_every_rank_resumes_bit_exact(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", KEEP_LAST="2")
+    for got in res.values():
+        assert got["load_error"]["type"] == "CheckpointNotFoundError", got  # nothing to resume yet
+        assert got["saved"] == [1, 2, 3], got
+    assert len({g["run_id"] for g in res.values()}) == 1
+    # each node: the manifest and its own ranks' files only; retention per node kept 2 steps
+    assert _files(a, 3) == {"manifest.json", "rank00000.safetensors", "rank00000.json",
+                            "rank00001.safetensors", "rank00001.json"}  # fmt: skip
+    assert _files(b, 3) == {"manifest.json", "rank00002.safetensors", "rank00002.json",
+                            "rank00003.safetensors", "rank00003.json"}  # fmt: skip
+    assert (a / "step_00000003" / "manifest.json").read_bytes() == (b / "step_00000003" / "manifest.json").read_bytes()
+    # node a (rank 0's) keeps 2; node b one more until the next save confirms step 3 to it
+    assert _steps(a) == [2, 3] and _steps(b) == [1, 2, 3]
+    run = res[0]["run_id"]
+    res = _run(tmp_path, "second", (a, b), STEPS="4", KEEP_LAST="2")
+    for got in res.values():
+        assert got["loaded"] == 3 and got["equal"], got
+        assert got["run_id"] == run, got  # the resumed run continues
+        assert got["saved"] == [4], got
+    assert _steps(a) == [3, 4] and _steps(b) == [2, 3, 4]  # retention per node goes on after a restart
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_lost_mid_save_fails_the_save_everywhere_and_the_restart_resumes_the_last_common_step(
+    tmp_path: Path,
+) -> None:
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", DIE_RANKS="2,3", DIE_BEFORE="3", CK_TIMEOUT="30")
+    for r in (0, 1):
+        assert res[r]["saved"] == [1, 2], res[r]
+        assert res[r]["failed_step"] == 3, res[r]
+        assert res[r]["save_error"]["type"] == "SaveTimeoutError", res[r]
+    assert not (a / "step_00000003").exists() and not (b / "step_00000003").exists()
+    res = _run(tmp_path, "restart", (a, b), STEPS="3")
+    for got in res.values():
+        assert got["loaded"] == 2 and got["equal"], got
+        assert got["saved"] == [3], got.get("save_error")
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_wiped_node_or_another_runs_files_are_never_read(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    _run(tmp_path, "first", (a, b), STEPS="1,2")
+    # node b's disk now holds another run's step 5 and step 2 of another attempt: neither is read
+    other_a, other_b = tmp_path / "otherA", tmp_path / "otherB"
+    other_a.mkdir()
+    other_b.mkdir()
+    _run(tmp_path, "other", (other_a, other_b), STEPS="2,5")
+    shutil.rmtree(b / "step_00000002")
+    shutil.copytree(other_b / "step_00000002", b / "step_00000002")
+    shutil.copytree(other_b / "step_00000005", b / "step_00000005")
+    before = _tree(a)
+    res = _run(tmp_path, "mixed", (a, b))
+    for got in res.values():
+        assert got["loaded"] == 1 and got["equal"], got  # the newest step every rank holds with one attempt
+    # a wiped node: no step is complete for every rank; nothing is read, every rank says so
+    shutil.rmtree(b)
+    b.mkdir()
+    res = _run(tmp_path, "wiped", (a, b), STEPS="6")
+    runs = set()
+    for got in res.values():
+        assert got["load_error"]["type"] == "CheckpointNotFoundError", got
+        assert got["saved"] == [6], got
+        runs.add(got["run_id"])
+    assert len(runs) == 1
+    assert _tree(a).items() >= before.items()  # node a's earlier files were left as they were
+    res = _run(tmp_path, "after-wipe", (a, b))
+    for got in res.values():
+        assert got["loaded"] == 6 and got["equal"] and got["run_id"] in runs, got
+
+
+@pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_a_node_that_cannot_commit_fails_the_save_on_every_rank_and_nothing_is_lost(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    # node b's leader (rank 2): the rename that commits its part of step 3 fails with EIO
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3", FAIL_RENAME_RANK="2", FAIL_RENAME_STEP="3")
+    for r, got in res.items():
+        assert got["saved"] == [1, 2] and got["failed_step"] == 3, got
+        err = got["save_error"]
+        assert err["type"] == "SaveError", err  # the same error on every rank, naming the node
+        assert err["failures"]["0"]["exc_type"] == "NodeCommitError", (r, err)
+        assert "node 'b' (leader rank 2)" in err["failures"]["0"]["message"], (r, err)
+        assert "Input/output error" in err["failures"]["0"]["message"], (r, err)
+    assert _steps(a) == [1, 2] and _steps(b) == [1, 2]  # rank 0's node took its commit back
+    res = _run(tmp_path, "restart", (a, b), STEPS="3")
+    for got in res.values():
+        assert got["loaded"] == 2 and got["equal"], got
+        assert got["saved"] == [3], got.get("save_error")
+    assert _steps(a) == [1, 2, 3] and _steps(b) == [1, 2, 3]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_node_whose_commit_hangs_fails_the_save_with_a_timeout_on_every_rank(tmp_path: Path) -> None:
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2", FAIL_RENAME_RANK="2", FAIL_RENAME_STEP="2",
+               FAIL_RENAME_HANG_S="25", CK_TIMEOUT="10")  # fmt: skip
+    for r, got in res.items():
+        assert got["saved"] == [1] and got["failed_step"] == 2, got
+        err = got["save_error"]
+        assert err["type"] == "SaveTimeoutError", (r, err)
+        if r != 2:  # rank 2, stuck in its rename past the deadline, gave up on rank 0 by itself
+            assert "node 'b' (leader rank 2) did not confirm its commit" in err["failures"]["0"]["message"], (r, err)
+    assert _steps(a) == [1] and _steps(b) == [1]  # rank 0's node took its commit back

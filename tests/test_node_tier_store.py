@@ -1,0 +1,88 @@
+"""The node-local tier with its persistent tier (``node_local=True, mirror="s3://..."``): every
+rank uploads its own files, rank 0 commits on the store; a real SeaweedFS on loopback, 2 nodes
+x 2 ranks in private mount namespaces (``test_node_tier``). Needs root and the s3 extra."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _ranks import free_port
+from s3fixtures import keys, opts, require_s3, running_server
+from s3server import S3Server
+from test_node_tier import _nodes, _run, _steps
+
+require_s3()
+BUCKET = "node-tier"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with running_server(BUCKET) as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root/mount namespaces: bind mounts in a private mount namespace (euid {os.geteuid()})")
+
+
+def _log(tmp_path: Path, tag: str, rank: int) -> str:
+    return (tmp_path / tag / f"rank{rank}.log").read_text(errors="replace")
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_wiped_node_resumes_its_ranks_from_the_store_and_the_others_from_their_disk(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    a, b = _nodes(tmp_path)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30"}
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2", KEEP_LAST="1", **env)
+    for got in res.values():
+        assert got["saved"] == [1, 2] and "flush_error" not in got, got
+    stored = keys(s3.endpoint, url)
+    assert "step_00000002/manifest.json" in stored, stored
+    for r in range(4):  # every rank's files landed, under the committed attempt
+        assert any(k.startswith("step_00000002/a-") and k.endswith(f"rank{r:05d}.safetensors") for k in stored)
+    shutil.rmtree(b)
+    b.mkdir()
+    res = _run(tmp_path, "wiped", (a, b), **env)
+    for r, got in res.items():
+        assert got["loaded"] == 2 and got["equal"], got
+        # same step, same attempt: node a's ranks read their own disk, node b's the store
+        where = "the store" if r >= 2 else "its node's disk"
+        assert f"rank {r}: loading step 2 from {where}" in _log(tmp_path, "wiped", r)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_save(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    a, b = _nodes(tmp_path)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    down = {"MIRROR": url, "S3OPTS": json.dumps(opts(f"http://127.0.0.1:{free_port()}")), "CK_TIMEOUT": "20"}
+    res = _run(tmp_path, "outage", (a, b), STEPS="1,2,3", KEEP_LAST="1", **down)
+    for r, got in res.items():
+        assert got["saved"] == [1, 2, 3], got  # the node-local commits went on
+        err = got["flush_error"]
+        assert err["type"] == "SaveError", (r, err)  # named on every rank
+        assert f"upload to {url} failed" in err["msg"], (r, err)
+    # no step left the disks before it was on the store: keep_last=1 kept all three
+    assert _steps(a) == [1, 2, 3] and _steps(b) == [1, 2, 3]
+    up = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30"}
+    res = _run(tmp_path, "back", (a, b), STEPS="4", KEEP_LAST="1", **up)
+    for got in res.values():
+        assert got["loaded"] == 3 and got["equal"], got
+        assert got["saved"] == [4] and "flush_error" not in got, got
+    assert "step_00000004/manifest.json" in keys(s3.endpoint, url)

@@ -1,0 +1,56 @@
+"""The resume decision of the node-local tier (``roots._nodeparts.common_steps``), pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncckpt.roots._nodeparts import common_steps
+
+
+def _p(**steps: tuple[str, str]) -> dict[str, list[Any]]:
+    return {k[1:]: list(v) for k, v in steps.items()}  # s3=("att", "run") -> {"3": [...]}
+
+
+def test_every_rank_reads_its_own_disk_when_it_holds_the_attempt() -> None:
+    local = [_p(s1=("x1", "R"), s2=("x2", "R"))] * 4
+    assert common_steps(local, []) == [[1, "x1", "R", ["local"] * 4], [2, "x2", "R", ["local"] * 4]]
+
+
+def test_a_rank_lacking_its_part_reads_the_store_but_only_of_the_same_attempt() -> None:
+    a = _p(s2=("x2", "R"))
+    wiped: dict[str, list[Any]] = {}
+    other = _p(s2=("y2", "Q"))  # another attempt (another run) of step 2 on that node's disk
+    store = [[2, "x2", "R"]]
+    assert common_steps([a, a, wiped, other], store) == [[2, "x2", "R", ["local", "local", "store", "store"]]]
+    assert common_steps([a, a, wiped, other], []) == []  # without the store: never a mix
+
+
+def test_another_runs_steps_are_never_chosen_over_this_runs() -> None:
+    mine = _p(s3=("x3", "R"))
+    theirs = _p(s3=("x3", "R"), s9=("z9", "Q"))  # a node that also holds another run's step 9
+    store = [[3, "x3", "R"], [7, "w7", "Q"]]  # and the store another run's step 7
+    got = common_steps([mine, mine, theirs, theirs], store)
+    assert [e[0] for e in got] == [3]
+    # disks that hold nothing: the store's newest, whatever its run (a job resuming on new nodes)
+    assert common_steps([{}, {}], store)[-1][:3] == [7, "w7", "Q"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(1, 6).map(str), st.tuples(st.sampled_from("abc"), st.sampled_from("RQ"))),
+                min_size=1, max_size=4),
+       st.lists(st.tuples(st.integers(1, 6), st.sampled_from("abc"), st.sampled_from("RQ")), max_size=4))
+def test_every_chosen_step_is_readable_by_every_rank_with_one_attempt(
+    local: list[dict[str, tuple[str, str]]], store: list[tuple[int, str, str]]
+) -> None:
+    parts = [{s: list(v) for s, v in p.items()} for p in local]
+    listed = {s: (a, r) for s, a, r in store}  # one manifest per step on the store
+    for step, attempt, _run, sources in common_steps(parts, [[s, a, r] for s, (a, r) in listed.items()]):
+        assert len(sources) == len(parts)
+        for p, src in zip(parts, sources, strict=True):
+            if src == "local":
+                assert p[str(step)][0] == attempt
+            else:
+                assert listed[step][0] == attempt
