@@ -204,12 +204,14 @@ def test_a_store_out_of_space_fails_the_save_naming_it_and_close_gives_the_lease
     o = opts(small_s3.endpoint)
     state = {"w": torch.randn(512 * 1024)}  # 2 MiB
     committed: list[int] = []
-    ck = Checkpointer(url, storage_options=o, keep_last=2, max_pending=1, timeout=20)
+    # the diagnosis runs in what the save's deadline leaves after the refused upload's retries
+    # (up to ~16 s of backoff): 60 s leaves it room whatever the random pauses were
+    ck = Checkpointer(url, storage_options=o, keep_last=2, max_pending=1, timeout=60)
     try:
         failure: SaveError | None = None
         for step in range(1, 40):
             try:
-                ck.save(step, state).result(timeout=60)
+                ck.save(step, state).result(timeout=120)
             except SaveError as e:
                 failure = e
                 break
@@ -262,12 +264,12 @@ def test_every_write_refused_is_named_out_of_space_only_for_a_plain_refusal(
 ) -> None:
     """Every PUT refused (the proxy answers for the store): a plain 500 while reads answer is a
     store out of space (SeaweedFS's answer); 503 is throttling and keeps its own name."""
-    ck = Checkpointer(url, storage_options=opts(proxy.endpoint), keep_last=2, max_pending=1, timeout=20)
+    ck = Checkpointer(url, storage_options=opts(proxy.endpoint), keep_last=2, max_pending=1, timeout=60)  # as above
     try:
         ck.save(1, STATE).result(timeout=60)
         proxy.add(Rule("status", method="PUT", status=status, code=code, times=10**6))
         with pytest.raises(SaveError) as info:
-            ck.save(2, STATE).result(timeout=60)
+            ck.save(2, STATE).result(timeout=120)
         want = "ObjectStoreFullError" if named else "ObjectStoreUnavailableError"
         assert info.value.failures[0].exc_type == want, str(info.value)[:1500]
         assert ("out of space" in str(info.value)) == named
