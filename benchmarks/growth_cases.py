@@ -25,7 +25,6 @@ until durable, and during each ``load()``.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 from limits import Limits
-from measure import PeakMemory, drop_cache, fsync_dir, summary
+from measure import GcPasses, PeakMemory, drop_cache, fsync_dir, summary
 from states import StateSpec, build_state, checksums, describe, mutate
 
 PAGE = 4096
@@ -41,43 +40,6 @@ PAGE = 4096
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class GcPasses:
-    """Every pass of the cyclic garbage collector while installed: (start, end, generation).
-
-    A collection runs under the GIL on one thread at a time, so a start is always followed by
-    its own stop.
-    """
-
-    def __init__(self) -> None:
-        self.passes: list[tuple[float, float, int]] = []
-        self._t0 = 0.0
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._t0 = now
-        else:
-            self.passes.append((self._t0, now, int(info.get("generation", -1))))
-
-    def __enter__(self) -> GcPasses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def window(self, t0: float, t1: float) -> dict[str, Any]:
-        """Passes that started in ``[t0, t1)``: how many, per generation, their total and longest time."""
-        inside = [(b - a, g) for a, b, g in self.passes if t0 <= a < t1]
-        by_gen = {str(g): sum(1 for _, x in inside if x == g) for g in (0, 1, 2)}
-        return {
-            "passes": len(inside),
-            "by_generation": by_gen,
-            "total_s": sum(d for d, _ in inside),
-            "max_s": max((d for d, _ in inside), default=0.0),
-        }
 
 
 def _gc_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:

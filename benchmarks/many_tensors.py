@@ -32,7 +32,6 @@ writes ``results.json`` (every sample) and ``results.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -44,37 +43,6 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class GcPasses:
-    """Every collection while installed: (start, end, generation)."""
-
-    def __init__(self) -> None:
-        self.passes: list[tuple[float, float, int]] = []
-        self._t0 = 0.0
-
-    def _cb(self, phase: str, info: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._t0 = now
-        else:
-            self.passes.append((self._t0, now, int(info.get("generation", -1))))
-
-    def __enter__(self) -> GcPasses:
-        gc.callbacks.append(self._cb)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._cb)
-
-    def window(self, t0: float, t1: float) -> dict[str, Any]:
-        inside = [(b - a, g) for a, b, g in self.passes if t0 <= a < t1]
-        return {
-            "passes": len(inside),
-            "full": sum(1 for _, g in inside if g == 2),
-            "total_s": sum(d for d, _ in inside),
-            "max_s": max((d for d, _ in inside), default=0.0),
-        }
 
 
 # ---------------------------------------------------------------------- one case (own process)
@@ -107,7 +75,7 @@ def _phase_stamps() -> dict[str, float]:
 
 def run_case(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from measure import PeakMemory, drop_cache, trim_heap
+    from measure import GcPasses, PeakMemory, drop_cache, trim_heap
     from states import StateSpec, build_state, checksums, mutate, n_tensors, state_nbytes
 
     import asyncckpt

@@ -336,3 +336,41 @@ def report_medians(
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+class GcPasses:
+    """Every pass of the cyclic garbage collector while installed: (start, end, generation).
+
+    A collection runs under the GIL on one thread at a time, so a start is always followed by
+    its own stop.
+    """
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[float, float, int]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._t0 = now
+        else:
+            self.passes.append((self._t0, now, int(info.get("generation", -1))))
+
+    def __enter__(self) -> GcPasses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Passes that started in ``[t0, t1)``: how many, per generation, their total and longest time."""
+        inside = [(b - a, g) for a, b, g in self.passes if t0 <= a < t1]
+        by_gen = {str(g): sum(1 for _, x in inside if x == g) for g in (0, 1, 2)}
+        return {
+            "passes": len(inside),
+            "full": by_gen["2"],
+            "by_generation": by_gen,
+            "total_s": sum(d for d, _ in inside),
+            "max_s": max((d for d, _ in inside), default=0.0),
+        }
