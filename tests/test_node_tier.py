@@ -103,7 +103,9 @@ def test_each_node_holds_its_ranks_files_and_every_rank_resumes_bit_exact(tmp_pa
 @pytest.mark.needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=False, reason="failed in a fresh-clone .ci/run on 2026-12-05 (step 2 not saved: 'saved' [1]) while passing on the same tree in a worktree; under investigation")
+@pytest.mark.xfail(
+    strict=False, reason="failed in a fresh-clone .ci/run on 2026-12-05 (step 2 not saved); passes in a worktree"
+)
 def test_a_node_lost_mid_save_fails_the_save_everywhere_and_the_restart_resumes_the_last_common_step(
     tmp_path: Path,
 ) -> None:
