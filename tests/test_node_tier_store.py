@@ -40,9 +40,6 @@ def _log(tmp_path: Path, tag: str, rank: int) -> str:
 @pytest.mark.needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(
-    strict=False, reason="failed in a fresh-clone .ci/run on 2026-12-05 (step 2 not saved); passes in a worktree"
-)
 def test_a_wiped_node_resumes_its_ranks_from_the_store_and_the_others_from_their_disk(
     tmp_path: Path, s3: S3Server
 ) -> None:

@@ -63,9 +63,10 @@ def check_deadline(job: StepJob) -> None:
         raise PhaseTimeout("the save's deadline passed before the commit point")
 
 
-def dir_deadline(job: StepJob) -> float:
-    """ensure_dir's deadline: a little before the phase's, so its StaleDirectoryError (EEXIST,
-    the path) reaches the caller rather than a generic phase timeout."""
+def dir_timeout(job: StepJob) -> float:
+    """Seconds (a duration, not a point in time) a wait inside a phase may take: ends a little
+    before the phase's deadline, so the wait's own error (ensure_dir's StaleDirectoryError, a
+    silent node named) reaches the caller rather than a generic phase timeout."""
     remaining = job.deadline - time.monotonic()
     return max(0.0, remaining - min(0.5, 0.1 * remaining))
 
@@ -273,10 +274,10 @@ class PosixBackend:
             job.dead.add(os.path.basename(aside))
             await storage.remove_tree(aside)
             job.dead.discard(os.path.basename(aside))
-        await storage.ensure_dir_durable(self.location(job.step, attempt), root, dir_deadline(job))
+        await storage.ensure_dir_durable(self.location(job.step, attempt), root, dir_timeout(job))
 
     async def join(self, job: StepJob, loc: str) -> None:
-        await self.storage.ensure_dir(loc, dir_deadline(job))
+        await self.storage.ensure_dir(loc, dir_timeout(job))
 
     async def write_shard(
         self, job: StepJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None

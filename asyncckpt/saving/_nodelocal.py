@@ -54,7 +54,7 @@ from ..ranks._agree import agree
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._distributed import DistContext
 from ..ranks._nodes import Nodes
-from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_deadline
+from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
 from ._commit import SaveJob
@@ -193,7 +193,7 @@ class NodeLocalBackend(PosixBackend):
         self.confirmed.add(job.step)
 
     async def _acknowledged(self, job: StepJob) -> None:
-        until = dir_deadline(job)  # a little before the phase's: the error names the silent node
+        until = time.monotonic() + dir_timeout(job)  # a little before the phase's: the error names the silent node
         for k in range(1, len(self.nodes.members)):
             ack = await self.coord.wait_for(_seq(job), f"node-ack/{k}", until)
             leader = self.nodes.leader(k)

@@ -38,6 +38,9 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         class FailCommit(OsOps):
             def rename(self, src: str, dst: str) -> None:
                 if os.path.basename(dst) == target:
+                    if os.environ.get("SLOW_RENAME_S"):  # a slow disk that does commit, in time
+                        time.sleep(float(os.environ["SLOW_RENAME_S"]))
+                        return super().rename(src, dst)
                     if os.environ.get("FAIL_RENAME_HANG_S"):  # a disk that stops answering, then fails
                         time.sleep(float(os.environ["FAIL_RENAME_HANG_S"]))
                     raise OSError(errno.EIO, os.strerror(errno.EIO), dst)
