@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .integrations.dcp import import_dcp
     from .ranks._every_rank import on_every_rank
     from .roots._find import find_latest
-    from .roots.posix._storage import StaleDirectoryError, ensure_dir
+    from .roots.posix._ensure_dir import StaleDirectoryError, ensure_dir
     from .saving._handle import SaveHandle
 
 __version__ = "0.1.0"
@@ -63,8 +63,8 @@ _LAZY = {
     "CheckpointInfo": "._info",
     "SaveStatistics": "._info",
     "SaveState": ".format._lifecycle",
-    "ensure_dir": ".roots.posix._storage",
-    "StaleDirectoryError": ".roots.posix._storage",
+    "ensure_dir": ".roots.posix._ensure_dir",
+    "StaleDirectoryError": ".roots.posix._ensure_dir",
     "on_every_rank": ".ranks._every_rank",
     "import_dcp": ".integrations.dcp",
 }

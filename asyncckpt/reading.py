@@ -83,7 +83,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Tags this module decodes itself; any other ``$tag`` node is shown as stored.
 _CORE_TAGS = frozenset({"$dict", "$tuple", "$tensor", "$float", "$bytes"})
 
-#: Tags of single values (see asyncckpt.format._structure), shown as their tag and JSON.
+#: Tags of single values (see asyncckpt.format._structure_nodes), shown as their tag and JSON.
 _VALUE_TAGS = frozenset(
     "$np $complex $bytearray $size $dtype $device $generator $path $date $timedelta $datetime".split()
 )
@@ -472,7 +472,7 @@ def _outline(
             elif tag == "$tuple" and isinstance(val, list):
                 kind, children = "tuple", [(i, f"[{i}]", v) for i, v in enumerate(val)]
             elif tag in ("$odict", "$defaultdict") and isinstance(val, list) and len(val) == 2:
-                # shown as the dict they hold (see asyncckpt.format._structure for the node shapes)
+                # shown as the dict they hold (see asyncckpt.format._structure_nodes for the node shapes)
                 walk({"$dict": val[0] if tag == "$odict" else val[1]}, path, label, depth)
                 return
             elif tag in ("$set", "$frozenset") and isinstance(val, list):

@@ -13,6 +13,6 @@ as :class:`StagingBuffer`): the read-only view tests take of the staging buffers
 from __future__ import annotations
 
 from ._info import StagingBuffer, StagingStatistics
-from .roots.posix._storage import DEFAULT_OPS, OsOps
+from .roots.posix._osops import DEFAULT_OPS, OsOps
 
 __all__ = ["DEFAULT_OPS", "OsOps", "StagingBuffer", "StagingStatistics"]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 #: Workers, the FUSE and S3 fixtures and the test utilities live in tests/support (its
 #: __init__ says what each is for): on the import path, so test files import them by name.

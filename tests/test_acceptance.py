@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, load
 from asyncckpt.format import _header, _manifest
+from asyncckpt.format._bounds import MAX_DEPTH
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
-from asyncckpt.format._structure import MAX_DEPTH
 from asyncckpt.loading._verify import verify_step
 from asyncckpt.reading import read_rank_outline
 from asyncckpt.roots.posix._discovery import open_step, read_manifest

@@ -33,7 +33,8 @@ import pytest
 from _cli_util import run_cli
 
 from asyncckpt import Checkpointer
-from asyncckpt.roots.posix._storage import OsOps, remove_tree
+from asyncckpt.roots.posix._osops import OsOps
+from asyncckpt.roots.posix._remove_tree import remove_tree
 
 RACE_S = 4.0
 LEFTOVER = "step_00000005.tmp-00c0ffee"

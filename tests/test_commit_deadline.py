@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer, SaveTimeoutError, find_latest
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 class SlowCommitRename(OsOps):

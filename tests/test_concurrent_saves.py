@@ -31,7 +31,8 @@ from _ckcheck import dir_problem
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, SaveError, SaveHandle, find_latest
 from asyncckpt.format._layout import step_dir_name
-from asyncckpt.roots.posix._storage import OsOps, remove_tree
+from asyncckpt.roots.posix._osops import OsOps
+from asyncckpt.roots.posix._remove_tree import remove_tree
 
 STEPS = 200
 WAIT_S = 30.0

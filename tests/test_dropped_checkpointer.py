@@ -18,8 +18,8 @@ from conftest import make_state
 
 from asyncckpt import Checkpointer, RootInUseError
 from asyncckpt.format._layout import META_DIR
+from asyncckpt.roots.posix._osops import OsOps
 from asyncckpt.roots.posix._ownership import RECORD
-from asyncckpt.roots.posix._storage import OsOps
 
 
 def _asyncckpt_threads() -> list[threading.Thread]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.roots.posix._storage import OsOps, StaleDirectoryError, ensure_dir
+from asyncckpt.roots.posix._ensure_dir import StaleDirectoryError, ensure_dir
+from asyncckpt.roots.posix._osops import OsOps
 
 
 class StaleOps(OsOps):

@@ -145,7 +145,7 @@ def _used(path: str) -> int:
 def test_writer_deadline_raises_save_timeout(tmp_path: Path) -> None:
     import threading
 
-    from asyncckpt.roots.posix._storage import OsOps
+    from asyncckpt.roots.posix._osops import OsOps
 
     release = threading.Event()
 

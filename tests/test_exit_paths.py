@@ -69,7 +69,8 @@ def test_checkpointer_on_proc_fails_at_once_instead_of_spinning(tmp_path: Path) 
 
 @pytest.mark.timing  # a 2 s bound
 def test_ensure_dir_enoent_after_parent_is_bounded_by_its_deadline(tmp_path: Path) -> None:
-    from asyncckpt.roots.posix._storage import OsOps, ensure_dir
+    from asyncckpt.roots.posix._ensure_dir import ensure_dir
+    from asyncckpt.roots.posix._osops import OsOps
 
     class NoNewDirs(OsOps):  # stands in for a file system that keeps refusing mkdir with ENOENT
         calls = 0
@@ -140,7 +141,7 @@ def test_forked_child_exits_promptly_and_never_writes(tmp_path: Path) -> None:
     p = _spawn(tmp_path, f"""
         import os, sys, time, torch
         from asyncckpt import Checkpointer
-        from asyncckpt.roots.posix._storage import OsOps
+        from asyncckpt.roots.posix._osops import OsOps
 
         class SlowFsync(OsOps):  # keeps the parent's save pending while the child lives
             def fsync(self, fd):
@@ -183,7 +184,7 @@ def test_ctrl_c_during_close_leaves_old_or_new_checkpoint_and_says_which(tmp_pat
     p = _spawn(tmp_path, f"""
         import signal, time, torch
         from asyncckpt import Checkpointer
-        from asyncckpt.roots.posix._storage import OsOps
+        from asyncckpt.roots.posix._osops import OsOps
 
         # a user's Python raises KeyboardInterrupt on Ctrl-C; a test run launched in the background
         # by a non-interactive shell ignores SIGINT, and children inherit that: restore Python's own
@@ -242,7 +243,7 @@ def test_ctrl_c_during_close_leaves_old_or_new_checkpoint_and_says_which(tmp_pat
 def test_abandoned_save_has_a_message_on_its_handle(tmp_path: Path) -> None:
     import threading
 
-    from asyncckpt.roots.posix._storage import OsOps
+    from asyncckpt.roots.posix._osops import OsOps
 
     release = threading.Event()
 
@@ -311,7 +312,7 @@ def test_sigterm_final_save_waiting_for_a_slot_is_bounded_by_grace(tmp_path: Pat
     p = _spawn(tmp_path, f"""
         import os, signal, time, torch
         from asyncckpt import Checkpointer
-        from asyncckpt.roots.posix._storage import OsOps
+        from asyncckpt.roots.posix._osops import OsOps
 
         class Stuck(OsOps):
             def fsync(self, fd):

@@ -37,7 +37,7 @@ from faultfs import FaultFS, FaultFSUnavailable, _mounted, rule, unavailable_rea
 from asyncckpt import Checkpointer, SaveError, find_latest, load
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._layout import META_DIR
-from asyncckpt.roots.posix._storage import StaleDirectoryError, ensure_dir
+from asyncckpt.roots.posix._ensure_dir import StaleDirectoryError, ensure_dir
 
 WORKER = str(Path(__file__).parent / "support" / "_fault_worker.py")
 STEP_LEAF = "step_00000297/rng"

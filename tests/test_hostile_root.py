@@ -20,7 +20,7 @@ from asyncckpt import Checkpointer, RootInUseError, RootNotWritableError, SaveEr
 from asyncckpt.format._layout import META_DIR
 from asyncckpt.loading._verify import verify_opened
 from asyncckpt.roots import open_root
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 def _state(v: float) -> dict[str, Any]:

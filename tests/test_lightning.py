@@ -29,7 +29,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from asyncckpt import SaveError
 from asyncckpt._errors import CheckpointError
 from asyncckpt.integrations.lightning import ROOT_NAME, AsyncckptCheckpointIO, load_checkpoint, read_pointer
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice (num_workers, ...)

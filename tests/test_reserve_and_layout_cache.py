@@ -17,7 +17,7 @@ import torch
 from conftest import assert_same
 
 from asyncckpt import Checkpointer, load
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 def state_of(numel: int, n: int = 3, seed: int = 0) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 WAIT_S = 60
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 WAIT_S = 30
 
@@ -99,7 +99,7 @@ def _run_job(tmp_path: Path, body: str, limit: float, *args: str) -> subprocess.
 _SLOW_OPS = """
     import os, sys, time, signal, torch
     from asyncckpt import Checkpointer
-    from asyncckpt.roots.posix._storage import OsOps
+    from asyncckpt.roots.posix._osops import OsOps
 
     class SlowUnlink(OsOps):  # a deletion that takes a while (a large shard, a slow file system)
         def __init__(self, seconds):

@@ -25,8 +25,9 @@ from conftest import FaultOps, assert_same
 import asyncckpt
 from asyncckpt import Checkpointer, SaveError, find_latest, load
 from asyncckpt.checkpointer._pipeline import SavePipeline
-from asyncckpt.roots.posix import _storage
+from asyncckpt.roots.posix import _osops
 from asyncckpt.saving import _staging
+from asyncckpt.threads import _cpumeter
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 20.0
@@ -178,7 +179,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
         import os, signal, threading, torch
         from asyncckpt import Checkpointer
         from asyncckpt.saving import _staging
-        from asyncckpt.roots.posix._storage import OsOps
+        from asyncckpt.roots.posix._osops import OsOps
 
         first = threading.Event()
 
@@ -263,7 +264,7 @@ def test_real_preallocation_leaves_the_size_alone(tmp_path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         try:
-            _storage.DEFAULT_OPS.fallocate(fd, 1 << 20)
+            _osops.DEFAULT_OPS.fallocate(fd, 1 << 20)
         except OSError as e:
             pytest.skip(f"no fallocate here: {e}")
         assert os.fstat(fd).st_size == 0
@@ -285,12 +286,12 @@ def test_writer_cpu_seconds_are_reported_per_save(tmp_path: Path) -> None:
 
 
 def test_metered_calls_use_the_thread_clock_of_the_thread_that_ran_them() -> None:
-    meter = _storage.CpuMeter()
+    meter = _cpumeter.CpuMeter()
     seen: list[float] = []
 
     def spin() -> None:  # 50 ms of this thread's CPU, however loaded the machine is
-        c0, wall_end = _storage.thread_cpu(), time.monotonic() + GATE_S
-        while _storage.thread_cpu() - c0 < 0.05 and time.monotonic() < wall_end:
+        c0, wall_end = _cpumeter.thread_cpu(), time.monotonic() + GATE_S
+        while _cpumeter.thread_cpu() - c0 < 0.05 and time.monotonic() < wall_end:
             pass
 
     def idle() -> None:
@@ -298,11 +299,11 @@ def test_metered_calls_use_the_thread_clock_of_the_thread_that_ran_them() -> Non
         time.sleep(0.1)
 
     def main_spin() -> None:  # CPU of another thread (this test's) must not count
-        c0 = _storage.thread_cpu()
-        while _storage.thread_cpu() - c0 < 0.05:
+        c0 = _cpumeter.thread_cpu()
+        while _cpumeter.thread_cpu() - c0 < 0.05:
             pass
 
-    t = threading.Thread(target=lambda: (_storage.metered(spin, meter)(), _storage.metered(idle, meter)()))
+    t = threading.Thread(target=lambda: (_cpumeter.metered(spin, meter)(), _cpumeter.metered(idle, meter)()))
     t.start()
     main_spin()
     t.join(GATE_S)

@@ -15,7 +15,7 @@ from conftest import assert_same, make_state
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointInfo, SaveState, find_latest
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 class GateOps(OsOps):

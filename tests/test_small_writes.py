@@ -15,7 +15,9 @@ import pytest
 from conftest import FaultOps, assert_same, make_state
 
 from asyncckpt import Checkpointer, SaveError, load
-from asyncckpt.roots.posix._storage import CHUNK, OsOps, Storage
+from asyncckpt.roots.posix._file_writes import CHUNK
+from asyncckpt.roots.posix._osops import OsOps
+from asyncckpt.roots.posix._storage import Storage
 from asyncckpt.threads._iopool import IOPool
 
 

@@ -24,7 +24,7 @@ from _cli_util import run_cli
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt.format._layout import step_dir_name
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 WAIT_S = 30.0
 

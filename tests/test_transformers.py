@@ -31,7 +31,7 @@ import _hf_worker as w
 from asyncckpt import CheckpointCorruptError, CheckpointError, SaveError
 from asyncckpt.integrations import _hf_folders as folders
 from asyncckpt.integrations.transformers import AsyncckptTrainer
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer, load
-from asyncckpt.format._structure import flatten, unflatten
+from asyncckpt.format._structure_decode import unflatten
+from asyncckpt.format._structure_encode import flatten
 
 NP_DTYPES = [
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",

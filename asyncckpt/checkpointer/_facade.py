@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .._info import CheckpointerStatistics, CheckpointInfo, StagingStatistics
 from ..format._gcpause import paused_gc
 from ..loading import _load, _load_global
-from ..roots.posix._storage import DEFAULT_OPS, OsOps
+from ..roots.posix._osops import DEFAULT_OPS, OsOps
 from ..saving import _deferred
 from ..saving._handle import SaveHandle
 from . import _runtime, _sigterm

@@ -14,7 +14,7 @@ from typing import Any
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
-from ..format._structure import check_strip_prefixes
+from ..format._state_prefixes import check_strip_prefixes
 from ..loading import _load, _load_global, _nodeload, _resume
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._info import CheckpointInfo
-from ..format._structure import check_strip_prefixes
+from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
-from ..roots.posix._storage import OsOps
+from ..roots.posix._osops import OsOps
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
 

@@ -16,7 +16,7 @@ from .._info import CheckpointInfo
 from ..format._layout import check_step
 from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
-from ..format._structure import flatten, tree_json
+from ..format._structure_encode import flatten, tree_json
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..format._header import round_up
 from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
-from ..format._structure import TensorRef
+from ..format._structure_encode import TensorRef
 from ..saving import _dedupe
 
 

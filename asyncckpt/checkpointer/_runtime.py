@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._info import CheckpointerStatistics, CheckpointInfo, SaveStatistics
 from ..ranks._coordination import Coordinator
 from ..roots._backend import Backend
+from ..roots.posix._osops import OsOps
 from ..roots.posix._ownership import Ownership
-from ..roots.posix._storage import OsOps, Storage, current_meter, metered
+from ..roots.posix._storage import Storage
 from ..saving._mirror import Mirror
 from ..saving._staging import StagingPool
+from ..threads._cpumeter import current_meter, metered
 from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
 

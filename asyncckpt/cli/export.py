@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..format._layout import parse_aside, parse_leftover, parse_step_dir
 from ..reading import resolve_in, resolve_step_noting
 from ..roots._scheme import is_url
-from ..roots.posix._storage import DEFAULT_OPS
+from ..roots.posix._osops import DEFAULT_OPS
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
 from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, root_of, storage_options

@@ -5,7 +5,7 @@ per tensor: for 300,000 tensors, collections between phases traversed everything
 earlier phases still held and promoted it towards full passes (2.4-3.4 s of a load, a
 0.8 s pass in ``save()``). So ``save()`` is one pause, and a load is one pause from the
 structure's parse to the restore, reads included (issue 32). None of that work makes garbage
-cycles (the walkers' recursive closures are unbound at their end: ``_structure._spent``),
+cycles (the walkers' recursive closures are unbound at their end: ``_structure_nodes.spent_closure``),
 so the temporaries die by reference counting before the pause ends and the first
 collection afterwards sees only what the caller keeps (the loaded state).
 

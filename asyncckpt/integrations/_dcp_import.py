@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..format._layout import check_step
 from ..roots.posix import _ownership
-from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir, remove_tree
+from ..roots.posix._ensure_dir import ensure_dir
+from ..roots.posix._osops import DEFAULT_OPS, OsOps
+from ..roots.posix._remove_tree import remove_tree
 from . import _dcp_meta, _dcp_step
 
 log = logging.getLogger("asyncckpt")

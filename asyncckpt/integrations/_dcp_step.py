@@ -41,10 +41,11 @@ from ..format import _index, _manifest
 from ..format._checksum import crc32c
 from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ..format._safetensors import DTYPE_TO_ST, plan_layout
-from ..format._structure import flatten, tree_json
+from ..format._structure_encode import flatten, tree_json
 from ..loading._readinto import byte_view
 from ..roots.posix._discovery import open_step
-from ..roots.posix._storage import DEFAULT_OPS, OsOps, remove_tree
+from ..roots.posix._osops import DEFAULT_OPS, OsOps
+from ..roots.posix._remove_tree import remove_tree
 from . import _dcp_meta
 
 log = logging.getLogger("asyncckpt")

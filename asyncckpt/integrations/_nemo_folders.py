@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 
 from .._errors import CheckpointError
-from ..roots.posix._storage import remove_tree
+from ..roots.posix._remove_tree import remove_tree
 from ._publish import drop_step, fsync_dir, write_durably
 
 log = logging.getLogger("asyncckpt")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from .._info import CheckpointInfo
 from ..format._layout import deleting_dir_name, step_dir_name
-from ..roots.posix._storage import remove_tree
+from ..roots.posix._remove_tree import remove_tree
 from ..saving._handle import SaveHandle
 
 log = logging.getLogger("asyncckpt")

@@ -58,7 +58,8 @@ from ..roots._scheme import is_url
 from ..roots.objstore._lease import DEFAULT_TTL_S, check_ttl
 from ..roots.objstore._remote import DEFAULT_DEADLINE_S
 from ..roots.posix._discovery import pin_step
-from ..roots.posix._storage import DEFAULT_OPS, OsOps, ensure_dir
+from ..roots.posix._ensure_dir import ensure_dir
+from ..roots.posix._osops import DEFAULT_OPS, OsOps
 from . import _dcp_meta, _dcp_step
 from ._dcp_import import import_dcp
 

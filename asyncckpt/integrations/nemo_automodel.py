@@ -83,7 +83,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..checkpointer._facade import Checkpointer
 from ..ranks._every_rank import on_every_rank
-from ..roots.posix._storage import remove_tree
+from ..roots.posix._remove_tree import remove_tree
 from . import _nemo_folders as folders
 from ._publish import Publisher
 

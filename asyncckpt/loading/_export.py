@@ -47,7 +47,8 @@ from ..format._header import TensorSlot
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._reshard import Box, SavedChunk, intersect
 from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout
-from ..format._structure import resolve_dtensor_aliases, unflatten
+from ..format._structure_decode import unflatten
+from ..format._structure_names import resolve_dtensor_aliases
 from ..roots._readfault import read_error
 from ..roots.posix._discovery import PinnedStep, pin_step
 from ..roots.posix._fileio import read_exact, reserve, write_all

@@ -55,7 +55,8 @@ from ..format._gcpause import paused_gc
 from ..format._header import TensorSlot, declared_length, parse_slots
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._structure import COMPILE_PREFIX, UnknownTensorError, strip_state_dict_prefixes, unflatten
+from ..format._state_prefixes import COMPILE_PREFIX, strip_state_dict_prefixes
+from ..format._structure_decode import UnknownTensorError, unflatten
 from ..roots._readfault import read_error, regular_file
 from ..roots.posix._discovery import read_regular_file
 from . import _readinto

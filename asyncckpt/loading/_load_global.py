@@ -44,7 +44,9 @@ from ..format._bounds import check_memory, parse_structure
 from ..format._manifest import Manifest, shard_name, tree_name
 from ..format._reshard import Box, plan_reads
 from ..format._safetensors import DTYPE_TO_ST, PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._structure import dtensor_names, flatten, resolve_dtensor_aliases, tensor_names, unflatten
+from ..format._structure_decode import unflatten
+from ..format._structure_encode import flatten
+from ..format._structure_names import dtensor_names, resolve_dtensor_aliases, tensor_names
 from ..roots._readfault import read_error
 from . import _readinto
 from ._load import check_tree_size, read_shard_fd

@@ -37,7 +37,7 @@ from .._errors import (
 from ..format._checksum import crc32c
 from ..format._layout import check_step, token_of
 from ..format._manifest import Manifest
-from ..format._structure import check_strip_prefixes
+from ..format._state_prefixes import check_strip_prefixes
 from ..roots._badmarks import record_on_store, store_marks
 from ..roots._runs import check_choice
 from ..roots.objstore._client import ObjectStore

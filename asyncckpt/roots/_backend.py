@@ -28,9 +28,12 @@ from .._info import CheckpointInfo
 from ..format import _manifest
 from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ..format._stepstates import save_action, state_of
+from ._filewrite import Staged, WriteResult
 from .posix._discovery import observe_step, open_step, read_manifest
+from .posix._osops import DEFAULT_OPS, OsOps
+from .posix._remove_tree import remove_tree
 from .posix._retention import leftovers, retire, set_aside
-from .posix._storage import DEFAULT_OPS, OsOps, Staged, Storage, WriteResult, remove_tree
+from .posix._storage import Storage
 
 log = logging.getLogger("asyncckpt")
 

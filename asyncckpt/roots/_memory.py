@@ -27,8 +27,8 @@ from ..format._layout import data_prefix, step_dir_name
 from ..format._manifest import MANIFEST, FileEntry, Manifest, decode
 from ..format._stepstates import Fault, Mark, Seen, save_action, state_of, victims
 from ._backend import StepJob
+from ._filewrite import Staged, WriteResult, until_staged
 from ._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
-from .posix._storage import Staged, WriteResult, until_staged
 
 SCHEME = "memory://"
 CAPS = Capabilities(

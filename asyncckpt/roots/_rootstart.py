@@ -22,9 +22,10 @@ from ..ranks import _sharedroot
 from ..ranks._distributed import DistContext
 from ..threads._sync import run_sync
 from .posix import _discovery, _ownership
+from .posix._ensure_dir import ensure_dir
+from .posix._osops import OsOps
 from .posix._ownership import Ownership
 from .posix._retention import leftovers, remove_leftovers
-from .posix._storage import OsOps, ensure_dir
 
 if TYPE_CHECKING:
     from .objstore._lease import Lease

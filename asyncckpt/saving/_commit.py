@@ -53,7 +53,9 @@ from ..format._lifecycle import SaveEvent, SaveState, advance
 from ..format._safetensors import ShardLayout
 from ..ranks._coordination import Coordinator, LeaderSilent, Report, Start, Verdict
 from ..roots._backend import Backend, PhaseTimeout, PosixBackend
-from ..roots.posix._storage import CpuMeter, Storage, current_meter, thread_cpu, until_staged
+from ..roots._filewrite import until_staged
+from ..roots.posix._storage import Storage
+from ..threads._cpumeter import CpuMeter, current_meter, thread_cpu
 from . import _committable, _dedupe
 from ._staging import Arena, StageProgress
 

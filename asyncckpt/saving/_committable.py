@@ -1,7 +1,7 @@
 """The committing rank's last check: what a reader would refuse is never committed.
 
 ``save()`` refuses at the call what the readers' bounds would refuse in one rank's files (its
-structure and its shard header: ``_structure``, ``_format``, sharing their limits with the
+structure and its shard header: ``_structure_encode``, ``_format``, sharing their limits with the
 readers). What no single rank sees, the files of the whole step, is checked here: the
 leader (rank 0, or the single process) puts the global index and the manifest it is about to
 commit through the very parsers ``load()``, discovery and the CLI use. A failure is the

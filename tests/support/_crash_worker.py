@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from asyncckpt import Checkpointer
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 KEEP_LAST = 2
 PACE_S = 0.003

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import asyncckpt
 from asyncckpt.integrations.dcp import StorageReader, StorageWriter
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 def tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import Checkpointer, SaveError, SaveTimeoutError
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 
 def state_for(rank: int, step: int, numel: int = 4096) -> dict[str, Any]:

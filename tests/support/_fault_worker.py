@@ -40,7 +40,7 @@ def round_path(root: str, mode: str, i: int) -> str:
 
 # -------------------------------------------------------------------------------- the race
 def _race_process(p: int, mode: str, params: dict[str, Any], barriers: list[Any]) -> None:
-    from asyncckpt.roots.posix._storage import ensure_dir
+    from asyncckpt.roots.posix._ensure_dir import ensure_dir
 
     rounds, lanes = int(params["rounds"]), len(barriers)
     deadline_s = float(params.get("deadline_s", 10.0))
@@ -80,7 +80,7 @@ def _race_process(p: int, mode: str, params: dict[str, Any], barriers: list[Any]
 def race_main(params_path: str) -> int:
     with open(params_path) as f:
         params = json.load(f)
-    import asyncckpt.roots.posix._storage  # noqa: F401 - imported once here; the forked racers share it
+    import asyncckpt.roots.posix._ensure_dir  # noqa: F401 - imported once here; the forked racers share it
 
     ctx = mp.get_context("fork")
     procs, lanes = int(params["procs"]), int(params.get("lanes", 1))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import Checkpointer, SaveError
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 COUNTED = ("open", "write", "fsync", "close", "rename", "mkdir", "fsync_dir")
 TIMEOUT = 10.0  # generous: a loaded 2-core box must not turn an I/O error into a timeout

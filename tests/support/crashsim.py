@@ -70,7 +70,7 @@ import torch
 
 from asyncckpt import Checkpointer, CheckpointError, find_latest, load
 from asyncckpt.format._layout import parse_step_dir, step_dir_name
-from asyncckpt.roots.posix._storage import OsOps
+from asyncckpt.roots.posix._osops import OsOps
 
 #: kinds that change the namespace, carry data, or are durability barriers
 NAMESPACE = ("mkdir", "create", "rename", "unlink", "rmdir")

@@ -58,7 +58,7 @@ from ...format._layout import step_dir_name
 from ...format._manifest import decode
 from ...format._stepstates import save_action, state_of
 from .._backend import StepJob, check_deadline
-from ..posix._storage import Staged, WriteResult, until_staged
+from .._filewrite import Staged, WriteResult, until_staged
 from ._client import ObjectStore, PutInfo
 from ._lease import Lease
 from ._leftovers import remove_dead

@@ -44,7 +44,7 @@ from .._scheme import is_url
 from ..posix import _ownership
 from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..posix._fileio import read_exact, reserve, write_all
-from ..posix._storage import remove_tree
+from ..posix._remove_tree import remove_tree
 from ._client import ObjectStore, gather_or_cancel
 from ._steps import StepPrefix, aside_keys, check_attempt, dirs_of, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps

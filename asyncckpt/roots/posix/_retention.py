@@ -22,7 +22,9 @@ from ..._info import CheckpointInfo
 from ...format._layout import aside_dir_name, deleting_dir_name, parse_leftover, step_dir_name
 from ...format._stepstates import victims as _victims
 from ._discovery import complete_checkpoints
-from ._storage import DEFAULT_OPS, OsOps, Storage, remove_tree
+from ._osops import DEFAULT_OPS, OsOps
+from ._remove_tree import remove_tree
+from ._storage import Storage
 
 log = logging.getLogger("asyncckpt")
 

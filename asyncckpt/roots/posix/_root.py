@@ -24,8 +24,10 @@ from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, List
 from . import _ownership
 from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step
 from ._listing import StepDir, scan, usage
+from ._osops import DEFAULT_OPS
+from ._remove_tree import remove_tree
 from ._retention import choose_victims, leftovers, retire
-from ._storage import DEFAULT_OPS, Storage, remove_tree
+from ._storage import Storage
 
 #: The most files one :class:`PosixStepReader` holds open.
 MAX_OPEN = 16

@@ -1,0 +1,371 @@
+"""Encode a nested training state as the structure tree (the tagged JSON nodes of
+:mod:`~asyncckpt.format._structure_nodes`) plus its named tensors: :func:`flatten`, and the
+tree's compact JSON, :func:`tree_json`. Tied tensors and DTensors are named once."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import datetime
+import json
+import math
+import zoneinfo
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import orjson
+import torch
+
+from ._bounds import MAX_DEPTH, recursion_room
+from ._safetensors import DTYPE_TO_ST, PLAIN_TENSORS
+from ._state_prefixes import strip_state_dict_prefixes
+from ._structure_nodes import FACTORIES, NP_STORAGE, PATH_TYPES, spent_closure
+from ._structure_refusals import check_int_digits, check_tensor, check_utf8, describe_path, refusal, too_deep
+
+
+class TensorRef(NamedTuple):
+    """One tensor of a flattened state: its unique name and the live source tensor (a
+    tuple: one is made per tensor per save, ~4x cheaper than a frozen dataclass)."""
+
+    name: str
+    tensor: torch.Tensor
+
+
+#: The containers whose values sit one level below them (flatten's depth rule).
+_NESTING = (dict, list, tuple, set, frozenset, collections.OrderedDict, collections.defaultdict)
+#: Types of the values that are their own JSON node (ints: of up to 2,000 bits, see enc).
+_PLAIN_KINDS = frozenset({int, str, bool, type(None)})
+_SMALL_INT = 1 << 2_000
+
+
+def _plain_list(obj: list[Any]) -> bool:
+    """Whether every value of ``obj`` is its own node (str, bool, None, ints of up to 2,000
+    bits), decided at C speed, so a list of millions of them is copied rather than walked."""
+    kinds = set(map(type, obj))
+    if not kinds <= _PLAIN_KINDS:
+        return False
+    if int not in kinds:
+        return True
+    # ints mixed with other kinds cannot be ordered: those lists take the walk
+    return kinds == {int} and -_SMALL_INT < min(obj) and max(obj) < _SMALL_INT
+
+
+def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same values: storage, offset, shape, strides, dtype, device
+    (FSDP2-style padded storages hold distinct tensors at other offsets). None for tensors
+    without data, whose storages may all sit at address 0."""
+    if t.numel() == 0:
+        return None
+    # the first element's address stands for storage + offset (cheaper than untyped_storage());
+    # a conj or neg view reads other values from the same memory
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
+
+
+def _dtensor_tie_key(dt: Any) -> tuple[Any, ...] | None:
+    """What makes two DTensors the same values on every rank: the same mesh, placements and
+    global shape over the same local storage view. FSDP2 hands out a fresh DTensor per
+    ``state_dict()`` key, so identity alone misses GPT-2's tied ``lm_head``/``wte``; its empty
+    local shards are views of a padded storage and still compare. A local tensor over no
+    storage at all (address 0 is shared by every such tensor) ties nothing: the index merge
+    accepts that rank's empty entry for a name the other ranks tied."""
+    local = dt._local_tensor
+    storage = local.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (
+        id(dt.device_mesh), tuple(str(p) for p in dt.placements), tuple(dt.shape),
+        storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype, local.device,
+    )  # fmt: skip
+
+
+def _enc_float(x: float) -> Any:
+    if math.isfinite(x):
+        return float(x)
+    return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def _array_source(a: np.ndarray[Any, Any], where: str) -> torch.Tensor:
+    """A CPU tensor over ``a``'s data (a view when ``a`` is contiguous and writable)."""
+    name = a.dtype.name
+    if name not in NP_STORAGE or not a.dtype.isnative:
+        hint = "x.tolist()" if a.dtype.kind in "OUSV" else "x.astype(<a numeric dtype>)"
+        raise TypeError(
+            f"unsupported numpy array dtype {a.dtype.str} ({a.dtype.name}) at {where!r}: arrays of "
+            f"{', '.join(NP_STORAGE)} in native byte order are saved; convert it, e.g. {hint}"
+        )
+    # torch.from_numpy needs contiguous, writable memory: copy (once, here) when it is not
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        a = np.array(a, order="C", copy=True)
+    if name == "complex128":
+        a = a.reshape(-1).view(np.float64)
+    return torch.from_numpy(a)
+
+
+def flatten(
+    state: Any,
+    strip_prefixes: Iterable[str] = (),
+    dtensors: list[tuple[str, Any, Any]] | None = None,
+    tied_out: list[int] | None = None,
+    dtensor_aliases: dict[str, str] | None = None,
+) -> tuple[Any, list[TensorRef]]:
+    """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
+
+    DTensors are refused unless ``dtensors`` is a list: then each one becomes a
+    ``{"$dtensor": name}`` node, ``(name, ShardInfo, dtensor)`` is appended to ``dtensors``
+    (``_sharding.describe``: unsupported placements raise ``TypeError`` naming the key), and
+    its local shard is among the returned tensors only on the rank that writes its box.
+
+    Every value comes back from :func:`unflatten` as the type it was saved as, or is refused:
+    raises ``TypeError`` naming the key path of the first unsupported object and how to
+    convert it, and ``ValueError`` for a reference cycle or too deep a nesting. Calls
+    ``state_dict()`` on stateful objects. Module state dicts lose the ``torch.compile``
+    prefix and any of ``strip_prefixes`` that every key carries (e.g. DDP's ``"module."``).
+    With ``tied_out``, the number of tensor nodes that reference an earlier tensor (tied
+    weights) is appended to it. A DTensor tied to an earlier one (:func:`_dtensor_tie_key`)
+    becomes a node naming the earlier one, and ``dtensor_aliases`` (when given) maps the name
+    it would have had to the earlier name: the index records it, so that every rank's tree
+    resolves to one stored tensor even where a rank could not see the tie.
+    """
+    prefixes = tuple(strip_prefixes)
+    n_tied = 0
+    tensors: list[TensorRef] = []
+    # "__metadata__" is the safetensors header's own entry: a tensor saved under that key path
+    # is named "__metadata__~2" (the tree maps the key to whatever name its tensor got)
+    used: set[str] = {"__metadata__"}
+    active: set[int] = set()
+    # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view. The
+    # tensors named so far by their first element's address: the first one as (tensor, name),
+    # turned into {full key: name} once the address repeats (the full key costs ~1 us a
+    # tensor: computed only where an address repeats, and once per tensor)
+    at_ptr: dict[int, Any] = {}
+    dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
+
+    def unique(path: tuple[str, ...]) -> str:
+        base = ".".join(path) if path else "_"
+        if not base.isascii():
+            check_utf8(base)
+        name, n = base, 1
+        while name in used:
+            n += 1
+            name = f"{base}~{n}"
+        used.add(name)
+        return name
+
+    sharding: list[Any] = []  # the _sharding module, imported at the first tensor subclass met
+
+    def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        nonlocal n_tied
+        if dtensors is not None and type(t) not in PLAIN_TENSORS:
+            if not sharding:
+                from . import _sharding as imported  # only when a state may hold DTensors
+
+                sharding.append(imported)
+            _sharding = sharding[0]
+            if _sharding.is_dtensor(t):
+                # named first either way: a rank that cannot see the tie names it the same
+                name = unique(path)
+                key = _dtensor_tie_key(t)
+                earlier = dties.get(id(t)) or (dties.get(key) if key is not None else None)
+                if earlier is not None:
+                    n_tied += 1
+                    if dtensor_aliases is not None:
+                        dtensor_aliases[name] = earlier
+                    return {"$dtensor": earlier}
+                info = _sharding.describe(describe_path(path), t)
+                if info.dtype not in DTYPE_TO_ST:
+                    raise TypeError(f"unsupported dtype {info.dtype} at {describe_path(path)!r}")
+                dtensors.append((name, info, t))  # (keeps t alive: its id is not reused in the walk)
+                dties[id(t)] = name
+                if key is not None:
+                    dties[key] = name
+                if info.writer:
+                    tensors.append(TensorRef(name, info.local.detach()))
+                return {"$dtensor": name}
+        check_tensor(t, path)
+        ptr = t.data_ptr()
+        seen = at_ptr.get(ptr)
+        tied = None
+        if seen is not None:
+            if type(seen) is tuple:  # the address repeats: from here on, by full key
+                first, first_name = seen
+                key = _tie_key(first)
+                seen = at_ptr[ptr] = {} if key is None else {key: first_name}
+            tied = _tie_key(t)
+            if tied is not None and tied in seen:
+                n_tied += 1
+                return {"$tensor": seen[tied]}  # the same storage view and dtype: stored once
+        name = unique(path)
+        # detached only where autograd would track the copy (state_dict() values are not)
+        tensors.append(TensorRef(name, t.detach() if t.requires_grad else t))
+        if seen is None:
+            at_ptr[ptr] = (t, name)
+        elif tied is not None:
+            seen[tied] = name
+        return {"$tensor": name}
+
+    def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:
+        items = []
+        for k, v in obj.items():
+            tk = type(k)  # (a bool key's type is bool: refused too)
+            if tk is not str and tk is not int:
+                raise TypeError(
+                    f"unsupported dict key {k!r} ({tk.__name__}) at {describe_path(path)!r}: keys must be str or int"
+                )
+            if tk is int and k.bit_length() > 2_000:  # (see enc: str() has a digit limit)
+                check_int_digits(k, path, "dict key")
+            sub = (*path, k if tk is str else str(k))
+            # a plain tensor straight to its node: the common value of a state dict
+            items.append([k, tensor_node(v, sub) if type(v) is torch.Tensor else enc(v, sub)])
+        return items
+
+    def elements(obj: Iterable[Any], path: tuple[str, ...]) -> list[Any]:
+        # sets: elements sorted by their encoding, so equal sets give equal trees
+        before = len(tensors)
+        out = sorted((enc(v, (*path, "*")) for v in obj), key=repr)
+        if len(tensors) != before:
+            raise TypeError(f"set at {describe_path(path)!r} holds tensors or arrays: save a list instead")
+        return out
+
+    def enc(obj: Any, path: tuple[str, ...]) -> Any:
+        t = type(obj)
+        if obj is None or t is bool or t is str:
+            return obj
+        if t is int:
+            if obj.bit_length() > 2_000:  # ~600 digits: below the least str() limit Python allows (640)
+                check_int_digits(obj, path)
+            return obj
+        if t is float:
+            return _enc_float(obj)
+        if t is torch.nn.Parameter:
+            if len(path) >= MAX_DEPTH:
+                raise too_deep(path)
+            return {"$param": [tensor_node(obj, path), bool(obj.requires_grad)]}
+        if isinstance(obj, torch.Tensor):
+            return tensor_node(obj, path)
+        if t is np.ndarray:
+            src = _array_source(obj, describe_path(path))
+            name = unique(path)
+            tensors.append(TensorRef(name, src))
+            return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
+        if isinstance(obj, np.generic) and obj.dtype.name in NP_STORAGE and obj.dtype.isnative:
+            if len(path) >= MAX_DEPTH:
+                raise too_deep(path)
+            return {"$np": [obj.dtype.name, enc(obj.item(), path)]}
+        if t is bytes:
+            return {"$bytes": base64.b64encode(obj).decode("ascii")}
+        if t is bytearray:
+            return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
+        if t is complex:
+            return {"$complex": [_enc_float(obj.real), _enc_float(obj.imag)]}
+        if t is torch.Size:
+            return {"$size": [int(d) for d in obj]}
+        if t is torch.dtype:
+            return {"$dtype": str(obj).removeprefix("torch.")}
+        if t is torch.device:
+            return {"$device": str(obj)}
+        if t is torch.Generator:
+            if len(path) >= MAX_DEPTH:
+                raise too_deep(path)
+            return {"$generator": [str(obj.device), tensor_node(obj.get_state(), path)]}
+        if t in PATH_TYPES.values():
+            return {"$path": [t.__name__, str(obj)]}
+        if t is datetime.datetime:
+            return {"$datetime": [obj.replace(tzinfo=None, fold=0).isoformat(), obj.fold, _enc_tz(obj, path)]}
+        if t is datetime.date:
+            return {"$date": obj.isoformat()}
+        if t is datetime.timedelta:
+            return {"$timedelta": [obj.days, obj.seconds, obj.microseconds]}
+        # the depth rule unflatten() applies: every node at most MAX_DEPTH levels below the
+        # root, so a container at MAX_DEPTH may only be empty (an OrderedDict's _metadata is a
+        # value below it too)
+        if len(path) >= MAX_DEPTH and t in _NESTING and (obj or getattr(obj, "_metadata", None) is not None):
+            raise too_deep(path)
+        if id(obj) in active:
+            raise ValueError(f"reference cycle in state at {describe_path(path)!r}")
+        active.add(id(obj))
+        try:
+            if t is dict:
+                return {"$dict": items_of(obj, path)}
+            if t is collections.OrderedDict:
+                return enc_odict(obj, path)
+            if t is collections.defaultdict:
+                factory = obj.default_factory
+                if factory is not None and FACTORIES.get(getattr(factory, "__name__", "")) is not factory:
+                    raise TypeError(
+                        f"defaultdict at {describe_path(path)!r} has default_factory {factory!r}: only builtin "
+                        f"types ({', '.join(FACTORIES)}) or None are saved; save dict(x) instead"
+                    )
+                return {"$defaultdict": [None if factory is None else factory.__name__, items_of(obj, path)]}
+            if t is list:
+                if _plain_list(obj):  # a sampler's permutation of 9M ints: 0.9 s, not 3.3
+                    return list(obj)
+                return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
+            if t is tuple:
+                return {"$tuple": [enc(v, (*path, str(i))) for i, v in enumerate(obj)]}
+            if t is set:
+                return {"$set": elements(obj, path)}
+            if t is frozenset:
+                return {"$frozenset": elements(obj, path)}
+            state_dict = getattr(obj, "state_dict", None)
+            if callable(state_dict) and callable(getattr(obj, "load_state_dict", None)):
+                return enc(state_dict(), path)
+        finally:
+            active.discard(id(obj))
+        raise refusal(obj, describe_path(path))
+
+    def enc_odict(obj: collections.OrderedDict[Any, Any], path: tuple[str, ...]) -> Any:
+        extra = set(vars(obj)) - {"_metadata"}
+        if extra:
+            raise TypeError(
+                f"OrderedDict at {describe_path(path)!r} carries attributes {sorted(extra)}: only _metadata "
+                "is saved; save collections.OrderedDict(x) instead"
+            )
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            obj, meta = strip_state_dict_prefixes(obj, prefixes)  # type: ignore[assignment]
+            meta_node = enc(meta, (*path, "_metadata"))
+        else:
+            meta_node = None
+        return {"$odict": [items_of(obj, path), meta_node]}
+
+    try:
+        with recursion_room():
+            tree = enc(state, ())
+    finally:
+        # the walkers call each other through their closures: a reference cycle that would
+        # keep every name, address and TensorRef of the walk alive until a collection ran
+        enc = items_of = elements = enc_odict = spent_closure
+    if tied_out is not None:
+        tied_out.append(n_tied)
+    return tree, tensors
+
+
+def tree_json(tree: Any) -> bytes:
+    """The compact JSON of a :func:`flatten` tree. orjson writes it ~10x faster than the
+    standard library (7 ms -> 0.7 ms for 10,000 tensors, time save() blocks); an integer
+    beyond 64 bits, which orjson refuses, falls back to the standard library. The tree holds
+    no NaN or infinity (:func:`_enc_float` spells them out), so either output is strict JSON."""
+    try:
+        return orjson.dumps(tree)
+    except orjson.JSONEncodeError:  # (orjson also stops at 255 levels of JSON)
+        with recursion_room():
+            return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:
+    tz = dt.tzinfo
+    if tz is None:
+        return None
+    if type(tz) is datetime.timezone:
+        off = tz.utcoffset(None)
+        own = tz.tzname(None)
+        name = own if own != datetime.timezone(off).tzname(None) else None
+        return ["fixed", [off.days, off.seconds, off.microseconds], name]
+    if type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
+        return ["zone", tz.key]
+    raise TypeError(
+        f"datetime at {describe_path(path)!r} has tzinfo {type(tz).__name__}: fixed offsets "
+        "(datetime.timezone) and zoneinfo.ZoneInfo zones are saved; save "
+        "x.astimezone(datetime.timezone.utc) instead"
+    )

@@ -1,0 +1,69 @@
+"""The tensor names a structure tree references (to cross-check a shard's header or the
+global index), and the renaming of tied DTensors' aliases in a tree read back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _containers(node: list[Any]) -> bool:
+    """Whether the JSON array ``node`` holds arrays or objects (C speed: the walks over a tree
+    skip the millions of scalars of a long list)."""
+    return not set(map(type, node)).isdisjoint((list, dict))
+
+
+def _references(tree: Any, wanted: str) -> list[str]:
+    """The names ``tree`` references under tag ``wanted`` (``$tensor`` also counts ndarrays,
+    whose data is a tensor of the shard), in one walk that never parses a leaf twice."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            if _containers(node):
+                stack.extend(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag in ("$tensor", "$dtensor"):
+                if tag == wanted and isinstance(val, str):
+                    out.append(val)
+            elif tag == "$ndarray":
+                if wanted == "$tensor" and isinstance(val, list) and val and isinstance(val[0], str):
+                    out.append(val[0])
+            else:
+                # every other node's value may hold nodes ($dict items, $param, $generator, ...)
+                stack.append(val)
+    return out
+
+
+def resolve_dtensor_aliases(tree: Any, aliases: Mapping[str, str]) -> Any:
+    """Rename, in place, every ``{"$dtensor": alias}`` node of ``tree`` (a tree read back,
+    owned by the caller) to the name the index stores it under (``flatten``'s
+    ``dtensor_aliases``); returns ``tree``."""
+    if not aliases:
+        return tree
+    stack = [tree]
+    while stack:  # iterative: a tree may be MAX_DEPTH containers deep
+        node = stack.pop()
+        if isinstance(node, list):
+            if _containers(node):
+                stack.extend(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$dtensor":
+                if isinstance(val, str) and val in aliases:
+                    node[tag] = aliases[val]
+            elif tag != "$tensor":
+                stack.append(val)
+    return tree
+
+
+def tensor_names(tree: Any) -> list[str]:
+    """All tensor names referenced by ``tree`` (used to cross-check a shard header)."""
+    return _references(tree, "$tensor")
+
+
+def dtensor_names(tree: Any) -> list[str]:
+    """All ``{"$dtensor": name}`` names referenced by ``tree``."""
+    return _references(tree, "$dtensor")
