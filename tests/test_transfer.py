@@ -283,7 +283,8 @@ copy_steps(open_root(src, **kw(src)), open_root(dst, **kw(dst)))
 """
 
 
-@pytest.mark.parametrize("direction", ["push", "pull"])
+# the push's re-run waits out the killed writer's lease (its TTL, about a minute): slow
+@pytest.mark.parametrize("direction", [pytest.param("push", marks=pytest.mark.slow), "pull"])
 def test_a_copy_killed_midway_leaves_no_step_and_a_rerun_completes(
     tmp_path: Path, s3: Any, proxy: Any, url: str, direction: str
 ) -> None:

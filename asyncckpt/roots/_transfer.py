@@ -140,6 +140,9 @@ def copy_step(src: Root, dst: Root, step: int, *, deadline_s: float | None = Non
             attempt = dst.begin(step, attempt=m.attempt, deadline_s=deadline_s)
         except FileExistsError as e:  # committed meanwhile, or not a checkpoint: never ours to replace
             raise CheckpointError(f"step {step} cannot be copied to {dst.locate(step)}: {e.strerror}") from None
+        except ValueError:  # the attempt id names files and keys: a manifest whose id cannot is damaged
+            raise CheckpointCorruptError(f"manifest attempt id {m.attempt[:80]!r} is not a hex token",
+                                         reader.locate()) from None  # fmt: skip
         try:
             _copy_files(reader, attempt, stop)
             if stop.is_set():
