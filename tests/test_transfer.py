@@ -183,6 +183,18 @@ def test_a_destination_another_writer_owns_is_refused(tmp_path: Path, mem: list[
     assert copy_steps(src, open_root(tmp_path / "dst"))[0].status == "copied"  # released: it goes
 
 
+def test_a_store_prefix_a_live_checkpointer_writes_is_refused(tmp_path: Path, s3: Any, url: str) -> None:
+    src = open_root(saved(tmp_path / "src", [1]))
+    o = opts(s3.endpoint)
+    with Checkpointer(url, storage_options=o) as ck:
+        ck.save(0, state(0)).result(timeout=60)
+        busy = open_root(url, storage_options=o, deadline_s=3)  # gives up on the live lease in 3 s
+        with pytest.raises(RootInUseError):
+            copy_steps(src, busy)
+        assert [r.step for r in busy.list_steps() if r.resumable] == [0]
+    assert copy_steps(src, open_root(url, storage_options=o))[0].status == "copied"  # released: it goes
+
+
 def test_which_steps_a_copy_takes(tmp_path: Path) -> None:
     src = open_root(saved(tmp_path / "src", [1, 2, 5, 9]))
     assert choose_steps(src) == [1, 2, 5, 9]

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import CheckpointCorruptError, ObjectStoreError
 from ...format._layout import aside_key, step_dir_name
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from ._lease import Lease
 
 log = logging.getLogger("asyncckpt")
-T = TypeVar("T")
 
 #: Default deadline of one push, pull or load call (seconds).
 DEFAULT_DEADLINE_S = 3600.0
@@ -191,13 +190,14 @@ def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline
     return run_sync(go)
 
 
-# ----------------------------------------------------------------------------------- push
+# ------------------------------------------------------- node-tier uploads, clean-ups after a commit
 
 
 async def upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, int], m: Manifest,
                         names: Iterable[str], deadline: float) -> None:
     """Upload ``names`` (open read-only in ``opened``) read with ``pread`` part by part (never
-    mapped: a read error is an ``OSError`` naming the file, not a SIGBUS)."""
+    mapped: a read error is an ``OSError`` naming the file, not a SIGBUS): one rank's part of
+    a node-local tier's step (``saving._nodeupload``); whole steps go by ``roots._transfer``."""
     prefix = data_prefix(m.step, m.attempt)
     sem = asyncio.Semaphore(_FILES_IN_FLIGHT)
 

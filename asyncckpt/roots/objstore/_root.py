@@ -153,13 +153,15 @@ class ObjectRoot:
     caps = CAPS
 
     def __init__(self, url: str, storage_options: Mapping[str, str] | None = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:  # fmt: skip
-        self.store = open_store(url, storage_options)
+                 deadline_s: float = DEFAULT_DEADLINE_S, *, store: ObjectStore | None = None,
+                 lease: Lease | None = None, probed: bool = False) -> None:  # fmt: skip
+        self.store = store if store is not None else open_store(url, storage_options)
         self.url = self.store.url  # normalised: s3://bucket/prefix
         self.deadline_s = deadline_s
-        #: the lease while :meth:`claim` holds it (removals check it first)
-        self.lease: Lease | None = None
-        self._probed = False
+        #: the lease while :meth:`claim` holds it, or the caller's (removals check it first)
+        self.lease: Lease | None = lease
+        self._given = lease
+        self._probed = probed  # whether the store was seen to enforce conditional creates
 
     @classmethod
     def over(cls, store: ObjectStore, lease: Lease | None = None, deadline_s: float = DEFAULT_DEADLINE_S,
@@ -167,9 +169,7 @@ class ObjectRoot:
         """The root of an open ``store`` (its client, part size and executor kept), with
         ``lease`` already held by the caller (tier mode's upload: the mirror's lease);
         ``probed``: the caller checked that the store enforces conditional creates."""
-        root = cls.__new__(cls)
-        root.store, root.url, root.deadline_s, root.lease, root._probed = store, store.url, deadline_s, lease, probed
-        return root
+        return cls(store.url, None, deadline_s, store=store, lease=lease, probed=probed)
 
     def __repr__(self) -> str:
         return f"ObjectRoot({self.url!r})"
@@ -272,6 +272,6 @@ class ObjectRoot:
 
     def close(self) -> None:
         lease, self.lease = self.lease, None
-        if lease is not None:
+        if lease is not None and lease is not self._given:  # a caller's lease is the caller's to release
             lease.release()
 
