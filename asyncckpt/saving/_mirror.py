@@ -254,8 +254,9 @@ class Mirror:
             self._view = StoreView(self.store)
         view = self._view
         view.pin(info.step)
-        # the copy between the two roots (roots._transfer) on a thread of its own; a
-        # cancellation (stop) ends it at its next read, before anything is committed
+        # the copy between the two roots (roots._transfer) on a thread of the pool; a
+        # cancellation (stop) ends it at its next read or before its commit, whichever comes
+        # first (a commit already sent lands a correct step)
         dst = ObjectRoot.over(self.store, lease, self.timeout, probed=True)
         stop = threading.Event()
         try:
