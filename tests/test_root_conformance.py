@@ -374,6 +374,50 @@ class TestRoot:
         assert rig.root.read(1, shard_name(0)) == files[shard_name(0)]
 
 
+    def test_a_file_streamed_in_parts_commits_and_reads_back(self, rig: Rig) -> None:
+        """``Attempt.write_from``: a file bigger than one part is asked for in bounded parts
+        (never whole), its CRC-32C returned; the step commits and reads back byte for byte."""
+        size = 37 * (1 << 20) + 5  # above the POSIX window (16 MiB) and a store part
+        data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        asked: list[int] = []
+        lock = threading.Lock()
+
+        def read(offset: int, view: memoryview) -> None:
+            with lock:
+                asked.append(view.nbytes)
+            view[:] = data[offset:offset + view.nbytes]
+
+        tree = b'{"step": 4}'
+        a = rig.root.begin(4, attempt="00ab" * 4)
+        assert a.attempt == "00ab" * 4
+        crc = a.write_from(shard_name(0), size, read)
+        assert crc == crc32c(data)
+        a.write(tree_name(0), tree)
+        a.commit(manifest(4, a.attempt, {shard_name(0): data, tree_name(0): tree}))
+        assert sum(asked) == size and max(asked) <= 16 << 20 and len(asked) >= 3
+        assert rig.root.read(4, shard_name(0)) == data
+        with rig.root.open_reader(4) as r:  # the manifest's own bytes, as committed
+            assert decode(r.manifest_raw, "x") == r.manifest and len(r.manifest_raw) == r.manifest_size
+
+    def test_a_streamed_write_whose_source_fails_commits_nothing(self, rig: Rig) -> None:
+        def read(offset: int, view: memoryview) -> None:
+            if offset:
+                raise OSError(5, "source failed", "src")
+            view[:] = b"s" * view.nbytes
+
+        a = rig.root.begin(6)
+        with pytest.raises(OSError, match="source failed"):
+            a.write_from(shard_name(0), 20 << 20, read)
+        a.abort()
+        assert rig.root.list_steps() == [] and rig.root.leftovers() == []
+
+    @pytest.mark.parametrize("bad", ["", "XYZ", "a/b", "0" * 65])
+    def test_an_attempt_id_that_is_not_a_hex_token_is_refused(self, rig: Rig, bad: str) -> None:
+        with pytest.raises(ValueError, match="hex token"):
+            rig.root.begin(1, attempt=bad)
+        assert rig.root.list_steps() == []
+
+
 class TestRegistry:
     def test_the_scheme_picks_the_root(self, tmp_path: Path) -> None:
         assert open_root(tmp_path).caps.kind == "posix"

@@ -234,7 +234,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     temporary root beside OUT, on OUT's file system, exported from there, then removed."""
     import tempfile
 
-    from ..roots.objstore._remote import pull
+    from ..remote import pull
 
     url: str = args.root
     opts = storage_options(args)

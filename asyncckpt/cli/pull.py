@@ -16,10 +16,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="download a checkpoint from s3://bucket/prefix into ROOT",
         description=(
             "Download the newest complete checkpoint under URL (or --step N) into ROOT as a\n"
-            "committed checkpoint (written as step_N.tmp-<attempt>/, the space of every file\n"
-            "reserved first so a full disk fails before the download, every file CRC-32C checked\n"
-            "and fsynced, the manifest last, then renamed to step_N): a Checkpointer on ROOT resumes\n"
-            "from it. Takes ROOT's ownership for the run (refuses a root a Checkpointer owns)."
+            "committed checkpoint (written as step_N.tmp-<attempt>/, each file's space reserved\n"
+            "before its first byte is fetched so a full disk fails at once, every file CRC-32C\n"
+            "checked and fsynced, the manifest last, then renamed to step_N): a Checkpointer on ROOT\n"
+            "resumes from it. Takes ROOT's ownership for the run (refuses a root a Checkpointer owns)."
         ),
         epilog="examples:\n  asyncckpt pull s3://bucket/run1 /nvme/run1\n",
         formatter_class=Formatter,

@@ -20,7 +20,7 @@ import pathlib
 import re
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -30,6 +30,7 @@ from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ..format._stepstates import save_action, state_of
 from ._filewrite import Staged, WriteResult
 from .posix._discovery import observe_step, open_step, read_manifest
+from .posix._fileio import copy_in
 from .posix._osops import DEFAULT_OPS, OsOps
 from .posix._remove_tree import remove_tree
 from .posix._retention import leftovers, retire, set_aside
@@ -119,6 +120,14 @@ class Backend(Protocol):
 
     async def write_small(self, job: StepJob, loc: str, name: str, data: bytes) -> WriteResult:
         """Store ``data`` as ``name``, durable when this returns."""
+        ...
+
+    async def write_from(
+        self, job: StepJob, loc: str, name: str, size: int, read: Callable[[int, memoryview], None]
+    ) -> WriteResult:
+        """Store the ``size`` bytes that ``read(offset, buffer)`` fills (called on a thread,
+        never on the loop) as ``name``, a bounded window at a time (never the whole file in
+        memory), durable when this returns; the result's CRC-32C is of the bytes stored."""
         ...
 
     async def discard(self, job: StepJob, loc: str, name: str) -> None:
@@ -291,6 +300,13 @@ class PosixBackend:
 
     async def write_small(self, job: StepJob, loc: str, name: str, data: bytes) -> WriteResult:
         return await self.storage.write_bytes(os.path.join(loc, name), data)
+
+    async def write_from(
+        self, job: StepJob, loc: str, name: str, size: int, read: Callable[[int, memoryview], None]
+    ) -> WriteResult:
+        t0 = time.perf_counter()
+        crc = await self.storage.run(copy_in, os.path.join(loc, name), size, read)
+        return WriteResult(size, crc, False, time.perf_counter() - t0, 0.0)
 
     async def discard(self, job: StepJob, loc: str, name: str) -> None:
         await self.storage.remove(os.path.join(loc, name))

@@ -12,11 +12,12 @@ share one :class:`MemoryStore` (two claimants see each other), until :func:`drop
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import pathlib
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ from ._filewrite import Staged, WriteResult, until_staged
 from ._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
 
 SCHEME = "memory://"
+#: Bytes one read of :meth:`MemoryBackend.write_from` asks for.
+WINDOW = 16 << 20
 CAPS = Capabilities(
     "memory", "lock", "swap",
     by_commit_order=False, mmap=False, step_noun="prefix", checks_commit=True,
@@ -155,6 +158,15 @@ class MemoryBackend:
             a.modified = time.time()
         return WriteResult(len(data), crc32c(data), False, time.perf_counter() - t0, 0.0)
 
+    async def write_from(
+        self, job: StepJob, loc: str, name: str, size: int, read: Callable[[int, memoryview], None]
+    ) -> WriteResult:
+        buf = bytearray(size)  # memory holds the file anyway; read a window at a time
+        view = memoryview(buf)
+        for offset in range(0, size, WINDOW):
+            await asyncio.to_thread(read, offset, view[offset:offset + WINDOW])
+        return await self.write_small(job, loc, name, bytes(buf))
+
     async def discard(self, job: StepJob, loc: str, name: str) -> None:
         with self.mem.lock:
             self._attempt(loc).files.pop(name, None)
@@ -227,7 +239,7 @@ class MemoryStepReader(StepReader):
 
     def __init__(self, backend: MemoryBackend, step: int, s: _Step) -> None:
         self._backend, self._s = backend, s
-        self.manifest, self.manifest_size = s.manifest, len(s.raw)
+        self.manifest, self.manifest_raw, self.manifest_size = s.manifest, s.raw, len(s.raw)
 
     def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
         data = self._s.files.get(entry.name, b"")[offset:offset + len(out)]
@@ -328,8 +340,8 @@ class MemoryRoot:
             self.mem.owner = token
         return _LockClaim(self.mem, token)
 
-    def begin(self, step: int) -> Attempt:
-        return BackendAttempt(self._backend, self.url, step)
+    def begin(self, step: int, *, attempt: str | None = None, deadline_s: float | None = None) -> Attempt:
+        return BackendAttempt(self._backend, self.url, step, deadline_s, attempt)
 
     def leftovers(self) -> list[Leftover]:
         now = time.time()

@@ -26,9 +26,10 @@ suite: ``tests/test_root_conformance.py``) and DCP's ``StorageWriter``/``Storage
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -157,6 +158,14 @@ class Attempt(Protocol):
         """Store ``data`` as the attempt's file ``name``, durable when this returns."""
         ...
 
+    def write_from(self, name: str, size: int, read: Callable[[int, memoryview], None]) -> int:
+        """Store the ``size`` bytes that ``read(offset, buffer)`` fills (called from another
+        thread, for consecutive or concurrent ranges) as the attempt's file ``name``, in parts
+        of bounded size (a file of any size, never whole in memory), durable when this
+        returns. Returns the CRC-32C of the bytes stored. An exception of ``read`` is raised
+        as it is."""
+        ...
+
     def commit(self, manifest: bytes) -> None:
         """Publish ``manifest`` (its files written): the step is committed when this returns.
         ``FileExistsError`` if the step was committed meanwhile (by another attempt); then
@@ -214,8 +223,11 @@ class Root(Protocol):
         """Take ownership for ``role`` (``RootInUseError`` naming the holder if another has it)."""
         ...
 
-    def begin(self, step: int) -> Attempt:
-        """Open an attempt at ``step`` (``FileExistsError`` if it is committed)."""
+    def begin(self, step: int, *, attempt: str | None = None, deadline_s: float | None = None) -> Attempt:
+        """Open an attempt at ``step`` (``FileExistsError`` if it is committed): its id
+        ``attempt`` (a hex token; a copy keeps its source's, so the manifest's bytes stay
+        the same) or a fresh one, all its calls within ``deadline_s`` (default
+        :data:`ATTEMPT_DEADLINE_S`)."""
         ...
 
     def leftovers(self) -> list[Leftover]:
@@ -257,7 +269,8 @@ class StepReader:
     files' descriptors, a store's attempt prefix, a memory step's bytes), whatever commits or
     retires meanwhile. Reads are bounded ranges of the files ``manifest`` lists.
 
-    A subclass sets ``manifest``, ``manifest_size`` (the manifest's own bytes), ``notes`` (names
+    A subclass sets ``manifest``, ``manifest_raw`` and ``manifest_size`` (the manifest's own
+    bytes and their count), ``notes`` (names
     the step holds beyond its manifest: ignored, said), ``window`` (bytes per read the medium
     serves well) and ``parallel`` (how many files are worth reading at once), and implements
     :meth:`_fill`, :meth:`locate`, :meth:`still_there` and :meth:`close`. Thread-safe: several
@@ -265,6 +278,8 @@ class StepReader:
 
     manifest: Manifest
     manifest_size: int = 0
+    #: the manifest's own bytes as the step holds them (a copy commits these, unchanged)
+    manifest_raw: bytes = b""
     notes: Sequence[str] = ()
     window: int = 8 << 20
     parallel: int = 1
@@ -332,6 +347,7 @@ def check_range(size: int, offset: int, length: int | None) -> int:
 
 #: How long one attempt of :meth:`Root.begin` may take, all its calls together.
 ATTEMPT_DEADLINE_S = 300.0
+_HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
 @dataclass
@@ -356,10 +372,14 @@ class BackendAttempt:
     protocol drives it for rank 0 of one: ``prepare``, writes, ``seal``, ``commit``; on a
     failure ``abandon``. Every call runs on the shared loop (``threads._sync``)."""
 
-    def __init__(self, backend: Backend, root: str, step: int, deadline_s: float = ATTEMPT_DEADLINE_S) -> None:
+    def __init__(self, backend: Backend, root: str, step: int, deadline_s: float | None = None,
+                 attempt: str | None = None) -> None:  # fmt: skip
+        if attempt is not None and not _HEX.fullmatch(attempt):
+            raise ValueError(f"an attempt id is a hex token of 1 to 64 digits, not {attempt[:80]!r}")
+        deadline_s = ATTEMPT_DEADLINE_S if deadline_s is None else deadline_s
         self._backend = backend
         self._job = OneRankJob(step, root, time.monotonic() + deadline_s, deadline_s)
-        self._attempt = uuid.uuid4().hex[:16]
+        self._attempt = uuid.uuid4().hex[:16] if attempt is None else attempt
         self._loc = backend.location(step, self._attempt)
         self._written: set[str] = set()
         self._done = False
@@ -382,6 +402,11 @@ class BackendAttempt:
         self._open()
         self._written.add(name)
         run_sync(lambda: self._backend.write_small(self._job, self._loc, name, bytes(data)))
+
+    def write_from(self, name: str, size: int, read: Callable[[int, memoryview], None]) -> int:
+        self._open()
+        self._written.add(name)
+        return run_sync(lambda: self._backend.write_from(self._job, self._loc, name, size, read)).crc32c
 
     def commit(self, manifest: bytes) -> None:
         self._open()

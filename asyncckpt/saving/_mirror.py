@@ -2,7 +2,7 @@
 
 ``Checkpointer(root, mirror="s3://bucket/run1")`` saves exactly as without it (the local
 commit protocol, the same time to first durability); each committed step is then handed
-to the :class:`Mirror`, which uploads it with the push protocol of ``_remote.push_step``
+to the :class:`Mirror`, which uploads it as ``asyncckpt push`` does (``roots._transfer.copy_step``)
 (data under ``step_N/a-<attempt>/``, CRC-32C compared with the local manifest, the local
 manifest bytes created once with ``If-None-Match: *`` as the remote commit point).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -106,9 +107,10 @@ class Mirror:
         from ..roots.objstore._remote import open_store
 
         self.root = root
-        # its own pool for the upload reads (pread + CRC): at interpreter exit a ThreadPoolExecutor refuses
-        # new work, and the exit hook still waits for the upload of the last commit
-        self._pool = IOPool(2, "asyncckpt-mirror-io") if uploads else None
+        # its own pool for the copy (one thread) and the upload reads (pread + CRC; two): at interpreter
+        # exit a ThreadPoolExecutor refuses new work, and the exit hook still waits for the upload of the
+        # last commit
+        self._pool = IOPool(3, "asyncckpt-mirror-io") if uploads else None
         try:
             # no I/O here: bad storage_options raise TypeError/ValueError at construction
             self.store: ObjectStore = open_store(url, storage_options, executor=self._pool)
@@ -233,7 +235,10 @@ class Mirror:
                 self._settle(fut, result=info)
 
     async def _upload(self, info: CheckpointInfo) -> None:
-        from ..roots.objstore._remote import push_step, retire_remote
+        from ..roots._transfer import copy_step
+        from ..roots.objstore._remote import retire_remote
+        from ..roots.objstore._root import ObjectRoot
+        from ..roots.posix._root import PosixRoot
 
         t0 = time.monotonic()
         deadline = t0 + self.timeout
@@ -249,11 +254,23 @@ class Mirror:
             self._view = StoreView(self.store)
         view = self._view
         view.pin(info.step)
+        # the copy between the two roots (roots._transfer) on a thread of the pool; a
+        # cancellation (stop) ends it at its next read or before its commit, whichever comes
+        # first (a commit already sent lands a correct step)
+        dst = ObjectRoot.over(self.store, lease, self.timeout, probed=True)
+        stop = threading.Event()
         try:
-            result = await push_step(self.store, self.root, info.step, deadline, lease)
+            assert self._pool is not None  # uploads=True: the pool exists
+            copy = functools.partial(copy_step, PosixRoot(self.root), dst, info.step,
+                                     deadline_s=max(0.0, deadline - time.monotonic()), stop=stop)
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, copy)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
         finally:
             view.unpin(info.step)
-        log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.url, time.monotonic() - t0, result.status)
+        log.info("uploaded step %d to %s in %.3fs (%s)", info.step, result.where, time.monotonic() - t0,
+                 "pushed" if result.status == "copied" else result.status)
         if fresh and self.run is not None:
             await self._look_above(info.step, deadline)
         if self.keep_last_remote is not None:

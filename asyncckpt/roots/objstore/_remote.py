@@ -1,21 +1,13 @@
-"""Checkpoints on an object store: push committed local steps, find, list and pull remote ones.
+"""Checkpoints on an object store: find and list remote steps, and the clean-ups after a
+commit (objects of dead attempts, stale multipart uploads) and retention.
 
-Torch-free (the CLI's ``push``, ``pull`` and ``ls s3://...`` use it); loading into tensors is in
-``_remote_load``. Names on the store (docs/design/object-stores.md, section 1)::
+Torch-free (the CLI's ``ls s3://...`` uses it); loading into tensors is in ``_remote_load``;
+push and pull are copies between roots (``roots._transfer``). Names on the store
+(docs/design/object-stores.md, section 1)::
 
     P/step_00000300/manifest.json                 the commit object, created once (If-None-Match: *)
     P/step_00000300/a-<attempt>/rank00000.safetensors
-    P/step_00000300/a-<attempt>/rank00000.json    <attempt>: the local manifest's attempt id
-
-The manifest bytes are the local manifest's, unchanged: its sizes and CRC-32Cs are copied,
-never recomputed. A push uploads every file of a step (CRC-32C computed as the bytes go up,
-compared with the manifest before anything is committed; a HEAD checks each stored size),
-then ``create_once``s the manifest - the commit point. Data keys are attempt-unique and the
-content is the committed local file, so an interrupted push leaves no complete-looking step
-and re-running it overwrites the same keys: nothing is left over after a successful push.
-Unlike a save, a push needs no tombstone when the manifest create's outcome is unknown: the
-data were complete and verified before the create was sent, so a late-landing manifest is a
-correct checkpoint.
+    P/step_00000300/a-<attempt>/rank00000.json    <attempt>: the manifest's attempt id
 
 A remote step is complete iff its manifest decodes (checksum, canonical form, its step) and
 ONE LIST of ``step_N/a-<attempt>/`` shows exactly the manifest's names with their sizes; it is
@@ -31,22 +23,18 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ObjectStoreError
-from ...format._bounds import MAX_MANIFEST_BYTES
-from ...format._layout import aside_key, check_step, step_dir_name, tmp_dir_name
+from ..._errors import CheckpointCorruptError, ObjectStoreError
+from ...format._layout import aside_key, step_dir_name
 from ...format._layout import data_prefix as data_prefix  # re-exported: the names of the store's keys
 from ...format._layout import manifest_key as manifest_key
-from ...format._manifest import MANIFEST, Manifest, decode
+from ...format._manifest import Manifest
 from ...threads._sync import run_sync
 from .._scheme import is_url
-from ..posix import _ownership
-from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
-from ..posix._fileio import read_exact, reserve, write_all
-from ..posix._remove_tree import remove_tree
+from ..posix._fileio import read_exact
 from ._client import ObjectStore, gather_or_cancel
-from ._steps import StepPrefix, aside_keys, check_attempt, dirs_of, newest_resumable, observe, resumable
+from ._steps import StepPrefix, aside_keys, dirs_of, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects
 from ._steps import open_step as open_step
@@ -57,13 +45,11 @@ if TYPE_CHECKING:
     from ._lease import Lease
 
 log = logging.getLogger("asyncckpt")
-T = TypeVar("T")
 
 #: Default deadline of one push, pull or load call (seconds).
 DEFAULT_DEADLINE_S = 3600.0
 #: Files of one step uploaded or downloaded at a time (each with its own parallel parts).
 _FILES_IN_FLIGHT = 2
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -78,18 +64,6 @@ class RemoteCheckpointInfo:
     created: float = 0.0
     attempt: str = ""
     run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What :func:`push` did to one step: ``"pushed"``, or ``"present"`` (already committed
-    remotely with these very manifest bytes; missing objects, if any, were uploaded again)."""
-
-    step: int
-    status: Literal["pushed", "present"]
-    url: str
-    nbytes: int
-    seconds: float
 
 
 def open_store(url: str, storage_options: Mapping[str, str] | None = None, **kwargs: Any) -> ObjectStore:
@@ -216,27 +190,14 @@ def scan(url: str, *, storage_options: Mapping[str, str] | None = None, deadline
     return run_sync(go)
 
 
-# ----------------------------------------------------------------------------------- push
-
-
-def _select_steps(root: str, steps: str | int | Iterable[int] | None) -> list[int]:
-    local = sorted(i.step for i in complete_checkpoints(root))
-    if steps is None:
-        return local
-    if steps == "latest":
-        if not local:
-            raise CheckpointNotFoundError(f"no complete checkpoint under {root}")
-        return [local[-1]]
-    if isinstance(steps, str):
-        raise ValueError(f"steps must be None, 'latest', a step or a list of steps, not {steps!r}")
-    wanted = [check_step(steps)] if isinstance(steps, int) else [check_step(s) for s in steps]
-    return sorted(set(wanted))
+# ------------------------------------------------------- node-tier uploads, clean-ups after a commit
 
 
 async def upload_files(store: ObjectStore, pinned_path: str, opened: dict[str, int], m: Manifest,
                         names: Iterable[str], deadline: float) -> None:
     """Upload ``names`` (open read-only in ``opened``) read with ``pread`` part by part (never
-    mapped: a read error is an ``OSError`` naming the file, not a SIGBUS)."""
+    mapped: a read error is an ``OSError`` naming the file, not a SIGBUS): one rank's part of
+    a node-local tier's step (``saving._nodeupload``); whole steps go by ``roots._transfer``."""
     prefix = data_prefix(m.step, m.attempt)
     sem = asyncio.Semaphore(_FILES_IN_FLIGHT)
 
@@ -291,73 +252,6 @@ async def abort_stale_uploads(store: ObjectStore, m: Manifest, deadline: float) 
         log.info("aborted %d stale multipart upload(s) under %s", n, store.object_url(sd))
 
 
-async def push_step(
-    store: ObjectStore, root: str, step: int, deadline: float, lease: Lease | None = None
-) -> PushResult:
-    """Upload committed local ``step`` and commit it on the store (see the module docstring).
-
-    With ``lease`` (the prefix's, held by the caller): ``RootInUseError`` once it was taken
-    over, checked before anything is written or removed; the commit is sent only while the
-    lease is ours (as a Checkpointer's on an ``s3://`` root)."""
-    t0 = time.monotonic()
-    if lease is not None:
-        lease.check()
-    with pin_step(root, step) as pinned:
-        m = pinned.manifest
-        assert m is not None
-        mpath = os.path.join(pinned.path, MANIFEST)
-        try:
-            raw = read_regular_file(mpath, MAX_MANIFEST_BYTES, dir_fd=pinned.fd, name=MANIFEST)
-        except OSError as e:
-            raise CheckpointCorruptError(f"manifest unreadable ({e.strerror})", mpath) from None
-        if decode(raw, mpath) != m:
-            raise CheckpointCorruptError("manifest changed while being pushed", mpath)
-        check_attempt(m, mpath)
-        mkey = manifest_key(step)
-        remote = await read_manifest(store, step, deadline)
-        names: list[str] = [f.name for f in m.files]
-        status: Literal["pushed", "present"] = "pushed"
-        if remote is not None:
-            if remote[1] != raw:
-                raise CheckpointError(
-                    f"step {step} is already committed at {store.object_url(mkey)} by another attempt "
-                    f"({remote[0].attempt}; the local one is {m.attempt}): not overwritten"
-                )
-            status = "present"
-            # committed with our bytes: upload again only what is missing (a repair; same keys)
-            prefix = data_prefix(step, m.attempt)
-            have = {o.key[len(prefix) :]: o.size for o in await store.list(prefix, deadline)}
-            names = [f.name for f in m.files if have.get(f.name) != f.size]
-        opened: dict[str, int] = {}  # every file opened first: a retirement starting later cannot take one
-        try:
-            for name in names:
-                opened[name] = pinned.open_file(name, m.file(name).size)
-            await upload_files(store, pinned.path, opened, m, names, deadline)
-        finally:
-            for fd in opened.values():
-                os.close(fd)
-        if status == "pushed":
-            until = deadline
-            if lease is not None:  # ours for a third of its TTL at least, or no commit
-                until = min(deadline, await lease.confirm(lease.ttl / 3))
-            result = await store.create_once(mkey, raw, until)
-            if not result.won:
-                try:
-                    other = decode(result.stored, store.object_url(mkey)).attempt
-                except CheckpointCorruptError:
-                    other = "unreadable"
-                raise CheckpointError(
-                    f"step {step} was committed at {store.object_url(mkey)} by another attempt ({other}) "
-                    "while this push ran: not overwritten"
-                )
-        if lease is not None:
-            lease.check()  # removals only while the prefix is ours
-        await sweep_dead_attempts(store, m, deadline)
-        await abort_stale_uploads(store, m, deadline)
-    return PushResult(step, status, store.object_url(step_dir_name(step)), sum(f.size for f in m.files),
-                      time.monotonic() - t0)
-
-
 async def retire_remote(
     store: ObjectStore, keep_last: int, deadline: float, lease: Lease | None = None,
     protect: frozenset[int] = frozenset(), run: str | None = None, *,
@@ -371,174 +265,3 @@ async def retire_remote(
     count and go: another run's are not this job's. ``found``/``removed``: the lease
     holder's look (``_view``) and what to tell of each step emptied."""
     return await _retire_steps(store, keep_last, deadline, lease, protect, run, found=found, removed=removed)
-
-
-def push(
-    root: str | os.PathLike[str],
-    url: str,
-    *,
-    steps: str | int | Iterable[int] | None = None,
-    storage_options: Mapping[str, str] | None = None,
-    keep_last: int | None = None,
-    deadline_s: float = DEFAULT_DEADLINE_S,
-    part_size: int | None = None,
-) -> list[PushResult]:
-    """Upload committed local checkpoints under ``root`` to ``url`` (``s3://bucket/prefix``).
-
-    ``steps``: ``None`` every complete local step, ``"latest"`` the newest, or a step / list of
-    steps. Idempotent: a step already committed remotely with the same manifest is skipped
-    (``status="present"``). A local file whose CRC-32C differs from its manifest is never
-    committed (``CheckpointCorruptError`` naming it). ``keep_last``: afterwards retire complete
-    remote steps beyond the newest ``keep_last``. Everything within ``deadline_s``.
-    """
-    root_s = os.fspath(root)
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None, not {keep_last!r}")
-    chosen = _select_steps(root_s, steps)
-    kwargs: dict[str, Any] = {} if part_size is None else {"part_size": part_size}
-    store = open_store(url, storage_options, **kwargs)
-
-    async def go() -> list[PushResult]:
-        from ._lease import held  # the prefix's lease: no push into a prefix a live job writes
-
-        deadline = time.monotonic() + deadline_s
-        await store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
-        async with held(store, "asyncckpt push", deadline) as lease:
-            out = [await push_step(store, root_s, s, deadline, lease) for s in chosen]
-            if keep_last is not None:
-                removed = await retire_remote(store, keep_last, deadline, lease)
-                if removed:
-                    log.info("retired remote steps %s under %s", removed, store.url)
-        return out
-
-    return run_sync(go)
-
-
-# ----------------------------------------------------------------------------------- pull
-
-
-def _fsync(fd: int, path: str) -> None:
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror} (fsync)", path) from None
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        _fsync(fd, path)
-    finally:
-        os.close(fd)
-
-
-def _reserve_files(m: Manifest, tmp: str) -> None:
-    """Create every data file of ``m`` in ``tmp`` at its full size, its space allocated
-    (``fallocate``) where the file system can: a disk without room for the step fails here
-    with ENOSPC, before the first byte is downloaded."""
-    for f in m.files:
-        path = os.path.join(tmp, f.name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
-        try:
-            reserve(fd, f.size, path)
-        finally:
-            os.close(fd)
-
-
-async def _download(store: ObjectStore, key: str, path: str, size: int, crc: int, deadline: float) -> None:
-    """Ranged GETs of ``key`` written (``pwrite``, never through a mapping: a full disk or an
-    I/O error is an ``OSError`` naming the file, not a SIGBUS) into the file
-    :func:`_reserve_files` made, CRC-32C checked, fsynced."""
-    fd = os.open(path, os.O_WRONLY | _CLOEXEC)
-    try:
-        got = await store.get_to(key, size, lambda offset, data: write_all(fd, data, offset, path), deadline)
-        if got != crc:
-            raise CheckpointCorruptError(f"checksum mismatch (CRC-32C {got:08x} read, {crc:08x} in the manifest)",
-                                         store.object_url(key))
-        await asyncio.to_thread(_fsync, fd, path)
-    finally:
-        os.close(fd)
-
-
-async def _remote_step(store: ObjectStore, step: int | None, deadline: float) -> tuple[Manifest, bytes]:
-    if step is None:
-        found = await newest_complete(store, deadline)
-        if found is None:
-            raise CheckpointNotFoundError(f"no complete checkpoint under {store.url}")
-        return found
-    return await open_step(store, step, deadline)
-
-
-async def _download_step(store: ObjectStore, m: Manifest, tmp: str, deadline: float) -> None:
-    """Download every data file of ``m`` into ``tmp`` (reserved by :func:`_reserve_files`)."""
-    prefix = data_prefix(m.step, m.attempt)
-    sem = asyncio.Semaphore(_FILES_IN_FLIGHT)
-
-    async def one(name: str, size: int, crc: int) -> None:
-        async with sem:
-            await _download(store, prefix + name, os.path.join(tmp, name), size, crc, deadline)
-
-    await gather_or_cancel([one(f.name, f.size, f.crc32c) for f in m.files])
-
-
-def pull_step(store: ObjectStore, root: str, step: int | None, deadline: float) -> tuple[int, str]:
-    """Download complete remote ``step`` (newest if ``None``) into ``root`` as a committed
-    checkpoint: ``step_N.tmp-<attempt>/``, every file fsynced, the manifest last, the
-    directory fsynced, renamed to ``step_N``, the root fsynced. Returns (step, status)."""
-    m, raw = run_sync(lambda: _remote_step(store, step, deadline))
-    final = os.path.join(root, step_dir_name(m.step))
-    if os.path.lexists(final):
-        with pin_step(root, m.step) as pinned:
-            local = read_regular_file(os.path.join(final, MANIFEST), MAX_MANIFEST_BYTES, dir_fd=pinned.fd,
-                                      name=MANIFEST)
-        if local == raw:
-            return m.step, "present"
-        raise CheckpointError(f"{final} already holds another commit of step {m.step}: not overwritten")
-    tmp = os.path.join(root, tmp_dir_name(m.step, m.attempt))
-    if os.path.lexists(tmp):
-        remove_tree(tmp)  # our own leftover of an earlier pull (we hold the root's ownership)
-    os.mkdir(tmp, 0o755)
-    try:
-        _reserve_files(m, tmp)
-        run_sync(lambda: _download_step(store, m, tmp, deadline))
-        mpath = os.path.join(tmp, MANIFEST)
-        mfd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
-        try:
-            write_all(mfd, memoryview(raw), 0, mpath)
-            _fsync(mfd, mpath)
-        finally:
-            os.close(mfd)
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        try:
-            remove_tree(tmp)
-        except OSError as e:
-            log.warning("could not remove %s after a failed pull: %s", tmp, e)
-        raise
-    return m.step, "pulled"
-
-
-def pull(
-    url: str,
-    root: str | os.PathLike[str],
-    *,
-    step: int | None = None,
-    storage_options: Mapping[str, str] | None = None,
-    deadline_s: float = DEFAULT_DEADLINE_S,
-) -> tuple[int, str]:
-    """Download the newest (or ``step``) complete checkpoint under ``url`` into local ``root``
-    as a committed checkpoint a ``Checkpointer`` resumes from. Takes the root's ownership for
-    the call (``RootInUseError`` if a Checkpointer owns it). Returns ``(step, "pulled")`` or
-    ``(step, "present")`` when ``root`` already holds that very commit."""
-    if step is not None:
-        check_step(step)
-    root_s = os.fspath(root)
-    os.makedirs(root_s, exist_ok=True)
-    store = open_store(url, storage_options)
-    own = _ownership.acquire(root_s, [], role="asyncckpt pull")
-    try:
-        return pull_step(store, root_s, step, time.monotonic() + deadline_s)
-    finally:
-        own.release()

@@ -8,6 +8,7 @@ call."""
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from ..._errors import (
     ObjectStoreError,
 )
 from ...format._layout import data_prefix, step_dir_name
-from ...format._manifest import FileEntry, Manifest
+from ...format._manifest import FileEntry, Manifest, decode
 from ...format._stepstates import victims
 from ...threads._sync import run_sync
 from .._badmarks import clear_on_store, record_on_store
@@ -29,9 +30,10 @@ from ._backend import ObjectBackend
 from ._client import ObjectStore
 from ._lease import Lease
 from ._leftovers import remove, survey
-from ._remote import RemoteStep, open_store, retire_remote, rows_of
+from ._remote import RemoteStep, abort_stale_uploads, open_store, retire_remote, rows_of, sweep_dead_attempts
 from ._steps import newest_resumable, observe, observe_step, open_step, read_manifest, remove_bad
 
+log = logging.getLogger("asyncckpt")
 CAPS = Capabilities(
     "objstore", "lease", "conditional-create",
     by_commit_order=False, mmap=False, step_noun="prefix", checks_commit=False,
@@ -82,7 +84,7 @@ class ObjectStepReader(StepReader):
     def __init__(self, store: ObjectStore, step: int, deadline: float) -> None:
         self._store, self._deadline = store, deadline
         self.manifest, raw = run_sync(lambda: open_step(store, step, deadline))
-        self.manifest_size = len(raw)
+        self.manifest_raw, self.manifest_size = raw, len(raw)
         self._prefix = data_prefix(step, self.manifest.attempt)
         # two windows of a part each (one checksummed, the next being fetched): the scratch of
         # the store's own streamed reads; a file at a time, its ranges in parallel
@@ -120,18 +122,54 @@ class ObjectStepReader(StepReader):
         return None  # nothing held open
 
 
+class _ObjectAttempt(BackendAttempt):
+    """An attempt of :meth:`ObjectRoot.begin`: once committed, the objects of other attempts
+    of the step (they can never commit now) and its stale multipart uploads are removed, as a
+    push always did."""
+
+    def commit(self, manifest: bytes) -> None:
+        super().commit(manifest)
+        backend = self._backend
+        assert isinstance(backend, ObjectBackend)
+        store, lease, deadline = backend.store, backend.lease, self._job.deadline
+        m = decode(manifest, store.object_url(step_dir_name(self._job.step)))
+
+        async def sweep() -> None:
+            if lease is not None:
+                lease.check()  # removals only while the prefix is ours
+            await sweep_dead_attempts(store, m, deadline)
+            await abort_stale_uploads(store, m, deadline)
+
+        try:
+            run_sync(sweep)
+        except Exception as e:  # noqa: BLE001 - the step is committed; what is left, gc removes
+            log.warning("could not remove other attempts' objects of step %d under %s: %s", self._job.step,
+                        store.url, e)
+
+
 class ObjectRoot:
     """An object-store root (module docstring); makes no request until a method is called."""
 
     caps = CAPS
 
     def __init__(self, url: str, storage_options: Mapping[str, str] | None = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:  # fmt: skip
-        self.store = open_store(url, storage_options)
+                 deadline_s: float = DEFAULT_DEADLINE_S, *, store: ObjectStore | None = None,
+                 lease: Lease | None = None, probed: bool = False) -> None:  # fmt: skip
+        self.store = store if store is not None else open_store(url, storage_options)
         self.url = self.store.url  # normalised: s3://bucket/prefix
         self.deadline_s = deadline_s
-        #: the lease while :meth:`claim` holds it (removals check it first)
-        self.lease: Lease | None = None
+        #: the lease while :meth:`claim` holds it, or the caller's (removals check it first)
+        self.lease: Lease | None = lease
+        self._given = lease
+        self._probed = probed  # whether the store was seen to enforce conditional creates
+
+    @classmethod
+    def over(cls, store: ObjectStore, lease: Lease | None = None, deadline_s: float = DEFAULT_DEADLINE_S,
+             probed: bool = False) -> ObjectRoot:  # fmt: skip
+        """The root of an open ``store`` (its client, part size and executor kept), with
+        ``lease`` already held by the caller (tier mode's upload: the mirror's lease);
+        ``probed``: the caller checked that the store enforces conditional creates."""
+        return cls(store.url, None, deadline_s, store=store, lease=lease, probed=probed)
 
     def __repr__(self) -> str:
         return f"ObjectRoot({self.url!r})"
@@ -174,8 +212,11 @@ class ObjectRoot:
         self.lease = lease
         return _LeaseClaim(lease, self)
 
-    def begin(self, step: int) -> Attempt:
-        return BackendAttempt(ObjectBackend(self.store, lease=self.lease), self.url, step)
+    def begin(self, step: int, *, attempt: str | None = None, deadline_s: float | None = None) -> Attempt:
+        if not self._probed:  # a store that ignores If-None-Match is refused, never raced
+            run_sync(lambda: self.store.probe(self._deadline()))
+            self._probed = True
+        return _ObjectAttempt(ObjectBackend(self.store, lease=self.lease), self.url, step, deadline_s, attempt)
 
     def leftovers(self) -> list[Leftover]:
         deadline = self._deadline()
@@ -231,6 +272,6 @@ class ObjectRoot:
 
     def close(self) -> None:
         lease, self.lease = self.lease, None
-        if lease is not None:
+        if lease is not None and lease is not self._given:  # a caller's lease is the caller's to release
             lease.release()
 

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 
 from ..._errors import CheckpointCorruptError
+from ...format._checksum import crc32c
 
 #: errnos that mean "this file system cannot preallocate" (then the file is only extended).
 _UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
@@ -102,3 +103,35 @@ def write_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         if k <= 0:  # cannot happen for a regular file; never loop forever on it
             raise OSError(errno.EIO, f"write returned {k} at byte {offset + done}", path)
         done += k
+
+
+#: Bytes one :func:`copy_in` holds at a time (its one buffer).
+COPY_WINDOW = 16 << 20
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def copy_in(path: str, size: int, read: Callable[[int, memoryview], None], window: int = COPY_WINDOW) -> int:
+    """Write the ``size`` bytes that ``read(offset, buffer)`` fills as the file ``path``
+    (created, or emptied if it exists), one ``window`` at a time through one buffer: its space
+    reserved first (:func:`reserve`: a full disk fails before ``read`` is first called), each
+    window ``pwrite``n, the file fsynced before this returns. Returns the CRC-32C of the bytes
+    written. An exception of ``read`` is raised as it is; a file-system error is an
+    ``OSError`` naming ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o644)
+    try:
+        reserve(fd, size, path)
+        buf = memoryview(bytearray(min(max(1, window), size) if size else 0))
+        crc, offset = 0, 0
+        while offset < size:
+            view = buf[: min(buf.nbytes, size - offset)]
+            read(offset, view)
+            crc = crc32c(view, crc)
+            write_all(fd, view, offset, path)
+            offset += view.nbytes
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror} (fsync)", path) from None
+        return crc
+    finally:
+        os.close(fd)
