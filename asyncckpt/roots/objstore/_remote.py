@@ -45,7 +45,8 @@ from ..posix import _ownership
 from ..posix._discovery import complete_checkpoints, pin_step, read_regular_file
 from ..posix._fileio import read_exact, reserve, write_all
 from ..posix._storage import remove_tree
-from ._client import ObjectStore, gather_or_cancel
+from ._client import ObjectStore
+from ._connection import gather_or_cancel
 from ._steps import StepPrefix, aside_keys, check_attempt, dirs_of, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects
