@@ -167,6 +167,16 @@ class Connection:
         least = -(-size // MAX_PARTS)
         return max(MIN_PART, min(self.part_size, STREAM_PART), -(-least // MiB) * MiB)
 
+    def _full_key(self, key: str) -> str:
+        """``key`` as the bucket names it (under the store's prefix)."""
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _relative(self, path: str) -> str:
+        """A bucket's path under the store's prefix as a key relative to it (see :meth:`_full_key`)."""
+        if self.prefix and path.startswith(self.prefix + "/"):
+            return path[len(self.prefix) + 1 :]
+        return path
+
     def _translate(self, e: BaseException, key: str, what: str) -> ObjectStoreError:
         """Our typed error for an obstore/OS failure of ``what`` on ``key``."""
         return self._errors.translate(e, self.object_url(key), what)

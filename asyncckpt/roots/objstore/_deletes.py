@@ -13,16 +13,18 @@ import builtins
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import obstore
 
 from ..._errors import ObjectStoreError, ObjectStoreUnavailableError
 from ._connection import Connection
 from ._forkguard import check_not_forked
-from ._s3uploads import Upload, UploadsError
+from ._s3uploads import Upload, UploadsClient, UploadsError
 
 log = logging.getLogger("asyncckpt")
+T = TypeVar("T")
 
 #: Seconds :meth:`Deletes.remove_dirs` may take at most (best effort housekeeping).
 DIRS_S = 5.0
@@ -67,31 +69,12 @@ class Deletes(Connection):
         """Whether incomplete multipart uploads can be listed and aborted (static credentials)."""
         return self._uploads is not None
 
-    def _full_key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
     async def list_uploads(self, prefix: str, deadline: float) -> builtins.list[Upload]:
         """Incomplete multipart uploads whose key starts with ``prefix`` (keys relative)."""
         self._check_key(prefix, prefix=True)
-        check_not_forked()
-        if self._uploads is None:
-            raise ObjectStoreError(errno.ENOTSUP, "listing multipart uploads needs static credentials",
-                                   self.object_url(prefix))
-        client = self._uploads
         full = self._full_key(prefix)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        failure: ObjectStoreError | None = None
-        try:
-            ups: builtins.list[Upload] = await self._bounded(
-                self._in_thread(client.list_uploads, full), deadline, prefix, "list uploads"
-            )
-        except ObjectStoreError:
-            raise
-        except (UploadsError, OSError) as e:
-            failure = ObjectStoreUnavailableError(errno.EIO, self._errors.scrub(str(e)), self.object_url(prefix))
-        if failure is not None:
-            raise failure
-        return [Upload(u.key[strip:], u.upload_id, u.initiated) for u in ups]
+        ups = await self._sigv4(prefix, deadline, "listing", "list uploads", lambda c: c.list_uploads(full))
+        return [Upload(self._relative(u.key), u.upload_id, u.initiated) for u in ups]
 
     async def abort_uploads(self, prefix: str, *, exact: bool = False, deadline: float) -> int:
         """Abort incomplete uploads under ``prefix`` (only of key ``prefix`` if ``exact``);
@@ -104,17 +87,23 @@ class Deletes(Connection):
     async def abort_upload(self, key: str, upload_id: str, deadline: float) -> None:
         """Abort one incomplete upload of ``key`` (one already gone counts as aborted)."""
         self._check_key(key)
+        full = self._full_key(key)
+        await self._sigv4(key, deadline, "aborting", "abort upload", lambda c: c.abort(full, upload_id))
+
+    async def _sigv4(self, key: str, deadline: float, doing: str, what: str, call: Callable[[UploadsClient], T]) -> T:
+        """``call`` our SigV4 client (on the I/O executor, within ``deadline``) for ``what`` on
+        ``key``; its failures raised as :class:`ObjectStoreUnavailableError`, scrubbed."""
         check_not_forked()
         if self._uploads is None:
-            raise ObjectStoreError(errno.ENOTSUP, "aborting multipart uploads needs static credentials",
+            raise ObjectStoreError(errno.ENOTSUP, f"{doing} multipart uploads needs static credentials",
                                    self.object_url(key))
         failure: ObjectStoreError | None = None
         try:
-            await self._bounded(self._in_thread(self._uploads.abort, self._full_key(key), upload_id),
-                                deadline, key, "abort upload")
+            got: T = await self._bounded(self._in_thread(call, self._uploads), deadline, key, what)
         except ObjectStoreError:
             raise
         except (UploadsError, OSError) as e:
             failure = ObjectStoreUnavailableError(errno.EIO, self._errors.scrub(str(e)), self.object_url(key))
         if failure is not None:
             raise failure
+        return got

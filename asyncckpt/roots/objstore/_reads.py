@@ -42,7 +42,12 @@ class Reads(Connection):
         """Size, ETag and modification time of ``key`` (:class:`ObjectNotFoundError` if absent)."""
         self._check_key(key)
         meta = await self._retrying(deadline, key, "head", lambda _b: obstore.head_async(self._store, key))
-        return _info(meta, self.prefix)
+        return self._object_info(meta)
+
+    def _object_info(self, meta: Any) -> ObjectInfo:
+        """An obstore ``ObjectMeta`` as our record."""
+        path = self._relative(str(meta["path"]))
+        return ObjectInfo(path, int(meta["size"]), meta.get("e_tag"), meta["last_modified"])
 
     async def get_bytes(self, key: str, deadline: float, limit: int = 64 * MiB) -> bytes:
         """The whole of a small object (at most ``limit`` bytes)."""
@@ -57,7 +62,7 @@ class Reads(Connection):
             res = await obstore.get_async(self._store, key)
             if res.meta["size"] > limit:
                 raise ObjectIntegrityError(errno.EFBIG, f"object larger than {limit} bytes", self.object_url(key))
-            return bytes(await res.bytes_async()), _info(res.meta, self.prefix)
+            return bytes(await res.bytes_async()), self._object_info(res.meta)
 
         got: tuple[bytes, ObjectInfo] = await self._retrying(deadline, key, "get", fetch)
         return got
@@ -77,16 +82,7 @@ class Reads(Connection):
         async def one(start: int) -> None:
             n = min(step, dst.nbytes - start)
             async with sem:
-                got = await self._retrying(
-                    deadline, key, "ranged get",
-                    lambda _b: obstore.get_range_async(self._store, key, start=offset + start, length=n),
-                )
-            src = memoryview(got)
-            if src.nbytes != n:
-                raise ObjectIntegrityError(
-                    errno.EIO, f"range at {offset + start} returned {src.nbytes} bytes, expected {n}",
-                    self.object_url(key),
-                )
+                src = await self._get_range(key, offset + start, n, deadline)
             dst[start : start + n] = src
 
         await gather_or_cancel([one(s) for s in range(0, dst.nbytes, step)])
@@ -111,15 +107,7 @@ class Reads(Connection):
         async def one(start: int) -> None:
             n = min(step, size - start)
             async with sem:
-                got = await self._retrying(
-                    deadline, key, "ranged get",
-                    lambda _b: obstore.get_range_async(self._store, key, start=start, length=n),
-                )
-                src = memoryview(got)
-                if src.nbytes != n:
-                    raise ObjectIntegrityError(
-                        errno.EIO, f"range at {start} returned {src.nbytes} bytes, expected {n}", self.object_url(key)
-                    )
+                src = await self._get_range(key, start, n, deadline)
                 # cancelled (another range failed), still wait for this write to end: the caller
                 # closes its file once get_to returns, and a late pwrite to a reused descriptor
                 # number would land in some other file
@@ -148,19 +136,22 @@ class Reads(Connection):
             raise ValueError("offset must be >= 0")
         if total == 0:
             return
-        got = await self._retrying(
-            deadline, key, "ranged get",
-            lambda _b: obstore.get_range_async(self._store, key, start=offset, length=total),
-        )
-        src = memoryview(got)
-        if src.nbytes != total:
-            raise ObjectIntegrityError(
-                errno.EIO, f"range at {offset} returned {src.nbytes} bytes, expected {total}", self.object_url(key)
-            )
+        src = await self._get_range(key, offset, total, deadline)
         at = 0
         for d in dsts:
             d[:] = src[at : at + d.nbytes]
             at += d.nbytes
+
+    async def _get_range(self, key: str, start: int, n: int, deadline: float) -> memoryview:
+        """One ranged GET (retried) of the ``n`` bytes of ``key`` from ``start``; a short
+        answer raises :class:`ObjectIntegrityError`."""
+        got = await self._retrying(deadline, key, "ranged get",
+                                   lambda _b: obstore.get_range_async(self._store, key, start=start, length=n))
+        src = memoryview(got)
+        if src.nbytes != n:
+            raise ObjectIntegrityError(errno.EIO, f"range at {start} returned {src.nbytes} bytes, expected {n}",
+                                       self.object_url(key))
+        return src
 
     async def crc32c_of(self, key: str, size: int, deadline: float) -> int:
         """CRC-32C of the first ``size`` bytes of ``key``, read in windows of bounded memory."""
@@ -186,7 +177,7 @@ class Reads(Connection):
             out: list[ObjectInfo] = []
             stream = obstore.list(self._store, prefix or None, offset=start_after, chunk_size=1000)
             async for chunk in stream:
-                out.extend(_info(m, self.prefix) for m in chunk)
+                out.extend(self._object_info(m) for m in chunk)
             return sorted(out, key=lambda i: i.key)
 
         result: list[ObjectInfo] = await self._retrying(deadline, prefix, "list", run)
@@ -201,9 +192,7 @@ class Reads(Connection):
             res = await obstore.list_with_delimiter_async(self._store, prefix or None)
             out = []
             for p in res["common_prefixes"]:
-                rel = str(p)
-                if self.prefix and rel.startswith(self.prefix + "/"):
-                    rel = rel[len(self.prefix) + 1 :]
+                rel = self._relative(str(p))
                 if prefix and rel.startswith(prefix):
                     rel = rel[len(prefix) :]
                 out.append(rel.strip("/"))
@@ -212,9 +201,3 @@ class Reads(Connection):
         result: builtins.list[str] = await self._retrying(deadline, prefix, "list", run)
         return result
 
-
-def _info(meta: Any, prefix: str) -> ObjectInfo:
-    path = str(meta["path"])
-    if prefix and path.startswith(prefix + "/"):
-        path = path[len(prefix) + 1 :]
-    return ObjectInfo(path, int(meta["size"]), meta.get("e_tag"), meta["last_modified"])
