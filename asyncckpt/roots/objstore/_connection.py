@@ -116,7 +116,7 @@ class Connection:
             )
 
     def __repr__(self) -> str:
-        return f"ObjectStore({self.url!r}, endpoint={self._endpoint!r}, storage_options=<redacted>)"
+        return f"{type(self).__name__}({self.url!r}, endpoint={self._endpoint!r}, storage_options=<redacted>)"
 
     __str__ = __repr__
 
