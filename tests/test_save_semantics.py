@@ -306,8 +306,8 @@ def test_public_exports_are_pinned() -> None:
     for name in asyncckpt.__all__:
         assert getattr(asyncckpt, name) is not None, name
     # the types the object-store layer raises are the ones exported (obstore not needed to import them)
-    from asyncckpt.roots.objstore import _client
-    assert _client.ObjectStoreError is asyncckpt.ObjectStoreError
+    from asyncckpt.roots.objstore import _errormap
+    assert _errormap.ObjectStoreError is asyncckpt.ObjectStoreError
     for leaf in ("ObjectNotFoundError", "ObjectStorePermissionError", "ObjectStoreTimeoutError",
                  "ObjectStoreUnavailableError", "ObjectStoreFullError", "ObjectIntegrityError",
                  "ConditionalWriteUnsupportedError"):

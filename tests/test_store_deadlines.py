@@ -21,8 +21,7 @@ from conftest import make_state  # noqa: E402
 from s3proxy import FaultProxy, Rule  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
-from asyncckpt import Checkpointer, SaveError, SaveTimeoutError  # noqa: E402
-from asyncckpt.roots.objstore._client import ObjectStoreTimeoutError  # noqa: E402
+from asyncckpt import Checkpointer, ObjectStoreTimeoutError, SaveError, SaveTimeoutError  # noqa: E402
 
 BUCKET = "deadlines"
 T = 3.0  # the Checkpointer's timeout in these tests

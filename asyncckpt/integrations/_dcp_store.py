@@ -53,7 +53,8 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNot
 from ..format._checksum import crc32c
 from ..format._manifest import FileEntry, Manifest, decode
 from ..loading._remote_load import StoreFiles, load_error
-from ..roots.objstore._client import ObjectStore, gather_or_cancel
+from ..roots.objstore._client import ObjectStore
+from ..roots.objstore._connection import gather_or_cancel
 from ..roots.objstore._lease import held
 from ..roots.objstore._remote import check_objects, data_prefix, manifest_key, open_step, open_store, read_manifest
 from ..threads._sync import run_sync

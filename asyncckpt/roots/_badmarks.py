@@ -45,7 +45,8 @@ from ..format._layout import META_DIR, step_dir_name, token_of
 from ..format._stepstates import Mark
 
 if TYPE_CHECKING:
-    from .objstore._client import ObjectInfo, ObjectStore
+    from .objstore._client import ObjectStore
+    from .objstore._reads import ObjectInfo
 
 log = logging.getLogger("asyncckpt")
 

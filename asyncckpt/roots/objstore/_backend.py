@@ -59,9 +59,10 @@ from ...format._manifest import decode
 from ...format._stepstates import save_action, state_of
 from .._backend import StepJob, check_deadline
 from .._filewrite import Staged, WriteResult, until_staged
-from ._client import ObjectStore, PutInfo
+from ._client import ObjectStore
 from ._lease import Lease
 from ._leftovers import remove_dead
+from ._puts import PutInfo
 from ._remote import abort_stale_uploads, data_prefix, manifest_key, read_manifest, retire_remote, sweep_dead_attempts
 from ._steps import dirs_of, observe_step, set_aside
 from ._storefull import explain

@@ -72,7 +72,9 @@ from ..._errors import ObjectNotFoundError, ObjectStoreError, RootInUseError
 from ...format._layout import META_DIR
 from ...threads._writer import WriterThread
 from ..posix._ownership import describe_owner, process_start_time
-from ._client import CreateResult, ObjectInfo, ObjectStore
+from ._client import ObjectStore
+from ._conditional import CreateResult
+from ._reads import ObjectInfo
 
 log = logging.getLogger("asyncckpt")
 

@@ -33,7 +33,8 @@ from ...format._manifest import Manifest
 from ...threads._sync import run_sync
 from .._scheme import is_url
 from ..posix._fileio import read_exact
-from ._client import ObjectStore, gather_or_cancel
+from ._client import ObjectStore
+from ._connection import gather_or_cancel
 from ._steps import StepPrefix, aside_keys, dirs_of, newest_resumable, observe, resumable
 from ._steps import candidate_steps as candidate_steps
 from ._steps import check_objects as check_objects

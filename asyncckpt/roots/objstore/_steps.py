@@ -36,7 +36,8 @@ from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_d
 from ...format._manifest import Manifest, decode
 from ...format._stepstates import Fault, Mark, Seen, Steps, decide, same_run, state_of, victims
 from .._badmarks import STORE_PREFIX, clear_on_store, store_marks
-from ._client import ObjectInfo, ObjectStore
+from ._client import ObjectStore
+from ._reads import ObjectInfo
 
 if TYPE_CHECKING:
     from ._lease import Lease
