@@ -20,9 +20,11 @@ from ..format._structure import flatten, tree_json
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
-from ..saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
+from ..saving._commit import run_save
 from ..saving._handle import SaveHandle, SaveRecord
+from ..saving._savejob import SaveJob
 from ..saving._staging import Arena, StageProgress
+from ..saving._verdict import LEADER_SILENT_UNKNOWN
 from ..threads._writer import StartGate
 from ._books import Books
 from ._options import Options
