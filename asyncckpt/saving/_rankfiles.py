@@ -24,7 +24,7 @@ from ..roots.posix._storage import Storage, until_staged
 from . import _dedupe
 from ._cleanup import consume, drop
 from ._savejob import SaveJob
-from ._staging import StageProgress
+from ._stageprogress import StageProgress
 
 log = logging.getLogger("asyncckpt")
 

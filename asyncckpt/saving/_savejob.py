@@ -15,7 +15,8 @@ from ..format._lifecycle import SaveEvent, SaveState, advance
 from ..format._safetensors import ShardLayout
 from ..roots.posix._storage import CpuMeter
 from . import _dedupe
-from ._staging import Arena, StageProgress
+from ._arena import Arena
+from ._stageprogress import StageProgress
 
 
 @dataclass
