@@ -42,7 +42,7 @@ PHASES = (
     ("roots.posix._storage", "Storage.write_bytes", True),
     ("roots._backend", "PosixBackend.prepare", True),
     ("roots._backend", "PosixBackend.seal", True),
-    ("saving._commit", "_commit", True),
+    ("saving._commit", "commit_attempt", True),
 )
 
 

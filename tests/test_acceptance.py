@@ -39,7 +39,7 @@ from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.loading._verify import verify_step
 from asyncckpt.reading import read_rank_outline
 from asyncckpt.roots.posix._discovery import open_step, read_manifest
-from asyncckpt.saving import _commit
+from asyncckpt.saving import _leadercommit
 
 HERE = Path(__file__).resolve().parent
 
@@ -234,7 +234,7 @@ def test_a_manifest_no_reader_would_accept_is_never_committed(
     (the rename to step_N never happens): nothing committed, nothing retired (keep_last=1),
     the previous step loads. With the check off (the guard's teeth) the commit rename happens,
     and only the check after it takes the step back."""
-    monkeypatch.setattr(_commit, "_CHECK_BEFORE_COMMIT", checked)
+    monkeypatch.setattr(_leadercommit, "_CHECK_BEFORE_COMMIT", checked)
     ops = FaultOps()  # records every rename; injects nothing
     with Checkpointer(tmp_path, keep_last=1, os_ops=ops) as ck:
         ck.save(1, {"w": torch.ones(2)}).result(timeout=60)

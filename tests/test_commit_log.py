@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncckpt import Checkpointer
-from asyncckpt.saving._commit import format_bytes, format_rate
+from asyncckpt.saving._savestats import format_bytes, format_rate
 
 
 @pytest.mark.parametrize(

@@ -274,11 +274,11 @@ def test_nothing_owned_falls_back_to_copy_in_save(setup: Any) -> None:
 def test_a_copy_that_fails_in_the_background_never_commits(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """libc's memmove replaced (the one fault nothing real produces on demand): the save fails,
     through its handle and flush(), the step still runs, the previous checkpoint stays."""
-    from asyncckpt.saving import _staging
+    from asyncckpt.saving import _stagecopy
 
     m, opt, ck, root = setup
     ck.save(1, {"model": m}).result(60)
-    real = _staging._memmove
+    real = _stagecopy._memmove
     calls = [0]
 
     def failing(dst: int, src: int, n: int) -> Any:
@@ -287,7 +287,7 @@ def test_a_copy_that_fails_in_the_background_never_commits(setup: Any, monkeypat
             raise OSError(5, "injected copy failure")
         return real(dst, src, n)
 
-    monkeypatch.setattr(_staging, "_memmove", failing)
+    monkeypatch.setattr(_stagecopy, "_memmove", failing)
     h = ck.save(2, {"model": m}, until=opt)
     train_step(m, opt)  # the guard finds the copy failed: the step goes on, the save fails
     with pytest.raises(asyncckpt.SaveError, match="injected copy failure"):

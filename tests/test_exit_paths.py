@@ -281,7 +281,7 @@ def test_sigterm_while_save_is_staging_exits_within_grace_with_the_final_save(tm
             while True:
                 f = sys._current_frames().get(main)
                 while f is not None:
-                    if f.f_code.co_name == "stage" and f.f_code.co_filename.endswith("_staging.py"):
+                    if f.f_code.co_name == "stage" and f.f_code.co_filename.endswith("_stagecopy.py"):
                         print("sigterm", time.monotonic(), flush=True)
                         os.kill(os.getpid(), signal.SIGTERM)
                         return

@@ -98,7 +98,7 @@ def test_a_directory_squatting_on_a_step_name_is_never_removed(tmp_path: Path) -
 def test_the_checkpoint_just_committed_survives_retention_by_commit_order_when_clocks_disagree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asyncckpt.saving._commit as commit
+    import asyncckpt.saving._leadercommit as commit
 
     real = time.time
     monkeypatch.setattr(commit.time, "time", lambda: real() + 3600)  # stands in for a clock an hour ahead

@@ -20,7 +20,7 @@ import torch
 from conftest import assert_same
 
 from asyncckpt import Checkpointer, load
-from asyncckpt.saving._staging import HUGE_PAGE
+from asyncckpt.saving._arena import HUGE_PAGE
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
 
@@ -120,7 +120,7 @@ def test_reserve_with_huge_pages_sizes_the_buffer_in_whole_huge_pages(tmp_path: 
 
 def test_the_spare_buffer_of_a_sigterm_save_is_never_on_huge_pages() -> None:
     # the final save of a SIGTERM handler runs against a grace period: no multi-second allocation
-    from asyncckpt.saving._staging import StagingPool
+    from asyncckpt.saving._stagingpool import StagingPool
 
     pool = StagingPool(1, huge_pages=True)
     try:

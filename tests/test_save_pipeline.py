@@ -26,7 +26,7 @@ import asyncckpt
 from asyncckpt import Checkpointer, SaveError, find_latest, load
 from asyncckpt.checkpointer._pipeline import SavePipeline
 from asyncckpt.roots.posix import _osops
-from asyncckpt.saving import _staging
+from asyncckpt.saving import _arena, _stagecopy, _stageprogress
 from asyncckpt.threads import _cpumeter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,17 +78,17 @@ class Stall:
         self.streamed_before_staged: bool | None = None
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = _staging.StageProgress.group_done
+        real = _stageprogress.StageProgress.group_done
         stall = self
 
-        def group_done(progress: _staging.StageProgress, g: int) -> None:
+        def group_done(progress: _stageprogress.StageProgress, g: int) -> None:
             real(progress, g)
             if g == stall.at and stall.streamed_before_staged is None:
                 stall.streamed_before_staged = stall.ops.first.wait(GATE_S)
                 if stall.raise_ is not None:
                     raise stall.raise_
 
-        monkeypatch.setattr(_staging.StageProgress, "group_done", group_done)
+        monkeypatch.setattr(_stageprogress.StageProgress, "group_done", group_done)
 
 
 def _no_leftovers(root: Path) -> list[str]:
@@ -178,7 +178,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
     code = textwrap.dedent(f"""
         import os, signal, threading, torch
         from asyncckpt import Checkpointer
-        from asyncckpt.saving import _staging
+        from asyncckpt.saving import _stageprogress
         from asyncckpt.roots.posix._osops import OsOps
 
         first = threading.Event()
@@ -196,7 +196,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
                     first.set()
                 return n
 
-        real = _staging.StageProgress.group_done
+        real = _stageprogress.StageProgress.group_done
 
         def group_done(progress, g):
             real(progress, g)
@@ -204,7 +204,7 @@ def test_kill_in_the_middle_of_staging_while_the_writer_streams_commits_nothing(
                 open({str(marker)!r}, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-copy, the writer already streaming
 
-        _staging.StageProgress.group_done = group_done
+        _stageprogress.StageProgress.group_done = group_done
         state = {{f"w{{i}}": torch.full((1 << 20,), float(i)) for i in range(12)}}
         ck = Checkpointer({str(root)!r}, os_ops=Ops())
         ck.save(1, state).result(timeout=60)
@@ -323,16 +323,16 @@ def test_interrupt_at_every_line_of_the_streaming_copy_leaves_every_commit_true(
     # the sweep of test_interrupts, over the code that runs while the writer already streams
     from test_interrupts import At, Interrupt, _codes, _sweep
 
-    monkeypatch.setattr(_staging, "GROUP", 64 * 1024)  # several groups from small tensors
+    monkeypatch.setattr(_arena, "GROUP", 64 * 1024)  # several groups from small tensors
 
     codes = _codes(
         [
             SavePipeline._stage_streaming,
             SavePipeline._forget_unstaged,
-            _staging.StagingPool.stage,
-            _staging.StagingPool._stage_cpu,
-            _staging._CopyRun.work,
-            _staging._CopyRun.close,
+            _stagecopy.StagingCopier.stage,
+            _stagecopy.StagingCopier._stage_cpu,
+            _stagecopy._CopyRun.work,
+            _stagecopy._CopyRun.close,
         ]
     )
 

@@ -20,9 +20,12 @@ from ..format._structure_encode import flatten, tree_json
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
-from ..saving._commit import LEADER_SILENT_UNKNOWN, SaveJob, run_save
+from ..saving._arena import Arena
+from ..saving._commit import run_save
 from ..saving._handle import SaveHandle, SaveRecord
-from ..saving._staging import Arena, StageProgress
+from ..saving._savejob import SaveJob
+from ..saving._stageprogress import StageProgress
+from ..saving._verdict import LEADER_SILENT_UNKNOWN
 from ..threads._writer import StartGate
 from ._books import Books
 from ._options import Options
@@ -118,7 +121,7 @@ class SavePipeline:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
                                              plan_key=plan_key)  # fmt: skip
-            events = self.rt.staging.stage(arena, layout, sources, all_cpu=False)
+            events = self.rt.copier.stage(arena, layout, sources, all_cpu=False)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
@@ -175,7 +178,7 @@ class SavePipeline:
                 file=file, plan_key=plan_key,
             )  # fmt: skip
             self.books.staging_record = got[0]
-            self.rt.staging.stage(arena, layout, sources, progress, all_cpu=True)
+            self.rt.copier.stage(arena, layout, sources, progress, all_cpu=True)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             progress.finish(time.perf_counter() - t_call - waited)
             return handle
@@ -209,7 +212,7 @@ class SavePipeline:
                                   record_out=got, **submit)  # fmt: skip
             got[0].before_wait = copy.release_if_owner
             self.books.hold_deferred(copy)
-            copy.start(self.rt.staging, arena, layout, sources)
+            copy.start(self.rt.copier, arena, layout, sources)
             return handle
         except BaseException as e:
             progress.fail(e)

@@ -21,7 +21,8 @@ from ..roots.posix._osops import OsOps
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._storage import Storage
 from ..saving._mirror import Mirror
-from ..saving._staging import StagingPool
+from ..saving._stagecopy import StagingCopier
+from ..saving._stagingpool import StagingPool
 from ..threads._cpumeter import current_meter, metered
 from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
@@ -53,6 +54,7 @@ class Runtime:
         # retired checkpoints whose files are still being removed (tasks on the writer loop)
         self.removals: set[asyncio.Task[None]] = set()
         self.staging = StagingPool(max_pending, huge_pages)
+        self.copier = StagingCopier()  # starts its helper thread at the first copy that needs it
         # many ranks: the coordinator's blocking store calls (waits for the other ranks among
         # them) run here, never on an I/O thread the save's writes and checksums need meanwhile
         self.coord_pool: IOPool | None = None
@@ -109,6 +111,7 @@ class Runtime:
                     self.coord_pool.shutdown(wait=True, timeout=10.0)
             finally:
                 self.staging.close()
+                self.copier.close()
                 if self.ownership is not None:
                     self.ownership.release()  # the writer is gone: the root is free for the next job
                 if self.lease is not None:

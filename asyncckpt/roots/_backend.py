@@ -41,7 +41,7 @@ log = logging.getLogger("asyncckpt")
 
 class StepJob(Protocol):
     """What a :class:`Backend` reads and updates of one save: the fields it needs of
-    ``saving._commit.SaveJob`` (which satisfies this), so that the storage half does not
+    ``saving._savejob.SaveJob`` (which satisfies this), so that the storage half does not
     depend on the saving layer and a root can drive it alone (``_root.BackendAttempt``)."""
 
     step: int

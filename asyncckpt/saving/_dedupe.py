@@ -36,7 +36,7 @@ import xxhash
 
 from ..format._header import ITEMSIZE, round_up
 from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout
-from ._staging import StageProgress
+from ._stageprogress import StageProgress
 
 HASH = "xxh3-128"
 

@@ -37,7 +37,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._errors import RankFailure, StateChangedError, with_global_ranks
 from ..format._safetensors import ShardLayout
-from ._staging import Arena, StageProgress, StagingPool
+from ._arena import Arena
+from ._stagecopy import StagingCopier
+from ._stageprogress import StageProgress
 
 #: Tensors of at most this many elements are copied in ``save()`` even when an optimizer
 #: owns them: step counters and scales, which code outside the step may bump.
@@ -153,9 +155,9 @@ class DeferredCopy:
         self._failed = False  # the copy raised
         self.copy_s = 0.0
 
-    def start(self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor]) -> None:
+    def start(self, copier: StagingCopier, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor]) -> None:
         """Start the copy of ``sources`` into ``arena``: CPU tensors on a new background thread
-        (the pool's helper thread shares the copy); CUDA tensors are queued here on the pool's
+        (the copier's helper thread shares the copy); CUDA tensors are queued here on the copier's
         side stream after what the caller's stream computed so far, without making that stream
         wait, and the background thread waits for their events. The shard stays one byte short
         of staged until :meth:`release`."""
@@ -163,14 +165,14 @@ class DeferredCopy:
             _install_hook()
             with _hook_lock:
                 _pending.add(self)
-            cpu = StagingPool.can_stream(sources)
+            cpu = StagingCopier.can_stream(sources)
             if not cpu:
-                events = pool.stage(arena, layout, sources, None, all_cpu=False, compute_waits=False) or []
+                events = copier.stage(arena, layout, sources, None, all_cpu=False, compute_waits=False) or []
                 devices = [d for d in dict.fromkeys(s.device for s in sources) if d.type == "cuda"]
                 with self._lock:
                     self._events = list(zip(devices, events, strict=False))
             t = threading.Thread(
-                target=self._copy, args=(pool, arena, layout, list(sources) if cpu else [], cpu),
+                target=self._copy, args=(copier, arena, layout, list(sources) if cpu else [], cpu),
                 name="asyncckpt-deferred", daemon=True,
             )  # fmt: skip
             t.start()
@@ -180,12 +182,12 @@ class DeferredCopy:
             raise
 
     def _copy(
-        self, pool: StagingPool, arena: Arena, layout: ShardLayout, sources: list[torch.Tensor], cpu: bool
+        self, copier: StagingCopier, arena: Arena, layout: ShardLayout, sources: list[torch.Tensor], cpu: bool
     ) -> None:
         t0 = time.perf_counter()
         try:
             if cpu:
-                pool.stage(arena, layout, sources, self.progress, all_cpu=True)
+                copier.stage(arena, layout, sources, self.progress, all_cpu=True)
             else:
                 for _, ev in self._events:
                     ev.synchronize()  # this thread waits for the D2H copy, never the training thread

@@ -57,7 +57,7 @@ from ..ranks._nodes import Nodes
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
-from ._commit import SaveJob
+from ._savejob import SaveJob
 
 log = logging.getLogger("asyncckpt")
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from asyncckpt import Checkpointer, SaveError
 from asyncckpt.format import _index
-from asyncckpt.saving import _commit
+from asyncckpt.saving import _leadercommit
 
 
 def replicated(step: int) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def replicated(step: int) -> dict[str, Any]:
 def scenario_index_unchecked(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
     """The same with the committing rank's check off: what then commits."""
     if rank == 0:
-        _commit._CHECK_BEFORE_COMMIT = False
+        _leadercommit._CHECK_BEFORE_COMMIT = False
     with Checkpointer(root, keep_last=1, timeout=30) as ck:
         ck.save(1, replicated(1)).result(timeout=60)
         err = ck.save(2, replicated(2)).exception(timeout=60)

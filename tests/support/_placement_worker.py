@@ -248,7 +248,7 @@ def paused_staging(rank: int, world: int, root: str, out: str, res: dict[str, An
 
     def pause(signum: int, frame: Any) -> None:
         f = frame
-        while f is not None and not (f.f_code.co_name == "work" and f.f_code.co_filename.endswith("_staging.py")):
+        while f is not None and not (f.f_code.co_name == "work" and f.f_code.co_filename.endswith("_stagecopy.py")):
             f = f.f_back
         if f is None and not paused:
             signal.setitimer(signal.ITIMER_REAL, 0.0005)  # not copying yet: look again soon
