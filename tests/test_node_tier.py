@@ -204,3 +204,28 @@ def test_a_node_whose_commit_hangs_fails_the_save_with_a_timeout_on_every_rank(t
         if r != 2:  # rank 2, stuck in its rename past the deadline, gave up on rank 0 by itself
             assert "node 'b' (leader rank 2) did not confirm its commit" in err["failures"]["0"]["message"], (r, err)
     assert _steps(a) == [1] and _steps(b) == [1]  # rank 0's node took its commit back
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_rank0s_commit_rename_that_lands_after_the_deadline_is_taken_back_and_the_restart_resumes_before_it(
+    tmp_path: Path,
+) -> None:
+    # rank 0's rename of its node's part of step 2 takes 9.5 s of an 8 s deadline: the deadline
+    # cancels the commit while the thread goes on and lands it; every rank hears "failed", node b
+    # committed on the go word. Rank 0 went on without taking its late commit back, so both nodes
+    # held step 2 (one attempt) and the restart resumed a save every rank was told had failed
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2", FAIL_RENAME_RANK="0", FAIL_RENAME_STEP="2",
+               SLOW_RENAME_S="9.5", CK_TIMEOUT="8", LINGER_S="6")  # fmt: skip
+    for got in res.values():
+        assert got["saved"] == [1] and got["failed_step"] == 2, got
+        assert got["save_error"]["type"] == "SaveTimeoutError", got
+    assert _steps(a) == [1], _steps(a)  # the late commit was taken back: disk and verdict agree
+    res = _run(tmp_path, "restart", (a, b), STEPS="2")
+    for got in res.values():
+        assert got["loaded"] == 1 and got["equal"], got
+        assert got["saved"] == [2], got.get("save_error")
+    assert _steps(a) == [1, 2] and _steps(b) == [1, 2]

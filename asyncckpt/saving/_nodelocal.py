@@ -54,7 +54,7 @@ from ..ranks._agree import agree
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._distributed import DistContext
 from ..ranks._nodes import Nodes
-from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout
+from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
 from ._commit import SaveJob
@@ -104,7 +104,16 @@ async def commit_part(
         # a part of an earlier attempt of this step on this node (that save failed elsewhere:
         # rank 0's node did not hold the step, or it would have refused the save): set aside
         await _remove_aside(storage, root, step, final, dead)
-    await storage.rename(loc, final)  # this node's commit point
+    # this node's commit point. The rename runs on the I/O pool: if the save's deadline cancels
+    # this coroutine meanwhile, the thread goes on and may land it after every rank was told
+    # "failed" (and resume would find it): shielded, and a late landing is taken back
+    rename = asyncio.ensure_future(storage.rename(loc, final))
+    try:
+        await asyncio.shield(rename)
+    except asyncio.CancelledError:
+        if await landed_late(rename, loc, final):
+            await _remove_aside(storage, root, step, final, dead)
+        raise
     try:
         await storage.fsync_dir(root)
         m = await storage.run(part_state, root, step, ranks)

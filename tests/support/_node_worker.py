@@ -21,7 +21,8 @@ from _rank_worker import describe, enter_node, state_for
 def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
     """Resume (``load()``: the step and whether it is bit-exact, or the error), then save the
     steps in ``STEPS`` (comma-separated); ``DIE_BEFORE``: this node's ranks ``_exit`` before
-    saving that step (a node lost mid-run); the others record the save's error."""
+    saving that step (a node lost mid-run); the others record the save's error, and go on for
+    ``LINGER_S`` before they stop (a job that lives on after a failed save)."""
     import torch
 
     from asyncckpt import Checkpointer
@@ -74,6 +75,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         except Exception as e:  # noqa: BLE001
             result["save_error"] = describe(e)
             result["failed_step"] = s
+            time.sleep(float(os.environ.get("LINGER_S", "0")))  # the job goes on after a failed save
             break
     if "save_error" in result:
         return
