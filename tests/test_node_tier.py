@@ -229,3 +229,23 @@ def test_rank0s_commit_rename_that_lands_after_the_deadline_is_taken_back_and_th
         assert got["loaded"] == 1 and got["equal"], got
         assert got["saved"] == [2], got.get("save_error")
     assert _steps(a) == [1, 2] and _steps(b) == [1, 2]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_node_whose_retention_is_slow_still_hears_the_saves_verdict_in_time(tmp_path: Path) -> None:
+    # node b's leader (rank 2) removes step 1 after committing step 3 (keep_last=1) on a disk
+    # that takes 12 s for it, past the 8 s deadline: it ran that retention before reading the
+    # verdict, so its save of step 3 timed out by its own guard while every other rank committed
+    # it (one save, two outcomes), and its ranks then missed the next save
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", SLOW_RETIRE_RANK="2",
+               SLOW_RETIRE_STEP="1", SLOW_RETIRE_S="12", CK_TIMEOUT="8")  # fmt: skip
+    for got in res.values():
+        assert got["saved"] == [1, 2, 3, 4], got.get("save_error")
+        assert "flush_error" not in got, got
+    assert _steps(a) == [4] and _steps(b) == [3, 4]  # retention caught up by close()
+    res = _run(tmp_path, "restart", (a, b))
+    for got in res.values():
+        assert got["loaded"] == 4 and got["equal"], got

@@ -57,7 +57,7 @@ from ..ranks._nodes import Nodes
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
-from ._commit import SaveJob
+from ._commit import SaveJob, in_background
 
 log = logging.getLogger("asyncckpt")
 
@@ -234,11 +234,12 @@ class NodeLocalBackend(PosixBackend):
             ack = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self.coord.post_once(_seq(job), f"node-ack/{self.node}", ack)
         if ack["ok"] and job.keep_last is not None:
-            try:
-                await retire_parts(self.storage, job.root, job.keep_last, go["confirmed"], job.step, self._mine,
-                                   job.dead, job.retention_lock, self._floor())  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - retention never fails a committed save
-                log.warning("node-local retention under %s failed: %s", job.root, e)
+            # in the background, tracked like rank 0's (flush() and close() wait for it): a slow
+            # disk under retention must not keep this rank from the verdict past the deadline
+            assert isinstance(job, SaveJob)
+            retire = retire_parts(self.storage, job.root, job.keep_last, go["confirmed"], job.step, self._mine,
+                                  job.dead, job.retention_lock, self._floor())  # fmt: skip
+            in_background(job, retire, f"node-local retention under {job.root} failed")
 
     async def retire(self, job: StepJob) -> None:
         if job.keep_last is None:

@@ -31,14 +31,18 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     keep_last = int(os.environ["KEEP_LAST"]) if os.environ.get("KEEP_LAST") else None
     dying = os.environ.get("DIE_RANKS", "")
     ops: Any = None
-    if os.environ.get("FAIL_RENAME_RANK") == str(rank):  # the OS call fails, not our code (conftest.FaultOps)
+    slow_retire = os.environ.get("SLOW_RETIRE_RANK") == str(rank)
+    if os.environ.get("FAIL_RENAME_RANK") == str(rank) or slow_retire:  # the OS call fails, not our code
         from asyncckpt.testing import OsOps
 
-        target = f"step_{int(os.environ['FAIL_RENAME_STEP']):08d}"
+        target = f"step_{int(os.environ.get('FAIL_RENAME_STEP', '-1')):08d}"
+        retired = f"step_{int(os.environ.get('SLOW_RETIRE_STEP', '-1')):08d}"
 
         class FailCommit(OsOps):
             def rename(self, src: str, dst: str) -> None:
-                if os.path.basename(dst) == target:
+                if slow_retire and os.path.basename(src) == retired and ".deleting-" in dst:
+                    time.sleep(float(os.environ["SLOW_RETIRE_S"]))  # a slow disk under retention
+                elif os.path.basename(dst) == target:
                     if os.environ.get("SLOW_RENAME_S"):  # a slow disk that does commit, in time
                         time.sleep(float(os.environ["SLOW_RENAME_S"]))
                         return super().rename(src, dst)
