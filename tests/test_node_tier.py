@@ -36,7 +36,9 @@ def _tree(d: Path) -> dict[str, str]:
     }
 
 
-def _run(tmp_path: Path, tag: str, nodes: tuple[Path, Path], **env: str) -> dict[int, dict[str, Any]]:
+def _run(
+    tmp_path: Path, tag: str, nodes: tuple[Path, Path], names: str = NAMES, **env: str
+) -> dict[int, dict[str, Any]]:
     mount = tmp_path / "ck"
     mount.mkdir(exist_ok=True)
     out, logs = tmp_path / f"{tag}-result", tmp_path / tag
@@ -45,7 +47,7 @@ def _run(tmp_path: Path, tag: str, nodes: tuple[Path, Path], **env: str) -> dict
     dirs = ":".join(map(str, [nodes[0], nodes[0], nodes[1], nodes[1]]))
     hung = run_ranks(
         lambda r: [WORKER, "run", str(r), "4", str(port), str(mount), str(out)], 4, logs, 150,
-        extra_env={"NODE_DIRS": dirs, "NODE_NAMES": NAMES, "HOST_STORE_S": "30", **env},
+        extra_env={"NODE_DIRS": dirs, "NODE_NAMES": names, "HOST_STORE_S": "30", **env},
     )  # fmt: skip
     assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
     res = {}
@@ -249,3 +251,23 @@ def test_a_node_whose_retention_is_slow_still_hears_the_saves_verdict_in_time(tm
     res = _run(tmp_path, "restart", (a, b))
     for got in res.values():
         assert got["loaded"] == 4 and got["equal"], got
+
+
+@pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_a_rank_whose_node_name_does_not_match_its_disk_fails_the_construction_on_every_rank(tmp_path: Path) -> None:
+    # rank 2 runs on node b's disk but says it is on node a (ASYNCCKPT_NODE set wrong): every
+    # save failed with a CheckpointCorruptError ("holds no complete part") while node b kept a
+    # part nobody could use; now the construction fails on every rank, naming rank 2
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), names="a:a:a:b", STEPS="1")
+    for got in res.values():
+        err = got["init_error"]
+        assert err["type"] == "CheckpointError", got
+        assert "rank 2 (node 'a') does not see the disk of its own node 'a'" in err["msg"], err
+        assert "rank 2 (node 'a') sees the disk of node 'b'" in err["msg"], err
+    for d in (a, b):
+        assert not [p for p in d.iterdir() if p.name.startswith("step_") or p.name.startswith(".asyncckpt-shared-")]
+    res = _run(tmp_path, "fixed", (a, b), STEPS="1")  # the names put right: the job runs
+    for got in res.values():
+        assert got["saved"] == [1], got

@@ -54,6 +54,7 @@ from ..ranks._agree import agree
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._distributed import DistContext
 from ..ranks._nodes import Nodes
+from ..ranks._sharedroot import check_node_disks, place_token, remove_token
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
@@ -258,19 +259,33 @@ def start_on_nodes(
     ``store_steps`` (rank 0, with the persistent tier): lists the store's resumable steps.
     Returns the first node's failure (the same on every rank) and the agreed steps."""
     failure: BaseException | None = None
+    token: str | None = None
     if dist.rank in nodes.leaders:
         try:
             start()
+            token = place_token(root)  # which ranks see this disk (check_node_disks)
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
-    mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+    mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}", "token": token}
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         bad = [(r, o["error"]) for r, o in enumerate(outcomes) if o["error"]]
-        return {"bad": bad}
+        return {"bad": bad, "tokens": {str(r): o["token"] for r, o in enumerate(outcomes) if o["token"]}}
 
     deadline = time.monotonic() + timeout
-    bad = agree(dist, f"{key}/node-start", mine, decide, timeout)["bad"]
+    try:
+        got = agree(dist, f"{key}/node-start", mine, decide, timeout)
+        bad = got["bad"]
+        if not bad:
+            node_of = [nodes.node_of(r) for r in range(dist.world_size)]
+            tokens = {int(r): str(t) for r, t in got["tokens"].items()}
+            mismatch = check_node_disks(dist, key, root, node_of, tokens, max(1.0, deadline - time.monotonic()),
+                                        list(nodes.names))  # fmt: skip
+            if mismatch is not None:
+                return mismatch, []
+    finally:
+        if token is not None:
+            remove_token(root, token)
     if bad:
         if failure is not None:
             return failure, []

@@ -55,7 +55,11 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
-    ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
+    try:
+        ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["init_error"] = describe(e)
+        return
     result["run_id"] = ck.run_id
     try:
         loaded = ck.load()
