@@ -7,11 +7,14 @@ tier's acknowledgement wait (``saving._nodelocal``) read a duration as a deadlin
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
+from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 
-from asyncckpt import Checkpointer
+from asyncckpt import Checkpointer, CheckpointReadError
 from asyncckpt.checkpointer._waits import Call, Wait
 
 
@@ -32,3 +35,43 @@ def test_flush_gives_its_save_wait_only_what_the_deferred_guard_left_of_its_time
         steps.close()
     finally:
         ck.close()
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("deadlines")
+    fs = FaultFS(base / "backing", base / "mnt", direct_io=True)  # direct: every read reaches it
+    try:
+        fs.mount()
+    except FaultFSUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield fs
+    finally:
+        fs.unmount()
+
+
+@pytest.mark.needs_root
+def test_a_load_of_the_newest_step_retries_a_read_fault_only_within_the_checkpointers_timeout(
+    faulty: FaultFS,
+) -> None:
+    # Checkpointer.load() hands load_newest its deadline (timeout from the call); load_newest
+    # replaced it with its own 30 s bound, so a read fault was retried past the timeout (all 4
+    # tries, 1.75 s of pauses) where load(step) stops within it
+    root = faulty.path("newest")
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(1024)}).result(60)
+    faulty.set_rules([rule("read", glob="*/step_00000001/rank00000.safetensors", error="EIO", id="f")])
+    try:
+        with Checkpointer(root, timeout=0.6) as ck:
+            for load in (ck.load, lambda: ck.load(1)):
+                t0 = time.monotonic()
+                with pytest.raises(CheckpointReadError) as ei:
+                    load()
+                took = time.monotonic() - t0
+                assert "after 4 tries" not in str(ei.value) and took < 1.5, (took, str(ei.value))
+    finally:
+        faulty.clear()
