@@ -6,6 +6,8 @@ tier's acknowledgement wait (``saving._nodelocal``) read a duration as a deadlin
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
 
+import asyncckpt
 from asyncckpt import Checkpointer, CheckpointReadError
 from asyncckpt.checkpointer._waits import Call, Wait
 
@@ -75,3 +78,32 @@ def test_a_load_of_the_newest_step_retries_a_read_fault_only_within_the_checkpoi
                 assert "after 4 tries" not in str(ei.value) and took < 1.5, (took, str(ei.value))
     finally:
         faulty.clear()
+
+
+@pytest.mark.timing
+def test_a_commit_rename_that_lands_after_the_saves_guard_is_still_taken_back(tmp_path: Path) -> None:
+    # the commit rename of step 2 takes 5 s of a 1 s save: the deadline cancels the commit, the
+    # take-back waits for the rename, and the save's guard (deadline + 2.5 s) cancels that wait
+    # too, with the rename still running; the failed attempt's clean-up must keep it from
+    # landing a step every caller was told had failed (passed before: a regression guard)
+    from asyncckpt import SaveTimeoutError
+    from asyncckpt.testing import OsOps
+
+    class SlowCommit(OsOps):
+        def rename(self, src: str, dst: str) -> None:
+            if os.path.basename(dst) == "step_00000002":
+                time.sleep(5.0)
+            super().rename(src, dst)
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, timeout=1.0, os_ops=SlowCommit())
+    try:
+        ck.save(1, {"w": torch.ones(4)}).result(30)
+        with pytest.raises(SaveTimeoutError):
+            ck.save(2, {"w": torch.full((4,), 2.0)}).result(30)
+        time.sleep(5.0)  # the job goes on; the rename lands meanwhile
+    finally:
+        with contextlib.suppress(Exception):
+            ck.close()
+    assert not (root / "step_00000002").exists(), sorted(os.listdir(root))
+    assert asyncckpt.load(root)["w"][0] == 1.0  # the failed save is not what a resume loads
