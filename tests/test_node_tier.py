@@ -271,3 +271,19 @@ def test_a_rank_whose_node_name_does_not_match_its_disk_fails_the_construction_o
     res = _run(tmp_path, "fixed", (a, b), STEPS="1")  # the names put right: the job runs
     for got in res.values():
         assert got["saved"] == [1], got
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interleaved_node_names_put_two_leaders_on_one_disk_and_the_error_names_the_names(tmp_path: Path) -> None:
+    # names a:b:a:b on disks A,A,B,B: the leaders of "a" (rank 0) and "b" (rank 1) are both on
+    # disk A, so rank 1 could not take the root ("owned by another writer"): the error named an
+    # ownership conflict, not the node names that caused it
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), names="a:b:a:b", STEPS="1")
+    for got in res.values():
+        err = got["init_error"]
+        assert err["type"] == "CheckpointError", got
+        assert "rank 1 (node 'b') sees the disk of node 'a'" in err["msg"], err
+        assert "rank 2 (node 'a') does not see the disk of its own node 'a'" in err["msg"], err

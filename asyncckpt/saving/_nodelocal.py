@@ -276,13 +276,14 @@ def start_on_nodes(
     try:
         got = agree(dist, f"{key}/node-start", mine, decide, timeout)
         bad = got["bad"]
-        if not bad:
-            node_of = [nodes.node_of(r) for r in range(dist.world_size)]
-            tokens = {int(r): str(t) for r, t in got["tokens"].items()}
-            mismatch = check_node_disks(dist, key, root, node_of, tokens, max(1.0, deadline - time.monotonic()),
-                                        list(nodes.names))  # fmt: skip
-            if mismatch is not None:
-                return mismatch, []
+        # also after a failed start: two leaders on one disk fail it (the second cannot take the
+        # root), and the names that do not match the disks are the cause to name
+        node_of = [nodes.node_of(r) for r in range(dist.world_size)]
+        tokens = {int(r): str(t) for r, t in got["tokens"].items()}
+        mismatch = check_node_disks(dist, key, root, node_of, tokens, max(1.0, deadline - time.monotonic()),
+                                    list(nodes.names))  # fmt: skip
+        if mismatch is not None:
+            return mismatch, []
     finally:
         if token is not None:
             remove_token(root, token)
