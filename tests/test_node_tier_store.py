@@ -114,3 +114,27 @@ def test_a_store_that_stops_answering_uploads_fails_the_round_naming_every_ranks
         for f in err["failures"].values():
             assert "Timeout" in f["exc_type"], (r, err)
     assert _steps(a) == [1] and _steps(b) == [1]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(400)
+def test_a_slow_remote_retention_never_fails_the_upload_round_on_the_other_ranks(
+    tmp_path: Path, s3: S3Server, proxy: FaultProxy
+) -> None:
+    # rank 0 ran remote retention (keep_last_remote=1: step 1 retired after step 2 landed)
+    # before it published the round's outcome; the others wait for it only until the round's
+    # deadline + 5 s, and retention had a fresh timeout of its own: with slow uploads (6 s) and
+    # a store slow to delete (25 s, 20 s deadline), the others failed step 2's upload that rank 0
+    # committed; and while rank 0 was still retiring, the others' round of step 3 ran out
+    a, b = _nodes(tmp_path)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    proxy.add(Rule("delay", method="PUT", path_regex=r"rank\d+\.(safetensors|json)$", delay=6.0, times=1000))
+    proxy.add(Rule("delay", query_has=("delete",), body_regex=rb"step_00000001/", delay=25.0, times=1000))
+    proxy.add(Rule("delay", method="DELETE", path_contains="step_00000001", delay=25.0, times=1000))
+    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(proxy.endpoint)), "CK_TIMEOUT": "20", "KEEP_LAST_REMOTE": "1"}
+    res = _run(tmp_path, "slow", (a, b), STEPS="1,2,3", **env)
+    for r, got in res.items():
+        assert got["saved"] == [1, 2, 3], got
+        assert "flush_error" not in got, (r, got["flush_error"])
+    assert "step_00000003/manifest.json" in keys(s3.endpoint, url)

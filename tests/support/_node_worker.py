@@ -55,6 +55,8 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
+        if os.environ.get("KEEP_LAST_REMOTE"):
+            extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
     try:
         ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
     except Exception as e:  # noqa: BLE001 - what the test looks at
