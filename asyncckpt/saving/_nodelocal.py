@@ -263,9 +263,12 @@ def start_on_nodes(
     if dist.rank in nodes.leaders:
         try:
             start()
-            token = place_token(root)  # which ranks see this disk (check_node_disks)
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
+        try:  # which ranks see this disk (check_node_disks); also after a failed start, if it can
+            token = place_token(root)
+        except OSError as e:
+            failure = failure or e
     mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}", "token": token}
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
