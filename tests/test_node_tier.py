@@ -36,7 +36,9 @@ def _tree(d: Path) -> dict[str, str]:
     }
 
 
-def _run(tmp_path: Path, tag: str, nodes: tuple[Path, Path], **env: str) -> dict[int, dict[str, Any]]:
+def _run(
+    tmp_path: Path, tag: str, nodes: tuple[Path, Path], names: str = NAMES, **env: str
+) -> dict[int, dict[str, Any]]:
     mount = tmp_path / "ck"
     mount.mkdir(exist_ok=True)
     out, logs = tmp_path / f"{tag}-result", tmp_path / tag
@@ -45,7 +47,7 @@ def _run(tmp_path: Path, tag: str, nodes: tuple[Path, Path], **env: str) -> dict
     dirs = ":".join(map(str, [nodes[0], nodes[0], nodes[1], nodes[1]]))
     hung = run_ranks(
         lambda r: [WORKER, "run", str(r), "4", str(port), str(mount), str(out)], 4, logs, 150,
-        extra_env={"NODE_DIRS": dirs, "NODE_NAMES": NAMES, "HOST_STORE_S": "30", **env},
+        extra_env={"NODE_DIRS": dirs, "NODE_NAMES": names, "HOST_STORE_S": "30", **env},
     )  # fmt: skip
     assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
     res = {}
@@ -204,3 +206,86 @@ def test_a_node_whose_commit_hangs_fails_the_save_with_a_timeout_on_every_rank(t
         if r != 2:  # rank 2, stuck in its rename past the deadline, gave up on rank 0 by itself
             assert "node 'b' (leader rank 2) did not confirm its commit" in err["failures"]["0"]["message"], (r, err)
     assert _steps(a) == [1] and _steps(b) == [1]  # rank 0's node took its commit back
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_rank0s_commit_rename_that_lands_after_the_deadline_is_taken_back_and_the_restart_resumes_before_it(
+    tmp_path: Path,
+) -> None:
+    # rank 0's rename of its node's part of step 2 takes 9.5 s of an 8 s deadline: the deadline
+    # cancels the commit while the thread goes on and lands it; every rank hears "failed", node b
+    # committed on the go word. Rank 0 went on without taking its late commit back, so both nodes
+    # held step 2 (one attempt) and the restart resumed a save every rank was told had failed
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2", FAIL_RENAME_RANK="0", FAIL_RENAME_STEP="2",
+               SLOW_RENAME_S="9.5", CK_TIMEOUT="8", LINGER_S="6")  # fmt: skip
+    for got in res.values():
+        assert got["saved"] == [1] and got["failed_step"] == 2, got
+        assert got["save_error"]["type"] == "SaveTimeoutError", got
+    assert _steps(a) == [1], _steps(a)  # the late commit was taken back: disk and verdict agree
+    res = _run(tmp_path, "restart", (a, b), STEPS="2")
+    for got in res.values():
+        assert got["loaded"] == 1 and got["equal"], got
+        assert got["saved"] == [2], got.get("save_error")
+    assert _steps(a) == [1, 2] and _steps(b) == [1, 2]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_node_whose_retention_is_slow_still_hears_the_saves_verdict_in_time(tmp_path: Path) -> None:
+    # node b's leader (rank 2) removes step 1 after committing step 3 (keep_last=1) on a disk
+    # that takes 12 s for it, past the 8 s deadline: it ran that retention before reading the
+    # verdict, so its save of step 3 timed out by its own guard while every other rank committed
+    # it (one save, two outcomes), and its ranks then missed the next save
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", SLOW_RETIRE_RANK="2",
+               SLOW_RETIRE_STEP="1", SLOW_RETIRE_S="12", CK_TIMEOUT="8")  # fmt: skip
+    for got in res.values():
+        assert got["saved"] == [1, 2, 3, 4], got.get("save_error")
+        assert "flush_error" not in got, got
+    assert _steps(a) == [4] and _steps(b) == [3, 4]  # retention caught up by close()
+    res = _run(tmp_path, "restart", (a, b))
+    for got in res.values():
+        assert got["loaded"] == 4 and got["equal"], got
+
+
+@pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_a_rank_whose_node_name_does_not_match_its_disk_fails_the_construction_on_every_rank(tmp_path: Path) -> None:
+    # rank 2 runs on node b's disk but says it is on node a (ASYNCCKPT_NODE set wrong): every
+    # save failed with a CheckpointCorruptError ("holds no complete part") while node b kept a
+    # part nobody could use; now the construction fails on every rank, naming rank 2
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), names="a:a:a:b", STEPS="1")
+    for got in res.values():
+        err = got["init_error"]
+        assert err["type"] == "CheckpointError", got
+        assert "rank 2 (node 'a') does not see the disk of its own node 'a'" in err["msg"], err
+        assert "rank 2 (node 'a') sees the disk of node 'b'" in err["msg"], err
+    for d in (a, b):
+        assert not [p for p in d.iterdir() if p.name.startswith("step_") or p.name.startswith(".asyncckpt-shared-")]
+    res = _run(tmp_path, "fixed", (a, b), STEPS="1")  # the names put right: the job runs
+    for got in res.values():
+        assert got["saved"] == [1], got
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interleaved_node_names_put_two_leaders_on_one_disk_and_the_error_names_the_names(tmp_path: Path) -> None:
+    # names a:b:a:b on disks A,A,B,B: the leaders of "a" (rank 0) and "b" (rank 1) are both on
+    # disk A, so rank 1 could not take the root ("owned by another writer"): the error named an
+    # ownership conflict, not the node names that caused it
+    a, b = _nodes(tmp_path)
+    res = _run(tmp_path, "first", (a, b), names="a:b:a:b", STEPS="1")
+    for got in res.values():
+        err = got["init_error"]
+        assert err["type"] == "CheckpointError", got
+        for said in ("rank 0 (node 'a') sees the disk of node 'b'", "rank 1 (node 'b') sees the disk of node 'a'",
+                     "rank 2 (node 'a') does not see the disk of its own node 'a'",
+                     "rank 3 (node 'b') does not see the disk of its own node 'b'"):  # fmt: skip
+            assert said in err["msg"], err

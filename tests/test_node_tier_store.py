@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from _ranks import free_port
-from s3fixtures import keys, opts, require_s3, running_server
+from s3fixtures import keys, opts, proxy_fixture, require_s3, running_server
+from s3proxy import FaultProxy, Rule
 from s3server import S3Server
 from test_node_tier import _nodes, _run, _steps
 
@@ -86,3 +87,54 @@ def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_sav
         assert got["loaded"] == 3 and got["equal"], got
         assert got["saved"] == [4] and "flush_error" not in got, got
     assert "step_00000004/manifest.json" in keys(s3.endpoint, url)
+
+
+proxy = proxy_fixture()
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(400)
+def test_a_store_that_stops_answering_uploads_fails_the_round_naming_every_ranks_timeout(
+    tmp_path: Path, s3: S3Server, proxy: FaultProxy
+) -> None:
+    # every rank's PUT of its files hangs: each upload gives up before the round's deadline (the
+    # client's retries stop when another try cannot fit), so the exchange of outcomes still hears
+    # every rank's own timeout, not "a rank did not take part" (passed before: a regression guard)
+    a, b = _nodes(tmp_path)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    proxy.add(Rule("hang", method="PUT", path_regex=r"rank\d+\.(safetensors|json)$", times=1000))
+    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(proxy.endpoint)), "CK_TIMEOUT": "8"}
+    res = _run(tmp_path, "hung", (a, b), STEPS="1", **env)
+    for r, got in res.items():
+        assert got["saved"] == [1], got  # the node-local commit went on
+        err = got["flush_error"]
+        assert err["type"] == "SaveError" and f"upload to {url} failed" in err["msg"], (r, err)
+        assert sorted(err["failures"]) == ["0", "1", "2", "3"], (r, err)  # every rank's own error, heard by all
+        for f in err["failures"].values():
+            assert "Timeout" in f["exc_type"], (r, err)
+    assert _steps(a) == [1] and _steps(b) == [1]
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(400)
+def test_a_slow_remote_retention_never_fails_the_upload_round_on_the_other_ranks(
+    tmp_path: Path, s3: S3Server, proxy: FaultProxy
+) -> None:
+    # rank 0 ran remote retention (keep_last_remote=1: step 1 retired after step 2 landed)
+    # before it published the round's outcome; the others wait for it only until the round's
+    # deadline + 5 s, and retention had a fresh timeout of its own: with slow uploads (6 s) and
+    # a store slow to delete (25 s, 20 s deadline), the others failed step 2's upload that rank 0
+    # committed; and while rank 0 was still retiring, the others' round of step 3 ran out
+    a, b = _nodes(tmp_path)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    proxy.add(Rule("delay", method="PUT", path_regex=r"rank\d+\.(safetensors|json)$", delay=6.0, times=1000))
+    proxy.add(Rule("delay", query_has=("delete",), body_regex=rb"step_00000001/", delay=25.0, times=1000))
+    proxy.add(Rule("delay", method="DELETE", path_contains="step_00000001", delay=25.0, times=1000))
+    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(proxy.endpoint)), "CK_TIMEOUT": "20", "KEEP_LAST_REMOTE": "1"}
+    res = _run(tmp_path, "slow", (a, b), STEPS="1,2,3", **env)
+    for r, got in res.items():
+        assert got["saved"] == [1, 2, 3], got
+        assert "flush_error" not in got, (r, got["flush_error"])
+    assert "step_00000003/manifest.json" in keys(s3.endpoint, url)

@@ -71,7 +71,7 @@ class Waits:
 
         yield Call(lambda: self.books.release_deferred(end))  # a flush is a guard of deferred saves
         futures = [f for f in self.books.pending_futures(local_only=True) if skip is None or f is not skip.future]
-        running = yield Wait(futures, timeout)
+        running = yield Wait(futures, left())  # what the guard left of the one timeout
         if running:
             raise TimeoutError(f"{running} save(s) still running after {timeout}s")
         removing = self.removals_future() if removals else None

@@ -240,7 +240,8 @@ def load_newest(
     raised: an older step is never loaded in place of one that could not be read."""
     rejected: dict[int, CheckpointCorruptError] = {}
     warned: set[int] = set()
-    deadline = time.monotonic() + _SETTLE_S
+    settle_by = time.monotonic() + _SETTLE_S  # the retired-meanwhile loop's bound, not the caller's deadline
+    deadline = settle_by if deadline is None else deadline
     rounds = 0
     while True:
         rounds += 1
@@ -261,7 +262,7 @@ def load_newest(
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
         except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again
-            if rounds >= _MIN_ROUNDS and time.monotonic() > deadline:
+            if rounds >= _MIN_ROUNDS and time.monotonic() > settle_by:
                 raise CheckpointNotFoundError(
                     f"every checkpoint found under {root} was retired before it could be read "
                     f"({rounds} tries in {_SETTLE_S:.0f}s)"

@@ -158,3 +158,41 @@ def _collect(dist: DistContext, base: str, deadline: float) -> dict[int, Any]:
         except Exception as e:
             raise CoordinationLost(lost_message(e)) from e
     return out
+
+
+def check_node_disks(
+    dist: DistContext, key: str, root: str, node_of: list[int], tokens: dict[int, str], timeout: float,
+    names: list[str],
+) -> CheckpointError | None:  # fmt: skip
+    """Collective, on a node-local root (``saving._nodelocal``) once each node's leader placed a
+    token (``tokens``: leader rank -> its nonce) in its disk's ``root``: every rank looks for
+    every token, and must see exactly its own node's (``node_of[rank]``; ``names[k]`` node
+    ``k``'s name). The error every rank raises when a rank's node name does not match its disk
+    (``ASYNCCKPT_NODE`` set wrong, or two nodes on one disk), ``None`` when all match. No
+    polling: a node-local disk shows a file at once; the caller removes the tokens after."""
+    from ._agree import agree
+
+    mine_node = node_of[dist.rank]
+    wrong = []
+    for leader, nonce in sorted(tokens.items()):
+        seen = os.path.lexists(os.path.join(root, TOKEN_PREFIX + nonce))
+        if seen != (node_of[leader] == mine_node):
+            wrong.append([node_of[leader], seen])
+
+    def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+        problems = []
+        for r, o in enumerate(outcomes):
+            for k, seen in o["wrong"]:
+                what = "sees the disk of node" if seen else "does not see the disk of its own node"
+                problems.append(f"rank {r} (node {names[node_of[r]]!r}) {what} {names[k]!r}")
+        return {"problems": problems}
+
+    problems = agree(dist, f"{key}/node-disks", {"wrong": wrong}, decide, timeout)["problems"]
+    if not problems:
+        return None
+    shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+    return CheckpointError(
+        f"asyncckpt: node_local=True, but the ranks' node names do not match the disks behind {root}: {shown}. "
+        "The ranks of one node (same ASYNCCKPT_NODE, else the same host name) must share one disk there, and "
+        "two nodes never one; nothing was written"
+    )

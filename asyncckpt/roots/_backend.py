@@ -79,7 +79,7 @@ def dir_timeout(job: StepJob) -> float:
 LATE_RENAME_WAIT_S = 10.0
 
 
-async def _landed_late(rename: asyncio.Future[None], loc: str, final: str) -> bool:
+async def landed_late(rename: asyncio.Future[None], loc: str, final: str) -> bool:
     """Whether a commit rename whose waiter was cancelled took effect after all: waits (bounded)
     for the thread; a rename still running after that is judged by what the paths show."""
     try:
@@ -332,7 +332,7 @@ class PosixBackend:
             try:
                 await asyncio.shield(rename)
             except asyncio.CancelledError:
-                if await _landed_late(rename, loc, final):
+                if await landed_late(rename, loc, final):
                     await self._take_back(job, final, attempt)
                 raise
             except OSError as e:

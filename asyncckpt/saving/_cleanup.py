@@ -49,7 +49,7 @@ async def _logged(aw: Awaitable[Any], what: str) -> None:
         log.warning("%s: %s", what, e)
 
 
-def _in_background(job: SaveJob, aw: Awaitable[Any], what: str) -> asyncio.Task[None]:
+def in_background(job: SaveJob, aw: Awaitable[Any], what: str) -> asyncio.Task[None]:
     """Start a clean-up as a task tracked in ``job.removals`` (what ``flush()`` and ``close()``
     wait for); its failure is logged."""
     task = asyncio.ensure_future(_logged(aw, what))
@@ -63,7 +63,7 @@ async def clean_up(job: SaveJob, aw: Awaitable[Any], what: str) -> None:
     """Run a clean-up after the verdict until the save's deadline (at least
     :data:`CLEANUP_WAIT_S`), then leave it running in the background: a store that stopped
     answering, or a file a stuck write holds, never delays the save's outcome."""
-    task = _in_background(job, aw, what)
+    task = in_background(job, aw, what)
     await asyncio.wait({task}, timeout=max(0.0, job.deadline - time.monotonic()) + CLEANUP_WAIT_S)
 
 

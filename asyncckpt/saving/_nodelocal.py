@@ -54,9 +54,11 @@ from ..ranks._agree import agree
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._distributed import DistContext
 from ..ranks._nodes import Nodes
-from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout
+from ..ranks._sharedroot import check_node_disks, place_token, remove_token
+from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
+from ._cleanup import in_background
 from ._savejob import SaveJob
 
 log = logging.getLogger("asyncckpt")
@@ -104,7 +106,16 @@ async def commit_part(
         # a part of an earlier attempt of this step on this node (that save failed elsewhere:
         # rank 0's node did not hold the step, or it would have refused the save): set aside
         await _remove_aside(storage, root, step, final, dead)
-    await storage.rename(loc, final)  # this node's commit point
+    # this node's commit point. The rename runs on the I/O pool: if the save's deadline cancels
+    # this coroutine meanwhile, the thread goes on and may land it after every rank was told
+    # "failed" (and resume would find it): shielded, and a late landing is taken back
+    rename = asyncio.ensure_future(storage.rename(loc, final))
+    try:
+        await asyncio.shield(rename)
+    except asyncio.CancelledError:
+        if await landed_late(rename, loc, final):
+            await _remove_aside(storage, root, step, final, dead)
+        raise
     try:
         await storage.fsync_dir(root)
         m = await storage.run(part_state, root, step, ranks)
@@ -225,11 +236,12 @@ class NodeLocalBackend(PosixBackend):
             ack = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self.coord.post_once(_seq(job), f"node-ack/{self.node}", ack)
         if ack["ok"] and job.keep_last is not None:
-            try:
-                await retire_parts(self.storage, job.root, job.keep_last, go["confirmed"], job.step, self._mine,
-                                   job.dead, job.retention_lock, self._floor())  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - retention never fails a committed save
-                log.warning("node-local retention under %s failed: %s", job.root, e)
+            # in the background, tracked like rank 0's (flush() and close() wait for it): a slow
+            # disk under retention must not keep this rank from the verdict past the deadline
+            assert isinstance(job, SaveJob)
+            retire = retire_parts(self.storage, job.root, job.keep_last, go["confirmed"], job.step, self._mine,
+                                  job.dead, job.retention_lock, self._floor())  # fmt: skip
+            in_background(job, retire, f"node-local retention under {job.root} failed")
 
     async def retire(self, job: StepJob) -> None:
         if job.keep_last is None:
@@ -248,19 +260,37 @@ def start_on_nodes(
     ``store_steps`` (rank 0, with the persistent tier): lists the store's resumable steps.
     Returns the first node's failure (the same on every rank) and the agreed steps."""
     failure: BaseException | None = None
+    token: str | None = None
     if dist.rank in nodes.leaders:
         try:
             start()
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
-    mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+        try:  # which ranks see this disk (check_node_disks); also after a failed start, if it can
+            token = place_token(root)
+        except OSError as e:
+            failure = failure or e
+    mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}", "token": token}
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         bad = [(r, o["error"]) for r, o in enumerate(outcomes) if o["error"]]
-        return {"bad": bad}
+        return {"bad": bad, "tokens": {str(r): o["token"] for r, o in enumerate(outcomes) if o["token"]}}
 
     deadline = time.monotonic() + timeout
-    bad = agree(dist, f"{key}/node-start", mine, decide, timeout)["bad"]
+    try:
+        got = agree(dist, f"{key}/node-start", mine, decide, timeout)
+        bad = got["bad"]
+        # also after a failed start: two leaders on one disk fail it (the second cannot take the
+        # root), and the names that do not match the disks are the cause to name
+        node_of = [nodes.node_of(r) for r in range(dist.world_size)]
+        tokens = {int(r): str(t) for r, t in got["tokens"].items()}
+        mismatch = check_node_disks(dist, key, root, node_of, tokens, max(1.0, deadline - time.monotonic()),
+                                    list(nodes.names))  # fmt: skip
+        if mismatch is not None:
+            return mismatch, []
+    finally:
+        if token is not None:
+            remove_token(root, token)
     if bad:
         if failure is not None:
             return failure, []

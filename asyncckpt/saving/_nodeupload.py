@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import RankFailure, SaveError
 from .._info import CheckpointInfo
@@ -44,6 +44,9 @@ from ..ranks._coordination import StoreCoordinator
 from ..roots.posix._discovery import read_manifest, read_regular_file
 from ..threads._iopool import IOPool
 from ._mirror import Mirror, UploadRecord
+
+if TYPE_CHECKING:
+    from ..roots.objstore._lease import Lease
 
 log = logging.getLogger("asyncckpt")
 #: How long past a round's deadline the other ranks wait for rank 0's outcome.
@@ -92,6 +95,7 @@ class PartUploads(Mirror):
         self.floor = -1
         self._coord_pool = IOPool(2, "asyncckpt-upload-coord")
         self._coord = StoreCoordinator(connect, rank, world_size, f"{namespace}-up", self._run_coord)
+        self._retiring: asyncio.Future[None] | None = None  # rank 0: the remote retention running now
 
     async def _run_coord(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._coord_pool, fn, *args)
@@ -167,13 +171,16 @@ class PartUploads(Mirror):
         failed = {int(r): str(v["error"]) for r, v in got.items() if not v["ok"]}
         if self.rank == 0:
             outcome: dict[str, Any] = {"ok": False, "failed": failed}
+            lease = None
             if not failed:
                 try:
-                    await self._commit(step, raw, deadline)
+                    lease = await self._commit(step, raw, deadline)
                     outcome = {"ok": True}
                 except Exception as e:  # noqa: BLE001 - every rank hears it in the outcome
                     outcome = {"ok": False, "failed": {0: f"{type(e).__name__}: {e}"}}
             await self._coord.post_once(seq, "done", outcome)
+            if lease is not None:  # after the outcome, in the background: see _retire_soon
+                self._retire_soon(step, lease)
         else:
             heard = await self._coord.wait_for(seq, "done", deadline + _OUTCOME_GRACE_S)
             if heard is None:
@@ -188,10 +195,8 @@ class PartUploads(Mirror):
         if self.rank == 0:
             log.info("uploaded step %d from every rank to %s in %.3fs", step, self.url, time.monotonic() - t0)
 
-    async def _commit(self, step: int, raw: bytes, deadline: float) -> None:
-        """Rank 0, every part landed: create the manifest once under the prefix's lease; then
-        remote retention (this run's steps only, never this one)."""
-        from ..roots.objstore._remote import retire_remote
+    async def _commit(self, step: int, raw: bytes, deadline: float) -> Lease:
+        """Rank 0, every part landed: create the manifest once under the prefix's lease (returned)."""
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
@@ -201,6 +206,25 @@ class PartUploads(Mirror):
         if not result.won and result.stored != raw:
             raise SaveError(step, {0: RankFailure(0, "CheckpointError", "committed there by another attempt")},
                             detail=f"step {step} is already committed at {self.url} by another attempt")  # fmt: skip
+        return lease
+
+    def _retire_soon(self, step: int, lease: Lease) -> None:
+        """Start remote retention after ``step``'s round, after any still running: the others
+        wait for this rank's outcome and its part of the next round only until their deadlines,
+        and retention (bounded by its own timeout) must make neither late."""
+        before = self._retiring
+
+        async def run() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            await self._retire_remote(step, lease)
+
+        self._retiring = asyncio.ensure_future(run())
+
+    async def _retire_remote(self, step: int, lease: Lease) -> None:
+        """Rank 0, after ``step`` committed on the store: remote retention (this run's steps only,
+        never this one), bounded by its own timeout; it never fails the committed upload."""
+        from ..roots.objstore._remote import retire_remote
         if self.keep_last_remote is not None:
             try:
                 removed = await retire_remote(self.store, self.keep_last_remote, time.monotonic() + self.timeout,

@@ -21,7 +21,8 @@ from _rank_worker import describe, enter_node, state_for
 def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
     """Resume (``load()``: the step and whether it is bit-exact, or the error), then save the
     steps in ``STEPS`` (comma-separated); ``DIE_BEFORE``: this node's ranks ``_exit`` before
-    saving that step (a node lost mid-run); the others record the save's error."""
+    saving that step (a node lost mid-run); the others record the save's error, and go on for
+    ``LINGER_S`` before they stop (a job that lives on after a failed save)."""
     import torch
 
     from asyncckpt import Checkpointer
@@ -30,14 +31,18 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     keep_last = int(os.environ["KEEP_LAST"]) if os.environ.get("KEEP_LAST") else None
     dying = os.environ.get("DIE_RANKS", "")
     ops: Any = None
-    if os.environ.get("FAIL_RENAME_RANK") == str(rank):  # the OS call fails, not our code (conftest.FaultOps)
+    slow_retire = os.environ.get("SLOW_RETIRE_RANK") == str(rank)
+    if os.environ.get("FAIL_RENAME_RANK") == str(rank) or slow_retire:  # the OS call fails, not our code
         from asyncckpt.testing import OsOps
 
-        target = f"step_{int(os.environ['FAIL_RENAME_STEP']):08d}"
+        target = f"step_{int(os.environ.get('FAIL_RENAME_STEP', '-1')):08d}"
+        retired = f"step_{int(os.environ.get('SLOW_RETIRE_STEP', '-1')):08d}"
 
         class FailCommit(OsOps):
             def rename(self, src: str, dst: str) -> None:
-                if os.path.basename(dst) == target:
+                if slow_retire and os.path.basename(src) == retired and ".deleting-" in dst:
+                    time.sleep(float(os.environ["SLOW_RETIRE_S"]))  # a slow disk under retention
+                elif os.path.basename(dst) == target:
                     if os.environ.get("SLOW_RENAME_S"):  # a slow disk that does commit, in time
                         time.sleep(float(os.environ["SLOW_RENAME_S"]))
                         return super().rename(src, dst)
@@ -50,7 +55,13 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
-    ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
+        if os.environ.get("KEEP_LAST_REMOTE"):
+            extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
+    try:
+        ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["init_error"] = describe(e)
+        return
     result["run_id"] = ck.run_id
     try:
         loaded = ck.load()
@@ -74,6 +85,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         except Exception as e:  # noqa: BLE001
             result["save_error"] = describe(e)
             result["failed_step"] = s
+            time.sleep(float(os.environ.get("LINGER_S", "0")))  # the job goes on after a failed save
             break
     if "save_error" in result:
         return
