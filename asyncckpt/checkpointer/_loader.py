@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNotFoundError
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
 from ..format._structure import check_strip_prefixes
@@ -19,7 +19,8 @@ from ..loading import _load, _load_global, _nodeload, _resume
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree
 from ..roots import _nodeparts, _readfault, _runs
-from ..roots._scheme import is_url
+from ..roots._registry import open_root
+from ..roots._root import Root
 from ..roots.posix import _discovery
 from ._options import is_int
 from ._session import RootSession
@@ -65,16 +66,21 @@ class Loader:
         self.timeout = session.timeout
         self.strip_prefixes = session.opts.strip_prefixes
         self.store_options = session.opts.store_options
+        self._reading: Root | None = None
+
+    def reading(self) -> Root:
+        """This Checkpointer's root as loads read it (``roots.open_root``; made once)."""
+        if self._reading is None:
+            self._reading = (open_root(self.root, storage_options=self.store_options, deadline_s=self.timeout)
+                             if self.store is not None else open_root(self.root))  # fmt: skip
+        return self._reading
 
     def load(self, req: LoadRequest) -> Any:
         """The state of ``req`` (restored into its targets, if any)."""
         reader = req.reader
         into = reader.into
-        if self.store is not None:
-            state = self._load_store_root(req)
-            if into is not None:
-                _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
-            return state
+        if req.mmap and not self.reading().caps.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {self.root}")
         chosen = None if self.session.nodes is not None else self._remote_choice(req.step)
         if self.session.nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
             state = self._load_node_part(req)
@@ -90,12 +96,13 @@ class Loader:
                   "deadline": time.monotonic() + self.timeout}  # an I/O fault is retried within it
             if req.step is None:
                 _, state = _resume.load_newest(
-                    self.root, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
+                    self.reading(), rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
                 )
             else:
                 state = _resume.load_step(
-                    self.root, req.step, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
-                )
+                    self.reading(), req.step, rank=req.shard, verify=req.verify, world_size=req.expect,
+                    reader=reader, **kw,
+                )  # fmt: skip
         else:
             state = self._load_agreed(req)
         if into is not None:
@@ -118,38 +125,6 @@ class Loader:
         session.queries += 1
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
                                    self.timeout, store)[1]  # fmt: skip
-
-    def _load_store_root(self, req: LoadRequest) -> Any:
-        """``load()`` under an object-store root: each rank reads its own shard with ranged
-        GETs, verified. One process: the newest step that verifies (``_remote_load``). Many
-        ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
-        picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
-        every rank fall back to the same older step; an explicit step raises on every rank)."""
-        from ..loading import _remote_load
-
-        if req.mmap:
-            raise ValueError(f"mmap=True needs a local root, not {self.root}")
-        if self.session.dist is not None:
-            return self._load_agreed(req)
-        return _remote_load.load(
-            self.root, req.step, into=req.reader.into, verify=req.verify, rank=req.shard,
-            storage_options=self.store_options, deadline_s=self.timeout, reader=req.reader, world_size=req.expect,
-        )  # fmt: skip
-
-    def _load_store_step(self, req: LoadRequest, step: int, attempt: str | None = None) -> Any:
-        """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
-        or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
-        agree to retry. As on a file system: a step without a global index is read into the
-        targets at once unless ``verify_first`` (then restored once every rank verified); an
-        indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
-        from ..loading import _remote_load
-
-        reader = req.reader
-        return _remote_load.load(
-            self.root, step, into=None if reader.verify_first else reader.into, verify=req.verify, rank=req.shard,
-            storage_options=self.store_options, deadline_s=self.timeout, reader=reader, world_size=req.expect,
-            expect=attempt,
-        )  # fmt: skip
 
     def _remote_choice(self, step: int | None) -> list[Any] | None:
         """Tier mode: the commit to load from the store (``_runs.choice``; ``None``: load
@@ -181,17 +156,15 @@ class Loader:
         ``fall_back`` (``load()`` with no step) a step that does not verify is logged and the
         newest older one of this run on either tier loads instead. Each rank reads its own
         shard (no agreement round: see README), so a read the reader defers is finished at once."""
-        from ..loading import _remote_load
-
         mirror = self.session.mirror
         assert mirror is not None
         reader = req.reader
+        far = open_root(mirror.url, storage_options=mirror.storage_options)
 
         def from_store(s: int, expected: str | None = None) -> Any:
-            state = _remote_load.load(
-                mirror.url, s, into=reader.into, verify=req.verify, rank=req.shard,
-                storage_options=mirror.storage_options, reader=reader, world_size=req.expect, expect=expected,
-            )  # fmt: skip
+            state = _resume.load_step(far, s, rank=req.shard, verify=req.verify, world_size=req.expect,
+                                      into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
+                                      expect=expected)  # fmt: skip
             reader.finish()
             return state
 
@@ -203,7 +176,7 @@ class Loader:
             log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
         near = _discovery.newest_complete(self.root)
         if near is not None:
-            state = _resume.load_newest(self.root, rank=req.shard, verify=req.verify, world_size=req.expect,
+            state = _resume.load_newest(self.reading(), rank=req.shard, verify=req.verify, world_size=req.expect,
                                         into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
                                         deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
             reader.finish()
@@ -258,19 +231,16 @@ class Loader:
             error: BaseException | None = None
             report: dict[str, Any] = {}
             try:
-                if self.store is not None:
-                    state = self._load_store_step(req, chosen, attempt)
-                else:
-                    # one pass: straight into the targets; verify_first: fresh tensors, restored
-                    # once every rank verified (an indexed step defers inside the reader); an
-                    # I/O fault is tried again first, leaving the others time to wait for us
-                    into = None if reader.verify_first else reader.into
-                    state = _readfault.retrying(
-                        functools.partial(_resume.attempt, self.root, chosen, req.shard, req.verify, req.expect, into,
-                                          reader.strip_prefixes, reader=reader, mmap=req.mmap, report=report,
-                                          expect=attempt),
-                        retry_until,
-                    )  # fmt: skip
+                # one pass: straight into the targets; verify_first: fresh tensors, restored
+                # once every rank verified (an indexed step defers inside the reader); an
+                # I/O fault is tried again first, leaving the others time to wait for us
+                into = None if reader.verify_first else reader.into
+                state = _readfault.retrying(
+                    functools.partial(_resume.attempt, self.reading(), chosen, req.shard, req.verify, req.expect,
+                                      into, reader.strip_prefixes, reader=reader, mmap=req.mmap, report=report,
+                                      expect=attempt),
+                    retry_until,
+                )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             session.queries += 1
@@ -289,12 +259,12 @@ class Loader:
             if kind == "ok":
                 reader.finish()
                 if verdict.get("full") and session.rank == 0:  # every file of the step verified
-                    _resume.unmark(self.root, chosen, verdict["attempt"])
+                    _resume.unmark(self.reading(), chosen, verdict["attempt"])
                 return state
             reader.abandon()
             if kind == "error":
                 if error is not None:
-                    if isinstance(error, _discovery.Vanished | NoSuchShard):
+                    if isinstance(error, _discovery.Vanished | NoSuchShard | ObjectNotFoundError):
                         raise CheckpointNotFoundError(str(error)) from None
                     raise error
                 raise _resume.error_from(chosen, verdict["failures"])
@@ -303,9 +273,9 @@ class Loader:
                 r, first = min(failures.items(), key=lambda kv: int(kv[0]))
                 _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
                 rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
-                if session.rank == 0 and error is None and attempt is not None and self.store is None:
+                if session.rank == 0 and error is None and attempt is not None:
                     # rank 0 decides the step rules: it must know even if rank r's mark was not written
-                    _resume.mark(self.root, chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
+                    _resume.mark(self.reading(), chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
             # "retry": the choice was retired meanwhile; rank 0 looks again
             del state
         raise CheckpointNotFoundError(
@@ -357,30 +327,45 @@ def load(
     ``into=``, for an ``s3://`` root, and for a step with a global index (DTensors, dedupe).
     """
     _load.check_mmap(mmap, into)
-    if type(verify_first) is not bool:
-        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
-    if is_url(root):
-        if mmap:
-            raise ValueError("mmap=True needs a local root, not an s3:// URL")
-        from ..remote import load as load_remote
-
-        return load_remote(
-            root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
-            verify_first=verify_first, storage_options=storage_options,
-        )  # fmt: skip
     prefixes = check_strip_prefixes(strip_prefixes)
     check_load_args(step, rank, per_rank, verify_first)
-    root_s = os.fspath(root)
-    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
+    opened = open_root(root, storage_options=storage_options) if storage_options else open_root(root)
+    try:
+        if mmap and not opened.caps.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {opened.url}")
+        return read(opened, step, into=into, verify=verify, rank=rank, strip_prefixes=prefixes, per_rank=per_rank,
+                    verify_first=verify_first, mmap=mmap)  # fmt: skip
+    finally:
+        opened.close()
+
+
+def read(
+    root: Root,
+    step: int | None = None,
+    *,
+    into: Any = None,
+    verify: bool = True,
+    rank: int | None = None,
+    strip_prefixes: tuple[str, ...] = (),
+    per_rank: _load_global.PerRank = "error",
+    mmap: bool = False,
+    verify_first: bool = False,
+    deadline_s: float | None = None,
+) -> Any:
+    """:func:`load` of ``root`` (any :class:`Root`), its arguments checked: the one load of a
+    process without a Checkpointer, for every kind of root. ``deadline_s``: an I/O fault is
+    tried again within it (``None``: the tries bound it)."""
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, strip_prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
-    kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    kw = {"into": into, "strip_prefixes": strip_prefixes, "reader": reader, "mmap": mmap, "deadline": deadline}
     # one pause of the collector for the whole load and restore (_gcpause: see _load.load_files)
     with _load.noting_partial_targets(reader), paused_gc():
-        return _load_and_restore(root_s, step, shard, verify, kw)
+        return _load_and_restore(root, step, shard, verify, kw)
 
 
-def _load_and_restore(root: str, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
-    """:func:`load`'s body, its arguments checked (a function: its temporaries die inside the pause)."""
+def _load_and_restore(root: Root, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
+    """:func:`read`'s body (a function: its temporaries die inside the pause)."""
     if step is None:
         _, state = _resume.load_newest(root, rank=shard, verify=verify, **kw)
     else:

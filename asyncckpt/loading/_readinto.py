@@ -17,7 +17,7 @@ that land in memory; the blocks are spread over the threads in file order, adjac
 share a ``preadv``, and each block is checked as its bytes land.
 
 A *source* is an open file descriptor (``preadv``) or a :class:`RangeSource`: bytes read by
-ranges from elsewhere (an object store's ranged GETs, ``_remote_load``). Everything above
+ranges from elsewhere (a root's ``StepReader``: a store's ranged GETs, memory; ``_stepfiles``). Everything above
 holds for both; a range source only says how many reads it wants in flight.
 """
 
