@@ -51,7 +51,7 @@ from ..format import _index
 from ..format._layout import MAX_STEP, check_step, parse_step_dir, step_dir_name
 from ..format._manifest import Manifest
 from ..format._safetensors import ST_TO_DTYPE
-from ..loading import _readinto
+from ..loading import _blocks
 from ..loading._readinto import byte_view
 from ..loading._stepfiles import ReaderFiles, StepFiles
 from ..roots._scheme import is_url
@@ -462,8 +462,8 @@ def _read_batch(
             view = byte_view(buf)
         landed.append(buf)
         runs = ((0, view),) if n else ()
-        blocks.append(_readinto.Block(files.source(file), files.path(file), begin, n, crc, runs, repr(key[0])))
-    _readinto.read_blocks(blocks)
+        blocks.append(_blocks.Block(files.source(file), files.path(file), begin, n, crc, runs, repr(key[0])))
+    _blocks.read_blocks(blocks)
     for (_, reqs), buf in zip(batch, landed, strict=True):
         for req in reqs:
             if req.type == LoadItemType.BYTE_IO:
