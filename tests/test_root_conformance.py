@@ -623,3 +623,64 @@ class TestLoad:
         save(rig.root, 1)
         with pytest.raises(CheckpointNotFoundError):
             _load(rig, 5)
+
+
+class TestTierRoot:
+    """Tier mode's reading side as one root (``roots._tier.TierRoot``): a directory and a
+    second root read as the union of their steps, a step from the directory when it is
+    resumable there, else from the other; the one loader has no tier case."""
+
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Iterator[tuple[Root, Root, Root]]:
+        from asyncckpt.roots._tier import TierRoot
+
+        near, far_rig = _posix(tmp_path), _memory_rig()
+        far = far_rig.root
+        tier = TierRoot(near.root, far, lambda skip: far.newest_resumable(skip=skip))
+        try:
+            yield tier, near.root, far
+        finally:
+            tier.close()
+            _memory.drop(far_rig.where[len("memory://"):])
+
+    def test_steps_are_the_union_and_each_is_read_where_it_is_resumable(self, tier: Any, mixed: Any) -> None:
+        from asyncckpt.loading import _resume
+
+        root, near, far = tier
+        state, steps = mixed
+        commit_real(near, 1, steps[0])
+        commit_real(far, 1, steps[0])
+        commit_real(far, 2, steps[1])  # only on the far tier, and the newest
+        assert root.newest_resumable() == 2 and [r.step for r in root.list_steps()] == [1, 2]
+        with root.open_reader(1) as r:
+            assert r.locate().startswith(near.url)
+        with root.open_reader(2) as r:
+            assert r.locate() == far.locate(2)
+        step, got = _resume.load_newest(root, rank=0, verify=True)
+        assert step == 2
+        _same_bits(got["w"], state["w"])
+        with pytest.raises(ValueError, match="only on the store"):
+            _resume.load_step(root, 2, rank=0, verify=True, mmap=True)
+        assert _resume.load_step(root, 1, rank=0, verify=True, mmap=True)["step"] == 1  # local: mapped
+
+    def test_a_damaged_local_copy_is_read_from_the_other_tier_and_marks_go_where_read(
+        self, tier: Any, mixed: Any, tmp_path: Path
+    ) -> None:
+        from asyncckpt.loading import _resume
+
+        root, near, far = tier
+        _, steps = mixed
+        commit_real(near, 1, steps[0])
+        commit_real(far, 1, steps[0])
+        (tmp_path / "ck" / "step_00000001" / shard_name(0)).write_bytes(b"x")  # truncated: not resumable here
+        assert _resume.load_step(root, 1, rank=0, verify=True)["step"] == 1  # from the far tier
+        shard = bytearray(steps[0][1][shard_name(0)])
+        shard[-3] ^= 1
+        mem = _memory.store(far.url[len("memory://"):])
+        with mem.lock:
+            mem.steps[1].files[shard_name(0)] = bytes(shard)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            _resume.load_step(root, 1, rank=0, verify=True)
+        assert [r.state for r in far.list_steps()] == ["bad"]  # marked where it was read
+        with pytest.raises(CheckpointCorruptError):
+            _resume.load_newest(root, rank=0, verify=True)  # nothing verifies on either tier

@@ -1,5 +1,8 @@
-"""Loading for the facade: ``Checkpointer.load``'s three paths (this root, the mirror, the
-collective agreement) behind one request object, and the module-level ``load()``."""
+"""Loading for the facade: ``Checkpointer.load`` behind one request object, and the
+module-level ``load()``. Every root is read by the one loader (``loading._resume``) through
+:meth:`Loader.reading` (tier mode: ``roots._tier.TierRoot``); one process loads alone, many
+agree on each choice (:meth:`Loader._load_agreed`); the node-local tier has its own
+collective (``loading._nodeload``)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ..ranks import _agree
 from ..roots import _nodeparts, _readfault, _runs
 from ..roots._registry import open_root
 from ..roots._root import Root
+from ..roots._tier import TierRoot
 from ..roots.posix import _discovery
 from ._options import is_int
 from ._session import RootSession
@@ -69,27 +73,32 @@ class Loader:
         self._reading: Root | None = None
 
     def reading(self) -> Root:
-        """This Checkpointer's root as loads read it (``roots.open_root``; made once)."""
+        """This Checkpointer's root as loads read it (``roots.open_root``; in tier mode the local
+        root and the mirror's store as one ``TierRoot``); made once."""
         if self._reading is None:
-            self._reading = (open_root(self.root, storage_options=self.store_options, deadline_s=self.timeout)
-                             if self.store is not None else open_root(self.root))  # fmt: skip
+            if self.store is not None:
+                self._reading = open_root(self.root, storage_options=self.store_options, deadline_s=self.timeout)
+            elif self.session.mirror is not None:
+                m = self.session.mirror
+                far = open_root(m.url, storage_options=m.storage_options, deadline_s=self.timeout)
+
+                def far_newest(skip: frozenset[int]) -> int | None:
+                    found = m.latest(skip, warn=True)  # this run's steps only (another run's: never)
+                    return None if found is None else found.step
+
+                self._reading = TierRoot(open_root(self.root), far, far_newest)
+            else:
+                self._reading = open_root(self.root)
         return self._reading
 
     def load(self, req: LoadRequest) -> Any:
         """The state of ``req`` (restored into its targets, if any)."""
         reader = req.reader
         into = reader.into
-        if req.mmap and not self.reading().caps.mmap:
+        if self.session.nodes is None and req.mmap and not self.reading().caps.mmap:
             raise ValueError(f"mmap=True needs a local root, not {self.root}")
-        chosen = None if self.session.nodes is not None else self._remote_choice(req.step)
         if self.session.nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
             state = self._load_node_part(req)
-        elif chosen is not None:  # tier mode: the step is on the store only, or newer there
-            far, attempt = _runs.unpack(chosen)
-            if req.mmap:
-                raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
-                                 f"({self.session.mirror_url()}): load it without mmap")
-            state = self._load_remote(req, far, req.step is None, attempt)
         elif self.session.dist is None:
             # into=: tensors read into in place once their shard verified (_load.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": req.mmap,
@@ -126,99 +135,20 @@ class Loader:
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
                                    self.timeout, store)[1]  # fmt: skip
 
-    def _remote_choice(self, step: int | None) -> list[Any] | None:
-        """Tier mode: the commit to load from the store (``_runs.choice``; ``None``: load
-        locally, as without a mirror). The newest complete step of this run on either tier
-        (the store's steps of another run are never chosen), local when both hold it; an
-        explicit step comes from the store only when it is not complete locally. Decided by
-        rank 0, which names the commit's attempt so that every rank reads that one."""
-        mirror = self.session.mirror
-        if mirror is None:
-            return None
-
-        def pick() -> list[Any] | None:
-            if step is not None:
-                if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
-                    return None
-                return _runs.store_choice(mirror.store, step, self.timeout, self.session.run_id)
-            far = mirror.latest(warn=True)
-            near = _discovery.newest_complete(self.root)
-            if far is not None and (near is None or far.step > near.step):
-                return [far.step, far.attempt, far.run]
-            return None
-
-        chosen: list[Any] | None = self.session.decided_by_leader(pick)
-        return chosen
-
-    def _load_remote(self, req: LoadRequest, step: int, fall_back: bool, attempt: str | None = None) -> Any:
-        """Load ``req.shard`` of ``step`` (commit ``attempt``, see ``_runs``) from the mirror
-        (into the reader's targets, resharding DTensors, as a local load would); with
-        ``fall_back`` (``load()`` with no step) a step that does not verify is logged and the
-        newest older one of this run on either tier loads instead. Each rank reads its own
-        shard (no agreement round: see README), so a read the reader defers is finished at once."""
-        mirror = self.session.mirror
-        assert mirror is not None
-        reader = req.reader
-        far = open_root(mirror.url, storage_options=mirror.storage_options)
-
-        def from_store(s: int, expected: str | None = None) -> Any:
-            state = _resume.load_step(far, s, rank=req.shard, verify=req.verify, world_size=req.expect,
-                                      into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
-                                      expect=expected)  # fmt: skip
-            reader.finish()
-            return state
-
-        try:
-            return from_store(step, attempt)
-        except CheckpointCorruptError as e:
-            if not fall_back:
-                raise
-            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
-        near = _discovery.newest_complete(self.root)
-        if near is not None:
-            state = _resume.load_newest(self.reading(), rank=req.shard, verify=req.verify, world_size=req.expect,
-                                        into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
-                                        deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
-            reader.finish()
-            return state
-        tried = {step}  # the older steps of this run on the store, newest first (never another run's)
-        for _ in range(MAX_LOAD_ROUNDS):
-            older = mirror.latest(skip=frozenset(tried))
-            if older is None:
-                break
-            try:
-                return from_store(older.step)
-            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
-                log.warning("asyncckpt: remote step %d under %s cannot be loaded (%s); falling back", older.step,
-                            mirror.url, e)  # fmt: skip
-                tried.add(older.step)
-        raise CheckpointNotFoundError(f"no complete checkpoint of this run under {self.root} or {mirror.url} "
-                                      "verifies")
-
     def _load_agreed(self, req: LoadRequest) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
         session, step, reader = self.session, req.step, req.reader
         assert session.dist is not None
         rejected: dict[int, CheckpointCorruptError] = {}
+        warned: set[int] = set()
         for _ in range(MAX_LOAD_ROUNDS):
 
             # rank 0 names the exact commit (step, attempt, run: _runs.choice); every rank checks
             # that the manifest it reads is that attempt, so none reads another commit's files
             def pick() -> Any:
-                if step is not None:
-                    if self.store is not None:
-                        return _runs.store_choice(self.store, step, self.timeout, None)
-                    return _runs.local_choice(self.root, step)
-                if self.store is not None:
-                    found = session.find_latest(skip=frozenset(rejected))
-                    return None if found is None else [found.step, found.attempt, found.run]  # type: ignore[union-attr]
-                skipped: dict[int, CheckpointCorruptError] = {}
-                info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
-                for s, e in sorted(skipped.items(), reverse=True):
-                    if s not in rejected:
-                        _resume.warn_corrupt(self.root, s, e)
-                        rejected[s] = e
-                return None if info is None else _runs.local_choice(self.root, info.step)
+                root = self.reading()
+                chosen = step if step is not None else _resume.newest(root, rejected, warned)
+                return None if chosen is None else _runs.choice_at(root, chosen)
 
             # an I/O fault of rank 0's look is raised on every rank (none waits for a choice)
             retry_until = time.monotonic() + self.timeout / 2
@@ -273,6 +203,7 @@ class Loader:
                 r, first = min(failures.items(), key=lambda kv: int(kv[0]))
                 _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
                 rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
+                warned.add(chosen)
                 if session.rank == 0 and error is None and attempt is not None:
                     # rank 0 decides the step rules: it must know even if rank r's mark was not written
                     _resume.mark(self.reading(), chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))

@@ -76,9 +76,9 @@ def rooted(root: Root | str | os.PathLike[str]) -> Iterator[Root]:
 
 
 def typed(fn: Callable[[], T]) -> T:
-    """``fn()`` with a store's own error, met outside a step's reads (a listing, a manifest),
-    raised as what it means to a load (``_readfault.store_fault``); a missing object as it is
-    (the step was retired: the caller looks again)."""
+    """``fn()`` with a store's own error met while opening or reading a step (its manifest,
+    its listing) raised as what it means to a load (``_readfault.store_fault``); a missing
+    object as it is (the step was retired: the caller looks again)."""
     try:
         return fn()
     except ObjectNotFoundError:
@@ -139,6 +139,9 @@ def _attempt(
     manifest = opened.manifest
     try:
         check_choice(manifest, expect, opened.locate())
+        if mmap and opened.fileno(shard_name(rank)) is None:  # a tier root's step read from the store
+            raise ValueError(f"mmap=True needs a local step; step {step} is only on the store ({opened.locate()}): "
+                             "load it without mmap")
     except BaseException:
         opened.close()
         raise
@@ -281,7 +284,9 @@ def newest(root: Root, rejected: dict[int, CheckpointCorruptError], warned: set[
     """The newest resumable step of ``root`` not in ``rejected``; the damaged and known-bad
     steps passed over on the way are added to ``rejected`` and warned of once."""
     passed: list[tuple[int, CheckpointCorruptError]] = []
-    found = typed(lambda: root.newest_resumable(passed, frozenset(rejected)))
+    # a root that cannot be listed raises its own error (a store's: ObjectStoreError, which
+    # says which tier could not be read in tier mode); reads of a step are typed by attempt()
+    found = root.newest_resumable(passed, frozenset(rejected))
     for s, e in passed:
         rejected.setdefault(s, e)
         if s not in warned:

@@ -49,10 +49,11 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
 from ..threads._sync import run_sync
-from .posix._discovery import newest_complete, open_step, pin_step
+from .posix._discovery import newest_complete, open_step
 
 if TYPE_CHECKING:
     from ..format._manifest import Manifest
+    from ._root import Root
     from .objstore._client import ObjectStore
 
 log = logging.getLogger("asyncckpt")
@@ -269,12 +270,13 @@ def choice(step: int, m: Manifest | None) -> list[Any]:
     return [step, None, None] if m is None else [step, m.attempt, m.run]
 
 
-def local_choice(root: str, step: int) -> list[Any]:
-    """:func:`choice` for ``step`` under local ``root``, as rank 0 sees it now."""
+def choice_at(root: Root, step: int) -> list[Any]:
+    """:func:`choice` for ``step`` of ``root``, as rank 0 sees it now (``Root.open_reader``: the
+    committed manifest whose files match it; none: each rank finds out what is wrong)."""
     try:
-        with pin_step(root, step) as pinned:
-            return choice(step, pinned.manifest)
-    except CheckpointError:
+        with root.open_reader(step) as reader:
+            return choice(step, reader.manifest)
+    except (CheckpointError, OSError):  # a defect, the medium's error: every rank finds it itself
         return choice(step, None)
 
 
