@@ -99,6 +99,7 @@ def attempt(
     mmap: bool = False,
     report: dict[str, Any] | None = None,
     expect: str | None = None,
+    drop_stale_mark: bool = True,
 ) -> Any:
     """Load rank ``rank``'s state of ``step`` of ``root`` (a :class:`Root`, or a local path);
     raises ``Vanished`` if it was retired meanwhile.
@@ -120,20 +121,21 @@ def attempt(
     (best effort) before ``CheckpointCorruptError`` is raised; an I/O fault
     (``CheckpointReadError``) is raised as it is, unmarked; either one on a step that was
     retired meanwhile is ``Vanished``. A load that verified every file of the step drops a
-    mark of this attempt. ``report`` (a collective load's) receives the attempt id, the
+    mark of this attempt (unless ``drop_stale_mark`` is False: a step ``newest_resumable``
+    chose carries none, and a store's drop is a write). ``report`` (a collective load's) receives the attempt id, the
     step's files and the ones this load verified in full (:func:`outcome_of`).
     """
     with rooted(root) as r:
         if mmap and not r.caps.mmap:
             raise ValueError(f"mmap=True needs a local root, not {r.url}")
         return typed(lambda: _attempt(r, step, rank, verify, world_size, into, strip_prefixes, reader, mmap, report,
-                                      expect))  # fmt: skip
+                                      expect, drop_stale_mark))  # fmt: skip
 
 
 def _attempt(
     root: Root, step: int, rank: int, verify: bool, world_size: int | None, into: Any,
     strip_prefixes: Sequence[str], reader: Reader | None, mmap: bool, report: dict[str, Any] | None,
-    expect: str | None,
+    expect: str | None, drop_stale_mark: bool,
 ) -> Any:  # fmt: skip
     opened = root.open_reader(step)
     manifest = opened.manifest
@@ -160,7 +162,7 @@ def _attempt(
     if report is not None:
         report.update(attempt=manifest.attempt, files=sorted(f.name for f in manifest.files),
                       verified=sorted(verified))  # fmt: skip
-    elif verified >= {f.name for f in manifest.files}:
+    elif drop_stale_mark and verified >= {f.name for f in manifest.files}:
         unmark(root, step, manifest.attempt)
     return state
 
@@ -325,7 +327,8 @@ def load_newest(
             raise no_checkpoint(root.url, rejected)
         try:
             return chosen, retrying(
-                functools.partial(attempt, root, chosen, rank, verify, world_size, into, strip_prefixes, reader, mmap),
+                functools.partial(attempt, root, chosen, rank, verify, world_size, into, strip_prefixes, reader, mmap,
+                                  drop_stale_mark=False),
                 io_deadline,
             )
         except NoSuchShard as e:
