@@ -18,7 +18,7 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNot
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
 from ..format._structure import check_strip_prefixes
-from ..loading import _load, _load_global, _nodeload, _resume
+from ..loading import _load, _load_global, _nodeload, _resume, _targets
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree
 from ..roots import _nodeparts, _readfault, _runs
@@ -100,7 +100,7 @@ class Loader:
         if self.session.nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
             state = self._load_node_part(req)
         elif self.session.dist is None:
-            # into=: tensors read into in place once their shard verified (_load.plan_targets)
+            # into=: tensors read into in place once their shard verified (_targets.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": req.mmap,
                   "deadline": time.monotonic() + self.timeout}  # an I/O fault is retried within it
             if req.step is None:
@@ -115,7 +115,7 @@ class Loader:
         else:
             state = self._load_agreed(req)
         if into is not None:
-            _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+            _targets.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
     def _load_node_part(self, req: LoadRequest) -> Any:
@@ -302,5 +302,5 @@ def _load_and_restore(root: Root, step: int | None, shard: int, verify: bool, kw
     else:
         state = _resume.load_step(root, step, rank=shard, verify=verify, **kw)
     if kw["into"] is not None:
-        _load.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
+        _targets.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
     return state
