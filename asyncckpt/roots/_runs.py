@@ -180,24 +180,6 @@ def warn_at_start(far: Newest | None, url: str, run: str) -> None:
         )  # fmt: skip
 
 
-def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None) -> list[Any]:
-    """:func:`choice` for ``step`` on ``store`` (a load asked for it by step), as rank 0 sees it
-    now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
-    from .objstore._remote import read_manifest
-
-    try:
-        found = run_sync(lambda: read_manifest(store, step, time.monotonic() + timeout))
-    except (CheckpointCorruptError, OSError):  # a defect, the store's error: every rank finds it itself
-        found = None
-    if found is None:
-        return choice(step, None)
-    m = found[0]
-    if run is not None and not same_run(m.run, run):
-        log.warning("asyncckpt: loading step %d from %s, a step of another run (%s; this job is run %s), as asked",
-                    step, store.url, short(m.run), short(run))
-    return choice(step, m)
-
-
 def check_store_step(step: int, store: Newest | None, url: str, run: str, allow_earlier: bool) -> None:
     """``save(step)``'s rule across tiers: ``ValueError`` when the store held ``step`` (or,
     unless ``allow_earlier``, a higher step) at construction. No I/O."""
