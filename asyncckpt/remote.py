@@ -118,7 +118,17 @@ def load(
     loads a local one: the same rules and arguments (``rank``, ``per_rank``, ``into=`` read
     straight into and checksummed as the bytes land, ``verify_first``), DTensors assembled or
     resharded onto ``into``'s, by ranged GETs (CRC-32C verified), all within ``deadline_s``."""
-    from .loading._remote_load import load as _load
+    from .checkpointer._loader import check_load_args, read
+    from .format._state_prefixes import check_strip_prefixes
+    from .roots._registry import open_root
 
-    return _load(url, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
-                 verify_first=verify_first, storage_options=storage_options, deadline_s=deadline_s)
+    prefixes = check_strip_prefixes(strip_prefixes)
+    check_load_args(step, rank, per_rank, verify_first)
+    if not is_url(url):
+        raise ValueError(f"not an object-store URL (s3://bucket/prefix): {url!r}")
+    root = open_root(url, storage_options=storage_options, deadline_s=deadline_s)
+    try:
+        return read(root, step, into=into, verify=verify, rank=rank, strip_prefixes=prefixes, per_rank=per_rank,
+                    verify_first=verify_first, deadline_s=deadline_s)
+    finally:
+        root.close()

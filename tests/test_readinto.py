@@ -18,7 +18,7 @@ import torch
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, load
 from asyncckpt.format._checksum import crc32c_combine
-from asyncckpt.loading import _readinto
+from asyncckpt.loading import _blocks, _readinto
 
 SHARD = "rank00000.safetensors"
 
@@ -447,7 +447,7 @@ def test_block_crcs_match_the_whole_and_each_block(length: int) -> None:
 
 def _random_blocks(
     rng: Any, fds: list[tuple[int, str, bytes]], block: int, dest: memoryview
-) -> tuple[list[_readinto.Block], list[tuple[bytes, int]]]:
+) -> tuple[list[_blocks.Block], list[tuple[bytes, int]]]:
     """Blocks over the files with random runs into ``dest``: tiling, partial and none."""
     blocks, want, at = [], [], 0
     for fd, path, data in fds:
@@ -469,7 +469,7 @@ def _random_blocks(
                     want.append((data[off + a : off + b], at))
                     at += b - a
             crc = _crc.crc32c(data[off : off + n])
-            blocks.append(_readinto.Block(fd, path, off, n, crc, tuple(runs), f"block at {off}"))
+            blocks.append(_blocks.Block(fd, path, off, n, crc, tuple(runs), f"block at {off}"))
     return blocks, want
 
 
@@ -491,19 +491,19 @@ def test_read_blocks_lands_every_run_and_checks_every_block(
         dest = memoryview(bytearray(sum(len(d) for _, _, d in files)))
         blocks, want = _random_blocks(rng, files, 4096, dest)
         order = rng.permutation(len(blocks))  # any order: read_blocks sorts
-        _readinto.read_blocks([blocks[i] for i in order])
+        _blocks.read_blocks([blocks[i] for i in order])
         for data, at in want:
             assert bytes(dest[at : at + len(data)]) == data
         # one checksum off: named, with the file
         bad = next(b for b in blocks if b.nbytes)
-        broken = _readinto.Block(bad.fd, bad.path, bad.offset, bad.nbytes, (bad.crc or 0) ^ 1, bad.runs, "block X")
+        broken = _blocks.Block(bad.fd, bad.path, bad.offset, bad.nbytes, (bad.crc or 0) ^ 1, bad.runs, "block X")
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch in block X") as e:
-            _readinto.read_blocks([*blocks, broken])
+            _blocks.read_blocks([*blocks, broken])
         assert e.value.path == bad.path
         # unchecked blocks larger than a bounce buffer are cut and spread over the threads
         fd, path, data = files[-1]
         out = memoryview(bytearray(len(data)))
-        _readinto.read_blocks([_readinto.Block(fd, path, 0, len(data), None, ((0, out),), "all")])
+        _blocks.read_blocks([_blocks.Block(fd, path, 0, len(data), None, ((0, out),), "all")])
         assert bytes(out) == data
     finally:
         for fd, _, _ in files:
@@ -517,7 +517,7 @@ def test_read_blocks_reports_a_file_that_ends_early(tmp_path: Path) -> None:
     try:
         out = memoryview(bytearray(200))
         with pytest.raises(CheckpointCorruptError, match="ended early") as e:
-            _readinto.read_blocks([_readinto.Block(fd, str(p), 0, 200, None, ((0, out),), "all")])
+            _blocks.read_blocks([_blocks.Block(fd, str(p), 0, 200, None, ((0, out),), "all")])
         assert e.value.path == str(p)
     finally:
         os.close(fd)

@@ -571,3 +571,160 @@ def test_a_posix_reader_holds_a_bounded_number_of_files_open(tmp_path: Path) -> 
             assert len(os.listdir("/proc/self/fd")) <= before + 1 + MAX_OPEN  # + the directory
     assert len(os.listdir("/proc/self/fd")) == before
     root.close()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[tuple[Manifest, dict[str, bytes]]]]:
+    """A state of mixed dtypes and layouts, and two real one-rank checkpoints of it (steps 1
+    and 2, saved by a Checkpointer) to commit into any root."""
+    import torch
+
+    from asyncckpt import Checkpointer
+
+    g = torch.Generator().manual_seed(27)
+    state = {
+        "w": torch.randn(257, 33, generator=g),
+        "h": torch.randn(64, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-(2**40), 2**40, (100,), generator=g),
+        "mask": torch.rand(77, generator=g) > 0.5,
+        "t": torch.randn(8, 16, generator=g).t(),  # not contiguous
+        "empty": torch.empty(0, 3),
+        "meta": {"lr": 0.1, "name": "x"},
+    }
+    where = tmp_path_factory.mktemp("mixed") / "ck"
+    out = []
+    with Checkpointer(where) as ck:
+        for step in (1, 2):
+            ck.save(step, {**state, "step": step}).result(timeout=60)
+    for step in (1, 2):
+        d = where / f"step_{step:08d}"
+        m = decode((d / MANIFEST).read_bytes(), str(d))
+        out.append((m, {f.name: (d / f.name).read_bytes() for f in m.files}))
+    return state, out
+
+
+def _load(rig: Rig, step: int | None = None, **kw: Any) -> Any:
+    import asyncckpt
+
+    return asyncckpt.load(rig.where, step, storage_options=rig.kw.get("storage_options"), **kw)
+
+
+def _same_bits(a: Any, b: Any) -> None:
+    import torch
+
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+class TestLoad:
+    """One loader for every root (``loading._resume`` over ``Root.open_reader``): the same
+    committed checkpoint loads bit-identically from a directory, a store and memory, and the
+    same damage is the same error type with the same mark-and-fall-back rule."""
+
+    def test_the_same_checkpoint_loads_bit_identically(self, rig: Rig, mixed: Any) -> None:
+        import torch
+
+        state, steps = mixed
+        for i, real in enumerate(steps, 1):
+            commit_real(rig.root, i, real)
+        for got in (_load(rig), _load(rig, 1)):
+            assert got["step"] in (1, 2) and got["meta"] == state["meta"]
+            for k in ("w", "h", "ids", "mask", "t", "empty"):
+                _same_bits(got[k], state[k])
+        into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        _load(rig, 2, into=into, verify_first=True)
+        for k in ("w", "h", "ids", "mask", "t"):
+            _same_bits(into[k], state[k])
+
+    def test_the_same_damage_is_the_same_error_marked_and_passed_over(self, rig: Rig, mixed: Any) -> None:
+        state, steps = mixed
+        for i, real in enumerate(steps, 1):
+            commit_real(rig.root, i, real)
+        shard = bytearray(steps[1][1][shard_name(0)])
+        shard[-7] ^= 0x40  # same size: only the CRC-32C can tell
+        rig.tamper(2, shard_name(0), bytes(shard))
+        with pytest.raises(CheckpointCorruptError) as ei:
+            _load(rig, 2)
+        assert "checksum mismatch" in str(ei.value) and shard_name(0) in str(ei.value)
+        assert [r.state for r in rig.root.list_steps() if r.step == 2] == ["bad"]  # marked by the load
+        assert rig.root.newest_resumable() == 1
+        got = _load(rig)  # step=None: the newest that verifies
+        assert got["step"] == 1
+        _same_bits(got["w"], state["w"])
+
+    def test_a_truncated_file_is_corrupt_and_nothing_loads_in_its_place(self, rig: Rig, mixed: Any) -> None:
+        _, steps = mixed
+        commit_real(rig.root, 1, steps[0])
+        rig.tamper(1, shard_name(0), steps[0][1][shard_name(0)][:100])
+        with pytest.raises(CheckpointCorruptError):
+            _load(rig, 1)
+        with pytest.raises(CheckpointCorruptError, match="verifies"):
+            _load(rig)  # the only step is damaged: its verdict, never an older one or "not found"
+
+    def test_a_missing_step_is_not_found(self, rig: Rig) -> None:
+        with pytest.raises(CheckpointNotFoundError):
+            _load(rig)
+        save(rig.root, 1)
+        with pytest.raises(CheckpointNotFoundError):
+            _load(rig, 5)
+
+
+class TestTierRoot:
+    """Tier mode's reading side as one root (``roots._tier.TierRoot``): a directory and a
+    second root read as the union of their steps, a step from the directory when it is
+    resumable there, else from the other; the one loader has no tier case."""
+
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Iterator[tuple[Root, Root, Root]]:
+        from asyncckpt.roots._tier import TierRoot
+
+        near, far_rig = _posix(tmp_path), _memory_rig()
+        far = far_rig.root
+        tier = TierRoot(near.root, far, lambda skip: far.newest_resumable(skip=skip))
+        try:
+            yield tier, near.root, far
+        finally:
+            tier.close()
+            _memory.drop(far_rig.where[len("memory://"):])
+
+    def test_steps_are_the_union_and_each_is_read_where_it_is_resumable(self, tier: Any, mixed: Any) -> None:
+        from asyncckpt.loading import _resume
+
+        root, near, far = tier
+        state, steps = mixed
+        commit_real(near, 1, steps[0])
+        commit_real(far, 1, steps[0])
+        commit_real(far, 2, steps[1])  # only on the far tier, and the newest
+        assert root.newest_resumable() == 2 and [r.step for r in root.list_steps()] == [1, 2]
+        with root.open_reader(1) as r:
+            assert r.locate().startswith(near.url)
+        with root.open_reader(2) as r:
+            assert r.locate() == far.locate(2)
+        step, got = _resume.load_newest(root, rank=0, verify=True)
+        assert step == 2
+        _same_bits(got["w"], state["w"])
+        with pytest.raises(ValueError, match="only on the store"):
+            _resume.load_step(root, 2, rank=0, verify=True, mmap=True)
+        assert _resume.load_step(root, 1, rank=0, verify=True, mmap=True)["step"] == 1  # local: mapped
+
+    def test_a_damaged_local_copy_is_read_from_the_other_tier_and_marks_go_where_read(
+        self, tier: Any, mixed: Any, tmp_path: Path
+    ) -> None:
+        from asyncckpt.loading import _resume
+
+        root, near, far = tier
+        _, steps = mixed
+        commit_real(near, 1, steps[0])
+        commit_real(far, 1, steps[0])
+        (tmp_path / "ck" / "step_00000001" / shard_name(0)).write_bytes(b"x")  # truncated: not resumable here
+        assert _resume.load_step(root, 1, rank=0, verify=True)["step"] == 1  # from the far tier
+        shard = bytearray(steps[0][1][shard_name(0)])
+        shard[-3] ^= 1
+        mem = _memory.store(far.url[len("memory://"):])
+        with mem.lock:
+            mem.steps[1].files[shard_name(0)] = bytes(shard)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            _resume.load_step(root, 1, rank=0, verify=True)
+        assert [r.state for r in far.list_steps()] == ["bad"]  # marked where it was read
+        with pytest.raises(CheckpointCorruptError):
+            _resume.load_newest(root, rank=0, verify=True)  # nothing verifies on either tier

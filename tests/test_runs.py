@@ -148,14 +148,14 @@ def test_a_collective_load_names_the_commit_it_chose(tmp_path: Path) -> None:
     """The check itself, on one process: a read of another attempt than the one chosen raises
     ``CheckpointError`` (not corrupt: nothing is marked), the chosen one loads."""
     from asyncckpt.loading import _resume
-    from asyncckpt.roots import _runs
+    from asyncckpt.roots import _runs, open_root
 
     root = tmp_path / "ck"
     with Checkpointer(root) as ck:
         ck.save(1, state_for(1))
-    chosen = _runs.local_choice(str(root), 1)
+    chosen = _runs.choice_at(open_root(str(root)), 1)
     assert chosen[0] == 1 and chosen[1] == _manifest(root / "step_00000001").attempt and chosen[2] is not None
-    assert _runs.local_choice(str(root), 9) == [9, None, None]
+    assert _runs.choice_at(open_root(str(root)), 9) == [9, None, None]
     step, attempt = _runs.unpack(chosen)
     assert_same(_resume.attempt(str(root), step, 0, True, expect=attempt), state_for(1))
     with pytest.raises(CheckpointError, match="rank 0 chose") as ei:

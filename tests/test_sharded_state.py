@@ -352,25 +352,23 @@ def _read_box(root: Path, name: str, box: Any, verify: bool = True) -> tuple[tor
     from asyncckpt.format._reshard import plan_reads
     from asyncckpt.format._safetensors import ST_TO_DTYPE
     from asyncckpt.loading import _load_global
-    from asyncckpt.loading._stepfiles import PinnedFiles
-    from asyncckpt.roots.posix._discovery import pin_step
+    from asyncckpt.loading._stepfiles import ReaderFiles
+    from asyncckpt.roots import open_root
 
-    with pin_step(str(root), 1) as pinned:
-        manifest = pinned.manifest
-        assert manifest is not None
-        files = PinnedFiles(pinned, manifest)
-        try:
-            raw = (root / STEP / "index.json").read_bytes()
-            meta = _index.parse(raw, 4, {f.name: f.size for f in manifest.files})["tensors"][name]
-            out = torch.empty(box.sizes, dtype=ST_TO_DTYPE[meta["dtype"]])
-            plan = _load_global._Plan()
-            plan.add(files, name, meta, out, box, verify, target=False)
-            chunks = sum(cr.chunk.nbytes(4) for cr in plan_reads(meta["chunks"], box, 4))
-            before = _rchar()
-            plan.run_first()
-            return out, _rchar() - before, chunks
-        finally:
-            files.close()
+    files = ReaderFiles(open_root(str(root)).open_reader(1))
+    manifest = files.manifest
+    try:
+        raw = (root / STEP / "index.json").read_bytes()
+        meta = _index.parse(raw, 4, {f.name: f.size for f in manifest.files})["tensors"][name]
+        out = torch.empty(box.sizes, dtype=ST_TO_DTYPE[meta["dtype"]])
+        plan = _load_global._Plan()
+        plan.add(files, name, meta, out, box, verify, target=False)
+        chunks = sum(cr.chunk.nbytes(4) for cr in plan_reads(meta["chunks"], box, 4))
+        before = _rchar()
+        plan.run_first()
+        return out, _rchar() - before, chunks
+    finally:
+        files.close()
 
 
 def _rewrite_index(root: Path, edit: Any) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.loading import _remote_load
 from asyncckpt.threads import _sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,10 +69,10 @@ def test_a_caller_that_runs_its_own_loop_gets_the_result() -> None:
 
 
 def test_the_remote_loaders_blocking_reads_run_on_it() -> None:
-    """``_remote_load.blocking`` (its ranged GETs) used to run ``asyncio.run`` per call, in the
-    calling thread: now every call runs on the one shared loop, from any thread."""
+    """A store's reads (its ranged GETs, through ``run_sync``) used to run ``asyncio.run`` per
+    call, in the calling thread: now every call runs on the one shared loop, from any thread."""
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        names = set(pool.map(lambda _: _remote_load.blocking(_where()).name, range(16)))
+        names = set(pool.map(lambda _: _sync.run_sync(_where).name, range(16)))
     assert names == {"asyncckpt-sync"}
 
 

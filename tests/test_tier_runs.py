@@ -150,7 +150,8 @@ def test_keep_last_remote_never_retires_the_step_just_uploaded_nor_another_runs_
 def test_an_object_store_root_carries_its_run_and_a_load_of_one_commit_refuses_another(
     tmp_path: Path, s3: S3Server, url: str
 ) -> None:
-    from asyncckpt.loading import _remote_load
+    from asyncckpt.loading import _resume
+    from asyncckpt.roots import open_root
 
     o = opts(s3.endpoint)
     with Checkpointer(url, storage_options=o, timeout=60) as ck:
@@ -165,7 +166,8 @@ def test_an_object_store_root_carries_its_run_and_a_load_of_one_commit_refuses_a
     found = asyncckpt.find_latest(url, storage_options=o)
     assert isinstance(found, remote.RemoteCheckpointInfo) and found.step == 2 and found.run == run
     assert [s.run for s in remote.scan(url, storage_options=o)] == [run, run]
-    assert_same(_remote_load.load(url, 2, storage_options=o, expect=found.attempt), state_for(2))
+    store = open_root(url, storage_options=o)
+    assert_same(_resume.load_step(store, 2, rank=0, verify=True, expect=found.attempt), state_for(2))
     with pytest.raises(CheckpointError, match="rank 0 chose") as ei:
-        _remote_load.load(url, 2, storage_options=o, expect="0" * 16)
+        _resume.load_step(store, 2, rank=0, verify=True, expect="0" * 16)
     assert type(ei.value) is CheckpointError  # not corrupt: nothing marked, no fallback

@@ -269,7 +269,7 @@ def test_load_into_restores_arrays_in_place_and_replaces_values(tmp_path: Path) 
     assert target["arr"] is buf and np.array_equal(buf, a)
     assert target["when"] == datetime.date(2020, 1, 1) and target["tags"] == {"x"}
     with pytest.raises(ValueError, match="target is an array"):
-        from asyncckpt.loading._load import restore_into
+        from asyncckpt.loading._targets import restore_into
 
         restore_into({"arr": np.zeros(3)}, {"arr": a})
 

@@ -1,5 +1,8 @@
-"""Loading for the facade: ``Checkpointer.load``'s three paths (this root, the mirror, the
-collective agreement) behind one request object, and the module-level ``load()``."""
+"""Loading for the facade: ``Checkpointer.load`` behind one request object, and the
+module-level ``load()``. Every root is read by the one loader (``loading._resume``) through
+:meth:`Loader.reading` (tier mode: ``roots._tier.TierRoot``); one process loads alone, many
+agree on each choice (:meth:`Loader._load_agreed`); the node-local tier has its own
+collective (``loading._nodeload``)."""
 
 from __future__ import annotations
 
@@ -11,15 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNotFoundError
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
 from ..format._state_prefixes import check_strip_prefixes
-from ..loading import _load, _load_global, _nodeload, _resume
+from ..loading import _load, _load_global, _nodeload, _resume, _targets
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree
 from ..roots import _nodeparts, _readfault, _runs
-from ..roots._scheme import is_url
+from ..roots._registry import open_root
+from ..roots._root import Root
+from ..roots._tier import TierRoot
 from ..roots.posix import _discovery
 from ._options import is_int
 from ._session import RootSession
@@ -65,41 +70,52 @@ class Loader:
         self.timeout = session.timeout
         self.strip_prefixes = session.opts.strip_prefixes
         self.store_options = session.opts.store_options
+        self._reading: Root | None = None
+
+    def reading(self) -> Root:
+        """This Checkpointer's root as loads read it (``roots.open_root``; in tier mode the local
+        root and the mirror's store as one ``TierRoot``); made once."""
+        if self._reading is None:
+            if self.store is not None:
+                self._reading = open_root(self.root, storage_options=self.store_options, deadline_s=self.timeout)
+            elif self.session.mirror is not None:
+                m = self.session.mirror
+                far = open_root(m.url, storage_options=m.storage_options, deadline_s=self.timeout)
+
+                def far_newest(skip: frozenset[int]) -> int | None:
+                    found = m.latest(skip, warn=True)  # this run's steps only (another run's: never)
+                    return None if found is None else found.step
+
+                self._reading = TierRoot(open_root(self.root), far, far_newest)
+            else:
+                self._reading = open_root(self.root)
+        return self._reading
 
     def load(self, req: LoadRequest) -> Any:
         """The state of ``req`` (restored into its targets, if any)."""
         reader = req.reader
         into = reader.into
-        if self.store is not None:
-            state = self._load_store_root(req)
-            if into is not None:
-                _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
-            return state
-        chosen = None if self.session.nodes is not None else self._remote_choice(req.step)
+        if self.session.nodes is None and req.mmap and not self.reading().caps.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {self.root}")
         if self.session.nodes is not None:  # the node-local tier: each rank reads its part on its node, else the store
             state = self._load_node_part(req)
-        elif chosen is not None:  # tier mode: the step is on the store only, or newer there
-            far, attempt = _runs.unpack(chosen)
-            if req.mmap:
-                raise ValueError(f"mmap=True needs a local step; step {far} is only on the store "
-                                 f"({self.session.mirror_url()}): load it without mmap")
-            state = self._load_remote(req, far, req.step is None, attempt)
         elif self.session.dist is None:
-            # into=: tensors read into in place once their shard verified (_load.plan_targets)
+            # into=: tensors read into in place once their shard verified (_targets.plan_targets)
             kw = {"into": into, "strip_prefixes": self.strip_prefixes, "mmap": req.mmap,
                   "deadline": time.monotonic() + self.timeout}  # an I/O fault is retried within it
             if req.step is None:
                 _, state = _resume.load_newest(
-                    self.root, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
+                    self.reading(), rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
                 )
             else:
                 state = _resume.load_step(
-                    self.root, req.step, rank=req.shard, verify=req.verify, world_size=req.expect, reader=reader, **kw
-                )
+                    self.reading(), req.step, rank=req.shard, verify=req.verify, world_size=req.expect,
+                    reader=reader, **kw,
+                )  # fmt: skip
         else:
             state = self._load_agreed(req)
         if into is not None:
-            _load.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+            _targets.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
     def _load_node_part(self, req: LoadRequest) -> Any:
@@ -119,133 +135,20 @@ class Loader:
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
                                    self.timeout, store)[1]  # fmt: skip
 
-    def _load_store_root(self, req: LoadRequest) -> Any:
-        """``load()`` under an object-store root: each rank reads its own shard with ranged
-        GETs, verified. One process: the newest step that verifies (``_remote_load``). Many
-        ranks: the collective protocol of the file system (:meth:`_load_agreed`): rank 0
-        picks, every rank tries, and all take one decision (a shard corrupt on any rank makes
-        every rank fall back to the same older step; an explicit step raises on every rank)."""
-        from ..loading import _remote_load
-
-        if req.mmap:
-            raise ValueError(f"mmap=True needs a local root, not {self.root}")
-        if self.session.dist is not None:
-            return self._load_agreed(req)
-        return _remote_load.load(
-            self.root, req.step, into=req.reader.into, verify=req.verify, rank=req.shard,
-            storage_options=self.store_options, deadline_s=self.timeout, reader=req.reader, world_size=req.expect,
-        )  # fmt: skip
-
-    def _load_store_step(self, req: LoadRequest, step: int, attempt: str | None = None) -> Any:
-        """One rank's attempt at ``step`` on the store; a step retired meanwhile (its manifest
-        or an object gone) is ``CheckpointNotFoundError`` (``_remote_load``), so the ranks
-        agree to retry. As on a file system: a step without a global index is read into the
-        targets at once unless ``verify_first`` (then restored once every rank verified); an
-        indexed one defers inside ``reader``. ``attempt``: the commit rank 0 chose (``_runs``)."""
-        from ..loading import _remote_load
-
-        reader = req.reader
-        return _remote_load.load(
-            self.root, step, into=None if reader.verify_first else reader.into, verify=req.verify, rank=req.shard,
-            storage_options=self.store_options, deadline_s=self.timeout, reader=reader, world_size=req.expect,
-            expect=attempt,
-        )  # fmt: skip
-
-    def _remote_choice(self, step: int | None) -> list[Any] | None:
-        """Tier mode: the commit to load from the store (``_runs.choice``; ``None``: load
-        locally, as without a mirror). The newest complete step of this run on either tier
-        (the store's steps of another run are never chosen), local when both hold it; an
-        explicit step comes from the store only when it is not complete locally. Decided by
-        rank 0, which names the commit's attempt so that every rank reads that one."""
-        mirror = self.session.mirror
-        if mirror is None:
-            return None
-
-        def pick() -> list[Any] | None:
-            if step is not None:
-                if step in [i.step for i in _discovery.complete_checkpoints(self.root)]:
-                    return None
-                return _runs.store_choice(mirror.store, step, self.timeout, self.session.run_id)
-            far = mirror.latest(warn=True)
-            near = _discovery.newest_complete(self.root)
-            if far is not None and (near is None or far.step > near.step):
-                return [far.step, far.attempt, far.run]
-            return None
-
-        chosen: list[Any] | None = self.session.decided_by_leader(pick)
-        return chosen
-
-    def _load_remote(self, req: LoadRequest, step: int, fall_back: bool, attempt: str | None = None) -> Any:
-        """Load ``req.shard`` of ``step`` (commit ``attempt``, see ``_runs``) from the mirror
-        (into the reader's targets, resharding DTensors, as a local load would); with
-        ``fall_back`` (``load()`` with no step) a step that does not verify is logged and the
-        newest older one of this run on either tier loads instead. Each rank reads its own
-        shard (no agreement round: see README), so a read the reader defers is finished at once."""
-        from ..loading import _remote_load
-
-        mirror = self.session.mirror
-        assert mirror is not None
-        reader = req.reader
-
-        def from_store(s: int, expected: str | None = None) -> Any:
-            state = _remote_load.load(
-                mirror.url, s, into=reader.into, verify=req.verify, rank=req.shard,
-                storage_options=mirror.storage_options, reader=reader, world_size=req.expect, expect=expected,
-            )  # fmt: skip
-            reader.finish()
-            return state
-
-        try:
-            return from_store(step, attempt)
-        except CheckpointCorruptError as e:
-            if not fall_back:
-                raise
-            log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", step, mirror.url, e)
-        near = _discovery.newest_complete(self.root)
-        if near is not None:
-            state = _resume.load_newest(self.root, rank=req.shard, verify=req.verify, world_size=req.expect,
-                                        into=reader.into, strip_prefixes=self.strip_prefixes, reader=reader,
-                                        deadline=time.monotonic() + self.timeout)[1]  # fmt: skip
-            reader.finish()
-            return state
-        tried = {step}  # the older steps of this run on the store, newest first (never another run's)
-        for _ in range(MAX_LOAD_ROUNDS):
-            older = mirror.latest(skip=frozenset(tried))
-            if older is None:
-                break
-            try:
-                return from_store(older.step)
-            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
-                log.warning("asyncckpt: remote step %d under %s cannot be loaded (%s); falling back", older.step,
-                            mirror.url, e)  # fmt: skip
-                tried.add(older.step)
-        raise CheckpointNotFoundError(f"no complete checkpoint of this run under {self.root} or {mirror.url} "
-                                      "verifies")
-
     def _load_agreed(self, req: LoadRequest) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""
         session, step, reader = self.session, req.step, req.reader
         assert session.dist is not None
         rejected: dict[int, CheckpointCorruptError] = {}
+        warned: set[int] = set()
         for _ in range(MAX_LOAD_ROUNDS):
 
             # rank 0 names the exact commit (step, attempt, run: _runs.choice); every rank checks
             # that the manifest it reads is that attempt, so none reads another commit's files
             def pick() -> Any:
-                if step is not None:
-                    if self.store is not None:
-                        return _runs.store_choice(self.store, step, self.timeout, None)
-                    return _runs.local_choice(self.root, step)
-                if self.store is not None:
-                    found = session.find_latest(skip=frozenset(rejected))
-                    return None if found is None else [found.step, found.attempt, found.run]  # type: ignore[union-attr]
-                skipped: dict[int, CheckpointCorruptError] = {}
-                info = _discovery.newest_complete(self.root, frozenset(rejected), skipped)
-                for s, e in sorted(skipped.items(), reverse=True):
-                    if s not in rejected:
-                        _resume.warn_corrupt(self.root, s, e)
-                        rejected[s] = e
-                return None if info is None else _runs.local_choice(self.root, info.step)
+                root = self.reading()
+                chosen = step if step is not None else _resume.newest(root, rejected, warned)
+                return None if chosen is None else _runs.choice_at(root, chosen)
 
             # an I/O fault of rank 0's look is raised on every rank (none waits for a choice)
             retry_until = time.monotonic() + self.timeout / 2
@@ -258,19 +161,16 @@ class Loader:
             error: BaseException | None = None
             report: dict[str, Any] = {}
             try:
-                if self.store is not None:
-                    state = self._load_store_step(req, chosen, attempt)
-                else:
-                    # one pass: straight into the targets; verify_first: fresh tensors, restored
-                    # once every rank verified (an indexed step defers inside the reader); an
-                    # I/O fault is tried again first, leaving the others time to wait for us
-                    into = None if reader.verify_first else reader.into
-                    state = _readfault.retrying(
-                        functools.partial(_resume.attempt, self.root, chosen, req.shard, req.verify, req.expect, into,
-                                          reader.strip_prefixes, reader=reader, mmap=req.mmap, report=report,
-                                          expect=attempt),
-                        retry_until,
-                    )  # fmt: skip
+                # one pass: straight into the targets; verify_first: fresh tensors, restored
+                # once every rank verified (an indexed step defers inside the reader); an
+                # I/O fault is tried again first, leaving the others time to wait for us
+                into = None if reader.verify_first else reader.into
+                state = _readfault.retrying(
+                    functools.partial(_resume.attempt, self.reading(), chosen, req.shard, req.verify, req.expect,
+                                      into, reader.strip_prefixes, reader=reader, mmap=req.mmap, report=report,
+                                      expect=attempt),
+                    retry_until,
+                )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the others, raised below if it decides
                 error = e
             session.queries += 1
@@ -289,12 +189,12 @@ class Loader:
             if kind == "ok":
                 reader.finish()
                 if verdict.get("full") and session.rank == 0:  # every file of the step verified
-                    _resume.unmark(self.root, chosen, verdict["attempt"])
+                    _resume.unmark(self.reading(), chosen, verdict["attempt"])
                 return state
             reader.abandon()
             if kind == "error":
                 if error is not None:
-                    if isinstance(error, _discovery.Vanished | NoSuchShard):
+                    if isinstance(error, _discovery.Vanished | NoSuchShard | ObjectNotFoundError):
                         raise CheckpointNotFoundError(str(error)) from None
                     raise error
                 raise _resume.error_from(chosen, verdict["failures"])
@@ -303,9 +203,10 @@ class Loader:
                 r, first = min(failures.items(), key=lambda kv: int(kv[0]))
                 _resume.warn_corrupt(self.root, chosen, first["msg"], f" on rank {r}")
                 rejected[chosen] = CheckpointCorruptError(f"rank {r}: {first['msg']}")
-                if session.rank == 0 and error is None and attempt is not None and self.store is None:
+                warned.add(chosen)
+                if session.rank == 0 and error is None and attempt is not None:
                     # rank 0 decides the step rules: it must know even if rank r's mark was not written
-                    _resume.mark(self.root, chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
+                    _resume.mark(self.reading(), chosen, attempt, CheckpointCorruptError(first["msg"], first["path"]))
             # "retry": the choice was retired meanwhile; rank 0 looks again
             del state
         raise CheckpointNotFoundError(
@@ -357,34 +258,49 @@ def load(
     ``into=``, for an ``s3://`` root, and for a step with a global index (DTensors, dedupe).
     """
     _load.check_mmap(mmap, into)
-    if type(verify_first) is not bool:
-        raise TypeError(f"verify_first must be a bool, not {type(verify_first).__name__}")
-    if is_url(root):
-        if mmap:
-            raise ValueError("mmap=True needs a local root, not an s3:// URL")
-        from ..remote import load as load_remote
-
-        return load_remote(
-            root, step, into=into, verify=verify, rank=rank, strip_prefixes=strip_prefixes, per_rank=per_rank,
-            verify_first=verify_first, storage_options=storage_options,
-        )  # fmt: skip
     prefixes = check_strip_prefixes(strip_prefixes)
     check_load_args(step, rank, per_rank, verify_first)
-    root_s = os.fspath(root)
-    reader = _load_global.Reader(1, 0, rank, per_rank, into, prefixes, verify_first=verify_first)
+    opened = open_root(root, storage_options=storage_options) if storage_options else open_root(root)
+    try:
+        if mmap and not opened.caps.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {opened.url}")
+        return read(opened, step, into=into, verify=verify, rank=rank, strip_prefixes=prefixes, per_rank=per_rank,
+                    verify_first=verify_first, mmap=mmap)  # fmt: skip
+    finally:
+        opened.close()
+
+
+def read(
+    root: Root,
+    step: int | None = None,
+    *,
+    into: Any = None,
+    verify: bool = True,
+    rank: int | None = None,
+    strip_prefixes: tuple[str, ...] = (),
+    per_rank: _load_global.PerRank = "error",
+    mmap: bool = False,
+    verify_first: bool = False,
+    deadline_s: float | None = None,
+) -> Any:
+    """:func:`load` of ``root`` (any :class:`Root`), its arguments checked: the one load of a
+    process without a Checkpointer, for every kind of root. ``deadline_s``: an I/O fault is
+    tried again within it (``None``: the tries bound it)."""
+    reader = _load_global.Reader(1, 0, rank, per_rank, into, strip_prefixes, verify_first=verify_first)
     shard = 0 if rank is None else rank
-    kw = {"into": into, "strip_prefixes": prefixes, "reader": reader, "mmap": mmap}
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    kw = {"into": into, "strip_prefixes": strip_prefixes, "reader": reader, "mmap": mmap, "deadline": deadline}
     # one pause of the collector for the whole load and restore (_gcpause: see _load.load_files)
     with _load.noting_partial_targets(reader), paused_gc():
-        return _load_and_restore(root_s, step, shard, verify, kw)
+        return _load_and_restore(root, step, shard, verify, kw)
 
 
-def _load_and_restore(root: str, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
-    """:func:`load`'s body, its arguments checked (a function: its temporaries die inside the pause)."""
+def _load_and_restore(root: Root, step: int | None, shard: int, verify: bool, kw: dict[str, Any]) -> Any:
+    """:func:`read`'s body (a function: its temporaries die inside the pause)."""
     if step is None:
         _, state = _resume.load_newest(root, rank=shard, verify=verify, **kw)
     else:
         state = _resume.load_step(root, step, rank=shard, verify=verify, **kw)
     if kw["into"] is not None:
-        _load.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
+        _targets.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
     return state

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..format._layout import parse_aside, parse_leftover, parse_step_dir
 from ..reading import resolve_in, resolve_step_noting
+from ..roots import open_root
 from ..roots._scheme import is_url
 from ..roots.posix._osops import DEFAULT_OPS
 from ._args import DataError, UsageError, add_step, command, non_negative_int
@@ -316,6 +317,6 @@ def _stream(
         except CheckpointCorruptError as e:
             manifest = ex.pinned.manifest
             if manifest is not None and ex.pinned.still_there():
-                _resume.mark(args.root, step, manifest.attempt, e)
+                _resume.mark(open_root(args.root), step, manifest.attempt, e)
             raise
         return dict(kept), ex.keys, ex.skipped, dropped

@@ -49,14 +49,22 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNotFoundError, ObjectStoreError
+from .._errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from ..format._checksum import crc32c
 from ..format._manifest import FileEntry, Manifest, decode
-from ..loading._remote_load import StoreFiles, load_error
+from ..loading._stepfiles import ReaderFiles
+from ..roots._readfault import store_fault
 from ..roots.objstore._client import ObjectStore
 from ..roots.objstore._connection import gather_or_cancel
 from ..roots.objstore._lease import held
-from ..roots.objstore._remote import check_objects, data_prefix, manifest_key, open_step, open_store, read_manifest
+from ..roots.objstore._remote import check_objects, data_prefix, manifest_key, open_store, read_manifest
+from ..roots.objstore._root import ObjectStepReader
 from ..threads._sync import run_sync
 from . import _dcp_step
 
@@ -175,21 +183,27 @@ class StoreStep:
 
     # -- the reader ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def opened(self) -> Iterator[tuple[StoreFiles, Manifest]]:
+    def opened(self) -> Iterator[tuple[ReaderFiles, Manifest]]:
         """The complete step's objects (its manifest decoded, one LIST showing exactly its
         names and sizes), read by ranged GETs. A store's failure is ``CheckpointReadError``
         (damage: ``CheckpointCorruptError``), an object gone mid-read (the step retired)
         ``CheckpointNotFoundError``."""
         deadline = self._deadline()
+        reader: ObjectStepReader | None = None
         try:
-            m, _ = run_sync(lambda: open_step(self.store, self.step, deadline))
-            files = StoreFiles(self.store, m, deadline)
+            reader = ObjectStepReader(self.store, self.step, deadline)
+            files = ReaderFiles(reader)
             try:
-                yield files, m
+                yield files, reader.manifest
             finally:
                 files.close()
+        except (CheckpointCorruptError, CheckpointReadError) as e:
+            if reader is not None and not reader.still_there():
+                raise CheckpointNotFoundError(f"step {self.step} under {self.url} vanished while being read ({e})"
+                                              ) from None  # fmt: skip
+            raise
         except ObjectNotFoundError as e:
             msg = f"step {self.step} under {self.url} vanished while being read ({e})"
             raise CheckpointNotFoundError(msg) from None
         except ObjectStoreError as e:
-            raise load_error(e) from e
+            raise store_fault(e) from e

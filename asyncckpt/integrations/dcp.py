@@ -51,15 +51,15 @@ from ..format import _index
 from ..format._layout import MAX_STEP, check_step, parse_step_dir, step_dir_name
 from ..format._manifest import Manifest
 from ..format._safetensors import ST_TO_DTYPE
-from ..loading import _readinto
+from ..loading import _blocks
 from ..loading._readinto import byte_view
-from ..loading._stepfiles import PinnedFiles, StepFiles
+from ..loading._stepfiles import ReaderFiles, StepFiles
 from ..roots._scheme import is_url
 from ..roots.objstore._lease import DEFAULT_TTL_S, check_ttl
 from ..roots.objstore._remote import DEFAULT_DEADLINE_S
-from ..roots.posix._discovery import pin_step
 from ..roots.posix._ensure_dir import ensure_dir
 from ..roots.posix._osops import DEFAULT_OPS, OsOps
+from ..roots.posix._root import PosixStepReader
 from . import _dcp_meta, _dcp_step
 from ._dcp_import import import_dcp
 
@@ -375,15 +375,13 @@ class StorageReader(_dcp_storage.StorageReader):
 
 
 @contextlib.contextmanager
-def _opened(root: str, step: int) -> Iterator[tuple[PinnedFiles, Manifest]]:
+def _opened(root: str, step: int) -> Iterator[tuple[ReaderFiles, Manifest]]:
     """The committed step's files, pinned (a retirement cannot pull them from under a read)."""
-    with pin_step(root, step) as pinned:
-        assert pinned.manifest is not None
-        files = PinnedFiles(pinned, pinned.manifest)
-        try:
-            yield files, pinned.manifest
-        finally:
-            files.close()
+    files = ReaderFiles(PosixStepReader(root, step))
+    try:
+        yield files, files.manifest
+    finally:
+        files.close()
 
 
 def read_dcp_json(files: StepFiles, manifest: Manifest) -> tuple[Metadata, dict[str, _dcp_meta.BytesLocation]]:
@@ -465,8 +463,8 @@ def _read_batch(
             view = byte_view(buf)
         landed.append(buf)
         runs = ((0, view),) if n else ()
-        blocks.append(_readinto.Block(files.source(file), files.path(file), begin, n, crc, runs, repr(key[0])))
-    _readinto.read_blocks(blocks)
+        blocks.append(_blocks.Block(files.source(file), files.path(file), begin, n, crc, runs, repr(key[0])))
+    _blocks.read_blocks(blocks)
     for (_, reqs), buf in zip(batch, landed, strict=True):
         for req in reqs:
             if req.type == LoadItemType.BYTE_IO:

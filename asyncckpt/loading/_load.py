@@ -5,13 +5,14 @@ the file actually has, and by the limits of ``_bounds`` checked before anything 
 allocated; every defect becomes ``CheckpointCorruptError`` naming the file, an I/O fault of
 the storage ``CheckpointReadError`` naming it (``_readfault``: not damage), and a state too
 large for this machine's memory a ``CheckpointError`` saying how much it needs. Reads are
-parallel (``_readinto``). :func:`load_files` reads a step's ``StepFiles``: a pinned step directory
-(``_discovery``), so a checkpoint retired meanwhile is reported as gone, not as corrupt.
+parallel (``_readinto``). :func:`load_files` reads a step's ``StepFiles``: the step a root
+holds open (``Root.open_reader``), so a checkpoint retired meanwhile is reported as gone, not
+as corrupt.
 
-Where the bytes land. With ``load(into=)``, :func:`plan_targets` finds the target tensors
-that take a saved tensor as it is (same dtype and shape, CPU or CUDA) and the shard is read
-straight into them; the other saved tensors go to fresh tensors, restored by
-:func:`restore_into` as before. Peak extra memory: the I/O threads' bounce buffers, plus
+Where the bytes land. With ``load(into=)``, ``_targets.plan_targets`` finds the target
+tensors that take a saved tensor as it is (same dtype and shape, CPU or CUDA) and the shard
+is read straight into them; the other saved tensors go to fresh tensors, restored by
+``_targets.restore_into`` as before. Peak extra memory: the I/O threads' bounce buffers, plus
 the fresh tensors.
 
 The contract on damage. By default the read is one pass: every piece lands in its target
@@ -38,14 +39,12 @@ tensors stay valid after retention removes the step.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import mmap as _mmap
 import os
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from .._errors import CheckpointCorruptError, CheckpointError
@@ -54,13 +53,13 @@ from ..format._checksum import crc32c, crc32c_combine
 from ..format._gcpause import paused_gc
 from ..format._header import TensorSlot, declared_length, parse_slots
 from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
-from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._state_prefixes import COMPILE_PREFIX, strip_state_dict_prefixes
-from ..format._structure_decode import UnknownTensorError, unflatten
+from ..format._safetensors import ST_TO_DTYPE
+from ..format._structure_decode import unflatten
 from ..roots._readfault import read_error, regular_file
 from ..roots.posix._discovery import read_regular_file
 from . import _readinto
 from ._stepfiles import StepFiles
+from ._targets import plan_targets, unflatten_named
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -226,22 +225,6 @@ def _rebuild(
         raise CheckpointError(f"not enough memory to rebuild the state: {tree_path}") from None
 
 
-def unflatten_named(tree: Any, tensors: Mapping[str, torch.Tensor], shard_path: str) -> tuple[Any, list[str]]:
-    """``unflatten(tree, tensors)`` and the names the tree references (tied tensors more than
-    once), in one walk. ``CheckpointCorruptError`` naming ``shard_path`` unless the tree
-    references exactly the tensors of ``tensors`` (a name the shard lacks, or a tensor of the
-    shard no node names); a malformed node raises ``ValueError`` as ``unflatten`` does."""
-    named: list[str] = []
-    try:
-        state = unflatten(tree, tensors, named)
-    except UnknownTensorError:
-        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path) from None
-    # every name is one of tensors' (else UnknownTensorError): the sets are equal iff as large
-    if len(set(named)) != len(tensors):
-        raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path)
-    return state, named
-
-
 def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
     try:
         f = manifest.file(name)
@@ -397,13 +380,6 @@ def noting_partial_targets(reader: Any) -> Iterator[None]:
         raise
 
 
-class MissingKeyError(CheckpointError, KeyError):
-    """A key of ``into=`` that the checkpoint lacks (also a ``KeyError``; a plain message)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 # ---------------------------------------------------------------------- lazy (mapped) loads
 def check_mmap(mmap: object, into: Any) -> None:
     """Refuse a bad ``mmap=`` argument at the call: ``TypeError`` for a non-bool,
@@ -443,276 +419,3 @@ def map_shard(fd: int, path: str, size: int, expected_crc: int | None) -> dict[s
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + s.begin)
         out[s.name] = flat.view(s.shape)
     return out
-
-
-# ---------------------------------------------------------------------- reading into targets
-def plan_targets(
-    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
-) -> dict[str, torch.Tensor]:
-    """The tensors of ``into`` that saved tensors can be read straight into, by saved name.
-
-    The state is first rebuilt with zero-memory placeholders and walked against ``into`` as
-    :func:`restore_into` will walk it (modules through their state dict, after the wrapper
-    prefixes are matched; optimizers through the tensors of their state), so a tensor is
-    read into exactly when ``restore_into`` would have copied the saved one into it. Only
-    plain tensors and parameters of the saved dtype and shape qualify, on the CPU or CUDA;
-    a target whose memory overlaps another's (tied weights) and a saved tensor the structure
-    names twice keep the fresh-tensor path, as does everything else (``restore_into`` then
-    copies or raises exactly as before). Nothing is written here.
-    """
-    placeholders = _placeholders(slots)
-    try:
-        skeleton, names = unflatten_named(tree, placeholders, shard_path)
-    except (ValueError, TypeError, RecursionError, OverflowError) as e:
-        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
-    by_id = {id(t): n for n, t in placeholders.items()}
-    del placeholders
-    found: dict[str, torch.Tensor] = {}
-    _pair(into, skeleton, prefixes, by_id, found)
-    del skeleton, by_id
-    # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
-    counts = collections.Counter(names) if len(names) != len(slots) else None
-    del names
-    slot_of = {s.name: s for s in slots}
-    usable: dict[str, torch.Tensor] = {}
-    for name, t in found.items():
-        s = slot_of[name]
-        if (counts is None or counts[name] == 1) and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
-            usable[name] = t
-    return _without_overlaps(usable, slot_of)
-
-
-def _placeholders(slots: Sequence[TensorSlot]) -> dict[str, torch.Tensor]:
-    """A zero-memory stand-in per slot, of its dtype and shape (``meta`` tensors), each its
-    own object: one is made per distinct (dtype, shape) and the others are its aliases
-    (``detach()``: ~5x cheaper than another ``torch.empty``)."""
-    made: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for s in slots:
-        key = (s.dtype, s.shape)
-        base = made.get(key)
-        if base is None:
-            out[s.name] = made[key] = torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta")
-        else:
-            out[s.name] = base.detach()
-    return out
-
-
-def _pair(
-    target: Any, loaded: Any, prefixes: tuple[str, ...], by_id: dict[int, str], out: dict[str, torch.Tensor]
-) -> None:
-    """Collect (saved name -> target tensor) the way :func:`restore_into` pairs them."""
-    if type(target) is dict:  # the common container (no load_state_dict): its tensors inline
-        if isinstance(loaded, Mapping):
-            for key, sub in target.items():
-                if key in loaded:
-                    got = loaded[key]
-                    if type(sub) in PLAIN_TENSORS:
-                        name = by_id.get(id(got)) if isinstance(got, torch.Tensor) else None
-                        if name is not None:
-                            out.setdefault(name, sub)
-                    else:
-                        _pair(sub, got, prefixes, by_id, out)
-        return
-    if isinstance(target, torch.Tensor):
-        name = by_id.get(id(loaded)) if isinstance(loaded, torch.Tensor) else None
-        if name is not None:
-            out.setdefault(name, target)
-        return
-    if isinstance(target, (np.ndarray, torch.Generator)):
-        return
-    if isinstance(target, torch.nn.Module):
-        if isinstance(loaded, Mapping):
-            module, state = _match_module(target, loaded, prefixes)
-            own = module.state_dict()
-            for key, value in state.items():
-                if key in own:
-                    _pair(own[key], value, prefixes, by_id, out)
-        return
-    if isinstance(target, torch.optim.Optimizer):
-        # load_state_dict keeps the given state tensors when they already have the
-        # parameter's dtype and device: reading into the current ones restores them in place
-        if isinstance(loaded, Mapping) and isinstance(loaded.get("state"), Mapping):
-            _pair(target.state_dict().get("state"), loaded["state"], prefixes, by_id, out)
-        return
-    if callable(getattr(target, "load_state_dict", None)):
-        return  # whatever it does with the loaded tensors is its own business: fresh ones
-    if isinstance(target, Mapping):
-        if isinstance(loaded, Mapping):
-            for key in target:
-                if key in loaded:
-                    _pair(target[key], loaded[key], prefixes, by_id, out)
-        return
-    if isinstance(target, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(target) == len(loaded):
-        for t, v in zip(target, loaded, strict=True):
-            _pair(t, v, prefixes, by_id, out)
-
-
-def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether ``t`` can take the saved bytes as they are: a plain strided tensor on the CPU
-    (or CUDA, through a bounce buffer) of the saved dtype and shape."""
-    if not (
-        type(t) in PLAIN_TENSORS
-        and t.layout is torch.strided
-        and t.dtype == dtype
-        and t.shape == shape
-        and (t.is_cpu or (t.is_cuda and torch.cuda.is_available()))
-        and not t.is_conj()
-        and not t.is_neg()
-        and not t.is_inference()
-    ):
-        return False
-    strides = t.stride()
-    # no expand()ed dims (a stride of 0 over more than one element)
-    return 0 not in strides or all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
-
-
-def _span(t: torch.Tensor) -> tuple[int, int, int]:
-    """The device (``get_device()``: -1 for the CPU) and byte range of the memory ``t`` can
-    touch. (The first element's address: torch has no negative strides.)"""
-    if t.is_contiguous():  # the common target: one attribute per figure
-        begin = t.data_ptr()
-        return t.get_device(), begin, begin + t.nbytes  # (empty: begin == end, never an overlap)
-    numel = t.numel()
-    if numel == 0:
-        return t.get_device(), 0, 0
-    size = t.element_size()
-    begin = t.data_ptr()
-    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(), strict=True))
-    return t.get_device(), begin, begin + extent * size
-
-
-def _without_overlaps(targets: dict[str, torch.Tensor], slot_of: Mapping[str, TensorSlot]) -> dict[str, torch.Tensor]:
-    """Drop every target whose memory overlaps another kept one (tied weights, views)."""
-    spans = sorted((*_span(t), slot_of[n].begin, n) for n, t in targets.items())
-    dropped: set[str] = set()
-    end_of: dict[int, int] = {}  # per device: the end of the memory taken so far
-    for dev, begin, end, _, name in spans:
-        if begin == end:
-            continue
-        if begin < end_of.get(dev, -1):
-            dropped.add(name)
-            continue
-        end_of[dev] = end
-    return {n: t for n, t in targets.items() if n not in dropped}
-
-
-def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Sequence[str] = ()) -> None:
-    """Restore ``loaded`` into ``target`` in place.
-
-    Objects with ``load_state_dict`` get it called; tensors get ``copy_``, numpy arrays
-    ``np.copyto``, ``torch.Generator`` objects ``set_state``; dicts and lists are walked, and
-    other values in mutable containers are replaced. A module loads keys saved without
-    wrapper prefixes: a ``torch.compile`` wrapper (``_orig_mod.``) and any of
-    ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
-    of a compiled or wrapped model loads into a plain one and the other way round. Raises
-    :class:`MissingKeyError` (a ``CheckpointError``, also a ``KeyError``) when ``target``
-    holds a key the checkpoint lacks, ``ValueError`` on a type or
-    shape mismatch (targets may be partly overwritten then: tensors read in place by
-    :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
-    loaded tensor (read in place) is left as it is.
-    """
-    where = path or "<root>"
-    if target is loaded:
-        return  # read in place (plan_targets): already holds the checkpoint's bytes
-    if isinstance(target, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a tensor")
-        if target.shape != loaded.shape:
-            raise ValueError(f"{where}: shape {tuple(loaded.shape)} in checkpoint, {tuple(target.shape)} in target")
-        with torch.no_grad():
-            target.copy_(loaded)
-        return
-    if isinstance(target, np.ndarray):
-        if not isinstance(loaded, np.ndarray) or loaded.shape != target.shape or loaded.dtype != target.dtype:
-            got = f"{loaded.dtype}{list(loaded.shape)}" if isinstance(loaded, np.ndarray) else type(loaded).__name__
-            raise ValueError(f"{where}: checkpoint holds {got}, target is an array {target.dtype}{list(target.shape)}")
-        np.copyto(target, loaded)
-        return
-    if isinstance(target, torch.Generator):
-        if not isinstance(loaded, torch.Generator):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a torch.Generator")
-        target.set_state(loaded.get_state())
-        return
-    if isinstance(target, torch.nn.Module) and isinstance(loaded, Mapping):
-        module, state = _match_module(target, loaded, tuple(strip_prefixes))
-        module.load_state_dict(state)
-        return
-    load_state_dict = getattr(target, "load_state_dict", None)
-    if callable(load_state_dict):
-        load_state_dict(loaded)
-        return
-    if isinstance(target, Mapping):
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a mapping")
-        for key in list(target):
-            value = target[key]
-            if key in loaded and value is loaded[key] and isinstance(value, torch.Tensor):
-                continue  # read in place (the common case: no key path to spell)
-            sub = f"{path}.{key}" if path else str(key)
-            if key not in loaded:
-                raise MissingKeyError(f"{sub} is not in the checkpoint")
-            if _is_leaf(value) and isinstance(target, MutableMapping):
-                target[key] = loaded[key]
-            else:
-                restore_into(value, loaded[key], sub, strip_prefixes)
-        return
-    if isinstance(target, (list, tuple)):
-        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
-            raise ValueError(f"{where}: sequence length or type differs from the checkpoint")
-        for i, (t, v) in enumerate(zip(target, loaded, strict=True)):
-            sub = f"{path}.{i}" if path else str(i)
-            if _is_leaf(t) and isinstance(target, MutableSequence):
-                target[i] = v
-            else:
-                restore_into(t, v, sub, strip_prefixes)
-        return
-    # a plain value at the top level or inside a tuple: nothing to restore in place
-
-
-def _is_leaf(v: Any) -> bool:
-    """A value restored by replacing it, not in place."""
-    if isinstance(v, (torch.Tensor, np.ndarray, torch.Generator, Mapping, list, tuple)):
-        return False
-    return not callable(getattr(v, "load_state_dict", None))
-
-
-def _match_module(
-    target: torch.nn.Module, loaded: Mapping[Any, Any], prefixes: tuple[str, ...]
-) -> tuple[torch.nn.Module, Mapping[Any, Any]]:
-    """The module that takes ``loaded`` and the state renamed for it.
-
-    A wrapper whose keys all carry one of the prefixes (``_orig_mod.`` of ``torch.compile``
-    always, the named ones such as ``module.`` of DDP) hands over to the module it wraps; the
-    checkpoint's keys and ``_metadata`` lose the same prefixes (old checkpoints may have them).
-    """
-    wanted = (COMPILE_PREFIX, *prefixes)
-    unwrapped = True
-    while unwrapped:
-        unwrapped = False
-        for p in wanted:
-            if _is_wrapper(target, p[:-1]):
-                target, unwrapped = getattr(target, p[:-1]), True
-                break
-    if not all(isinstance(k, str) for k in loaded):
-        return target, loaded
-    items, meta = strip_state_dict_prefixes(loaded, wanted)
-    state: collections.OrderedDict[str, Any] = collections.OrderedDict(items)
-    if meta is not None:
-        state._metadata = meta  # type: ignore[attr-defined]
-    return target, state
-
-
-def _is_wrapper(m: torch.nn.Module, attr: str) -> bool:
-    """Whether every key of ``m``'s state dict is ``attr.`` + a key of its child ``attr``.
-
-    Decided from the module's structure, without calling ``state_dict()`` (which may be
-    expensive or collective for some wrappers).
-    """
-    children = [name for name, _ in m.named_children()]
-    return (
-        children == [attr]
-        and next(m.parameters(recurse=False), None) is None
-        and next(m.buffers(recurse=False), None) is None
-        and type(m).get_extra_state is torch.nn.Module.get_extra_state
-    )

@@ -6,7 +6,7 @@ the local shard of the DTensor the caller passed in ``into=`` (any mesh, any pla
 targets). Only chunks overlapping the box are read (``_reshard.plan_reads``), and of those only
 the *blocks* covering the overlap (the index's block CRCs, ``_index.BLOCK`` bytes each; an
 index written before them has one block per chunk). All reads of a load go through
-``_readinto.read_blocks``: parallel across files and ranges, each block CRC-32C'd as it lands.
+``_blocks.read_blocks``: parallel across files and ranges, each block CRC-32C'd as it lands.
 
 Where the bytes land. A DTensor target whose local shard is a contiguous CPU tensor of the
 saved dtype (FSDP2 and ``distribute_tensor`` shards) is read into in place and returned
@@ -48,7 +48,7 @@ from ..format._structure_decode import unflatten
 from ..format._structure_encode import flatten
 from ..format._structure_names import dtensor_names, resolve_dtensor_aliases, tensor_names
 from ..roots._readfault import read_error
-from . import _readinto
+from . import _blocks
 from ._load import check_tree_size, read_shard_fd
 from ._readinto import byte_view
 from ._stepfiles import NoSuchShard, StepFiles
@@ -294,9 +294,9 @@ def _plain(files: StepFiles, index: dict[str, Any], rank: int, tree: Any, verify
             dtype, shape, file, begin, n, crc = entries[k]  # file: another rank's when deduplicated
             t = torch.empty(shape, dtype=ST_TO_DTYPE[dtype])
             src, where = files.source(file), files.path(file)
-            blocks.append(_readinto.Block(src, where, begin, n, crc if verify else None, ((0, byte_view(t)),), repr(k)))
+            blocks.append(_blocks.Block(src, where, begin, n, crc if verify else None, ((0, byte_view(t)),), repr(k)))
             out[k] = t
-        _readinto.read_blocks(blocks)
+        _blocks.read_blocks(blocks)
     if set(out) != wanted:
         raise CheckpointCorruptError("structure and shard disagree on tensor names", files.path(name))
     return out
@@ -367,8 +367,8 @@ class _Plan:
 
     def __init__(self, verify_first: bool = False) -> None:
         self.verify_first = verify_first
-        self.first: list[_readinto.Block] = []
-        self.second: list[_readinto.Block] = []
+        self.first: list[_blocks.Block] = []
+        self.second: list[_blocks.Block] = []
         self.after: list[Callable[[], object]] = []
         self.bytes_needed = 0
 
@@ -384,7 +384,7 @@ class _Plan:
             what = f"a chunk of {name!r}"
             if not verify:
                 bucket = self.second if target else self.first
-                bucket.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
+                bucket.extend(_blocks.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
                 continue
             # the chunk's checked blocks: its block CRCs, or (an index without them) the chunk whole
             n = chunk.nbytes(item)
@@ -403,16 +403,16 @@ class _Plan:
                 length = min(size, n - k * size)
                 label = f"block {k} of {what}" if meta["block"] else what
                 parts = () if target and self.verify_first else tuple(runs[k])
-                self.first.append(_readinto.Block(fd, path, begin, length, crcs[k], parts, label))
+                self.first.append(_blocks.Block(fd, path, begin, length, crcs[k], parts, label))
             if target and self.verify_first:
-                self.second.extend(_readinto.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
+                self.second.extend(_blocks.Block(fd, path, src, len(v), None, ((0, v),), what) for src, v in copies)
 
     def run_first(self) -> None:
-        _readinto.read_blocks(self.first)
+        _blocks.read_blocks(self.first)
         self.first.clear()
 
     def run_second(self) -> None:
-        _readinto.read_blocks(self.second)
+        _blocks.read_blocks(self.second)
         self.second.clear()
         with torch.no_grad():
             for fn in self.after:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,8 +21,10 @@ from ..format._layout import step_dir_name
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
 from ..roots._nodeparts import agree_parts
+from ..roots._registry import open_root
 from ..roots.posix._discovery import read_manifest
 from ._load import load_rank
+from ._resume import load_step
 
 log = logging.getLogger("asyncckpt")
 
@@ -49,11 +52,10 @@ def load_part(
              "the store")  # fmt: skip
     try:
         if source == "store":
-            from . import _remote_load  # obstore is an optional extra: imported only with a store
-
             assert store is not None
-            state = _remote_load.load(store[0], chosen, rank=dist.rank, verify=verify, storage_options=store[1],
-                                      deadline_s=timeout, expect=attempt)  # fmt: skip
+            far = open_root(store[0], storage_options=store[1], deadline_s=timeout)
+            state = load_step(far, chosen, rank=dist.rank, verify=verify, expect=attempt,
+                              deadline=time.monotonic() + timeout)  # fmt: skip
         else:
             state = _read_local(root, chosen, attempt, dist.rank, verify)
     except (CheckpointError, OSError) as e:

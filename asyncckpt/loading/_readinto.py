@@ -11,14 +11,13 @@ checksums a file through the same bounce buffers without keeping anything (the v
 before a read into the caller's tensors). Short reads are continued; a read past the end is
 ``CheckpointCorruptError``. Extra memory: ``threads x BOUNCE`` bytes, whatever the state size.
 
-``read_blocks`` is the same reader for many files and checked blocks (the resharded load of
-``_load_global``): each ``Block`` is a file range with its own CRC-32C and the parts of it
-that land in memory; the blocks are spread over the threads in file order, adjacent ones
-share a ``preadv``, and each block is checked as its bytes land.
+``_blocks.read_blocks`` is the same reader for many files and checked blocks (the resharded
+load), on the sources and threads of this module.
 
 A *source* is an open file descriptor (``preadv``) or a :class:`RangeSource`: bytes read by
-ranges from elsewhere (an object store's ranged GETs, ``_remote_load``). Everything above
-holds for both; a range source only says how many reads it wants in flight.
+ranges from elsewhere (a root's ``StepReader``: a store's ranged GETs, memory; see
+``_stepfiles``). Everything above holds for both; a range source only says how many reads it
+wants in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
@@ -61,11 +59,11 @@ class RangeSource(Protocol):
 Source = int | RangeSource
 
 
-def _threads_for(sources: Any) -> int:
+def threads_for(sources: Any) -> int:
     return max((s.threads for s in sources if not isinstance(s, int)), default=THREADS)
 
 
-def _order(src: Source) -> tuple[int, int]:
+def source_order(src: Source) -> tuple[int, int]:
     return (0, src) if isinstance(src, int) else (1, src.order)
 
 
@@ -142,7 +140,7 @@ Dest = Direct | Whole | Device | Staged | Skip
 
 
 # ---------------------------------------------------------------------- reads
-def _pread_exact(fd: Source, views: list[memoryview], offset: int, path: str) -> None:
+def pread_exact(fd: Source, views: list[memoryview], offset: int, path: str) -> None:
     """Fill ``views`` (consecutive in the file) from ``offset``; short reads are continued."""
     if not isinstance(fd, int):
         fd.read_exact(views, offset)
@@ -185,15 +183,15 @@ def pread(src: Source, n: int, offset: int, path: str) -> bytes:
     if n <= 0:
         return b""
     buf = bytearray(n)
-    _pread_exact(src, [memoryview(buf)], offset, path)
+    pread_exact(src, [memoryview(buf)], offset, path)
     return bytes(buf)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-class _Bounce:
+class Bounce:
     """One thread's reused buffers: a plain one, and for CUDA targets (when CUDA is there) two
     pinned ones that alternate, so the next piece is read while the last one is still being
     copied to the device on the thread's side stream."""
@@ -252,17 +250,17 @@ class _Bounce:
                 self.copied[i] = None
 
 
-def _read_skipped(fd: Source, d: Skip, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+def _read_skipped(fd: Source, d: Skip, bounce: Bounce, path: str, crc: int | None) -> int | None:
     for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
         n = min(BOUNCE, d.offset + d.nbytes - pos)
-        view = _bytes_of(bounce.get(n)[:n])
-        _pread_exact(fd, [view], pos, path)
+        view = bytes_of(bounce.get(n)[:n])
+        pread_exact(fd, [view], pos, path)
         if crc is not None:
             crc = crc32c(view, crc)
     return crc
 
 
-def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | None) -> int | None:
+def _read_staged(fd: Source, d: Staged, bounce: Bounce, path: str, crc: int | None) -> int | None:
     if d.nbytes == 0:
         return crc
     t = d.target
@@ -276,9 +274,9 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
             r1 = min(rows, r0 + per)
             n = (r1 - r0) * row_bytes
             i, buf = bounce.next_pinned(n) if cuda else (0, bounce.get(n))
-            _pread_exact(fd, [_bytes_of(buf[:n])], pos, path)
+            pread_exact(fd, [bytes_of(buf[:n])], pos, path)
             if crc is not None:
-                crc = crc32c(_bytes_of(buf[:n]), crc)
+                crc = crc32c(bytes_of(buf[:n]), crc)
             src = buf[:n].view(t.dtype)
             dst = t[r0:r1] if t.dim() else t
             src = src.view(dst.shape)
@@ -293,14 +291,14 @@ def _read_staged(fd: Source, d: Staged, bounce: _Bounce, path: str, crc: int | N
 def _read_range(fd: Source, dests: list[Dest], path: str, checksum: bool) -> int:
     """Read one thread's destinations (sorted by offset); the CRC-32C of the bytes read, in
     order (0 if not asked: with ``checksum`` the destinations must be consecutive)."""
-    bounce = _Bounce()
+    bounce = Bounce()
     try:
         return _read_range_with(fd, dests, path, checksum, bounce)
     finally:
         bounce.drain()
 
 
-def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, bounce: _Bounce) -> int:
+def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, bounce: Bounce) -> int:
     crc: int | None = 0 if checksum else None
     run: list[memoryview] = []
     run_start = run_bytes = 0
@@ -311,7 +309,7 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
     def flush() -> None:
         nonlocal crc, run, run_bytes
         if run:
-            _pread_exact(fd, run, run_start, path)
+            pread_exact(fd, run, run_start, path)
             if crc is not None:
                 for v in run:  # just landed: still in cache
                     crc = crc32c(v, crc)
@@ -321,9 +319,9 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
         nonlocal crc, dev, dev_bytes
         if dev:
             i, buf = bounce.next_pinned(dev_bytes)
-            _pread_exact(fd, [_bytes_of(buf[:dev_bytes])], dev_start, path)
+            pread_exact(fd, [bytes_of(buf[:dev_bytes])], dev_start, path)
             if crc is not None:
-                crc = crc32c(_bytes_of(buf[:dev_bytes]), crc)
+                crc = crc32c(bytes_of(buf[:dev_bytes]), crc)
             pairs, at = [], 0
             for p in dev:
                 pairs.append((p.dst, buf[at : at + p.nbytes]))
@@ -440,7 +438,7 @@ def _settle_cuda_targets(dests: list[Dest]) -> None:
             torch.cuda.synchronize(dev)
 
 
-def _parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> list[T]:
+def parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> list[T]:
     """``fn(*args)`` for every ``args`` of ``calls``, one thread each; waits for all of them
     (no thread is left writing into the caller's memory) and raises the first failure."""
     if len(calls) <= 1:
@@ -458,7 +456,7 @@ def _parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> 
         pool.shutdown(wait=True)
 
 
-def _advise_sequential(fd: Source) -> None:
+def advise_sequential(fd: Source) -> None:
     if isinstance(fd, int) and hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -473,10 +471,10 @@ def read_into(fd: Source, path: str, dests: list[Dest], *, checksum: bool, threa
     With ``checksum`` the destinations must tile one contiguous file range; returns its
     CRC-32C then (else 0).
     """
-    _advise_sequential(fd)
+    advise_sequential(fd)
     _settle_cuda_targets(dests)
-    groups = _split(dests, threads or _threads_for([fd]))
-    crcs = _parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
+    groups = _split(dests, threads or threads_for([fd]))
+    crcs = parallel("asyncckpt-read", _read_range, [(fd, g, path, checksum) for g in groups])
     if not checksum:
         return 0
     crc = 0
@@ -488,189 +486,24 @@ def read_into(fd: Source, path: str, dests: list[Dest], *, checksum: bool, threa
 def verify_file(fd: Source, path: str, size: int, expected_crc: int, *, threads: int | None = None) -> None:
     """Checksum the whole file through the threads' bounce buffers; ``CheckpointCorruptError``
     unless it is ``expected_crc``. Nothing read is kept (the page cache may keep it)."""
-    _advise_sequential(fd)
-    parts = max(1, min(threads or _threads_for([fd]), -(-size // BOUNCE)))
+    advise_sequential(fd)
+    parts = max(1, min(threads or threads_for([fd]), -(-size // BOUNCE)))
     cut = -(-size // parts)
     bounds = [(i * cut, min(size, (i + 1) * cut)) for i in range(parts)]
 
     def one(begin: int, end: int) -> int:
         buf = torch.empty(min(BOUNCE, end - begin), dtype=torch.uint8)
-        view = _bytes_of(buf) if buf.numel() else memoryview(bytearray())
+        view = bytes_of(buf) if buf.numel() else memoryview(bytearray())
         crc = 0
         for pos in range(begin, end, BOUNCE):
             n = min(BOUNCE, end - pos)
-            _pread_exact(fd, [view[:n]], pos, path)
+            pread_exact(fd, [view[:n]], pos, path)
             crc = crc32c(view[:n], crc)
         return crc
 
-    crcs = _parallel("asyncckpt-verify", one, bounds)
+    crcs = parallel("asyncckpt-verify", one, bounds)
     crc = 0
     for (b, e), c in zip(bounds, crcs, strict=True):
         crc = crc32c_combine(crc, c, e - b)
     if crc != expected_crc:
         raise CheckpointCorruptError("checksum mismatch", path)
-
-
-# ---------------------------------------------------------------------- checked blocks, many files
-@dataclass(frozen=True)
-class Block:
-    """Bytes ``[offset, offset + nbytes)`` of source ``fd``, checked against ``crc`` (``None``:
-    not checked), of which the parts in ``runs`` land in memory.
-
-    ``runs``: ``(byte inside the block, destination)`` pairs, ascending and disjoint. When
-    they tile the block it is read straight into them (one ``preadv``); otherwise through the
-    thread's bounce buffer, checksummed there and the runs copied out (no runs: only checked).
-    ``what`` names the bytes in a checksum error (``CheckpointCorruptError`` naming ``path``).
-    """
-
-    fd: Source
-    path: str
-    offset: int
-    nbytes: int
-    crc: int | None
-    runs: tuple[tuple[int, memoryview], ...]
-    what: str
-
-
-@dataclass
-class _Segment:
-    """At most :data:`BOUNCE` bytes of one block, read in one go (a block streams through them)."""
-
-    block: Block
-    offset: int  # file byte
-    nbytes: int
-    parts: list[tuple[int, memoryview]]  # (byte inside the segment, destination)
-    direct: bool
-    last: bool
-
-
-def _segments(b: Block) -> list[_Segment]:
-    out: list[_Segment] = []
-    runs, i = b.runs, 0
-    for s in range(0, b.nbytes, BOUNCE) if b.nbytes else [0]:
-        e = min(b.nbytes, s + BOUNCE)
-        parts: list[tuple[int, memoryview]] = []
-        while i < len(runs) and runs[i][0] < e:
-            pos, v = runs[i]
-            lo, hi = max(pos, s), min(pos + len(v), e)
-            parts.append((lo - s, v[lo - pos : hi - pos]))
-            if pos + len(v) <= e:
-                i += 1
-            else:
-                break  # the run goes on in the next segment
-        covered, direct = 0, True
-        for pos, v in parts:
-            direct = direct and pos == covered
-            covered = pos + len(v)
-        direct = direct and covered == e - s
-        out.append(_Segment(b, b.offset + s, e - s, parts, direct, e == b.nbytes))
-    return out
-
-
-def _read_segments(blocks: list[Block]) -> None:
-    """One thread's blocks (sorted by file and offset): adjacent segments of one kind share a
-    ``preadv`` of at most :data:`BOUNCE` bytes; each block's CRC runs over its segments as
-    they land and is compared when its last one did."""
-    bounce = _Bounce()
-    crcs: dict[int, int] = {}
-    batch: list[_Segment] = []
-
-    def check(seg: _Segment, crc: int) -> None:
-        b = seg.block
-        if b.crc is None:
-            return
-        crcs[id(b)] = crc
-        if seg.last and crcs.pop(id(b)) != b.crc:
-            raise CheckpointCorruptError(f"checksum mismatch in {b.what}", b.path)
-
-    def flush() -> None:
-        if not batch:
-            return
-        first = batch[0].block
-        start = batch[0].offset
-        if batch[0].direct:
-            _pread_exact(first.fd, [v for s in batch for _, v in s.parts], start, first.path)
-            for s in batch:
-                if s.block.crc is not None:
-                    crc = crcs.get(id(s.block), 0)
-                    for _, v in s.parts:  # just landed: still in cache
-                        crc = crc32c(v, crc)
-                    check(s, crc)
-        else:
-            total = sum(s.nbytes for s in batch)
-            buf = _bytes_of(bounce.get(total)[:total]) if total else memoryview(bytearray())
-            _pread_exact(first.fd, [buf], start, first.path)
-            at = 0
-            for s in batch:
-                piece = buf[at : at + s.nbytes]
-                if s.block.crc is not None:
-                    check(s, crc32c(piece, crcs.get(id(s.block), 0)))
-                for pos, v in s.parts:
-                    v[:] = piece[pos : pos + len(v)]
-                at += s.nbytes
-        batch.clear()
-
-    size = 0
-    for b in blocks:
-        for seg in _segments(b):
-            prev = batch[-1] if batch else None
-            joins = (
-                prev is not None
-                and prev.block.fd == b.fd
-                and prev.offset + prev.nbytes == seg.offset
-                and prev.direct == seg.direct
-                and size + seg.nbytes <= BOUNCE
-            )
-            if not joins:
-                flush()
-                size = 0
-            batch.append(seg)
-            size += seg.nbytes
-    flush()
-
-
-def _split_blocks(blocks: list[Block], parts: int) -> list[list[Block]]:
-    """``blocks`` sorted by (file, offset) and cut into at most ``parts`` runs of about equal
-    bytes; unchecked blocks larger than :data:`BOUNCE` are cut first so one large copy is
-    still read by every thread (a checked block stays whole: its CRC runs in order)."""
-    pieces: list[Block] = []
-    for b in blocks:
-        if b.crc is None and b.nbytes > BOUNCE:
-            pieces.extend(_cut(b, s, min(b.nbytes, s + BOUNCE)) for s in range(0, b.nbytes, BOUNCE))
-        else:
-            pieces.append(b)
-    pieces.sort(key=lambda b: (_order(b.fd), b.offset))
-    total = sum(b.nbytes for b in pieces)
-    groups: list[list[Block]] = [[]]
-    acc, share = 0, total / max(1, parts)
-    for b in pieces:
-        if acc >= share * len(groups) and len(groups) < parts and groups[-1]:
-            groups.append([])
-        groups[-1].append(b)
-        acc += b.nbytes
-    return [g for g in groups if g]
-
-
-def _cut(b: Block, s: int, e: int) -> Block:
-    """Bytes ``[s, e)`` of an unchecked block, with the parts of its runs that fall there."""
-    runs = []
-    for pos, v in b.runs:
-        lo, hi = max(pos, s), min(pos + len(v), e)
-        if lo < hi:
-            runs.append((lo - s, v[lo - pos : hi - pos]))
-    return Block(b.fd, b.path, b.offset + s, e - s, None, tuple(runs), b.what)
-
-
-def read_blocks(blocks: list[Block], *, threads: int | None = None) -> None:
-    """Read and check ``blocks`` (any sources, any order) on ``threads`` (default :data:`THREADS`,
-    or what their range sources ask for).
-
-    Every checked block is CRC-32C'd as its bytes land, on the thread that read them; a
-    mismatch raises ``CheckpointCorruptError`` naming the block's file, after every thread
-    stopped (no thread is left writing into the caller's memory). Extra memory: one
-    :data:`BOUNCE` buffer per thread.
-    """
-    for fd in {b.fd for b in blocks}:
-        _advise_sequential(fd)
-    groups = _split_blocks(blocks, threads or _threads_for({id(b.fd): b.fd for b in blocks}.values()))
-    _parallel("asyncckpt-read", _read_segments, [(g,) for g in groups])

@@ -1,37 +1,51 @@
-"""Which checkpoint a load reads: an explicit step, or the newest one that verifies.
+"""Which checkpoint a load reads, and the read itself, written once for every root (a POSIX
+directory, an object store, memory: :class:`~asyncckpt.roots._root.Root`).
 
 ``load(step=N)`` reads exactly step N: a checkpoint retired while it is read is "not found"
 (never "corrupt"), damage raises ``CheckpointCorruptError``. ``load(step=None)`` reads the
-newest complete checkpoint; if it fails verification it logs a WARNING naming the file,
-remembers the verdict (``_badmarks``) and moves on to the next newest, and if it was
-retired meanwhile it looks again. Both read through a pinned directory (``_discovery``).
+newest resumable checkpoint (``Root.newest_resumable``: the library's one rule); if it fails
+verification it logs a WARNING naming the file, remembers the verdict (``Root.mark_bad``) and
+moves on to the next newest, and if it was retired meanwhile it looks again. Both read
+through the step the root holds open (``Root.open_reader``: a pinned directory, an
+attempt's prefix, a memory step's bytes), whatever commits or retires meanwhile.
 
-A read that fails on I/O (``_readfault``: EIO, ETIMEDOUT, a FUSE server's ENOSPC, ...) is
-neither damage nor a retirement: it is tried again within the load's deadline
-(``_readfault.retrying``), then ``CheckpointReadError`` naming the file is raised, for an
-explicit step and for ``step=None`` alike: no mark, no fallback. A load that verified every
-file of a step drops a mark of that same attempt (a verdict proven stale).
+A read that fails on I/O (``_readfault``: EIO, ETIMEDOUT, a FUSE server's ENOSPC, a store's
+503s or silence, ...) is neither damage nor a retirement: it is tried again within the
+load's deadline (``_readfault.retrying``), then ``CheckpointReadError`` naming the file is
+raised, for an explicit step and for ``step=None`` alike: no mark, no fallback. A load that
+verified every file of a step drops a mark of that same attempt (a verdict proven stale).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from ..format._manifest import Manifest, shard_name, tree_name
-from ..roots._badmarks import clear, record_bad
-from ..roots._readfault import fault_of, retrying
+from ..roots._readfault import fault_of, retrying, store_fault
+from ..roots._registry import open_root
+from ..roots._root import Root
 from ..roots._runs import check_choice
-from ..roots.posix._discovery import Vanished, newest_complete, pin_step
+from ..roots.posix._discovery import Vanished
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
-from ._stepfiles import NoSuchShard, PinnedFiles, StepFiles
+from ._stepfiles import NoSuchShard, ReaderFiles, StepFiles
 
 log = logging.getLogger("asyncckpt")
+T = TypeVar("T")
 
 #: A load(step=None) that keeps finding its choice retired gives up after this long.
 _SETTLE_S = 30.0
@@ -48,8 +62,33 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
         raise NoSuchShard(f"step {step} was saved by {manifest.world_size} rank(s); no rank {rank}")
 
 
+@contextlib.contextmanager
+def rooted(root: Root | str | os.PathLike[str]) -> Iterator[Root]:
+    """``root`` itself, or the root at a path or ``memory://`` URL (``open_root``), closed after."""
+    if not isinstance(root, (str, os.PathLike)):
+        yield root
+        return
+    opened = open_root(root)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def typed(fn: Callable[[], T]) -> T:
+    """``fn()`` with a store's own error met while opening or reading a step (its manifest,
+    its listing) raised as what it means to a load (``_readfault.store_fault``); a missing
+    object as it is (the step was retired: the caller looks again)."""
+    try:
+        return fn()
+    except ObjectNotFoundError:
+        raise
+    except ObjectStoreError as e:
+        raise store_fault(e) from e
+
+
 def attempt(
-    root: str,
+    root: Root | str | os.PathLike[str],
     step: int,
     rank: int,
     verify: bool,
@@ -60,8 +99,10 @@ def attempt(
     mmap: bool = False,
     report: dict[str, Any] | None = None,
     expect: str | None = None,
+    drop_stale_mark: bool = True,
 ) -> Any:
-    """Load rank ``rank``'s state of ``step``; raises ``Vanished`` if it was retired meanwhile.
+    """Load rank ``rank``'s state of ``step`` of ``root`` (a :class:`Root`, or a local path);
+    raises ``Vanished`` if it was retired meanwhile.
 
     ``expect``: the manifest attempt rank 0 chose for a collective load; a step here that
     is another commit raises ``CheckpointError`` before anything is read (``_runs``).
@@ -72,38 +113,58 @@ def attempt(
     (``_load_global``; default: one process taking rank ``rank``'s per-rank values); its
     state is restored into ``into`` by the caller.
 
-    ``mmap``: tensors backed by the shard's file (``_load.map_shard``); a step with a global
-    index raises ``ValueError`` then (its tensors are assembled from chunks, not mapped).
+    ``mmap``: tensors backed by the shard's file (``_load.map_shard``: a root whose
+    ``caps.mmap`` says it has files, else ``ValueError``); a step with a global index raises
+    ``ValueError`` then (its tensors are assembled from chunks, not mapped).
 
     A data defect found in a checkpoint whose manifest is valid is recorded as a bad mark
     (best effort) before ``CheckpointCorruptError`` is raised; an I/O fault
     (``CheckpointReadError``) is raised as it is, unmarked; either one on a step that was
     retired meanwhile is ``Vanished``. A load that verified every file of the step drops a
-    mark of this attempt. ``report`` (a collective load's) receives the attempt id, the
+    mark of this attempt (unless ``drop_stale_mark`` is False: a step ``newest_resumable``
+    chose carries none, and a store's drop is a write). ``report`` (a collective load's) receives the attempt id, the
     step's files and the ones this load verified in full (:func:`outcome_of`).
     """
-    with pin_step(root, step) as pinned:
-        manifest = pinned.manifest
-        assert manifest is not None
-        check_choice(manifest, expect, pinned.path)
-        try:
-            state = load_files_as(PinnedFiles(pinned, manifest), rank, verify, world_size, into, strip_prefixes,
-                                  reader, mmap)  # fmt: skip
-        except Exception as e:
-            fault = fault_of(e)
-            if fault in ("corrupt", "io") and not pinned.still_there():
-                raise pinned.gone("it was being read") from None  # retired: neither damage nor the storage
-            if fault == "corrupt":
-                assert isinstance(e, CheckpointCorruptError)
-                mark(root, step, manifest.attempt, e)
-            raise
-        verified = verified_files(manifest, rank, verify)
-        if report is not None:
-            report.update(attempt=manifest.attempt, files=sorted(f.name for f in manifest.files),
-                          verified=sorted(verified))  # fmt: skip
-        elif verified >= {f.name for f in manifest.files}:
-            unmark(root, step, manifest.attempt)
-        return state
+    with rooted(root) as r:
+        if mmap and not r.caps.mmap:
+            raise ValueError(f"mmap=True needs a local root, not {r.url}")
+        return typed(lambda: _attempt(r, step, rank, verify, world_size, into, strip_prefixes, reader, mmap, report,
+                                      expect, drop_stale_mark))  # fmt: skip
+
+
+def _attempt(
+    root: Root, step: int, rank: int, verify: bool, world_size: int | None, into: Any,
+    strip_prefixes: Sequence[str], reader: Reader | None, mmap: bool, report: dict[str, Any] | None,
+    expect: str | None, drop_stale_mark: bool,
+) -> Any:  # fmt: skip
+    opened = root.open_reader(step)
+    manifest = opened.manifest
+    try:
+        check_choice(manifest, expect, opened.locate())
+        if mmap and opened.fileno(shard_name(rank)) is None:  # a tier root's step read from the store
+            raise ValueError(f"mmap=True needs a local step; step {step} is only on the store ({opened.locate()}): "
+                             "load it without mmap")
+    except BaseException:
+        opened.close()
+        raise
+    try:
+        state = load_files_as(ReaderFiles(opened), rank, verify, world_size, into, strip_prefixes, reader, mmap)
+    except Exception as e:
+        fault = fault_of(e)
+        if fault in ("corrupt", "io") and not opened.still_there():
+            # retired: neither damage nor the storage
+            raise Vanished(f"step {step} under {root.url} was retired or replaced while it was being read") from None
+        if fault == "corrupt":
+            assert isinstance(e, CheckpointCorruptError)
+            mark(root, step, manifest.attempt, e)
+        raise
+    verified = verified_files(manifest, rank, verify)
+    if report is not None:
+        report.update(attempt=manifest.attempt, files=sorted(f.name for f in manifest.files),
+                      verified=sorted(verified))  # fmt: skip
+    elif drop_stale_mark and verified >= {f.name for f in manifest.files}:
+        unmark(root, step, manifest.attempt)
+    return state
 
 
 def verified_files(manifest: Manifest, rank: int, verify: bool) -> frozenset[str]:
@@ -125,10 +186,9 @@ def load_files_as(
     reader: Reader | None = None,
     mmap: bool = False,
 ) -> Any:
-    """:func:`attempt`'s load of a complete step's ``files`` (local or on an object store):
-    a step with a global index as ``reader`` says, any other by rank ``rank``'s shard (which
-    must exist: ``NoSuchShard``; at the world size ``world_size`` when given). ``files`` are
-    closed when the read is done."""
+    """:func:`attempt`'s load of a complete step's ``files``: a step with a global index as
+    ``reader`` says, any other by rank ``rank``'s shard (which must exist: ``NoSuchShard``; at
+    the world size ``world_size`` when given). ``files`` are closed when the read is done."""
     manifest = files.manifest
     step = manifest.step
     try:
@@ -158,26 +218,26 @@ def load_files_as(
         raise
 
 
-def mark(root: str, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:
+def mark(root: Root, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:
     """Remember that ``step`` failed verification (never raises: readers may be read-only)."""
     try:
-        record_bad(root, step, attempt_id, err.path or "", str(err))
+        root.mark_bad(step, attempt_id, err.path or "", str(err))
     except Exception:  # best effort by contract
-        log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root, exc_info=True)
+        log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root.url, exc_info=True)
 
 
-def unmark(root: str, step: int, attempt_id: str) -> None:
+def unmark(root: Root, step: int, attempt_id: str) -> None:
     """Forget a mark of ``step`` that judged this very attempt: every file of it just verified
     (never raises: readers may be read-only)."""
     try:
-        if clear(root, step, attempt_id):
-            log.info("asyncckpt: step %d under %s verified in full: its bad mark is dropped", step, root)
+        if root.clear_bad(step, attempt_id):
+            log.info("asyncckpt: step %d under %s verified in full: its bad mark is dropped", step, root.url)
     except Exception:  # best effort by contract
-        log.debug("asyncckpt: could not drop the bad mark of step %d under %s", step, root, exc_info=True)
+        log.debug("asyncckpt: could not drop the bad mark of step %d under %s", step, root.url, exc_info=True)
 
 
 def load_step(
-    root: str,
+    root: Root,
     step: int,
     *,
     rank: int,
@@ -188,22 +248,23 @@ def load_step(
     reader: Reader | None = None,
     mmap: bool = False,
     deadline: float | None = None,
+    expect: str | None = None,
 ) -> Any:
     """Load exactly ``step``: ``CheckpointNotFoundError`` if it is missing or was retired,
     ``CheckpointReadError`` if it could not be read within the tries (and ``deadline``,
-    ``time.monotonic()`` seconds) of ``_readfault.retrying``."""
+    ``time.monotonic()`` seconds) of ``_readfault.retrying``. ``expect`` as for :func:`attempt`."""
     try:
-        return retrying(lambda: attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader, mmap),
-                        deadline)  # fmt: skip
-    except Vanished as e:
+        return retrying(lambda: attempt(root, step, rank, verify, world_size, into, strip_prefixes, reader, mmap,
+                                        expect=expect), deadline)  # fmt: skip
+    except (Vanished, NoSuchShard) as e:
         raise CheckpointNotFoundError(str(e)) from None
-    except NoSuchShard as e:
-        raise CheckpointNotFoundError(str(e)) from None
+    except ObjectNotFoundError as e:  # retired while being read (manifest first, then objects)
+        raise CheckpointNotFoundError(f"step {step} under {root.url} vanished while being read ({e})") from None
 
 
 def warn_corrupt(root: str, step: int, err: object, where: str = "") -> None:
     log.warning(
-        "asyncckpt: checkpoint step %d under %s is corrupt%s (%s); falling back to the next newest",
+        "asyncckpt: checkpoint step %d under %s is corrupt%s: it does not verify (%s); falling back to the next newest",
         step, root, where, err,
     )  # fmt: skip
 
@@ -221,8 +282,23 @@ def no_checkpoint(root: str, rejected: dict[int, CheckpointCorruptError]) -> Che
     return CheckpointNotFoundError(f"no complete checkpoint under {root}")
 
 
+def newest(root: Root, rejected: dict[int, CheckpointCorruptError], warned: set[int]) -> int | None:
+    """The newest resumable step of ``root`` not in ``rejected``; the damaged and known-bad
+    steps passed over on the way are added to ``rejected`` and warned of once."""
+    passed: list[tuple[int, CheckpointCorruptError]] = []
+    # a root that cannot be listed raises its own error (a store's: ObjectStoreError, which
+    # says which tier could not be read in tier mode); reads of a step are typed by attempt()
+    found = root.newest_resumable(passed, frozenset(rejected))
+    for s, e in passed:
+        rejected.setdefault(s, e)
+        if s not in warned:
+            warned.add(s)
+            warn_corrupt(root.url, s, e)
+    return found
+
+
 def load_newest(
-    root: str,
+    root: Root,
     *,
     rank: int,
     verify: bool,
@@ -233,44 +309,40 @@ def load_newest(
     mmap: bool = False,
     deadline: float | None = None,
 ) -> tuple[int, Any]:
-    """Load the newest complete checkpoint that verifies; return its step and the state.
+    """Load the newest resumable checkpoint that verifies; return its step and the state.
 
     Only a content fault (``CheckpointCorruptError``) moves on to an older step; a read that
-    fails on I/O is tried again (within ``deadline``), then its ``CheckpointReadError`` is
-    raised: an older step is never loaded in place of one that could not be read."""
+    fails on I/O is tried again (within ``deadline``, and the settling time of a root whose
+    choices keep being retired), then its ``CheckpointReadError`` is raised: an older step is
+    never loaded in place of one that could not be read."""
     rejected: dict[int, CheckpointCorruptError] = {}
     warned: set[int] = set()
-    settle_by = time.monotonic() + _SETTLE_S  # the retired-meanwhile loop's bound, not the caller's deadline
-    deadline = settle_by if deadline is None else deadline
+    settle = time.monotonic() + _SETTLE_S
+    io_deadline = settle if deadline is None else min(deadline, settle)
     rounds = 0
     while True:
         rounds += 1
-        skipped: dict[int, CheckpointCorruptError] = {}
-        info = retrying(functools.partial(newest_complete, root, frozenset(rejected), skipped), deadline)
-        for s, e in sorted(skipped.items(), reverse=True):
-            if s not in warned:
-                warned.add(s)
-                warn_corrupt(root, s, e)
-        if info is None:
-            raise no_checkpoint(root, {**skipped, **rejected})
-        chosen = info.step
+        chosen = retrying(lambda: newest(root, rejected, warned), io_deadline)
+        if chosen is None:
+            raise no_checkpoint(root.url, rejected)
         try:
             return chosen, retrying(
-                functools.partial(attempt, root, chosen, rank, verify, world_size, into, strip_prefixes, reader, mmap),
-                deadline,
+                functools.partial(attempt, root, chosen, rank, verify, world_size, into, strip_prefixes, reader, mmap,
+                                  drop_stale_mark=False),
+                io_deadline,
             )
         except NoSuchShard as e:
             raise CheckpointNotFoundError(str(e)) from None
-        except CheckpointNotFoundError:  # retired (or replaced) since it was found: look again
-            if rounds >= _MIN_ROUNDS and time.monotonic() > settle_by:
+        except (CheckpointNotFoundError, ObjectNotFoundError):  # retired (or replaced) since it was found: look again
+            if rounds >= _MIN_ROUNDS and time.monotonic() > settle:
                 raise CheckpointNotFoundError(
-                    f"every checkpoint found under {root} was retired before it could be read "
+                    f"every checkpoint found under {root.url} was retired before it could be read "
                     f"({rounds} tries in {_SETTLE_S:.0f}s)"
                 ) from None
         except CheckpointCorruptError as e:
-            rejected[info.step] = e
-            warned.add(info.step)
-            warn_corrupt(root, info.step, e)
+            rejected[chosen] = e
+            warned.add(chosen)
+            warn_corrupt(root.url, chosen, e)
 
 
 def outcome_of(exc: BaseException | None, report: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 :class:`StepFiles` is all the loaders (``_load.load_files``, ``_load_global``) know of where
 a step lives: a file's path or URL (for messages), its size as the manifest lists it, a
 source to read ranges of (``_readinto.Source``), the whole of a small file, and ``close``.
-:class:`PinnedFiles` serves a pinned local step directory (``_discovery``: a retirement that
-starts after a file was opened cannot touch the read); ``_remote_load.StoreFiles`` serves a
-step on an object store with ranged GETs. One loader, two places to read from.
+:class:`ReaderFiles` serves it from any root's :class:`~asyncckpt.roots._root.StepReader`
+(``Root.open_reader``): a file descriptor where the medium has one (a POSIX directory: the
+kernel's ``preadv`` and ``mmap``), else ranged reads through the reader (a store's ranged
+GETs, memory). One loader, every root.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Protocol
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format._checksum import crc32c
 from ..format._manifest import MANIFEST, Manifest
-from ..roots.posix._discovery import PinnedStep
+from ..roots._root import StepReader
 from ._readinto import Source
 
 
@@ -51,15 +52,27 @@ class StepFiles(Protocol):
         ...
 
 
-class PinnedFiles:
-    """The files of a pinned local step directory, opened at most once each, closed together."""
+class _ReaderRange:
+    """One file of a step read by ranges through its reader (a ``_readinto.RangeSource``)."""
 
-    def __init__(self, pinned: PinnedStep, manifest: Manifest) -> None:
-        self.pinned, self.manifest = pinned, manifest
-        self.fds: dict[str, int] = {}
+    def __init__(self, reader: StepReader, name: str, order: int) -> None:
+        self.reader, self.name, self.order = reader, name, order
+        self.threads = reader.in_flight
+
+    def read_exact(self, views: list[memoryview], offset: int) -> None:
+        self.reader.readv(self.name, offset, views)
+
+
+class ReaderFiles:
+    """The files of the step ``reader`` holds open, each opened at most once; :meth:`close`
+    closes the reader."""
+
+    def __init__(self, reader: StepReader) -> None:
+        self.reader, self.manifest = reader, reader.manifest
+        self._sources: dict[str, Source] = {}
 
     def path(self, name: str) -> str:
-        return os.path.join(self.pinned.path, name)
+        return self.reader.locate(name)
 
     def size(self, name: str) -> int:
         try:
@@ -67,22 +80,23 @@ class PinnedFiles:
         except CheckpointCorruptError:
             raise CheckpointCorruptError(f"manifest does not list {name}", self.path(MANIFEST)) from None
 
-    def source(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = self.pinned.open_file(name, self.size(name))
-        return self.fds[name]
+    def source(self, name: str) -> Source:
+        if name not in self._sources:
+            self.size(name)
+            fd = self.reader.fileno(name)
+            self._sources[name] = _ReaderRange(self.reader, name, len(self._sources)) if fd is None else fd
+        return self._sources[name]
 
     def read(self, name: str, expected_crc: int | None) -> bytes:
         size = self.size(name)
-        raw = read_all(self.source(name), size)
-        if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
+        raw = self.reader.read(name, 0, size)
+        if expected_crc is not None and crc32c(raw) != expected_crc:
             raise CheckpointCorruptError("checksum mismatch", self.path(name))
         return raw
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self._sources.clear()
+        self.reader.close()
 
 
 def read_all(fd: int, size: int) -> bytes:

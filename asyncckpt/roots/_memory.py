@@ -297,8 +297,11 @@ class MemoryRoot:
         rows.sort(key=lambda r: (r.step, r.complete, r.modified or 0.0, r.name))
         return rows
 
-    def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
-        for row in sorted((r for r in self.list_steps() if r.state in ("complete", "bad")), key=lambda r: -r.step):
+    def newest_resumable(
+        self, passed: list[tuple[int, CheckpointCorruptError]] | None = None, skip: frozenset[int] = frozenset()
+    ) -> int | None:
+        rows = (r for r in self.list_steps() if r.state in ("complete", "bad") and r.step not in skip)
+        for row in sorted(rows, key=lambda r: -r.step):
             if row.resumable:
                 return row.step
             if passed is not None:

@@ -29,7 +29,14 @@ import time
 from collections.abc import Callable
 from typing import Literal, TypeVar
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ObjectIntegrityError,
+    ObjectStoreError,
+)
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -85,6 +92,17 @@ def read_error(e: OSError, doing: str, path: str | None) -> CheckpointError:
     if e.errno in CONTENT_ERRNOS:
         return CheckpointCorruptError(msg, path)
     return CheckpointReadError(e.errno, msg, path if path is not None else e.filename)
+
+
+def store_fault(e: ObjectStoreError) -> CheckpointError:
+    """What a store's error met while reading a step means: an object that is not what the
+    manifest says is damage (``CheckpointCorruptError``), any other failure an I/O fault
+    (``CheckpointReadError``, same errno and URL). A missing object is not passed here: it
+    means the step was retired."""
+    where = None if e.filename is None else str(e.filename)
+    if isinstance(e, ObjectIntegrityError):
+        return CheckpointCorruptError(str(e.strerror), where)
+    return CheckpointReadError(e.errno, str(e.strerror), where)
 
 
 def fault_of(exc: BaseException) -> Fault | None:

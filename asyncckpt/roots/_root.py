@@ -188,9 +188,12 @@ class Root(Protocol):
         that cannot be read is listed as such, never raised."""
         ...
 
-    def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
-        """The newest resumable step, or ``None`` (what ``load(step=None)`` takes). Steps
-        passed over (known bad, damaged) are appended to ``passed``, newest first."""
+    def newest_resumable(
+        self, passed: list[tuple[int, CheckpointCorruptError]] | None = None, skip: frozenset[int] = frozenset()
+    ) -> int | None:
+        """The newest resumable step not in ``skip``, or ``None`` (what ``load(step=None)``
+        takes; ``skip``: the steps a load already found damaged). Steps passed over (known
+        bad, damaged) are appended to ``passed``, newest first."""
         ...
 
     def open_step(self, step: int) -> Manifest:
@@ -272,9 +275,11 @@ class StepReader:
     A subclass sets ``manifest``, ``manifest_raw`` and ``manifest_size`` (the manifest's own
     bytes and their count), ``notes`` (names
     the step holds beyond its manifest: ignored, said), ``window`` (bytes per read the medium
-    serves well) and ``parallel`` (how many files are worth reading at once), and implements
-    :meth:`_fill`, :meth:`locate`, :meth:`still_there` and :meth:`close`. Thread-safe: several
-    threads may read at once."""
+    serves well), ``parallel`` (how many files are worth reading at once) and ``in_flight``
+    (how many reads of one file are worth having in flight at once), and implements
+    :meth:`_fill`, :meth:`locate`, :meth:`still_there` and :meth:`close`; it may override
+    :meth:`readv` (a medium that fills many buffers with one request) and :meth:`fileno` (a
+    medium with file descriptors). Thread-safe: several threads may read at once."""
 
     manifest: Manifest
     manifest_size: int = 0
@@ -283,6 +288,7 @@ class StepReader:
     notes: Sequence[str] = ()
     window: int = 8 << 20
     parallel: int = 1
+    in_flight: int = 4
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of file ``name`` from ``offset``. A range past the size
@@ -302,6 +308,23 @@ class StepReader:
         out = bytearray(end - offset)
         self.read_into(name, offset, memoryview(out))
         return bytes(out)
+
+    def readv(self, name: str, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views``, consecutive in file ``name``, from ``offset``: :meth:`read_into` of
+        their bytes together (the whole range is checked before anything is read)."""
+        entry = listed_file(self.manifest, name, self.locate())
+        check_range(entry.size, offset, sum(len(v) for v in views))
+        for v in views:
+            if len(v):
+                self._fill(entry, offset, v)
+            offset += len(v)
+
+    def fileno(self, name: str) -> int | None:
+        """A file descriptor of file ``name`` (a regular file of the listed size) that the
+        caller may read and map until :meth:`close`, or ``None`` where the medium has none.
+        Errors as :meth:`read_into`'s."""
+        listed_file(self.manifest, name, self.locate())
+        return None
 
     def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
         raise NotImplementedError

@@ -49,10 +49,11 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
 from ..threads._sync import run_sync
-from .posix._discovery import newest_complete, open_step, pin_step
+from .posix._discovery import newest_complete, open_step
 
 if TYPE_CHECKING:
     from ..format._manifest import Manifest
+    from ._root import Root
     from .objstore._client import ObjectStore
 
 log = logging.getLogger("asyncckpt")
@@ -179,24 +180,6 @@ def warn_at_start(far: Newest | None, url: str, run: str) -> None:
         )  # fmt: skip
 
 
-def store_choice(store: ObjectStore, step: int, timeout: float, run: str | None) -> list[Any]:
-    """:func:`choice` for ``step`` on ``store`` (a load asked for it by step), as rank 0 sees it
-    now; a step of another run than ``run`` is loaded as asked, with a WARNING saying whose."""
-    from .objstore._remote import read_manifest
-
-    try:
-        found = run_sync(lambda: read_manifest(store, step, time.monotonic() + timeout))
-    except (CheckpointCorruptError, OSError):  # a defect, the store's error: every rank finds it itself
-        found = None
-    if found is None:
-        return choice(step, None)
-    m = found[0]
-    if run is not None and not same_run(m.run, run):
-        log.warning("asyncckpt: loading step %d from %s, a step of another run (%s; this job is run %s), as asked",
-                    step, store.url, short(m.run), short(run))
-    return choice(step, m)
-
-
 def check_store_step(step: int, store: Newest | None, url: str, run: str, allow_earlier: bool) -> None:
     """``save(step)``'s rule across tiers: ``ValueError`` when the store held ``step`` (or,
     unless ``allow_earlier``, a higher step) at construction. No I/O."""
@@ -269,12 +252,13 @@ def choice(step: int, m: Manifest | None) -> list[Any]:
     return [step, None, None] if m is None else [step, m.attempt, m.run]
 
 
-def local_choice(root: str, step: int) -> list[Any]:
-    """:func:`choice` for ``step`` under local ``root``, as rank 0 sees it now."""
+def choice_at(root: Root, step: int) -> list[Any]:
+    """:func:`choice` for ``step`` of ``root``, as rank 0 sees it now (``Root.open_reader``: the
+    committed manifest whose files match it; none: each rank finds out what is wrong)."""
     try:
-        with pin_step(root, step) as pinned:
-            return choice(step, pinned.manifest)
-    except CheckpointError:
+        with root.open_reader(step) as reader:
+            return choice(step, reader.manifest)
+    except (CheckpointError, OSError):  # a defect, the medium's error: every rank finds it itself
         return choice(step, None)
 
 

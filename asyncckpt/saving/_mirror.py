@@ -119,7 +119,7 @@ class Mirror:
                 self._pool.shutdown(wait=True)
             raise
         self.url = self.store.url
-        self.storage_options = storage_options  # for loads through _remote_load; never logged
+        self.storage_options = storage_options  # for loads from the store (roots.open_root); never logged
         self.keep_last_remote = keep_last_remote
         self.timeout = timeout
         self._retire_local = retire_local

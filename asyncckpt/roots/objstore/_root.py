@@ -25,7 +25,17 @@ from ...format._manifest import FileEntry, Manifest, decode
 from ...format._stepstates import victims
 from ...threads._sync import run_sync
 from .._badmarks import clear_on_store, record_on_store
-from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
+from .._root import (
+    Attempt,
+    BackendAttempt,
+    Capabilities,
+    Claim,
+    Leftover,
+    Listed,
+    StepReader,
+    check_range,
+    listed_file,
+)
 from ._backend import ObjectBackend
 from ._client import ObjectStore
 from ._lease import Lease
@@ -38,6 +48,8 @@ CAPS = Capabilities(
     "objstore", "lease", "conditional-create",
     by_commit_order=False, mmap=False, step_noun="prefix", checks_commit=False,
 )
+#: Ranged GETs of one object a load keeps in flight (the I/O threads of its reads).
+GETS_IN_FLIGHT = 16
 #: How long one call may take by default (a listing of a large root included).
 DEFAULT_DEADLINE_S = 3600.0
 
@@ -90,6 +102,21 @@ class ObjectStepReader(StepReader):
         # the store's own streamed reads; a file at a time, its ranges in parallel
         self.window = store.part_size
         self.parallel = 1
+        self.in_flight = GETS_IN_FLIGHT
+
+    def readv(self, name: str, offset: int, views: Sequence[memoryview]) -> None:
+        # one ranged GET scattered over the views (a load's many small tensors: one request)
+        entry = listed_file(self.manifest, name, self.locate())
+        check_range(entry.size, offset, sum(len(v) for v in views))
+        url = self.locate(name)
+        try:
+            run_sync(lambda: self._store.get_range_scatter(self._prefix + name, offset, list(views), self._deadline))
+        except ObjectNotFoundError:  # gone: retired (still_there says) or damage
+            raise CheckpointCorruptError("object listed in the manifest is missing", url) from None
+        except ObjectIntegrityError as e:
+            raise CheckpointCorruptError(f"object ended early ({e.strerror})", url) from None
+        except ObjectStoreError as e:  # 503s, no answer in time: the store, not the data
+            raise CheckpointReadError(e.errno, f"cannot read ({e.strerror})", url) from None
 
     def _fill(self, entry: FileEntry, offset: int, out: memoryview) -> None:
         url = self.locate(entry.name)
@@ -183,8 +210,10 @@ class ObjectRoot:
 
         return [listed(s, self.url) for s in run_sync(go)]
 
-    def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
-        found = run_sync(lambda: newest_resumable(self.store, self._deadline(), passed=passed))
+    def newest_resumable(
+        self, passed: list[tuple[int, CheckpointCorruptError]] | None = None, skip: frozenset[int] = frozenset()
+    ) -> int | None:
+        found = run_sync(lambda: newest_resumable(self.store, self._deadline(), skip, passed=passed))
         return None if found is None else found[0].step
 
     def open_step(self, step: int) -> Manifest:

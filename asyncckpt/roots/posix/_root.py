@@ -21,7 +21,7 @@ from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
 from .._readfault import read_error
-from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader
+from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader, listed_file
 from . import _ownership
 from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step, read_regular_file
 from ._listing import StepDir, scan, usage
@@ -84,6 +84,7 @@ class PosixStepReader(StepReader):
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently used first
         self._using: collections.Counter[str] = collections.Counter()  # reads in flight per file
         self._lock = threading.Lock()
+        self._held: set[str] = set()  # files whose descriptor fileno() gave out: open until close
 
     def _take(self, entry: FileEntry) -> int:
         """The descriptor of ``entry``'s file, counted as in use until :meth:`_give`."""
@@ -126,6 +127,18 @@ class PosixStepReader(StepReader):
         finally:
             self._give(entry.name, failed)
 
+    def fileno(self, name: str) -> int:
+        entry = listed_file(self.manifest, name, self.locate())
+        with self._lock:
+            if name in self._held:
+                return self._fds[name]
+        fd = self._take(entry)  # counted in use for good: never closed to make room
+        with self._lock:
+            if name in self._held:  # another thread got there first
+                self._using[name] -= 1
+            self._held.add(name)
+        return fd
+
     def locate(self, name: str | None = None) -> str:
         where = os.path.abspath(self._pinned.path)
         return where if name is None else os.path.join(where, name)
@@ -167,10 +180,12 @@ class PosixRoot:
     def list_steps(self) -> list[Listed]:
         return [listed(d) for d in scan(self.path)]
 
-    def newest_resumable(self, passed: list[tuple[int, CheckpointCorruptError]] | None = None) -> int | None:
+    def newest_resumable(
+        self, passed: list[tuple[int, CheckpointCorruptError]] | None = None, skip: frozenset[int] = frozenset()
+    ) -> int | None:
         self._need_dir()
         skipped: dict[int, CheckpointCorruptError] = {}
-        found = newest_complete(self.path, skipped=skipped)
+        found = newest_complete(self.path, skip, skipped)
         if passed is not None:
             passed.extend(sorted(skipped.items(), reverse=True))
         return None if found is None else found.step
