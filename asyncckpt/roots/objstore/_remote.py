@@ -1,8 +1,9 @@
 """Checkpoints on an object store: find and list remote steps, and the clean-ups after a
 commit (objects of dead attempts, stale multipart uploads) and retention.
 
-Torch-free (the CLI's ``ls s3://...`` uses it); loading into tensors is the one loader reading through ``ObjectStepReader``;
-push and pull are copies between roots (``roots._transfer``). Names on the store
+Torch-free (the CLI's ``ls s3://...`` uses it); loading into tensors is the one loader,
+reading through ``ObjectStepReader``; push and pull are copies between roots
+(``roots._transfer``). Names on the store
 (docs/design/object-stores.md, section 1)::
 
     P/step_00000300/manifest.json                 the commit object, created once (If-None-Match: *)
