@@ -184,6 +184,7 @@ def _child(root: Path) -> subprocess.Popen[str]:
     return p
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_a_kill_mid_save_never_leaves_a_step_dcp_would_load(tmp_path: Path) -> None:
     # one whole save first: its duration is the window the kills are drawn from
     p = _child(tmp_path / "whole")
@@ -241,6 +242,7 @@ def _launch(tmp_path: Path, scenario: str, world: int) -> dict[int, dict[str, An
     return res
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_fsdp2_saved_on_4_ranks_loads_on_2_bit_for_bit_and_the_imported_dcp_checkpoint_too(tmp_path: Path) -> None:
     saved = _launch(tmp_path, "save", 4)
     assert saved[0]["keys"] > 0

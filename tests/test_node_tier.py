@@ -192,6 +192,7 @@ def test_a_node_whose_commit_is_slow_but_in_time_commits_the_save_on_every_rank(
     assert _steps(a) == [1, 2] and _steps(b) == [1, 2]
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(300)
@@ -233,6 +234,7 @@ def test_rank0s_commit_rename_that_lands_after_the_deadline_is_taken_back_and_th
     assert _steps(a) == [1, 2] and _steps(b) == [1, 2]
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(300)

@@ -92,6 +92,7 @@ def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_sav
 proxy = proxy_fixture()
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(400)
@@ -116,6 +117,7 @@ def test_a_store_that_stops_answering_uploads_fails_the_round_naming_every_ranks
     assert _steps(a) == [1] and _steps(b) == [1]
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(400)

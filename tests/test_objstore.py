@@ -598,6 +598,7 @@ def test_forked_child_gets_a_clear_error_not_a_timeout(s3: S3Server, prefix: str
 # -- the server dies ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_server_killed_mid_put_then_restarted() -> None:
     server = S3Server()
     try:

@@ -174,6 +174,7 @@ def test_verify_names_a_dtensor_the_index_lacks(submesh: Any, tmp_path: Path) ->
     assert problems and "the index lacks DTensor 'model.bias'" in problems[0], problems
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timeout(120)
 def test_stateful_targets_read_only_their_shards(tmp_path: Path) -> None:
     """torchtitan's model wrapper and flat optimizer state dict as ``into=`` targets: each of
@@ -225,6 +226,7 @@ def test_remote_verify_checks_the_index_load_checks(
             remote.load(url, 1, per_rank="rank0", storage_options=o)
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timeout(120)
 def test_a_file_without_twins_holds_only_staged_bytes(tmp_path: Path) -> None:
     """The copy in save() paused halfway on every rank while the dedupe round ends: each rank's

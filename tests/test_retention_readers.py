@@ -118,6 +118,7 @@ def test_find_latest_never_answers_none_while_retention_runs(tmp_path: Path) -> 
     _race(tmp_path, "find_latest", want=20_000, limit_s=60, min_polls=20_000)
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timeout(120)
 def test_load_latest_never_fails_while_retention_runs(tmp_path: Path) -> None:
     _race(tmp_path, "load", want=3_000, limit_s=40, min_polls=1_000)

@@ -178,6 +178,7 @@ def test_a_fault_fails_the_save_within_its_deadline_and_the_next_save_commits(
     only_committed(proxy.endpoint, url, [1, 3])  # the failed attempt's objects are gone
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_server_killed_mid_save_then_back() -> None:
     with running_server(BUCKET) as server:  # its own: it is killed
         url = f"s3://{BUCKET}/killed"
@@ -227,6 +228,7 @@ def test_a_store_that_ignores_conditional_creates_is_refused_at_construction(pro
     assert manifests(proxy.endpoint, url) == []
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_two_gloo_ranks_save_to_one_prefix_and_a_fault_is_named_on_both(
     s3: S3Server, proxy: FaultProxy, url: str, tmp_path: Path
 ) -> None:

@@ -197,6 +197,7 @@ def small_s3() -> Iterator[S3Server]:
         server.close()
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timing  # "out of space" needs the read probe to answer in time (failed under parallel load)
 def test_a_store_out_of_space_fails_the_save_naming_it_and_close_gives_the_lease_back(
     small_s3: S3Server, url: str

@@ -160,6 +160,7 @@ def test_state_without_dtensors_keeps_the_old_format(tmp_path: Path) -> None:
         asyncckpt.load(tmp_path, per_rank="rank1")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timeout(200)
 def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
@@ -263,6 +264,7 @@ def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path: Path) -> None
     assert verify(tmp_path, 1) == []
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 @pytest.mark.timeout(200)
 def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"

@@ -55,6 +55,7 @@ def test_the_constructor_gives_up_within_its_timeout(proxy: FaultProxy) -> None:
     assert took < T + SLACK, took  # was timeout + 5 s: the probe's scratch delete ran past the deadline
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_a_save_on_a_store_root_fails_within_its_timeout(proxy: FaultProxy) -> None:
     ck = Checkpointer(_url("save"), storage_options=opts(proxy.endpoint), timeout=T)
     try:

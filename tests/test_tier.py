@@ -272,6 +272,7 @@ def test_failed_upload_is_raised_at_the_next_save(tmp_path: Path, proxy: FaultPr
     assert remote_steps(url, o) == [2]
 
 
+@pytest.mark.slow  # > 15 s on a quiet 2-core machine: make test-slow (and CI) runs it
 def test_server_killed_mid_upload_then_back(tmp_path: Path) -> None:
     """Its own server (it is killed): the upload in flight fails as a SaveError at flush, the
     local commit stands, nothing on the store is complete, and after the restart the next
