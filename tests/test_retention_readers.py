@@ -173,3 +173,27 @@ def test_load_on_the_saving_checkpointer_during_in_flight_saves(tmp_path: Path) 
             t.join(60)
         assert not errors, errors
         assert false == 0 and polls > 50, (false, polls)
+
+
+def test_opening_a_step_reads_its_manifest_once(tmp_path: Path) -> None:
+    # A reader of a local step read manifest.json a second time after pinning the step (for the
+    # bytes a copy commits): retention removing the step between the two reads made a load of a
+    # just-found step say "corrupt" (2 of 20,000 polls of the race above). One read, its bytes kept.
+    from asyncckpt.roots import open_root
+
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.ones(4)}).result(timeout=60)
+    opened: list[str] = []
+    active = [True]
+
+    def hook(event: str, args: tuple[object, ...]) -> None:
+        if active[0] and event == "open" and str(args[0]).endswith("manifest.json"):
+            opened.append(str(args[0]))
+
+    root = open_root(str(tmp_path / "ck"))
+    sys.addaudithook(hook)  # the interpreter's own record of every open() (cannot be removed: filtered)
+    with root.open_reader(1) as reader:
+        got = list(opened)
+        active[0] = False  # a hook cannot be removed: it goes quiet
+        assert reader.manifest_raw == (tmp_path / "ck" / "step_00000001" / "manifest.json").read_bytes()
+    assert len(got) == 1, got

@@ -144,6 +144,8 @@ class PinnedStep:
         st = os.fstat(fd)
         self.ident = (st.st_dev, st.st_ino)
         self.manifest: Manifest | None = None
+        #: the bytes ``manifest`` was decoded from (what a copy commits: never read twice)
+        self.manifest_raw = b""
         #: names in the directory the manifest does not list (ignored; see the module docstring)
         self.unlisted: list[str] = []
 
@@ -223,6 +225,7 @@ class PinnedStep:
         manifest = decode(raw, path)
         if manifest.step != self.step:
             raise CheckpointCorruptError(f"manifest is for step {manifest.step}", self.path)
+        self.manifest_raw = raw
         return manifest
 
     def _check_files(self, manifest: Manifest) -> None:

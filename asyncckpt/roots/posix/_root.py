@@ -14,16 +14,15 @@ import uuid
 from collections.abc import Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import deleting_dir_name, step_dir_name
-from ...format._manifest import MANIFEST, FileEntry, Manifest, decode
+from ...format._manifest import FileEntry, Manifest
 from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
 from .._readfault import read_error
 from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader, listed_file
 from . import _ownership
-from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step, read_regular_file
+from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step
 from ._listing import StepDir, scan, usage
 from ._osops import DEFAULT_OPS
 from ._remove_tree import remove_tree
@@ -69,17 +68,9 @@ class PosixStepReader(StepReader):
         self._pinned: PinnedStep = pinned
         self.manifest = pinned.manifest
         self.notes = tuple(pinned.unlisted)
-        where = os.path.join(pinned.path, MANIFEST)
-        try:  # the bytes a copy commits: those of the manifest pinned, or the step is refused
-            try:
-                raw = read_regular_file(where, MAX_MANIFEST_BYTES, dir_fd=pinned.fd, name=MANIFEST)
-            except OSError as e:
-                raise read_error(e, "cannot read the manifest", where) from None
-            if decode(raw, where) != self.manifest:
-                raise CheckpointCorruptError("manifest changed while being opened", where)
-        except BaseException:
-            pinned.close()
-            raise
+        # the bytes a copy commits: those the pinned manifest was decoded from (a second read
+        # would race retention: a step retired after pinning is gone, never "corrupt")
+        raw = pinned.manifest_raw
         self.manifest_raw, self.manifest_size = raw, len(raw)
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently used first
         self._using: collections.Counter[str] = collections.Counter()  # reads in flight per file
