@@ -80,6 +80,7 @@ def test_200_mib_of_bytes_loads_back(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # several CLI runs of up to 300 s each; hit 120 s in a loaded slow phase
 def test_600k_tiny_tensors_load_back_and_every_tool_reads_them(tmp_path: Path) -> None:
     """Over the old 2**19 tensors per shard (the header holds 600k entries in 41 MB)."""
     state = {f"layer{i}.bias": torch.full((1,), float(i)) for i in range(600_000)}
@@ -305,6 +306,7 @@ def test_info_verify_and_export_read_what_load_reads(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # several CLI runs of up to 300 s each; hit 120 s in a loaded slow phase
 def test_info_verify_and_export_read_a_9m_int_permutation(tmp_path: Path) -> None:
     state = {"perm": list(range(9_000_000)), "w": torch.arange(4.0)}
     with Checkpointer(tmp_path) as ck:
