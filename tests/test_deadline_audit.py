@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+from faultfs import FaultFS, FaultFSUnavailable, mounted, rule, unavailable_reason
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointReadError
@@ -46,15 +46,11 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
     if reason is not None:
         pytest.skip(reason)
     base = tmp_path_factory.mktemp("deadlines")
-    fs = FaultFS(base / "backing", base / "mnt", direct_io=True)  # direct: every read reaches it
     try:
-        fs.mount()
+        with mounted(base / "backing", base / "mnt", direct_io=True) as fs:  # direct: every read reaches it
+            yield fs
     except FaultFSUnavailable as e:
         pytest.skip(str(e))
-    try:
-        yield fs
-    finally:
-        fs.unmount()
 
 
 @pytest.mark.needs_root
