@@ -55,7 +55,8 @@ def raw():
 out = {{"raw": [], "load": []}}
 for _ in range(per_round):
     drop_cache([root]); t = time.perf_counter(); raw(); out["raw"].append(time.perf_counter() - t)
-    drop_cache([root]); t = time.perf_counter(); asyncckpt.load(root, into=state); out["load"].append(time.perf_counter() - t)
+    drop_cache([root]); t = time.perf_counter(); asyncckpt.load(root, into=state)
+    out["load"].append(time.perf_counter() - t)
 print(json.dumps(out))
 """
 
@@ -86,16 +87,19 @@ def main() -> None:
             res = run(getattr(args, side), root, args.size, args.per_round, "read")
             for k in ("raw", "load"):
                 got[side][k] += res[k]
-            print(f"round {r} {side}: load {statistics.median(res['load']):.3f} s raw {statistics.median(res['raw']):.3f} s", flush=True)
+            load_s, raw_s = statistics.median(res["load"]), statistics.median(res["raw"])
+            print(f"round {r} {side}: load {load_s:.3f} s raw {raw_s:.3f} s", flush=True)
     rows = []
     for side in ("a", "b"):
         load, raw = got[side]["load"], got[side]["raw"]
-        ratios = [x / y for x, y in zip(load, raw)]
-        rows.append((side, statistics.median(load), min(load), max(load), statistics.median(raw), statistics.median(ratios)))
+        ratios = [x / y for x, y in zip(load, raw, strict=True)]
+        med, raw_med = statistics.median(load), statistics.median(raw)
+        rows.append((side, med, min(load), max(load), raw_med, statistics.median(ratios)))
     print("\n| side | cold load(into=) median | min | max | raw read median | load/raw (pairwise median) |")
     print("|---|---|---|---|---|---|")
     for side, med, lo, hi, raw_med, ratio in rows:
-        print(f"| {side} ({getattr(args, side)}) | {med:.3f} s | {lo:.3f} s | {hi:.3f} s | {raw_med:.3f} s | {ratio:.2f}× |")
+        name = f"{side} ({getattr(args, side)})"
+        print(f"| {name} | {med:.3f} s | {lo:.3f} s | {hi:.3f} s | {raw_med:.3f} s | {ratio:.2f}× |")
     print(f"\nb/a median cold load: {rows[1][1] / rows[0][1]:.3f}×")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
