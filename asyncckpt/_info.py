@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,40 @@ class CheckpointInfo:
     statistics: SaveStatistics | None = None
     url: str | None = None
     run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
+
+
+@dataclass(frozen=True)
+class RemoteCheckpointInfo:
+    """A complete checkpoint on an object store (``url``: its step prefix; ``attempt``: the
+    attempt its manifest names; ``run``: the id of the run it belongs to, ``None`` for a step
+    written before run ids)."""
+
+    step: int
+    url: str
+    nbytes: int
+    world_size: int = 1
+    created: float = 0.0
+    attempt: str = ""
+    run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
+
+
+def info_to_json(info: CheckpointInfo | RemoteCheckpointInfo) -> dict[str, Any]:
+    """``info`` as JSON (what rank 0 sends every rank); :func:`info_from_json` reads it back
+    equal. The statistics of a save's info are not sent (a found checkpoint has none)."""
+    if isinstance(info, RemoteCheckpointInfo):
+        return {"kind": "remote", "step": info.step, "url": info.url, "nbytes": info.nbytes,
+                "world_size": info.world_size, "created": info.created, "attempt": info.attempt, "run": info.run}
+    return {"kind": "local", "step": info.step, "path": str(info.path), "nbytes": info.nbytes,
+            "world_size": info.world_size, "created": info.created, "url": info.url, "run": info.run}  # fmt: skip
+
+
+def info_from_json(d: dict[str, Any]) -> CheckpointInfo | RemoteCheckpointInfo:
+    """The info :func:`info_to_json` wrote."""
+    if d["kind"] == "remote":
+        return RemoteCheckpointInfo(int(d["step"]), str(d["url"]), int(d["nbytes"]), int(d["world_size"]),
+                                    float(d["created"]), str(d["attempt"]), d["run"])  # fmt: skip
+    return CheckpointInfo(int(d["step"]), pathlib.Path(d["path"]), int(d["nbytes"]), int(d["world_size"]),
+                          float(d["created"]), None, d["url"], d["run"])  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ._errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
 )
+from ._info import CheckpointInfo
 from .format import _index
 from .format._bounds import check_structure_size, parse_structure
 from .format._checksum import crc32c
@@ -31,21 +32,20 @@ from .format._header import TensorSlot, declared_length, parse_header, validate_
 from .format._keytree import Entry, outline, outline_entries
 from .format._manifest import MANIFEST, FileEntry, Manifest, shard_name, tree_name
 from .roots import Root
-from .roots._find import find_latest
+from .roots._find import describe, find_latest
 from .roots._readfault import read_error, regular_file
 from .roots._root import StepReader
 from .roots.posix._discovery import (
     KnownBad,
     candidate_steps,
     check_files,
-    complete_checkpoints,
-    newest_complete,
+    newest_resumable,
     open_step,
     pause_before_looking_again,
     read_manifest,
 )
 from .roots.posix._listing import StepDir, scan, timestamp, usage
-from .roots.posix._root import PosixStepReader
+from .roots.posix._root import PosixRoot, PosixStepReader
 
 __all__ = [
     "Entry",
@@ -55,7 +55,6 @@ __all__ = [
     "complete_checkpoints",
     "find_latest",
     "local_time",
-    "newest_complete",
     "open_step",
     "outline",
     "passed_over",
@@ -72,6 +71,13 @@ __all__ = [
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Every resumable checkpoint under local ``root`` (complete, not known bad), oldest
+    first, described as :func:`find_latest` describes one (none under a missing root)."""
+    opened = PosixRoot(root)
+    return [i for m in opened.resumable() if isinstance(i := describe(opened, m), CheckpointInfo)]
+
 
 def resolve_step(root: str, step: int | None) -> tuple[str, Manifest]:
     """The directory and manifest of complete ``step``, or of the newest resumable one when ``None``.
@@ -91,7 +97,7 @@ def resolve_step_noting(root: str, step: int | None) -> tuple[str, Manifest, lis
     passed: list[tuple[int, str]] = []
     if step is None:
         skipped: dict[int, CheckpointCorruptError] = {}
-        info = newest_complete(root, skipped=skipped)
+        info = newest_resumable(root, skipped=skipped)
         passed = passed_over(skipped)
         if info is None:
             raise CheckpointNotFoundError(f"no complete checkpoint under {root}" + (
@@ -103,7 +109,7 @@ def resolve_step_noting(root: str, step: int | None) -> tuple[str, Manifest, lis
 
 
 def passed_over(skipped: dict[int, CheckpointCorruptError]) -> list[tuple[int, str]]:
-    """``skipped`` (of ``newest_complete``) as (step, why) pairs, newest first."""
+    """``skipped`` (of ``newest_resumable``) as (step, why) pairs, newest first."""
     return [(s, _why(e)) for s, e in sorted(skipped.items(), reverse=True)]
 
 

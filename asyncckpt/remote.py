@@ -19,9 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._info import RemoteCheckpointInfo
 from .format._layout import check_step
 from .roots._scheme import is_url
-from .roots.objstore._remote import DEFAULT_DEADLINE_S, RemoteCheckpointInfo, RemoteStep, find_latest, open_store, scan
+from .roots.objstore._remote import DEFAULT_DEADLINE_S, RemoteStep, open_store, scan
 
 __all__ = ["PushResult", "RemoteCheckpointInfo", "RemoteStep", "find_latest", "is_url", "load", "pull", "push",
            "scan"]
@@ -37,6 +38,26 @@ class PushResult:
     url: str
     nbytes: int
     seconds: float
+
+
+def find_latest(
+    url: str, *, storage_options: Mapping[str, str] | None = None, deadline_s: float = 300.0
+) -> RemoteCheckpointInfo | None:
+    """The newest resumable checkpoint under ``url`` (``s3://bucket/prefix``), or ``None``:
+    :func:`asyncckpt.find_latest` of the URL (the same look, the same rules), every request
+    within ``deadline_s``."""
+    from .roots._find import latest_in
+    from .roots._registry import open_root
+
+    if not is_url(url):
+        raise ValueError(f"not an object-store URL (s3://bucket/prefix): {url!r}")
+    root = open_root(url, storage_options=storage_options, deadline_s=deadline_s)
+    try:
+        found = latest_in(root)
+    finally:
+        root.close()
+    assert found is None or isinstance(found, RemoteCheckpointInfo)
+    return found
 
 
 def push(

@@ -48,7 +48,7 @@ from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._header import MAX_HEADER
 from asyncckpt.format._manifest import MANIFEST, FileEntry, decode, encode
 from asyncckpt.format._safetensors import ST_TO_DTYPE
-from asyncckpt.roots.posix._discovery import complete_checkpoints
+from asyncckpt.reading import complete_checkpoints
 
 STEP2 = "step_00000002"
 SHARD, TREE = "rank00000.safetensors", "rank00000.json"

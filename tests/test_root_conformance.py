@@ -10,6 +10,7 @@ with a plain obstore client, the memory store changed in place (``Rig.tamper``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -416,6 +417,98 @@ class TestRoot:
         with pytest.raises(ValueError, match="hex token"):
             rig.root.begin(1, attempt=bad)
         assert rig.root.list_steps() == []
+
+
+class TestFindLatest:
+    """``asyncckpt.find_latest`` and ``Root.resumable``: one look for every root, so every kind
+    answers the same: the newest complete step, described from the manifest that look read
+    (``roots._find.describe``); bad, incomplete, torn and set-aside entries passed over;
+    ``None`` on an empty root."""
+
+    @staticmethod
+    def find(rig: Rig) -> Any:
+        from asyncckpt import find_latest
+
+        return find_latest(rig.where, storage_options=rig.kw.get("storage_options"))
+
+    @staticmethod
+    def check_info(rig: Rig, info: Any, step: int) -> None:
+        from asyncckpt import CheckpointInfo
+        from asyncckpt._info import info_from_json, info_to_json
+        from asyncckpt.remote import RemoteCheckpointInfo
+
+        m = rig.root.open_step(step)
+        assert (info.step, info.nbytes, info.world_size, info.created, info.run) == (
+            step, m.nbytes, m.world_size, m.created, m.run)  # fmt: skip
+        where = rig.root.locate(step)
+        if rig.root.caps.kind == "objstore":
+            assert type(info) is RemoteCheckpointInfo and (info.url, info.attempt) == (where, m.attempt)
+        else:
+            assert type(info) is CheckpointInfo and info.statistics is None
+            assert (str(info.path), info.url) == ((where, None) if rig.root.caps.kind == "posix" else
+                                                  (f"step_{step:08d}", where))  # fmt: skip
+        back = info_from_json(info_to_json(info))  # what every rank of latest() gets
+        assert back == info and back.run == info.run and type(back) is type(info)
+
+    def test_an_empty_root_has_none(self, rig: Rig) -> None:
+        assert self.find(rig) is None
+        assert rig.root.resumable() == [] and rig.root.resumable(newest=True) == []
+
+    def test_the_newest_complete_step_described_from_its_manifest(self, rig: Rig) -> None:
+        for step in (1, 2, 3):
+            save(rig.root, step)
+        self.check_info(rig, self.find(rig), 3)
+        assert [m.step for m in rig.root.resumable()] == [1, 2, 3]
+        (newest,) = rig.root.resumable(newest=True)
+        assert newest == rig.root.open_step(3)
+
+    def test_bad_incomplete_torn_and_aside_entries_are_passed_over(self, rig: Rig) -> None:
+        for step in (1, 2, 3, 4):
+            save(rig.root, step)
+        m3 = rig.root.open_step(3)
+        assert rig.root.mark_bad(3, m3.attempt, "rank00000.safetensors", "crc mismatch")  # known bad
+        rig.tamper(4, shard_name(0), b"short")  # its files are not its manifest's: corrupt
+        torn = rig.root.begin(5)  # written, never committed
+        for name, data in payload(5).items():
+            torn.write(name, data)
+        a = rig.root.begin(6)  # committed naming a file it never wrote (refused, or never resumable)
+        a.write(tree_name(0), payload(6)[tree_name(0)])
+        with pytest.raises((CheckpointCorruptError, FileExistsError)) if rig.root.caps.checks_commit else \
+                contextlib.nullcontext():  # fmt: skip
+            a.commit(manifest(6, a.attempt, payload(6)))
+        self.check_info(rig, self.find(rig), 2)
+        assert [m.step for m in rig.root.resumable()] == [1, 2]
+        assert [m.step for m in rig.root.resumable(newest=True)] == [2]
+        save(rig.root, 3, b"again")  # the bad attempt set aside: the step saved again is resumable
+        assert any(r.state == "aside" for r in rig.root.list_steps())
+        self.check_info(rig, self.find(rig), 3)
+        assert rig.root.open_step(3).attempt != m3.attempt
+        assert [m.step for m in rig.root.resumable()] == [1, 2, 3]
+
+    def test_a_local_root_missing_has_none_and_its_path_is_absolute(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from asyncckpt import find_latest
+
+        assert find_latest(tmp_path / "missing") is None
+        with pytest.raises(ValueError, match="s3://"):
+            find_latest(tmp_path, storage_options={"endpoint": "http://127.0.0.1:1"})  # meaningless here: refused
+        monkeypatch.chdir(tmp_path)
+        rig = _posix(tmp_path)
+        try:
+            save(rig.root, 4)
+            info = find_latest("ck")  # relative: described where it is (Root.locate)
+            assert info is not None and info.path == tmp_path / "ck" / "step_00000004"
+        finally:
+            rig.close()
+
+    def test_the_answer_agrees_with_the_listing_and_newest_resumable(self, rig: Rig) -> None:
+        for step in (2, 5, 9):
+            save(rig.root, step)
+        rig.root.mark_bad(9, rig.root.open_step(9).attempt, "rank00000.safetensors", "crc mismatch")
+        listed = [r.step for r in rig.root.list_steps() if r.resumable]
+        assert [m.step for m in rig.root.resumable()] == listed == [2, 5]
+        assert rig.root.newest_resumable() == self.find(rig).step == 5
 
 
 class TestRegistry:

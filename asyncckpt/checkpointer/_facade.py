@@ -16,9 +16,9 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._info import CheckpointerStatistics, CheckpointInfo, StagingStatistics
+from .._info import CheckpointerStatistics, CheckpointInfo, RemoteCheckpointInfo, StagingStatistics
 from ..format._gcpause import paused_gc
 from ..loading import _load, _load_global
 from ..roots.posix._osops import DEFAULT_OPS, OsOps
@@ -32,9 +32,6 @@ from ._pipeline import SavePipeline
 from ._runtime import MARGIN_S
 from ._session import RootSession
 from ._waits import Waits
-
-if TYPE_CHECKING:
-    from ..roots.objstore._remote import RemoteCheckpointInfo
 
 __all__ = ["Checkpointer", "load"]
 

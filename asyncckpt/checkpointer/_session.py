@@ -6,31 +6,28 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError
-from .._info import CheckpointInfo
-from ..format._layout import step_dir_name
+from .._info import CheckpointInfo, RemoteCheckpointInfo, info_from_json, info_to_json
 from ..ranks import _distributed, _nodes
 from ..ranks._coordination import LocalCoordinator, StoreCoordinator
 from ..roots import _nodeparts, _rootstart, _runs
 from ..roots._backend import PosixBackend
-from ..roots.posix import _discovery
+from ..roots._find import latest_in
+from ..roots._registry import open_root
+from ..roots._root import Root
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
 from ..saving import _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
 from ..threads._iopool import IOPool
-from ..threads._sync import run_sync
 from ._options import Options
 from ._runtime import Runtime
 
 if TYPE_CHECKING:
     from ..roots.objstore._lease import Lease
-    from ..roots.objstore._remote import RemoteCheckpointInfo
 
 #: At most this long (and half the timeout, which bounds the other ranks' wait for its answer)
 #: for rank 0's look at the store's newest step at construction.
@@ -73,6 +70,8 @@ class RootSession:
             from ..roots.objstore._lease import Lease  # obstore: only for s3:// roots
 
             self.lease = Lease(self.store, self.ranks, ttl=opts.ttl)
+        #: the root as this session reads it (``latest``, ``steps``): opened once, no I/O
+        self.reading: Root = self.open_reading()
         self.run_id = ""
         self.store_newest = _runs.Newest.from_json(None)
         self.store_known = False
@@ -158,6 +157,15 @@ class RootSession:
         if self.lease is not None:
             self.lease.release()
 
+    def open_reading(self, deadline_s: float | None = None) -> Root:
+        """This session's root as a :class:`~asyncckpt.roots._root.Root` (no I/O): a store's
+        over the session's own client, each call within ``deadline_s`` (default: ``timeout``)."""
+        if self.store is None:
+            return open_root(self.root)
+        from ..roots.objstore._root import ObjectRoot  # obstore: only for s3:// roots
+
+        return ObjectRoot.over(self.store, deadline_s=self.timeout if deadline_s is None else deadline_s)
+
     def uploads_here(self) -> bool:
         """Tier mode: whether this rank uploads (rank 0, the root is shared; node-local: every rank)."""
         return self.mirror is not None and (self.rank == 0 or self.nodes is not None)
@@ -167,7 +175,7 @@ class RootSession:
         not have uploaded (uploading it again is a no-op if it is there)."""
         if self.mirror is None or self.rank != 0 or not self.committed:
             return None
-        newest = _discovery.newest_complete(self.root)
+        newest = self.find_latest()
         return newest if isinstance(newest, CheckpointInfo) else None
 
     # ------------------------------------------------------------------ runs
@@ -238,69 +246,38 @@ class RootSession:
         (``_stepstates``: known bad, or gone), as rank 0 sees the root; every rank gets its answer."""
 
         def look() -> list[int]:
-            if self.store is not None:
-                from ..roots.objstore._steps import step_states
-
-                store, timeout = self.store, self.timeout
-                states = run_sync(lambda: step_states(store, time.monotonic() + timeout))
-            else:
-                states = _discovery.step_states(self.root)
-            return [s for s in steps if states.state(s) != "complete"]
+            have = {m.step for m in self.reading.resumable()}
+            return [s for s in steps if s not in have]
 
         gone: list[int] = self.decided_by_leader(look)
         return gone
 
-    def find_latest(
-        self, deadline_s: float | None = None, skip: frozenset[int] = frozenset()
-    ) -> CheckpointInfo | RemoteCheckpointInfo | None:
-        """The newest complete step of this root (no collective); on a store within
-        ``deadline_s`` (default: ``timeout``), passing over the steps in ``skip``."""
-        if self.store is not None:
-            from ..roots.objstore._remote import info_of, newest_complete
-
-            store, timeout = self.store, self.timeout if deadline_s is None else deadline_s
-            found = run_sync(lambda: newest_complete(store, time.monotonic() + timeout, skip))
-            return None if found is None else info_of(store, found[0])
-        return _discovery.newest_complete(self.root)
+    def find_latest(self, deadline_s: float | None = None) -> CheckpointInfo | RemoteCheckpointInfo | None:
+        """The newest resumable step of this root, described (``roots._find``; no collective);
+        on a store within ``deadline_s`` (default: ``timeout``)."""
+        return latest_in(self.reading if deadline_s is None else self.open_reading(deadline_s))
 
     def latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:
-        """:meth:`Checkpointer.latest`: rank 0 looks, every rank gets its answer."""
+        """:meth:`Checkpointer.latest`: rank 0 looks, every rank gets its answer (the info as
+        JSON: every rank's is equal to rank 0's). In tier mode the store's newest step of this
+        run when it is newer than the local root's (``Mirror.latest``)."""
 
         def look() -> Any:
             info = self.find_latest()
-            if self.store is not None:  # an object-store root: a RemoteCheckpointInfo or None
-                return None if info is None else [info.step, info.url, info.nbytes, info.world_size,
-                                                  info.created, info.attempt, info.run]  # type: ignore[union-attr]
             if self.mirror is not None:
                 far = self.mirror.latest()  # this run's newest there (another run's: never)
                 if far is not None and (info is None or far.step > info.step):
-                    return [far.step, far.url, far.nbytes, far.world_size, far.created, far.attempt, far.run]
-            return None if info is None else [info.step, info.nbytes, info.world_size, info.created, info.run]
+                    info = far
+            return None if info is None else info_to_json(info)
 
         # every rank takes rank 0's whole answer: re-reading the directory here could race
         # with rank 0's next save (retention, or replacing a commit that was taken back)
         found = self.decided_by_leader(look)
-        if found is None:
-            return None
-        if len(found) == 7:
-            from ..roots.objstore._remote import RemoteCheckpointInfo
-
-            return RemoteCheckpointInfo(*found)
-        step, nbytes, world_size, created, run = found
-        return CheckpointInfo(step, Path(self.root) / step_dir_name(step), nbytes, world_size, created, run=run)
+        return None if found is None else info_from_json(found)
 
     def steps(self) -> list[int]:
-        """Every complete step under the root, ascending (collective with many ranks)."""
-        if self.store is not None:
-            store, timeout = self.store, self.timeout
-
-            def on_store() -> list[int]:
-                from ..roots.objstore._remote import complete_steps
-
-                return sorted(m.step for m, _ in run_sync(lambda: complete_steps(store, time.monotonic() + timeout)))
-
-            return self.decided_by_leader(on_store)  # type: ignore[no-any-return]
-        steps: list[int] = self.decided_by_leader(lambda: [i.step for i in _discovery.complete_checkpoints(self.root)])
+        """Every resumable step under the root, ascending (collective with many ranks)."""
+        steps: list[int] = self.decided_by_leader(lambda: [m.step for m in self.reading.resumable()])
         return steps
 
 

@@ -1,23 +1,48 @@
-"""The newest resumable checkpoint of a root, whichever its kind: ``asyncckpt.find_latest``.
+"""The newest resumable checkpoint of a root, whichever its kind: ``asyncckpt.find_latest``,
+and the one description of a found step (:func:`describe`).
 
-Torch-free; obstore is imported only for an ``s3://`` URL.
+One path for every root: the root is opened by the registry (``open_root``), its newest
+resumable step found by the root's own look (``Root.resumable``: the rule of
+``format._stepstates``, a stable listing, known-bad steps passed over, an I/O fault raised),
+and described from the manifest that look read. Torch-free; obstore is imported only for an
+``s3://`` URL.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import pathlib
+from collections.abc import Mapping
 
-from .._info import CheckpointInfo
-from ._scheme import is_url
-from .posix._discovery import newest_complete
+from .._info import CheckpointInfo, RemoteCheckpointInfo
+from ..format._layout import step_dir_name
+from ..format._manifest import Manifest
+from ._registry import open_root
+from ._root import Root
 
-if TYPE_CHECKING:
-    from .objstore._remote import RemoteCheckpointInfo
+
+def describe(root: Root, m: Manifest) -> CheckpointInfo | RemoteCheckpointInfo:
+    """The info of committed step ``m`` (its manifest) of ``root``: the one place a found
+    checkpoint is described. A store's is a :class:`RemoteCheckpointInfo` (``url``: the
+    step's prefix, ``attempt``); any other root's a :class:`CheckpointInfo` whose ``path`` is
+    the step's directory (``Root.locate``: absolute) on a file system, else the step's name
+    with ``url`` where it is (as a save's info on that root names it)."""
+    where = root.locate(m.step)
+    if root.caps.kind == "objstore":
+        return RemoteCheckpointInfo(m.step, where, m.nbytes, m.world_size, m.created, m.attempt, m.run)
+    on_files = root.caps.kind == "posix"
+    return CheckpointInfo(m.step, pathlib.Path(where if on_files else step_dir_name(m.step)), m.nbytes, m.world_size,
+                          m.created, url=None if on_files else where, run=m.run)  # fmt: skip
+
+
+def latest_in(root: Root) -> CheckpointInfo | RemoteCheckpointInfo | None:
+    """The newest resumable checkpoint of ``root`` described (:func:`describe`), or ``None``."""
+    found = root.resumable(newest=True)
+    return describe(root, found[-1]) if found else None
 
 
 def find_latest(
-    root: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None
+    root: str | os.PathLike[str], *, storage_options: Mapping[str, str] | None = None
 ) -> CheckpointInfo | RemoteCheckpointInfo | None:
     """The newest resumable checkpoint under ``root``, or ``None`` if there is none.
 
@@ -29,8 +54,8 @@ def find_latest(
     ``root`` may be an ``s3://bucket/prefix`` URL (a :class:`RemoteCheckpointInfo` then;
     see :mod:`asyncckpt.remote`), with ``storage_options`` for its store.
     """
-    if is_url(root):
-        from .objstore._remote import find_latest as find_latest_remote  # obstore: only for a URL
-
-        return find_latest_remote(str(root), storage_options=storage_options)
-    return newest_complete(root)
+    opened = open_root(root, storage_options=storage_options)
+    try:
+        return latest_in(opened)
+    finally:
+        opened.close()

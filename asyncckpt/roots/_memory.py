@@ -308,6 +308,12 @@ class MemoryRoot:
                 passed.append((row.step, CheckpointCorruptError(f"known bad: {row.reason or row.bad}", row.path)))
         return None
 
+    def resumable(self, newest: bool = False) -> list[Manifest]:
+        with self.mem.lock:  # one look: the steps change only under this lock
+            found = [s.manifest for n, s in sorted(self.mem.steps.items())
+                     if state_of(self._backend.seen(n, s)) == "complete"]  # fmt: skip
+        return found[-1:] if newest else found
+
     def _step(self, step: int, marks: bool = True) -> _Step:
         """Committed ``step`` whose files match its manifest; with ``marks``, not known bad."""
         with self.mem.lock:

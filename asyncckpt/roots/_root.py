@@ -196,6 +196,15 @@ class Root(Protocol):
         bad, damaged) are appended to ``passed``, newest first."""
         ...
 
+    def resumable(self, newest: bool = False) -> list[Manifest]:
+        """The manifests of the resumable steps, oldest first, each as the look that found it
+        resumable read it (no second read): every one, or with ``newest`` only the newest,
+        found as :meth:`newest_resumable` finds it (``[]``: none). An empty answer comes
+        from a stable listing (a writer retiring steps meanwhile never makes a root that
+        held a resumable step throughout look empty); a root that does not exist holds
+        none; a root or a step that cannot be read raises its error (never "none")."""
+        ...
+
     def open_step(self, step: int) -> Manifest:
         """The manifest of committed ``step`` whose files match it. ``CheckpointNotFoundError``
         (not committed), ``CheckpointCorruptError`` (damaged, known bad)."""

@@ -109,7 +109,7 @@ def take_root(root: str, ranks: Sequence[int], own: Ownership, dead: set[str], o
         if e.errno in _REFUSED:
             raise _ownership.not_writable(root, e) from e
         raise
-    return [i.step for i in _discovery.complete_checkpoints(root)]
+    return [i.step for i in _discovery.resumable(root)]
 
 
 def not_writable_or(root: str, e: OSError) -> OSError:

@@ -49,7 +49,7 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
 from ..threads._sync import run_sync
-from .posix._discovery import newest_complete, open_step
+from .posix._discovery import newest_resumable
 
 if TYPE_CHECKING:
     from ..format._manifest import Manifest
@@ -95,21 +95,15 @@ def decide(local: Newest | None, store: Newest | None) -> str:
 
 def local_newest(root: str) -> Newest | None:
     """The newest resumable step under local ``root`` and its run (``None``: there is none)."""
-    info = newest_complete(root)
-    if info is None:
-        return None
-    try:
-        _, m = open_step(root, info.step)
-    except CheckpointError:  # gone since: no run to carry, the step rule still counts it
-        return Newest(info.step, None)
-    return Newest(m.step, m.run)
+    m = newest_resumable(root)  # the manifest the look read: its run
+    return None if m is None else Newest(m.step, m.run)
 
 
 async def store_newest(store: ObjectStore, deadline: float) -> Newest | None:
     """The newest resumable step on ``store`` and its run (``None``: there is none)."""
-    from .objstore._remote import newest_complete as newest_on_store
+    from .objstore._steps import newest_resumable
 
-    found = await newest_on_store(store, deadline)
+    found = await newest_resumable(store, deadline)
     return None if found is None else Newest(found[0].step, found[0].run)
 
 

@@ -58,6 +58,17 @@ class TierRoot:
         far = self._far_newest(skip)
         return far if far is not None and (near is None or far > near) else near
 
+    def resumable(self, newest: bool = False) -> list[Manifest]:
+        if newest:
+            near = self.near.resumable(newest=True)
+            far = self._far_newest(frozenset())
+            if far is not None and (not near or far > near[0].step):
+                return [self.far.open_step(far)]
+            return near
+        found = {m.step: m for m in self.far.resumable()}
+        found.update((m.step, m) for m in self.near.resumable())  # a step on both: the local copy's
+        return [found[s] for s in sorted(found)]
+
     def open_step(self, step: int) -> Manifest:
         return self._tier_of(step).open_step(step)
 

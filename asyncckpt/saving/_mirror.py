@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
-from .._info import CheckpointInfo
+from .._info import CheckpointInfo, RemoteCheckpointInfo
 from ..threads._iopool import IOPool
 from ..threads._sync import run_sync
 from ..threads._writer import WriterThread
@@ -45,7 +45,6 @@ from ._handle import SaveRecord
 if TYPE_CHECKING:  # obstore is an optional extra: imported only when a mirror is built
     from ..roots.objstore._client import ObjectStore
     from ..roots.objstore._lease import Lease
-    from ..roots.objstore._remote import RemoteCheckpointInfo
     from ..roots.objstore._view import StoreView
 
 log = logging.getLogger("asyncckpt")
@@ -368,8 +367,9 @@ class Mirror:
         over, with a WARNING naming them (``_runs``). With ``warn`` (a load's choice), each
         newer step passed over as corrupt or known bad is a WARNING too, as a load that falls
         back logs it."""
+        from ..roots._find import describe
         from ..roots._runs import newest_of_run, warn_other_runs
-        from ..roots.objstore._remote import info_of
+        from ..roots.objstore._root import ObjectRoot
 
         async def go() -> RemoteCheckpointInfo | None:
             deadline = time.monotonic() + self.timeout
@@ -381,7 +381,11 @@ class Mirror:
                 warn_other_runs(fresh, self.url, self.run)
             for s, e in bad if warn else ():
                 log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, self.url, e)
-            return None if found is None else info_of(self.store, found[0])
+            if found is None:
+                return None
+            info = describe(ObjectRoot.over(self.store), found[0])
+            assert isinstance(info, RemoteCheckpointInfo)
+            return info
 
         return run_sync(go)
 

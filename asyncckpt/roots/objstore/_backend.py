@@ -38,7 +38,7 @@ right before the commit point in 3, which first makes sure the lease is ours for
 and bounds the create by it: such a job commits nothing.
 
 A step is complete iff its manifest decodes and one LIST of its attempt prefix shows exactly
-the manifest's names and sizes (``_remote.open_step``), which is how readers find it.
+the manifest's names and sizes (``_steps.open_step``), which is how readers find it.
 """
 
 from __future__ import annotations

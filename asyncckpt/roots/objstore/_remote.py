@@ -1,4 +1,4 @@
-"""Checkpoints on an object store: find and list remote steps, and the clean-ups after a
+"""Checkpoints on an object store: list remote steps (``ls``), and the clean-ups after a
 commit (objects of dead attempts, stale multipart uploads) and retention.
 
 Torch-free (the CLI's ``ls s3://...`` uses it); loading into tensors is the one loader,
@@ -13,7 +13,8 @@ reading through ``ObjectStepReader``; push and pull are copies between roots
 A remote step is complete iff its manifest decodes (checksum, canonical form, its step) and
 ONE LIST of ``step_N/a-<attempt>/`` shows exactly the manifest's names with their sizes; it is
 resumable unless it is also known bad. Discovery and retention are ``_steps``'s (the
-store's adapter of the one rule in ``_stepstates``); this module re-exports them.
+store's adapter of the one rule in ``_stepstates``); the newest resumable step is found
+through the root (``ObjectRoot``, ``roots._find``) as on any root.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import CheckpointCorruptError, ObjectStoreError
@@ -36,10 +37,8 @@ from .._scheme import is_url
 from ..posix._fileio import read_exact
 from ._client import ObjectStore
 from ._connection import gather_or_cancel
-from ._steps import StepPrefix, aside_keys, dirs_of, newest_resumable, observe, resumable
-from ._steps import candidate_steps as candidate_steps
+from ._steps import StepPrefix, aside_keys, dirs_of, observe
 from ._steps import check_objects as check_objects
-from ._steps import open_step as open_step
 from ._steps import read_manifest as read_manifest
 from ._steps import retire as _retire_steps
 
@@ -54,58 +53,11 @@ DEFAULT_DEADLINE_S = 3600.0
 _FILES_IN_FLIGHT = 2
 
 
-@dataclass(frozen=True)
-class RemoteCheckpointInfo:
-    """A complete checkpoint on an object store (``url``: its step prefix; ``run``: the id of
-    the run it belongs to, ``None`` for a step written before run ids)."""
-
-    step: int
-    url: str
-    nbytes: int
-    world_size: int = 1
-    created: float = 0.0
-    attempt: str = ""
-    run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
-
-
 def open_store(url: str, storage_options: Mapping[str, str] | None = None, **kwargs: Any) -> ObjectStore:
     """An :class:`ObjectStore` for ``url`` (no I/O)."""
     if not is_url(url):
         raise ValueError(f"not an object-store URL (s3://bucket/prefix): {url!r}")
     return ObjectStore(url, storage_options, **kwargs)
-
-
-# ------------------------------------------------------------------------------ discovery
-
-
-async def complete_steps(store: ObjectStore, deadline: float) -> list[tuple[Manifest, bytes]]:
-    """Every resumable step, newest first (``_steps.resumable``)."""
-    return await resumable(store, deadline)
-
-
-async def newest_complete(
-    store: ObjectStore, deadline: float, skip: frozenset[int] = frozenset()
-) -> tuple[Manifest, bytes] | None:
-    """The newest resumable step not in ``skip``; corrupt and known-bad ones are logged and
-    passed over (``_steps.newest_resumable``)."""
-    return await newest_resumable(store, deadline, skip)
-
-
-def info_of(store: ObjectStore, m: Manifest) -> RemoteCheckpointInfo:
-    return RemoteCheckpointInfo(m.step, store.object_url(step_dir_name(m.step)), m.nbytes, m.world_size, m.created,
-                                m.attempt, m.run)
-
-
-def find_latest(url: str, *, storage_options: Mapping[str, str] | None = None,
-                deadline_s: float = 300.0) -> RemoteCheckpointInfo | None:
-    """The newest complete checkpoint under ``url``, or ``None`` if there is none."""
-    store = open_store(url, storage_options)
-
-    async def go() -> RemoteCheckpointInfo | None:
-        found = await newest_complete(store, time.monotonic() + deadline_s)
-        return None if found is None else info_of(store, found[0])
-
-    return run_sync(go)
 
 
 @dataclass(frozen=True)

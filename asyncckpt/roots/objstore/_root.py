@@ -41,7 +41,7 @@ from ._client import ObjectStore
 from ._lease import Lease
 from ._leftovers import remove, survey
 from ._remote import RemoteStep, abort_stale_uploads, open_store, retire_remote, rows_of, sweep_dead_attempts
-from ._steps import newest_resumable, observe, observe_step, open_step, read_manifest, remove_bad
+from ._steps import newest_resumable, observe, observe_step, open_step, read_manifest, remove_bad, resumable
 
 log = logging.getLogger("asyncckpt")
 CAPS = Capabilities(
@@ -215,6 +215,13 @@ class ObjectRoot:
     ) -> int | None:
         found = run_sync(lambda: newest_resumable(self.store, self._deadline(), skip, passed=passed))
         return None if found is None else found[0].step
+
+    def resumable(self, newest: bool = False) -> list[Manifest]:
+        if newest:
+            found = run_sync(lambda: newest_resumable(self.store, self._deadline()))
+            return [] if found is None else [found[0]]
+        # one flat LIST of the root and a GET per manifest, whatever was ever written
+        return [m for m, _ in reversed(run_sync(lambda: resumable(self.store, self._deadline())))]
 
     def open_step(self, step: int) -> Manifest:
         return run_sync(lambda: open_step(self.store, step, self._deadline()))[0]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from ..._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectIn
 from ...format._bounds import MAX_MANIFEST_BYTES
 from ...format._layout import aside_key, data_prefix, manifest_key, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import Manifest, decode
-from ...format._stepstates import Fault, Mark, Seen, Steps, decide, same_run, state_of, victims
+from ...format._stepstates import Fault, Mark, Seen, same_run, state_of, victims
 from .._badmarks import STORE_PREFIX, clear_on_store, store_marks
 from ._client import ObjectStore
 from ._reads import ObjectInfo
@@ -285,9 +286,9 @@ async def observe(store: ObjectStore, deadline: float, cache: ManifestCache | No
     return [await observe_listed(store, s, grouped[s], deadline, known, cache) for s in sorted(grouped)]
 
 
-async def step_states(store: ObjectStore, deadline: float) -> Steps:
-    """The state of every entry under the store's root (``_stepstates.decide``)."""
-    return decide(s for p in await observe(store, deadline) for s in p.seen)
+#: A look that keeps seeing the listing change answers "none" after this long (and this many rounds).
+_SETTLE_S = 10.0
+_MIN_ROUNDS = 3
 
 
 async def newest_resumable(
@@ -296,48 +297,74 @@ async def newest_resumable(
 ) -> tuple[Manifest, bytes] | None:
     """The newest resumable step not in ``skip`` (manifest, bytes), or ``None``; looks at the
     steps newest first and stops at the first. Steps passed over as corrupt or known bad are
-    logged and, with ``passed``, listed there (newest first)."""
+    logged and, with ``passed``, listed there (newest first).
+
+    Safe against a writer retiring steps meanwhile, as a local root's look is
+    (``posix._discovery``): a step whose manifest was listed and is gone when read was
+    retired, so whatever replaced it is newer than the listing: it lists again; and
+    ``None`` is only answered from two identical listings of the step prefixes, so a
+    checkpoint that existed throughout the look is never missed."""
     known = await store_marks(store, deadline)
-    for step in await candidate_steps(store, deadline):
-        if step in skip:
-            continue
-        found = await observe_step(store, step, deadline, known)
-        seen = found.committed
-        if seen is None:
-            continue
-        state = state_of(seen)
-        if state == "complete" and found.manifest is not None and found.raw is not None:
-            return found.manifest, found.raw
-        if state == "bad":
-            err = found.error
-            if err is None and seen.mark is not None:
-                err = CheckpointCorruptError(f"known bad: verification failed: {seen.mark.reason}",
-                                             seen.mark.path or None)  # fmt: skip
-            if err is not None:
-                log.info("asyncckpt: passing over remote step %d under %s: %s", step, store.url, err)
-                if passed is not None:
-                    passed.append((step, err))
-    return None
+    previous: list[int] | None = None
+    settle = time.monotonic() + _SETTLE_S
+    rounds = 0
+    while True:
+        rounds += 1
+        candidates = await candidate_steps(store, deadline)
+        bad: list[tuple[int, CheckpointCorruptError]] = []
+        vanished = False
+        for step in candidates:
+            if step in skip:
+                continue
+            found = await observe_step(store, step, deadline, known)
+            seen = found.committed
+            if seen is None:
+                if any(o.key == manifest_key(step) for o in found.listed):
+                    vanished = True  # listed, then deleted before its GET: retired meanwhile
+                    break
+                continue  # no manifest: an attempt in progress or dead, or an empty prefix
+            state = state_of(seen)
+            if state == "complete" and found.manifest is not None and found.raw is not None:
+                _pass_over(store, bad, passed)
+                return found.manifest, found.raw
+            if state == "bad":
+                err = found.error
+                if err is None and seen.mark is not None:
+                    err = CheckpointCorruptError(f"known bad: verification failed: {seen.mark.reason}",
+                                                 seen.mark.path or None)  # fmt: skip
+                if err is not None:
+                    bad.append((step, err))
+        if (not vanished and candidates == previous) or (rounds >= _MIN_ROUNDS and time.monotonic() > settle):
+            _pass_over(store, bad, passed)
+            return None
+        previous = candidates
 
 
-async def newest_step(store: ObjectStore, deadline: float, *, warn: bool = False) -> int | None:
-    """The newest resumable step; with ``warn``, each newer step passed over (corrupt, known
-    bad) is logged as a WARNING, as a load that falls back logs it."""
-    passed: list[tuple[int, CheckpointCorruptError]] = []
-    found = await newest_resumable(store, deadline, passed=passed)
-    for s, e in passed if warn else ():
-        log.warning("asyncckpt: remote step %d under %s does not verify (%s); falling back", s, store.url, e)
-    return None if found is None else found[0].step
+def _pass_over(store: ObjectStore, bad: list[tuple[int, CheckpointCorruptError]],
+               passed: list[tuple[int, CheckpointCorruptError]] | None) -> None:
+    """Log the steps a look passed over (corrupt, known bad) and add them to ``passed``."""
+    for step, err in bad:
+        log.info("asyncckpt: passing over remote step %d under %s: %s", step, store.url, err)
+    if passed is not None:
+        passed.extend(bad)
 
 
 async def resumable(store: ObjectStore, deadline: float) -> list[tuple[Manifest, bytes]]:
-    """Every resumable step, newest first."""
-    out = []
-    for p in reversed(await observe(store, deadline)):
-        seen = p.committed
-        if seen is not None and state_of(seen) == "complete" and p.manifest is not None and p.raw is not None:
-            out.append((p.manifest, p.raw))
-    return out
+    """Every resumable step, newest first: one look (:func:`observe`); none only from two
+    looks that saw the same step prefixes (:func:`newest_resumable`'s rule)."""
+    previous: list[int] | None = None
+    settle = time.monotonic() + _SETTLE_S
+    rounds = 0
+    while True:
+        rounds += 1
+        found = await observe(store, deadline)
+        out = [(p.manifest, p.raw) for p in reversed(found)
+               if p.committed is not None and state_of(p.committed) == "complete" and p.manifest is not None
+               and p.raw is not None]  # fmt: skip
+        listing = [p.step for p in found]
+        if out or listing == previous or (rounds >= _MIN_ROUNDS and time.monotonic() > settle):
+            return out
+        previous = listing
 
 
 # ------------------------------------------------------------------------------ acting on it

@@ -7,10 +7,10 @@ editor's backup) changes nothing: every read goes by the manifest, so it is igno
 named as a note (:attr:`PinnedStep.unlisted`, ``Seen.note``: ``ls``, ``verify``), never
 taken for damage. Checksums of the data are verified by the
 loader (and by ``verify``), not here, so listing stays cheap. This module is the local
-listing adapter of ``_stepstates``: it describes what it finds (:func:`observe`) and that
-module's rule decides; what it calls complete (:func:`complete_checkpoints`,
-:func:`newest_complete`, :func:`find_latest`) is *resumable*: complete and not known bad
-(a bad mark on its attempt passes it over, as a corrupt one is).
+listing adapter of ``_stepstates``: it describes what it finds (:func:`observe_committed`) and that
+module's rule decides; what it calls complete (:func:`resumable`, :func:`newest_resumable`:
+what ``PosixRoot`` answers) is *resumable*: complete and not known bad (a bad mark on its
+attempt passes it over, as a corrupt one is).
 
 Readers race the writer's retention (rename to ``.deleting-``, then removal) and need no
 lock for it:
@@ -39,7 +39,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import pathlib
 import stat
 import time
 from collections.abc import Callable
@@ -47,11 +46,10 @@ from types import TracebackType
 from typing import TypeVar
 
 from ..._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ..._info import CheckpointInfo
 from ...format._bounds import MAX_MANIFEST_BYTES
-from ...format._layout import parse_aside, parse_leftover, parse_step_dir, step_dir_name, token_of
+from ...format._layout import parse_leftover, parse_step_dir, step_dir_name, token_of
 from ...format._manifest import MANIFEST, Manifest, decode
-from ...format._stepstates import Fault, Mark, Seen, Steps, decide, state_of
+from ...format._stepstates import Fault, Mark, Seen, state_of
 from .._badmarks import marks
 from .._readfault import read_error, regular_file
 
@@ -312,17 +310,6 @@ def open_step(root: str | os.PathLike[str], step: int) -> tuple[str, Manifest]:
         return pinned.path, pinned.manifest
 
 
-def info_for(step_dir: str, manifest: Manifest) -> CheckpointInfo:
-    return CheckpointInfo(
-        step=manifest.step,
-        path=pathlib.Path(step_dir),
-        nbytes=manifest.nbytes,
-        world_size=manifest.world_size,
-        created=manifest.created,
-        run=manifest.run,
-    )
-
-
 def _list_root(root: str) -> list[str]:
     try:
         return os.listdir(root)
@@ -354,16 +341,15 @@ def _message(e: CheckpointError) -> str:
 
 def observe_committed(
     root: str, step: int, known: dict[tuple[int, str], Mark]
-) -> tuple[Seen, CheckpointInfo | None, CheckpointError | None]:
-    """What ``step_N`` is (``_stepstates.Seen``), its info when it is complete, and the error
-    that says why it is not resumable (``None`` when it is). Raises :class:`Vanished` when it
-    was retired or replaced while being looked at."""
+) -> tuple[Seen, Manifest | None, CheckpointError | None]:
+    """What ``step_N`` is (``_stepstates.Seen``), its manifest when it is complete (its files
+    match it), and the error that says why it is not resumable (``None`` when it is). Raises
+    :class:`Vanished` when it was retired or replaced while being looked at."""
     name = step_dir_name(step)
     try:
         with pin_step(root, step) as pinned:
             manifest = pinned.manifest
             assert manifest is not None
-            info = info_for(pinned.path, manifest)
             note = unlisted_note(pinned.unlisted)
     except Vanished:
         raise
@@ -377,33 +363,8 @@ def observe_committed(
     mark = known.get((step, token_of(manifest.attempt)))
     seen = Seen(step, name, "committed", manifest.attempt, manifest.created, None, mark, note)
     if mark is None:
-        return seen, info, None
-    return seen, info, KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)
-
-
-def observe(root: str | os.PathLike[str]) -> list[Seen]:
-    """Every step-like entry under ``root`` as ``_stepstates`` sees it (one listing; an entry
-    retired while it was looked at is left out). ``CheckpointError`` if ``root`` cannot be
-    listed; an absent root has no entries."""
-    root_s = os.fspath(root)
-    known = marks(root_s)
-    out: list[Seen] = []
-    for name in sorted(_list_root(root_s)):
-        step = parse_step_dir(name)
-        if step is not None and name == step_dir_name(step):
-            try:
-                out.append(observe_committed(root_s, step, known)[0])
-            except Vanished:
-                continue
-            continue
-        step = parse_leftover(name)
-        if step is not None:
-            out.append(Seen(step, name, "save" if ".tmp-" in name else "retire"))
-            continue
-        aside = parse_aside(name)
-        if aside is not None:
-            out.append(Seen(aside[0], name, "aside", aside[1], mark=known.get(aside)))
-    return out
+        return seen, manifest, None
+    return seen, manifest, KnownBad(f"known bad: verification failed: {mark.reason}", mark.path or None)
 
 
 def observe_step(root: str | os.PathLike[str], step: int) -> Seen | None:
@@ -417,18 +378,13 @@ def observe_step(root: str | os.PathLike[str], step: int) -> Seen | None:
         return None
 
 
-def step_states(root: str | os.PathLike[str]) -> Steps:
-    """The state of every entry under ``root`` (``_stepstates.decide`` of :func:`observe`)."""
-    return decide(observe(root))
-
-
 def _scan(
     root: str,
     newest_only: bool,
     exclude: frozenset[int] = frozenset(),
     skipped: dict[int, CheckpointCorruptError] | None = None,
-) -> list[CheckpointInfo]:
-    """Resumable checkpoints, newest first (only the newest with ``newest_only``).
+) -> list[Manifest]:
+    """The manifests of the resumable steps, newest first (only the newest with ``newest_only``).
 
     Lists again whenever a candidate vanished while it was checked, and answers "none" only
     from two identical listings, so a checkpoint that existed throughout is never missed
@@ -444,20 +400,20 @@ def _scan(
         names = _list_root(root)
         known = marks(root)
         listing = frozenset(n for n in names if parse_step_dir(n) is not None or parse_leftover(n) is not None)
-        found: list[CheckpointInfo] = []
+        found: list[Manifest] = []
         vanished = False
         for step in reversed(_committed_steps(names)):
             if step in exclude:
                 continue
             try:
-                seen, info, err = observe_committed(root, step, known)
+                seen, manifest, err = observe_committed(root, step, known)
             except Vanished:
                 vanished = True
                 break  # the listing is stale: whatever replaced it is newer
             if isinstance(err, CheckpointReadError):
                 raise err  # never passed over: the step may be fine (_readfault)
-            if state_of(seen) == "complete" and info is not None:
-                found.append(info)
+            if state_of(seen) == "complete" and manifest is not None:
+                found.append(manifest)
                 if newest_only:
                     return found
             elif skipped is not None and isinstance(err, CheckpointCorruptError):
@@ -468,20 +424,19 @@ def _scan(
         previous = listing
 
 
-def complete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Every resumable checkpoint under ``root`` (complete, not known bad), ascending by step."""
+def resumable(root: str | os.PathLike[str]) -> list[Manifest]:
+    """The manifest of every resumable step under ``root`` (complete, not known bad), oldest
+    first; none under a root that does not exist."""
     return list(reversed(_scan(os.fspath(root), newest_only=False)))
 
 
-def newest_complete(
+def newest_resumable(
     root: str | os.PathLike[str],
     exclude: frozenset[int] = frozenset(),
     skipped: dict[int, CheckpointCorruptError] | None = None,
-) -> CheckpointInfo | None:
-    """The newest resumable checkpoint whose step is not in ``exclude``, or ``None``.
-
-    Corrupt and known-bad step directories newer than the answer are put in ``skipped``
-    (a :class:`KnownBad` for a step passed over for its bad mark).
-    """
+) -> Manifest | None:
+    """The manifest of the newest resumable step not in ``exclude``, or ``None`` (none under a
+    root that does not exist). Corrupt and known-bad step directories newer than the answer
+    are put in ``skipped`` (a :class:`KnownBad` for a step passed over for its bad mark)."""
     found = _scan(os.fspath(root), newest_only=True, exclude=exclude, skipped=skipped)
     return found[0] if found else None

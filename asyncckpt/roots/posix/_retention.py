@@ -18,10 +18,10 @@ import logging
 import os
 import uuid
 
-from ..._info import CheckpointInfo
 from ...format._layout import aside_dir_name, deleting_dir_name, parse_leftover, step_dir_name
+from ...format._manifest import Manifest
 from ...format._stepstates import victims as _victims
-from ._discovery import complete_checkpoints
+from ._discovery import resumable
 from ._osops import DEFAULT_OPS, OsOps
 from ._remove_tree import remove_tree
 from ._storage import Storage
@@ -55,7 +55,7 @@ def remove_leftovers(root: str, ops: OsOps = DEFAULT_OPS) -> list[str]:
     return removed
 
 
-def choose_victims(infos: list[CheckpointInfo], keep_last: int, *, by_commit_order: bool = False,
+def choose_victims(infos: list[Manifest], keep_last: int, *, by_commit_order: bool = False,
                    latest: int | None = None, protect: frozenset[int] = frozenset()) -> list[int]:
     """Which of the resumable checkpoints ``infos`` to retire (``_stepstates.victims``): keep
     the newest ``keep_last`` by step or, with ``by_commit_order``, the most recently
@@ -121,7 +121,7 @@ async def _retire(
     storage: Storage, root: str, keep_last: int, by_commit_order: bool, latest: int | None,
     protect: frozenset[int] = frozenset(), background: set[asyncio.Task[None]] | None = None,
 ) -> list[int]:
-    infos = await storage.run(complete_checkpoints, root)  # resumable ones only
+    infos = await storage.run(resumable, root)  # resumable ones only
     victims = choose_victims(infos, keep_last, by_commit_order=by_commit_order, latest=latest, protect=protect)
     moved = []
     for step in victims:

@@ -21,8 +21,8 @@ from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
 from .._readfault import read_error
 from .._root import Attempt, BackendAttempt, Capabilities, Claim, Leftover, Listed, StepReader, listed_file
-from . import _ownership
-from ._discovery import PinnedStep, complete_checkpoints, newest_complete, open_step, pin_step
+from . import _discovery, _ownership
+from ._discovery import PinnedStep, open_step, pin_step
 from ._listing import StepDir, scan, usage
 from ._osops import DEFAULT_OPS
 from ._remove_tree import remove_tree
@@ -176,10 +176,16 @@ class PosixRoot:
     ) -> int | None:
         self._need_dir()
         skipped: dict[int, CheckpointCorruptError] = {}
-        found = newest_complete(self.path, skip, skipped)
+        found = _discovery.newest_resumable(self.path, skip, skipped)
         if passed is not None:
             passed.extend(sorted(skipped.items(), reverse=True))
         return None if found is None else found.step
+
+    def resumable(self, newest: bool = False) -> list[Manifest]:
+        if newest:
+            found = _discovery.newest_resumable(self.path)
+            return [] if found is None else [found]
+        return _discovery.resumable(self.path)
 
     def open_step(self, step: int) -> Manifest:
         self._need_dir()
@@ -228,7 +234,7 @@ class PosixRoot:
     def retire(self, keep_last: int, *, by_commit_order: bool = False, dry_run: bool = False) -> list[int]:
         self._need_dir()
         if dry_run:
-            return choose_victims(complete_checkpoints(self.path), keep_last, by_commit_order=by_commit_order)
+            return choose_victims(_discovery.resumable(self.path), keep_last, by_commit_order=by_commit_order)
         storage = self._storage()
         return run_sync(lambda: retire(storage, self.path, keep_last, by_commit_order=by_commit_order))
 
