@@ -1,7 +1,11 @@
 """Waits that share one deadline: each later wait gets what is left of it, never a fresh one.
 
 Found by the audit of durations passed as points in time (and back) after the node-local
-tier's acknowledgement wait (``saving._nodelocal``) read a duration as a deadline.
+tier's acknowledgement wait (``saving._nodelocal``) read a duration as a deadline; then the
+audit's open findings: the ``Deadline`` type (``threads._deadline``), a node-local load and
+construction by one deadline (real gloo ranks, ``support/_deadline_worker.py``), the exit
+hook's waits, ``Publisher.drain``, ``Storage.ensure_dir``'s deadline, and the mirror's
+failures and URL check. Each test failed on the code before its fix.
 """
 
 from __future__ import annotations
