@@ -2,10 +2,10 @@
 
 Found by the audit of durations passed as points in time (and back) after the node-local
 tier's acknowledgement wait (``saving._nodelocal``) read a duration as a deadline; then the
-audit's open findings: the ``Deadline`` type (``threads._deadline``), a node-local load and
-construction by one deadline (real gloo ranks, ``support/_deadline_worker.py``), the exit
-hook's waits, ``Publisher.drain``, ``Storage.ensure_dir``'s deadline, and the mirror's
-failures and URL check. Each test failed on the code before its fix.
+audit's open findings: the ``Deadline`` type (``threads._deadline``), the exit hook's waits,
+``Publisher.drain``, ``Storage.ensure_dir``'s deadline, and the mirror's failures and URL
+check (a node-local load and construction by one deadline, with real ranks:
+``test_deadline_ranks.py``). Each test failed on the code before its fix.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -310,81 +309,3 @@ def test_a_bad_mirror_url_is_refused_with_the_registrys_error_before_the_root_is
         Checkpointer(root, mirror=url)
     assert str(got.value) == str(want.value)
     assert not root.exists()  # refused at the call, before anything was made
-
-
-# ---------------------------------------------------------------------- node-local roots, real ranks
-WORKER = str(Path(__file__).parent / "support" / "_deadline_worker.py")
-
-
-def _ranks(
-    tmp_path: Path, scenario: str, root: str, on_saved: Callable[[], None] | None = None, **env: str
-) -> dict[int, dict[str, Any]]:
-    """Run ``scenario`` of the deadline worker on 2 ranks (one node) over ``root``; ``on_saved``
-    runs once the ranks said they saved (``<OUT>.saved``), before they go on (``<OUT>.go``)."""
-    import json
-
-    from _ranks import free_port, log_tail, run_ranks
-
-    out, logs = tmp_path / f"{scenario}-result", tmp_path / scenario
-    logs.mkdir()
-    port = free_port()
-
-    def started(procs: list[Any]) -> None:
-        if on_saved is None:
-            return
-        end = time.monotonic() + 90
-        while not os.path.exists(f"{out}.saved") and time.monotonic() < end and all(p.poll() is None for p in procs):
-            time.sleep(0.02)
-        on_saved()
-        Path(f"{out}.go").touch()
-
-    hung = run_ranks(lambda r: [WORKER, scenario, str(r), "2", str(port), root, str(out)], 2, logs, 150,
-                     extra_env={"OUT": str(out), **env}, on_started=started)  # fmt: skip
-    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
-    res = {}
-    for r in range(2):
-        f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
-        res[r] = json.loads(f.read_text())
-        assert "crash" not in res[r], res[r]["crash"]
-    return res
-
-
-@pytest.mark.timing
-@pytest.mark.timeout(200)
-def test_a_leader_slow_to_start_fails_a_node_local_construction_on_every_rank_by_the_timeout(
-    tmp_path: Path,
-) -> None:
-    # the node-local start's deadline was counted from the end of the leader's own start: the
-    # leader 1.5 timeouts late, every rank waited past its timeout and then went on as if in time
-    timeout = 2.0
-    res = _ranks(tmp_path, "slow_start", str(tmp_path / "ck"), CK_TIMEOUT=str(timeout), SLOW_S=str(1.5 * timeout))
-    for r, got in res.items():
-        assert got.get("ctor_error", {}).get("type") == "AgreeTimeout", (r, got)
-        assert got["ctor_error"]["missing"] == [0], (r, got)  # the leader is the one named
-    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # the follower: by its timeout
-    assert res[0]["after"] == [] and res[1]["after"] == []  # the root was left free: the next job starts
-
-
-@pytest.mark.needs_root
-@pytest.mark.timing
-@pytest.mark.timeout(200)
-def test_a_node_local_load_ends_by_its_timeout_when_a_rank_is_late_and_then_reads_slowly(
-    faulty: FaultFS, tmp_path: Path
-) -> None:
-    # load_part gave each phase the whole timeout: rank 0 waited up to one for rank 1 to come
-    # to the agreement on the step, then up to one again for its outcome, and returned at 1.3x
-    timeout = 2.0
-    root = faulty.path("nodeload")
-    slow = [rule("read", glob="*/step_00000001/rank00001.safetensors", delay_s=0.7 * timeout, count=1, id="slow-read")]
-    try:
-        res = _ranks(tmp_path, "late_load", root, lambda: faulty.set_rules(slow), CK_TIMEOUT=str(timeout),
-                     LATE_S=str(0.6 * timeout))  # fmt: skip
-        assert faulty.fired("slow-read") == 1
-    finally:
-        faulty.clear()
-    for r, got in res.items():
-        assert got.get("load_error", {}).get("type") == "AgreeTimeout", (r, got)
-    assert res[0]["load_error"]["missing"] == [1], res[0]
-    assert res[0]["load_s"] < timeout + 0.5, res[0]  # rank 0: by its timeout
-    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after

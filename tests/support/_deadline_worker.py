@@ -1,4 +1,4 @@
-"""One rank of a deadline test on a node-local root (``test_deadline_audit.py``): argv scenario
+"""One rank of a deadline test on a node-local root (``test_deadline_ranks.py``): argv scenario
 rank world port root out. Every rank is on one node (``ASYNCCKPT_NODE``), rank 0 its leader.
 ``CK_TIMEOUT``: the Checkpointer's timeout. Writes what happened to ``out.<rank>.json``.
 """
