@@ -26,6 +26,7 @@ from ..roots._registry import open_root
 from ..roots._root import Root
 from ..roots._tier import TierRoot
 from ..roots.posix import _discovery
+from ..threads._deadline import Deadline
 from ._options import is_int
 from ._session import RootSession
 
@@ -126,14 +127,17 @@ class Loader:
         assert session.dist is not None
         if req.shard != session.rank or req.mmap:
             raise ValueError("node_local=True loads each rank's own part: rank= and mmap=True are not supported")
+        by = Deadline.after(self.timeout)  # one for the call: the store's listing, the agreements, the reads
         store = None
         if session.mirror is not None:
             m = session.mirror
-            listed = _nodeparts.store_steps(m.url, m.storage_options, self.timeout) if session.rank == 0 else None
+            listed = None
+            if session.rank == 0:
+                listed = _nodeparts.store_steps(m.url, m.storage_options, by.sub(self.timeout / 2).remaining())
             store = (m.url, m.storage_options, listed)
         session.queries += 1
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
-                                   self.timeout, store)[1]  # fmt: skip
+                                   by, store)[1]  # fmt: skip
 
     def _load_agreed(self, req: LoadRequest) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""

@@ -4,7 +4,6 @@ runtime, the run it continues, the tier glue, and the questions rank 0 answers f
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
 from ..saving import _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
+from ..threads._deadline import Deadline
 from ..threads._iopool import IOPool
 from ._options import Options
 from ._runtime import Runtime
@@ -91,7 +91,7 @@ class RootSession:
                 failure = e
         elif self.nodes is not None:
             assert self.dist is not None
-            failure, committed = self.start_on_nodes()
+            failure, committed = self.start_on_nodes(Deadline.at_monotonic(t_start + self.timeout))
         elif self.store is None:
             failure, committed = _rootstart.start_on_root(
                 self.root, opts.os_ops, self.ownership, self.dist, self.key, self.timeout, self.ranks, self.dead
@@ -133,18 +133,24 @@ class RootSession:
         self.start_run(committed)  # the run this job continues (_runs)
         return rt
 
-    def start_on_nodes(self) -> tuple[BaseException | None, list[int]]:
-        """The start on a node-local root (``_nodelocal.start_on_nodes``): each node's leader
-        takes the root on its disk, the ranks agree on the steps every rank holds (with the
-        persistent tier: or the store); sets :attr:`node_run` to the newest one's run."""
+    def start_on_nodes(self, by: Deadline) -> tuple[BaseException | None, list[int]]:
+        """The start on a node-local root (``_nodelocal.start_on_nodes``), all of it by ``by``
+        (the construction's deadline): each node's leader takes the root on its disk, the ranks
+        agree on the steps every rank holds (with the persistent tier: or the store); sets
+        :attr:`node_run` to the newest one's run."""
         assert self.dist is not None and self.nodes is not None
         opts = self.opts
-        start = functools.partial(_rootstart.node_start, self.root, opts.os_ops, self.ownership, self.timeout,
-                                  self.ranks, self.dead)  # fmt: skip
-        listed = None if opts.mirror is None else functools.partial(
-            _nodeparts.store_steps, opts.mirror, opts.mirror_options, min(self.timeout / 2, SURVEY_S))  # fmt: skip
-        failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, self.timeout,
-                                                    listed)  # fmt: skip
+
+        def start() -> None:  # its directory wait gets what is left of the construction's deadline
+            _rootstart.node_start(self.root, opts.os_ops, self.ownership, by.remaining(), self.ranks, self.dead)
+
+        def listed() -> list[list[Any]]:
+            assert opts.mirror is not None
+            return _nodeparts.store_steps(opts.mirror, opts.mirror_options, by.sub(min(self.timeout / 2, SURVEY_S))
+                                          .remaining())  # fmt: skip
+
+        failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, by,
+                                                    None if opts.mirror is None else listed)  # fmt: skip
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
         return failure, [int(a[0]) for a in agreed]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 from ..saving._handle import SaveRecord
+from ..threads._deadline import Deadline
 from ._books import Books
 from ._runtime import MARGIN_S, Runtime, describe
 from ._session import RootSession
@@ -163,23 +164,29 @@ class Waits:
         sys.stderr.flush()
 
     def finish_at_exit(self) -> tuple[list[str], bool]:
-        """The exit hook's part (:class:`~._runtime.AtExit`): unless closed, wait (bounded) for
-        the pending saves, their uploads and removals, without marking anything reported, and
-        stop; return the failures nobody saw, and whether an object store's runtime must settle."""
+        """The exit hook's part (:class:`~._runtime.AtExit`): unless closed, wait for the
+        pending saves, their uploads and removals, without marking anything reported, and
+        stop; return the failures nobody saw, and whether an object store's runtime must settle.
+
+        The waits share one deadline, the Checkpointer's timeout plus :data:`MARGIN_S` from
+        the hook's start (a save fails by its own deadline before that runs out): each gets
+        what the ones before it left, so an exit never takes a multiple of it. Stopping the
+        runtime after them is bounded on its own (``Runtime.stop``)."""
         if self.rt.forked:
             return [], False  # a forked child: the saves belong to the parent, which waits for them
         settle = False
         if not self.closed:
-            try:
-                self.books.release_deferred(time.monotonic() + self.timeout)
+            exit_by = Deadline.after(self.timeout + MARGIN_S)
+            try:  # the guard's copies are bounded by the timeout itself, as a save's are
+                self.books.release_deferred(exit_by.before(MARGIN_S).monotonic)
             except Exception:  # noqa: BLE001 - its save fails by its deadline, and is printed
                 pass
             # wait without marking anything reported: what nobody saw is printed below
-            concurrent.futures.wait(self.books.pending_futures(), self.timeout + MARGIN_S)
+            concurrent.futures.wait(self.books.pending_futures(), exit_by.remaining())
             if self.session.mirror is not None:  # tier mode: and the uploads of what just committed
                 try:
                     if self.uploads_to_wait_for(False):
-                        concurrent.futures.wait(self.books.pending_futures(), self.timeout + MARGIN_S)
+                        concurrent.futures.wait(self.books.pending_futures(), exit_by.remaining())
                 except Exception:  # noqa: BLE001 - the writer is gone: nothing more will upload
                     pass
             if not self.sigterm_seen:
@@ -187,7 +194,7 @@ class Waits:
                 # deleted): stopping the writer now would leave them for the next start
                 removing = self.removals_future()
                 if removing is not None:
-                    concurrent.futures.wait([removing], self.timeout + MARGIN_S)
+                    concurrent.futures.wait([removing], exit_by.remaining())
         failures = self.books.unreported_failures()
         if not self.closed:
             try:

@@ -98,6 +98,8 @@ class Publisher:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._errors: list[BaseException] = []
+        self._idle = threading.Condition()  # notified as jobs finish; guards _unfinished
+        self._unfinished = 0  # jobs submitted and not yet run or skipped
 
     def after_commit(self, handle: SaveHandle, fn: Callable[[CheckpointInfo], None]) -> None:
         """Run ``fn(info)`` on the publisher thread once ``handle``'s save committed."""
@@ -108,9 +110,17 @@ class Publisher:
         (then log that ``what``, e.g. "removing x.ckpt", was skipped)."""
         self._put((None, fn, what))
 
-    def drain(self) -> None:
-        """Wait until every job submitted so far ran (or was skipped)."""
-        self._jobs.join()
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every job submitted so far ran (or was skipped), at most ``timeout``
+        seconds (default: the publisher's own, which bounds a job's wait for its save: every
+        save submitted before the call has failed or committed by then). ``TimeoutError`` names
+        the jobs still to run (a removal or pointer write stuck on a file system that does not
+        answer); they go on in order, and a later drain waits for them again."""
+        limit = self._timeout if timeout is None else timeout
+        with self._idle:  # wait_for counts its timeout down across wake-ups: one deadline
+            if not self._idle.wait_for(lambda: self._unfinished == 0, limit):
+                raise TimeoutError(f"asyncckpt: {self._unfinished} publishing job(s) of {self._name} still "
+                                   f"running after {limit}s")  # fmt: skip
 
     def stop(self) -> None:
         """Let the thread end once the jobs submitted so far ran; a later job starts a new one.
@@ -143,6 +153,8 @@ class Publisher:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
+            with self._idle:
+                self._unfinished += 1
             self._jobs.put(job)
 
     def _run(self) -> None:
@@ -169,4 +181,8 @@ class Publisher:
                 self.record(e)
             finally:
                 self._jobs.task_done()
+                if job is not None:
+                    with self._idle:
+                        self._unfinished -= 1
+                        self._idle.notify_all()
 

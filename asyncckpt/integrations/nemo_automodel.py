@@ -159,7 +159,10 @@ class AsyncckptRecipeMixin:
                 try:
                     ck.close()
                 finally:
-                    st["publisher"].drain()
+                    try:
+                        st["publisher"].drain()
+                    except TimeoutError as e:  # a publication stuck: raised on every rank below
+                        st["publisher"].record(e)
                     st["publisher"].stop()
                 on_every_rank(
                     st["publisher"].raise_failure, group=r.checkpointer.process_group, timeout=self._asyncckpt_wait_s()

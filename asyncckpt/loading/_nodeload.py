@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..ranks._distributed import DistContext
 from ..roots._nodeparts import agree_parts
 from ..roots._registry import open_root
 from ..roots.posix._discovery import read_manifest
+from ..threads._deadline import Deadline
 from ._load import load_rank
 from ._resume import load_step
 
@@ -30,17 +30,22 @@ log = logging.getLogger("asyncckpt")
 
 
 def load_part(
-    dist: DistContext, key: str, root: str, step: int | None, verify: bool, timeout: float,
+    dist: DistContext, key: str, root: str, step: int | None, verify: bool, by: Deadline,
     store: tuple[str, Mapping[str, str] | None, list[list[Any]] | None] | None = None,
 ) -> tuple[int, Any]:  # fmt: skip
     """This rank's state of the agreed step (``step``: that one, else the newest) and its number.
     ``store``: the persistent tier's URL, storage options and (rank 0) its resumable steps; a
     rank whose node lacks its part of the agreed step reads it from there.
 
+    One deadline, ``by``, for the whole call: the agreement on the step, the reads (a read
+    from the store ends :func:`outcome_reserve` before it, so the ranks can still agree on
+    the outcome) and the agreement on the outcome each get what the phases before them left.
+    A rank late past it raises ``AgreeTimeout`` (a ``TimeoutError``) on every rank.
+
     Raises ``CheckpointNotFoundError`` on every rank when no step is complete for every rank
     in some tier (a node's disk empty, wiped, or holding another run's or attempt's files, and
     the step not on the store)."""
-    steps = agree_parts(dist, f"{key}/parts", root, timeout, step, None if store is None else store[2])
+    steps = agree_parts(dist, f"{key}/parts", root, by, step, None if store is None else store[2])
     if not steps:
         what = f"step {step}" if step is not None else "a step"
         raise CheckpointNotFoundError(f"no node-local checkpoint under {root}: {what} complete for every rank with "
@@ -53,9 +58,10 @@ def load_part(
     try:
         if source == "store":
             assert store is not None
-            far = open_root(store[0], storage_options=store[1], deadline_s=timeout)
+            reads_by = by.before(outcome_reserve(by))
+            far = open_root(store[0], storage_options=store[1], deadline_s=reads_by.remaining())
             state = load_step(far, chosen, rank=dist.rank, verify=verify, expect=attempt,
-                              deadline=time.monotonic() + timeout)  # fmt: skip
+                              deadline=reads_by.monotonic)  # fmt: skip
         else:
             state = _read_local(root, chosen, attempt, dist.rank, verify)
     except (CheckpointError, OSError) as e:
@@ -65,13 +71,19 @@ def load_part(
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         return {"bad": [[r, o["error"]] for r, o in enumerate(outcomes) if o["error"]]}
 
-    bad = agree(dist, f"{key}/outcome", mine, decide, timeout)["bad"]
+    bad = agree(dist, f"{key}/outcome", mine, decide, by)["bad"]
     if error is not None:
         raise error
     if bad:
         raise CheckpointError(f"step {chosen} could not be loaded from the node-local root {root} on rank(s) "
                               f"{[r for r, _ in bad]}: {bad[0][1]}")  # fmt: skip
     return chosen, state
+
+
+def outcome_reserve(by: Deadline) -> float:
+    """Seconds of ``by`` a read from the store leaves to the agreement on the outcome: a
+    quarter of what is left, at most 5 s."""
+    return min(5.0, by.remaining() / 4)
 
 
 def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool) -> Any:

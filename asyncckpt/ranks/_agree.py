@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ..threads._deadline import Deadline
 from ._distributed import DistContext
 
 #: Followers wait this much longer than rank 0 for the verdict (rank 0 publishes one, an
@@ -37,24 +38,33 @@ def agree(
     key: str,
     mine: dict[str, Any],
     decide: Callable[[list[dict[str, Any]]], dict[str, Any]],
-    timeout: float,
+    timeout: float | Deadline,
 ) -> dict[str, Any]:
     """Publish ``mine``; return the verdict rank 0 computed with ``decide`` from every rank's.
+
+    ``timeout``: seconds rank 0 waits for the others (they wait :data:`_MARGIN_S` longer, for
+    rank 0's verdict naming the missing ranks), or a :class:`Deadline` of a larger operation
+    that every rank's wait ends by (rank 0's a little before it, for the same reason).
 
     Raises :class:`AgreeTimeout` (a ``TimeoutError``) naming the ranks that did not report
     (rank 0's view) or naming rank 0 (a follower's) when the wait runs out; every rank that
     reads the verdict raises the same one.
     """
+    if isinstance(timeout, Deadline):
+        follow_s = timeout.remaining()
+        lead_s = follow_s - min(_MARGIN_S, follow_s / 4)
+    else:
+        lead_s, follow_s = timeout, timeout + _MARGIN_S
     base = f"{dist.prefix}/{key}"
     verdict_key = f"{base}/verdict"
     store = dist.store
     if dist.rank != 0:
         store.set(f"{base}/r{dist.rank}", json.dumps(mine))
         try:
-            store.wait([verdict_key], timedelta(seconds=timeout + _MARGIN_S))
+            store.wait([verdict_key], _wait_for(follow_s))
             got: dict[str, Any] = json.loads(store.get(verdict_key))
         except Exception as e:  # noqa: BLE001 - rank 0 is late or gone: give up on it, once
-            msg = f"rank 0 did not answer {key!r} within {timeout + _MARGIN_S:.0f}s ({e})"
+            msg = f"rank 0 did not answer {key!r} within {follow_s:.1f}s ({e})"
             try:
                 got = _publish(store, verdict_key, {"kind": "timeout", "msg": msg, "missing": [0]})
             except Exception:  # noqa: BLE001 - the store itself is gone: nobody to agree with
@@ -63,13 +73,18 @@ def agree(
     keys = [f"{base}/r{r}" for r in range(1, dist.world_size)]
     try:
         if keys:
-            store.wait(keys, timedelta(seconds=timeout))
+            store.wait(keys, _wait_for(lead_s))
     except Exception:  # noqa: BLE001 - a timeout: find out who is missing, tell the others
         missing = [r for r, k in enumerate(keys, start=1) if not _check(store, k)]
-        msg = f"rank(s) {missing} did not report {key!r} within {timeout:.0f}s"
+        msg = f"rank(s) {missing} did not report {key!r} within {lead_s:.1f}s"
         return _raise_timeout(_publish(store, verdict_key, {"kind": "timeout", "msg": msg, "missing": missing}))
     outcomes = [mine] + [json.loads(store.get(k)) for k in keys]
     return _raise_timeout(_publish(store, verdict_key, decide(outcomes)))
+
+
+def _wait_for(seconds: float) -> timedelta:
+    """A store wait of ``seconds``, at least a moment: a zero timeout is no bound to a c10d store."""
+    return timedelta(seconds=max(seconds, 0.01))
 
 
 def _publish(store: Any, key: str, verdict: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._errors import CheckpointError, CoordinationLost, describe_ranks
+from ..threads._deadline import Deadline
 from ._coordination import CALL_S, is_store_timeout, lost_message
 from ._distributed import DistContext
 
@@ -161,7 +162,7 @@ def _collect(dist: DistContext, base: str, deadline: float) -> dict[int, Any]:
 
 
 def check_node_disks(
-    dist: DistContext, key: str, root: str, node_of: list[int], tokens: dict[int, str], timeout: float,
+    dist: DistContext, key: str, root: str, node_of: list[int], tokens: dict[int, str], timeout: float | Deadline,
     names: list[str],
 ) -> CheckpointError | None:  # fmt: skip
     """Collective, on a node-local root (``saving._nodelocal``) once each node's leader placed a

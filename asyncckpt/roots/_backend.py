@@ -28,6 +28,7 @@ from .._info import CheckpointInfo
 from ..format import _manifest
 from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ..format._stepstates import save_action, state_of
+from ..threads._deadline import Deadline
 from ._filewrite import Staged, WriteResult
 from .posix._discovery import observe_step, open_step, read_manifest
 from .posix._fileio import copy_in
@@ -286,10 +287,10 @@ class PosixBackend:
             job.dead.add(os.path.basename(aside))
             await storage.remove_tree(aside)
             job.dead.discard(os.path.basename(aside))
-        await storage.ensure_dir_durable(self.location(job.step, attempt), root, dir_timeout(job))
+        await storage.ensure_dir_durable(self.location(job.step, attempt), root, Deadline.after(dir_timeout(job)))
 
     async def join(self, job: StepJob, loc: str) -> None:
-        await self.storage.ensure_dir(loc, dir_timeout(job))
+        await self.storage.ensure_dir(loc, Deadline.after(dir_timeout(job)))
 
     async def write_shard(
         self, job: StepJob, loc: str, name: str, buf: memoryview, size: int, staged: Staged | None

@@ -19,6 +19,7 @@ from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
+from ..threads._deadline import Deadline
 from .posix._discovery import read_manifest
 
 log = logging.getLogger("asyncckpt")
@@ -63,7 +64,7 @@ def parts(root: str, ranks: Collection[int]) -> dict[int, tuple[str, str | None]
 
 
 def agree_parts(
-    dist: DistContext, key: str, root: str, timeout: float, step: int | None = None,
+    dist: DistContext, key: str, root: str, timeout: float | Deadline, step: int | None = None,
     store_steps: list[list[Any]] | None = None,
 ) -> list[list[Any]]:  # fmt: skip
     """Collective (store only, bounded by ``timeout``): the steps complete for every rank with
@@ -74,7 +75,8 @@ def agree_parts(
     attempt (same manifest, CRC-checked files: provably the same bytes as on the store).
     With ``step``: that step only, or none. The run rule (``roots._runs``): when some step is
     complete on the nodes' disks alone, only steps of its run count; else any run's (a job
-    whose disks are all new resumes its run from the store)."""
+    whose disks are all new resumes its run from the store). ``timeout``: seconds, or the
+    ``Deadline`` of the caller's whole operation (as for ``agree``)."""
     mine: dict[str, Any] = {
         "parts": {str(s): list(v) for s, v in parts(root, [dist.rank]).items() if step is None or s == step}
     }

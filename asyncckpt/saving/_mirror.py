@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
 from .._info import CheckpointInfo, RemoteCheckpointInfo
+from ..roots._scheme import is_url, split_url
 from ..threads._iopool import IOPool
 from ..threads._sync import run_sync
 from ..threads._writer import WriterThread
@@ -69,9 +70,9 @@ def check_options(mirror: object, keep_last_remote: object, storage_options: obj
         return
     if not isinstance(mirror, str):
         raise TypeError(f"mirror must be an s3://bucket/prefix URL str, not {type(mirror).__name__}")
-    bucket = mirror[len("s3://"):].partition("/")[0] if mirror.startswith("s3://") else ""
-    if not bucket:
+    if not is_url(mirror):  # the one scheme check; then the one parse, as for an s3:// root
         raise ValueError(f"mirror must be an s3://bucket/prefix URL, not {mirror!r}")
+    split_url(mirror)
     if keep_last_remote is not None:
         if not isinstance(keep_last_remote, int) or isinstance(keep_last_remote, bool):
             raise TypeError(f"keep_last_remote must be a positive int or None, not {keep_last_remote!r}")
@@ -106,6 +107,9 @@ class Mirror:
         from ..roots.objstore._remote import open_store
 
         self.root = root
+        #: the rank whose uploads these are (a failure names it): rank 0, the one that uploads a
+        #: shared root's steps; ``_nodeupload.PartUploads`` sets its own
+        self.rank = 0
         # its own pool for the copy (one thread) and the upload reads (pread + CRC; two): at interpreter
         # exit a ThreadPoolExecutor refuses new work, and the exit hook still waits for the upload of the
         # last commit
@@ -338,14 +342,16 @@ class Mirror:
         return lease
 
     def _failure(self, step: int, e: BaseException) -> SaveError:
-        err = SaveError(step, {0: RankFailure.from_exception(0, e)},
+        """The ``SaveError`` of an upload that failed here with ``e``: it names this rank (rank 0's
+        uploads; a node-local tier's every rank uploads its own part, ``_nodeupload``)."""
+        err = SaveError(step, {self.rank: RankFailure.from_exception(self.rank, e)},
                         detail=f"upload to {self.url} failed; the local checkpoint under {self.root} is committed, "
                                "and the next commit's upload retries")
         err.__cause__ = e
         return err
 
     def _abandoned(self, step: int, why: str) -> SaveError:
-        return SaveError(step, {0: RankFailure(0, "CancelledError", f"upload abandoned: {why}")},
+        return SaveError(step, {self.rank: RankFailure(self.rank, "CancelledError", f"upload abandoned: {why}")},
                          detail=f"not uploaded to {self.url}; the local checkpoint under {self.root} is committed")
 
     def _settle(self, fut: concurrent.futures.Future[CheckpointInfo], *, result: CheckpointInfo | None = None,

@@ -58,6 +58,7 @@ from ..ranks._sharedroot import check_node_disks, place_token, remove_token
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
+from ..threads._deadline import Deadline
 from ._cleanup import in_background
 from ._savejob import SaveJob
 
@@ -251,14 +252,18 @@ class NodeLocalBackend(PosixBackend):
 
 
 def start_on_nodes(
-    dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, timeout: float,
+    dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, by: Deadline,
     store_steps: Callable[[], list[list[Any]]] | None = None,
 ) -> tuple[BaseException | None, list[list[Any]]]:
     """Construction with ``node_local=True``, on every rank. Each node's leader runs ``start()``
     (make the root on its disk, take it, remove leftovers: ``_rootstart``) and the failures are
     shared; then the ranks agree on the steps complete for every rank (:func:`agree_parts`).
     ``store_steps`` (rank 0, with the persistent tier): lists the store's resumable steps.
-    Returns the first node's failure (the same on every rank) and the agreed steps."""
+    Returns the first node's failure (the same on every rank) and the agreed steps.
+
+    Everything by one deadline, ``by`` (the construction's, counted from its call): the
+    leaders' start and each agreement after it get what is left of it, so a leader slow to
+    start fails the construction with ``AgreeTimeout`` on every rank by then, never later."""
     failure: BaseException | None = None
     token: str | None = None
     if dist.rank in nodes.leaders:
@@ -276,16 +281,14 @@ def start_on_nodes(
         bad = [(r, o["error"]) for r, o in enumerate(outcomes) if o["error"]]
         return {"bad": bad, "tokens": {str(r): o["token"] for r, o in enumerate(outcomes) if o["token"]}}
 
-    deadline = time.monotonic() + timeout
     try:
-        got = agree(dist, f"{key}/node-start", mine, decide, timeout)
+        got = agree(dist, f"{key}/node-start", mine, decide, by)
         bad = got["bad"]
         # also after a failed start: two leaders on one disk fail it (the second cannot take the
         # root), and the names that do not match the disks are the cause to name
         node_of = [nodes.node_of(r) for r in range(dist.world_size)]
         tokens = {int(r): str(t) for r, t in got["tokens"].items()}
-        mismatch = check_node_disks(dist, key, root, node_of, tokens, max(1.0, deadline - time.monotonic()),
-                                    list(nodes.names))  # fmt: skip
+        mismatch = check_node_disks(dist, key, root, node_of, tokens, by, list(nodes.names))
         if mismatch is not None:
             return mismatch, []
     finally:
@@ -298,4 +301,4 @@ def start_on_nodes(
         return CheckpointError(f"asyncckpt: the node-local root {root} could not be started on rank {r}'s node: "
                                f"{msg}"), []  # fmt: skip
     listed = store_steps() if store_steps is not None and dist.rank == 0 else None
-    return None, agree_parts(dist, f"{key}/parts", root, max(1.0, deadline - time.monotonic()), store_steps=listed)
+    return None, agree_parts(dist, f"{key}/parts", root, by, store_steps=listed)

@@ -183,8 +183,10 @@ class PartUploads(Mirror):
                 self._retire_soon(step, lease)
         else:
             heard = await self._coord.wait_for(seq, "done", deadline + _OUTCOME_GRACE_S)
-            if heard is None:
-                raise TimeoutError(f"rank 0 did not publish the outcome of step {step}'s upload in time")
+            if heard is None:  # rank 0 is the one that failed: named as such, not this rank
+                silent = RankFailure(0, "TimeoutError", f"did not publish the outcome of step {step}'s upload in time")
+                raise SaveError(step, {0: silent}, detail=f"upload to {self.url} failed; the node-local step under "
+                                f"{self.root} is committed, and the next commit's upload goes on")  # fmt: skip
             outcome = heard
         if not outcome["ok"]:
             failures = {int(r): RankFailure(int(r), msg.partition(":")[0], msg.partition(": ")[2])

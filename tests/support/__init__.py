@@ -31,7 +31,8 @@ Utilities:
 
 Workers (``_*_worker.py``), each one process of a multi-process test, named for it:
 ``_acceptance_worker`` (test_acceptance), ``_crash_worker`` (test_crash_loop, a fork server),
-``_dcp_worker`` (test_dcp_storage, test_dcp_storage_s3), ``_deferred_worker``
+``_dcp_worker`` (test_dcp_storage, test_dcp_storage_s3), ``_deadline_worker`` (test_deadline_ranks),
+``_deferred_worker``
 (test_deferred_ranks), ``_ddp_prefix_worker`` (test_compile_prefix), ``_dist_worker``
 (test_distributed), ``_every_rank_worker``
 (test_every_rank), ``_exit_worker`` (test_exit_paths), ``_export_worker`` (test_export_sharded),

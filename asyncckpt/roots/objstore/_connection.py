@@ -22,11 +22,11 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from typing import Any
-from urllib.parse import urlsplit
 
 from obstore.store import S3Store
 
 from ..._errors import ObjectStoreError, ObjectStoreTimeoutError
+from .._scheme import split_url
 from ._errormap import ErrorMap, retryable, status_of
 from ._forkguard import check_not_forked
 from ._s3uploads import S3Credentials, UploadsClient
@@ -41,18 +41,6 @@ DEFAULT_PART = 64 * MiB
 MAX_PARTS = 10_000
 #: Part of a file streamed to or from the store (put_from/get_to): 9 of them in memory at most.
 STREAM_PART = 16 * MiB
-
-
-def _parse_url(url: str) -> tuple[str, str, str]:
-    parts = urlsplit(url)
-    if parts.scheme != "s3" or not parts.netloc:
-        raise ValueError(f"object-store URL must look like s3://bucket/prefix, got {url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError("object-store URL must not carry a query or fragment (pass storage_options=)")
-    prefix = parts.path.strip("/")
-    if any(seg in ("", ".", "..") for seg in prefix.split("/")) and prefix:
-        raise ValueError(f"object-store prefix has an empty or relative segment: {prefix!r}")
-    return parts.scheme, parts.netloc, prefix
 
 
 class Connection:
@@ -78,7 +66,7 @@ class Connection:
     ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, not {type(url).__name__}")
-        _, self.bucket, self.prefix = _parse_url(url)
+        self.bucket, self.prefix = split_url(url)
         opts = dict(storage_options or {})
         for k, v in opts.items():
             if not isinstance(k, str) or not isinstance(v, str):

@@ -93,8 +93,10 @@ def ensure_dir(path: str | os.PathLike[str], *, timeout: float = 30.0, ops: OsOp
             raise
 
 
-def _wait_until_directory(p: str, first: OSError, t_end: float, deadline_s: float, ops: OsOps) -> None:
-    """After EEXIST: return once ``p`` is seen as a directory; re-stat, never re-mkdir."""
+def _wait_until_directory(p: str, first: OSError, t_end: float, timeout: float, ops: OsOps) -> None:
+    """After EEXIST: return once ``p`` is seen as a directory, by ``t_end`` (a
+    ``time.monotonic()`` point; ``timeout``, the call's duration, is for the message); re-stat,
+    never re-mkdir."""
     delay = 0.005
     while True:
         try:
@@ -119,7 +121,7 @@ def _wait_until_directory(p: str, first: OSError, t_end: float, deadline_s: floa
             raise StaleDirectoryError(
                 errno.EEXIST,
                 f"mkdir reported EEXIST but the directory did not become visible within "
-                f"{deadline_s:.1f}s (stale attribute cache on a network/FUSE file system?)",
+                f"{timeout:.1f}s (stale attribute cache on a network/FUSE file system?)",
                 p,
             ) from first
         try:

@@ -18,6 +18,7 @@ import aiofiles.os
 from ...format._checksum import crc32c
 from ...format._header import ALIGN, round_up
 from ...threads._cpumeter import current_meter, metered
+from ...threads._deadline import Deadline
 from .._filewrite import Staged, WriteResult, until_staged
 from ._ensure_dir import ensure_dir
 from ._file_writes import CHUNK, CrcChain, OpenFile, PieceAbandoned, finish_file, write_piece, write_small
@@ -93,19 +94,23 @@ class Storage:
                 raise
             raise with_path(e, path) from e
 
-    async def ensure_dir(self, path: str, deadline_s: float) -> None:
-        await self._run_on(path, lambda: ensure_dir(path, timeout=deadline_s, ops=self.ops))
+    async def ensure_dir(self, path: str, by: Deadline) -> None:
+        """:func:`ensure_dir` of ``path`` on the I/O pool, done by ``by``: its wait for a stale
+        view gets what is left of ``by`` once a pool thread runs it (the time queued behind
+        the shards' writes counts)."""
+        await self._run_on(path, lambda: ensure_dir(path, timeout=by.remaining(), ops=self.ops))
 
     async def fsync_dir(self, path: str) -> None:
         await self._run_on(path, self.ops.fsync_dir, path)
 
-    async def ensure_dir_durable(self, path: str, parent: str, deadline_s: float) -> None:
-        """:meth:`ensure_dir` then :meth:`fsync_dir` of ``parent``, in one call on the I/O pool."""
+    async def ensure_dir_durable(self, path: str, parent: str, by: Deadline) -> None:
+        """:meth:`ensure_dir` (done by ``by``) then :meth:`fsync_dir` of ``parent``, in one
+        call on the I/O pool."""
 
         def run() -> None:
             where = path
             try:
-                ensure_dir(path, timeout=deadline_s, ops=self.ops)
+                ensure_dir(path, timeout=by.remaining(), ops=self.ops)
                 where = parent
                 self.ops.fsync_dir(parent)
             except OSError as e:

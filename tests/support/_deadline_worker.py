@@ -1,0 +1,110 @@
+"""One rank of a deadline test on a node-local root (``test_deadline_ranks.py``): argv scenario
+rank world port root out. Every rank is on one node (``ASYNCCKPT_NODE``), rank 0 its leader.
+``CK_TIMEOUT``: the Checkpointer's timeout. Writes what happened to ``out.<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+
+def _describe(e: BaseException) -> dict[str, Any]:
+    return {"type": type(e).__name__, "msg": str(e), "missing": list(getattr(e, "missing", ()) or ())}
+
+
+def scenario_slow_start(rank: int, root: str, result: dict[str, Any]) -> None:
+    """The leader's start (its mkdir of the root) takes ``SLOW_S``: construction must fail on
+    every rank by the timeout counted from its call. Then a construction without the slow
+    call, with ample time: the root was left to it (nothing held, nothing lost)."""
+    from asyncckpt import Checkpointer
+    from asyncckpt.testing import OsOps
+
+    class SlowStart(OsOps):
+        def mkdir(self, path: str, mode: int = 0o777) -> None:
+            if os.path.abspath(path) == os.path.abspath(root):
+                time.sleep(float(os.environ["SLOW_S"]))  # a disk that is slow to answer
+            super().mkdir(path, mode)
+
+    ops: Any = SlowStart() if rank == 0 else None
+    t0 = time.monotonic()
+    try:
+        ck = Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"]),
+                          **({"os_ops": ops} if ops is not None else {}))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["ctor_error"] = _describe(e)
+    else:
+        ck.close()
+    result["ctor_s"] = time.monotonic() - t0
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
+        result["after"] = ck.steps()
+
+
+def scenario_late_load(rank: int, root: str, result: dict[str, Any]) -> None:
+    """Save step 1 (each rank its own part), then say so (``<OUT>.saved``) and wait for the
+    test's go (``<OUT>.go``: its file system now makes rank 1's first read of its part slow).
+    Rank 1 comes to ``load()`` ``LATE_S`` after rank 0: rank 0's load must end by its timeout.
+    Then a second load, with the slow read spent: every rank loads its part (nothing lost)."""
+    import torch
+    import torch.distributed as dist
+
+    from asyncckpt import Checkpointer
+
+    out = os.environ["OUT"]
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
+        ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
+    dist.barrier()
+    if rank == 0:
+        open(f"{out}.saved", "w").close()
+    end = time.monotonic() + 60
+    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
+        time.sleep(0.02)
+    with Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])) as ck:
+        dist.barrier()
+        if rank == 1:
+            time.sleep(float(os.environ["LATE_S"]))
+        t0 = time.monotonic()
+        try:
+            ck.load()
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            result["load_error"] = _describe(e)
+        result["load_s"] = time.monotonic() - t0
+        dist.barrier()
+        result["loaded"] = float(ck.load()["w"][0])
+
+
+def main() -> None:
+    scenario, rank, world, port, root, out = (
+        sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6],
+    )  # fmt: skip
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100)
+    os.environ["ASYNCCKPT_NODE"] = "one"
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        globals()[f"scenario_{scenario}"](rank, root, result)
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
+        result["crash"] = "".join(traceback.format_exception(e))
+    with open(f"{out}.{rank}.json.tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(f"{out}.{rank}.json.tmp", f"{out}.{rank}.json")
+    if rank == 0:  # rank 0 hosts the store: stay until every rank wrote its result
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+            time.sleep(0.05)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""One deadline for a node-local root's collective calls, through real gloo ranks (one node, two
+ranks: ``support/_deadline_worker.py``): the construction (a leader slow to start) and
+``load()`` (a rank late, then slow to read) end by the timeout on every rank, with the same
+``AgreeTimeout``, and leave the root as it was. Each test failed on the code before its fix
+(the deadline audit's open findings; the rest: ``test_deadline_audit.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faultfs import FaultFS, FaultFSUnavailable, mounted, rule, unavailable_reason
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("deadline-ranks")
+    try:
+        with mounted(base / "backing", base / "mnt", direct_io=True) as fs:  # direct: every read reaches it
+            yield fs
+    except FaultFSUnavailable as e:
+        pytest.skip(str(e))
+
+
+WORKER = str(Path(__file__).parent / "support" / "_deadline_worker.py")
+
+
+def _ranks(
+    tmp_path: Path, scenario: str, root: str, on_saved: Callable[[], None] | None = None, **env: str
+) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` of the deadline worker on 2 ranks (one node) over ``root``; ``on_saved``
+    runs once the ranks said they saved (``<OUT>.saved``), before they go on (``<OUT>.go``)."""
+    import json
+
+    from _ranks import free_port, log_tail, run_ranks
+
+    out, logs = tmp_path / f"{scenario}-result", tmp_path / scenario
+    logs.mkdir()
+    port = free_port()
+
+    def started(procs: list[Any]) -> None:
+        if on_saved is None:
+            return
+        end = time.monotonic() + 90
+        while not os.path.exists(f"{out}.saved") and time.monotonic() < end and all(p.poll() is None for p in procs):
+            time.sleep(0.02)
+        on_saved()
+        Path(f"{out}.go").touch()
+
+    hung = run_ranks(lambda r: [WORKER, scenario, str(r), "2", str(port), root, str(out)], 2, logs, 150,
+                     extra_env={"OUT": str(out), **env}, on_started=started)  # fmt: skip
+    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
+    res = {}
+    for r in range(2):
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        res[r] = json.loads(f.read_text())
+        assert "crash" not in res[r], res[r]["crash"]
+    return res
+
+
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_leader_slow_to_start_fails_a_node_local_construction_on_every_rank_by_the_timeout(
+    tmp_path: Path,
+) -> None:
+    # the node-local start's deadline was counted from the end of the leader's own start: the
+    # leader 1.5 timeouts late, every rank waited past its timeout and then went on as if in time
+    timeout = 2.0
+    res = _ranks(tmp_path, "slow_start", str(tmp_path / "ck"), CK_TIMEOUT=str(timeout), SLOW_S=str(1.5 * timeout))
+    for r, got in res.items():
+        assert got.get("ctor_error", {}).get("type") == "AgreeTimeout", (r, got)
+        assert got["ctor_error"]["missing"] == [0], (r, got)  # the leader is the one named
+    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # the follower: by its timeout
+    assert res[0]["after"] == [] and res[1]["after"] == []  # the root was left free: the next job starts
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_node_local_load_ends_by_its_timeout_when_a_rank_is_late_and_then_reads_slowly(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # load_part gave each phase the whole timeout: rank 0 waited up to one for rank 1 to come
+    # to the agreement on the step, then up to one again for its outcome, and returned at 1.3x
+    timeout = 2.0
+    root = faulty.path("nodeload")
+    slow = [rule("read", glob="*/step_00000001/rank00001.safetensors", delay_s=0.7 * timeout, count=1, id="slow-read")]
+    try:
+        res = _ranks(tmp_path, "late_load", root, lambda: faulty.set_rules(slow), CK_TIMEOUT=str(timeout),
+                     LATE_S=str(0.6 * timeout))  # fmt: skip
+        assert faulty.fired("slow-read") == 1
+    finally:
+        faulty.clear()
+    for r, got in res.items():
+        assert got.get("load_error", {}).get("type") == "AgreeTimeout", (r, got)
+    assert res[0]["load_error"]["missing"] == [1], res[0]
+    assert res[0]["load_s"] < timeout + 0.5, res[0]  # rank 0: by its timeout
+    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
