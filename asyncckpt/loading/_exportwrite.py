@@ -12,17 +12,22 @@ Where the bytes come from, and what verifies them:
 - a :class:`Plain` tensor of an indexed step has its own CRC in the index (possibly in
   another rank's file, when deduplicated): the plain tensors of one file are read together,
   in windows of up to ``BAND`` bytes over neighbouring tensors;
-- a :class:`Global` (a DTensor) is assembled from its chunks band by band: a band is a run
-  of the output that is contiguous and at most ``BAND`` bytes (a range of rows, or of a
-  row's elements), and each chunk's share of a band is one contiguous byte run of its file,
-  all of a band's shares read at once. Bands advance in the output's order, so every chunk
-  is read exactly once, front to back, and its CRC is continued across bands.
+- a :class:`Global` (a DTensor) of more than ``BAND`` bytes is assembled from its chunks
+  band by band: a band is a run of the output that is contiguous and at most ``BAND`` bytes
+  (a range of rows, or of a row's elements), and each chunk's share of a band is one
+  contiguous byte run of its file, all of a band's shares read at once. Bands advance in the
+  output's order, so every chunk is read exactly once, front to back, and its CRC is
+  continued across bands;
+- smaller DTensors are assembled together, side by side in one band's buffer: their chunks
+  read in windows of each file (the chunks of many tensors in one request), each checked
+  against its CRC.
 
-Each read is a whole window or a band's share, never a tensor at a time, so a store answers
-few, large ranged GETs. Memory: two buffers of ``BAND`` bytes (the window being consumed
-and the next one being read; a band and the bounce buffer of its shares). Files are read
-through the reader and the output written with ``pwrite`` (never mapped: a fault cannot
-become a SIGBUS).
+Each read is a whole window or a band's share, never a tensor at a time, and one request
+(``StepReader.readv``: a store's one ranged GET of at most ``BAND`` bytes), so a store
+answers few, large GETs; the next window is read while one is consumed, and reads in
+different files are made at once. Memory: two buffers of ``BAND`` bytes (the window being
+consumed and the next one; a band and the bounce buffer of its shares). The output is
+written with ``pwrite`` (never mapped: a fault cannot become a SIGBUS).
 """
 
 from __future__ import annotations
@@ -219,7 +224,7 @@ class StreamWriter:
 
         def fetch(i: int) -> Future[None]:
             off, n = spans[i]
-            return self._pool.submit(self.reader.read_into, file, off, bufs[i % 2][:n])
+            return self._pool.submit(self.reader.readv, file, off, [bufs[i % 2][:n]])
 
         try:
             if spans:
@@ -336,9 +341,9 @@ class StreamWriter:
     def _read_all(self, reads: list[tuple[str, int, memoryview]]) -> None:
         """Fill every ``(file, offset, view)`` at once; the first error is raised once all ended."""
         if len(reads) == 1:
-            self.reader.read_into(*reads[0])
+            self.reader.readv(reads[0][0], reads[0][1], [reads[0][2]])
             return
-        futures = [self._pool.submit(self.reader.read_into, *r) for r in reads]
+        futures = [self._pool.submit(self.reader.readv, f, off, [view]) for f, off, view in reads]
         wait(futures)
         for f in futures:
             f.result()
