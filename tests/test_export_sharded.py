@@ -21,7 +21,8 @@ from safetensors.torch import load_file, load_model
 import asyncckpt
 from asyncckpt.cli import main
 from asyncckpt.format._reshard import Box
-from asyncckpt.loading._export import bands, contiguous_in, linear
+from asyncckpt.loading._exportwrite import bands, contiguous_in, linear
+from asyncckpt.roots import open_root
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "support" / "_export_worker.py")
@@ -296,7 +297,7 @@ def test_export_survives_the_retirement_of_its_step(tmp_path: Path) -> None:
     with asyncckpt.Checkpointer(root, keep_last=1) as ck:
         ck.save(1, {"w": torch.arange(1000.0), "m": Net(4).state_dict()})
         ck.flush()
-        with open_export(str(root), 1, 0) as ex:
+        with open_export(open_root(root), 1, 0) as ex:
             ck.save(2, {"w": torch.zeros(1000), "m": Net(4).state_dict()})
             ck.flush()
             assert not (root / STEP).exists()
@@ -314,7 +315,7 @@ def test_sharded_export_survives_the_removal_of_its_step(
 
     root, dest = tmp_path / "root", tmp_path / "o.safetensors"
     shutil.copytree(on4[0], root)
-    with open_export(str(root), 1, 0) as ex:
+    with open_export(open_root(root), 1, 0) as ex:
         (root / STEP).rename(root / "step_00000001.deleting-x")
         shutil.rmtree(root / "step_00000001.deleting-x")
         ex.write(str(dest), [(n, s) for n, s in ex.named if n.startswith("tp.")])

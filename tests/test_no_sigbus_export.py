@@ -1,8 +1,8 @@
 """No signal deaths in ``asyncckpt export``, to a local file and from an ``s3://`` URL.
 
 The command runs as a real process (a SIGBUS would show as rc -7) under a FUSE EIO
-(``tests/support/faultfs.py``) on the output, on the checkpoint it reads, or on the step a remote
-export pulls first, and with the output on a full, small tmpfs. Each ends in exit 1 with a
+(``tests/support/faultfs.py``) on the output (of a local export and of one from a store) or on
+the checkpoint it reads, and with the output on a full, small tmpfs. Each ends in exit 1 with a
 message naming the fault and the file, no output file and no temporary left beside it;
 an I/O error reading the checkpoint does not mark the step bad (it says nothing about the
 checkpoint), and once the fault is gone the same export succeeds.
@@ -104,16 +104,16 @@ def test_export_read_eio_is_an_io_error_not_a_corrupt_step(fs: FaultFS, tmp_path
 def test_export_from_a_url_under_a_fault_exits_1_and_leaves_nothing(
     fault: str, fs: FaultFS, s3: Any, tmp_path: Path
 ) -> None:
-    """A remote export pulls the step beside OUT first: the pull's fault (EIO writing it, or
-    no room for it) is exit 1, and neither OUT nor the temporary root is left."""
+    """A remote export streams the store's objects into OUT: a fault of OUT's disk (EIO
+    writing it, or no room for it) is exit 1, and neither OUT nor a temporary is left."""
     url = fresh_url()
     pushed(tmp_path, s3.endpoint, url, step=2)
     with contextlib.ExitStack() as stack:
         if fault == "EIO":
             outdir = Path(fs.path(f"rout-{uuid.uuid4().hex[:6]}"))
             outdir.mkdir()
-            pulled = f"/{outdir.name}/.asyncckpt-export-*/step_*/rank00000.safetensors"
-            fs.set_rules([rule(["read", "write"], glob=pulled, error="EIO", id="eio")])
+            written = f"/{outdir.name}/.model.safetensors.tmp-*"
+            fs.set_rules([rule(["write", "fsync"], glob=written, error="EIO", id="eio")])
         else:
             outdir = stack.enter_context(tmpfs(tmp_path / "small", "8m"))
         out = outdir / "model.safetensors"

@@ -1,6 +1,8 @@
 """``asyncckpt export``: one rank's tensors as a flat name->tensor .safetensors or .pt file.
 
-A ``.safetensors`` export streams (``asyncckpt.loading._export``): the header first, then each
+Any root is read the same way, through its ``Root.open_reader`` (a directory, an ``s3://``
+URL read by ranged GETs with nothing stored beside OUT, a tier). A ``.safetensors`` export
+streams (``asyncckpt.loading._export``): the header first, then each
 tensor's bytes, assembled from a sharded checkpoint's chunks into full global tensors, read
 and checksummed one bounded piece at a time, so a model larger than memory exports. A ``.pt``
 export loads the selected tensors (``torch.save`` needs them all in memory). Tied tensors are
@@ -14,21 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..format._layout import parse_aside, parse_leftover, parse_step_dir
-from ..reading import resolve_in, resolve_step_noting
-from ..roots import open_root
-from ..roots._scheme import is_url
+from ..reading import resolve_in
+from ..roots import Root
 from ..roots.posix._osops import DEFAULT_OPS
 from ._args import DataError, UsageError, add_step, command, non_negative_int
 from ._print import PROG, dump_json, human_bytes, say
-from ._remote_args import add_remote_arguments, deadline_s, refuse_remote_options, root_of, storage_options
+from ._remote_args import add_remote_arguments, root_of
 from .info import note_passed_over
 
 if TYPE_CHECKING:
@@ -62,8 +61,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "in sorted order (as safetensors.torch.save_model does). Non-tensor values are skipped.\n"
         ".safetensors exports stream: memory stays bounded (~16 MiB of buffers) whatever the\n"
         "size. The data is verified while it is read; the output is written atomically.\n"
-        "ROOT may be an s3:// URL: the step is first pulled (verified) into a temporary\n"
-        "directory beside OUT, so OUT's file system needs room for the whole step.",
+        "ROOT may be an s3:// URL: the step is read from the store by ranged GETs (verified\n"
+        "the same way), nothing of it is stored beside OUT.",
         "  asyncckpt export ckpt/ --to all.safetensors\n"
         "  asyncckpt export ckpt/ --step 300 --key model --to model.safetensors\n"
         "  asyncckpt export ckpt/ --step 300 --key model --to model.pt\n"
@@ -174,16 +173,24 @@ def run(args: argparse.Namespace) -> int:
     dest: str = args.to
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
-    if is_url(args.root):
-        return _run_remote(args)
-    refuse_remote_options(args, args.root)
-    parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
-    inside = os.path.basename(parent)
-    if os.path.dirname(parent) == os.path.realpath(args.root) and (
-        parse_step_dir(inside) is not None or parse_leftover(inside) is not None or parse_aside(inside) is not None
-    ):
-        raise UsageError(f"refusing to write into {inside}: a checkpoint's own directory holds only its files")
-    _, manifest, passed = resolve_step_noting(args.root, args.step)
+    root = root_of(args)
+    try:
+        return _run(args, root, dest)
+    finally:
+        root.close()
+
+
+def _run(args: argparse.Namespace, root: Root, dest: str) -> int:
+    """:func:`run` of the opened ``root`` (any kind: read through ``Root.open_reader``)."""
+    if root.caps.kind == "posix":
+        parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
+        inside = os.path.basename(parent)
+        if os.path.dirname(parent) == os.path.realpath(args.root) and (
+            parse_step_dir(inside) is not None or parse_leftover(inside) is not None or parse_aside(inside) is not None
+        ):
+            raise UsageError(f"refusing to write into {inside}: a checkpoint's own directory holds only its files")
+    # the manifest first: a rank the step lacks is refused before anything is read
+    manifest, passed = resolve_in(root, args.step)
     note_passed_over(passed, manifest.step, "exporting")
     if args.rank >= manifest.world_size:
         raise DataError(
@@ -192,12 +199,12 @@ def run(args: argparse.Namespace) -> int:
     from ..loading._export import dotted  # torch: only this command needs it
 
     if dest.lower().endswith(".safetensors"):
-        tensors, keys, skipped, dropped = _stream(args, manifest.step, dest)
+        tensors, keys, skipped, dropped = _stream(args, root, manifest.step, dest)
         nbytes = sum(_export_nbytes(s) for s in tensors.values())
     else:
-        from ..checkpointer._loader import load  # torch: only this command needs it
+        from ..checkpointer._loader import read  # torch: only this command needs it
 
-        state = load(args.root, manifest.step, rank=args.rank, verify=True)
+        state = read(root, manifest.step, rank=args.rank, verify=True)
         pairs, skipped = named_tensors(state)
         loaded = select_key([(dotted(k), t) for k, t in pairs], args.key)
         _atomic_write(dest, lambda p: write_torch(p, loaded), args.force)
@@ -230,70 +237,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_remote(args: argparse.Namespace) -> int:
-    """Export from an ``s3://`` URL: the step is pulled (every object CRC-32C checked) into a
-    temporary root beside OUT, on OUT's file system, exported from there, then removed."""
-    import tempfile
-
-    from ..remote import pull
-
-    url: str = args.root
-    opts = storage_options(args)
-    deadline = time.monotonic() + deadline_s(args)
-    # the manifest first: a rank the step lacks is refused before anything is downloaded
-    manifest, passed = resolve_in(root_of(args), args.step)
-    note_passed_over(passed, manifest.step, "exporting")
-    if args.rank >= manifest.world_size:
-        raise DataError(
-            f"step {manifest.step} was saved by {manifest.world_size} rank(s); there is no rank {args.rank}"
-        )
-    parent = os.path.dirname(os.path.abspath(args.to))
-    _remove_dead_exports(parent)
-    prefix = f"{_TMP_PREFIX}{os.getpid()}@{socket.gethostname()}-"
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as tmp:
-        step, _ = pull(url, tmp, step=manifest.step, storage_options=opts, deadline_s=deadline - time.monotonic())
-        local = {**vars(args), "root": tmp, "step": step, "storage_option": [], "deadline": None}
-        return run(argparse.Namespace(**local))
-
-
-_TMP_PREFIX = ".asyncckpt-export-"
-
-
-def _remove_dead_exports(parent: str) -> None:
-    """Remove the temporary roots beside OUT that remote exports killed on this host left (named
-    ``.asyncckpt-export-PID@HOST-XXXX``): only those of this host whose process is gone; a
-    live one (or one whose PID was reused) is left alone. Best effort: a failure is ignored."""
-    import shutil
-
-    host = socket.gethostname()
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(_TMP_PREFIX):
-            continue
-        pid_text, at, rest = name[len(_TMP_PREFIX) :].partition("@")
-        if not at or not pid_text.isdigit() or rest.rpartition("-")[0] != host:
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive (ours or not): not a leftover
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # EPERM: a live process of another user
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
 def _export_nbytes(src: Any) -> int:
-    from ..loading._export import nbytes_of
+    from ..loading._exportwrite import nbytes_of
 
     return nbytes_of(src)
 
 
 def _stream(
-    args: argparse.Namespace, step: int, dest: str
+    args: argparse.Namespace, root: Root, step: int, dest: str
 ) -> tuple[dict[str, Any], list[tuple[str, ...]], list[tuple[str, ...]], dict[str, str]]:
     """Stream the selected tensors of ``step`` into ``dest`` (atomically); return them by
     output name, the key paths of every tensor of the rank, those of the skipped values, and
@@ -302,7 +253,7 @@ def _stream(
     from .._errors import CheckpointCorruptError
     from ..loading import _export, _resume  # torch: only this command needs it
 
-    with _export.open_export(args.root, step, args.rank) as ex:
+    with _export.open_export(root, step, args.rank) as ex:
         selected = select_key(ex.named, args.key)
         kept, dropped = _export.drop_aliases(selected)
         try:  # before anything is created: a header safetensors would refuse is never written
@@ -315,8 +266,7 @@ def _stream(
         try:
             _atomic_write(dest, lambda p: ex.write(p, kept, layout), args.force)
         except CheckpointCorruptError as e:
-            manifest = ex.pinned.manifest
-            if manifest is not None and ex.pinned.still_there():
-                _resume.mark(open_root(args.root), step, manifest.attempt, e)
+            if ex.reader.still_there():  # a step retired meanwhile was not damaged
+                _resume.mark(root, step, ex.reader.manifest.attempt, e)
             raise
         return dict(kept), ex.keys, ex.skipped, dropped

@@ -19,9 +19,8 @@ from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoun
 from ..format._layout import step_dir_name
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
-from ..roots._nodeparts import agree_parts
+from ..roots._nodeparts import agree_parts, read_part
 from ..roots._registry import open_root
-from ..roots.posix._discovery import read_manifest
 from ..threads._deadline import Deadline
 from ._load import load_rank
 from ._resume import load_step
@@ -89,7 +88,7 @@ def outcome_reserve(by: Deadline) -> float:
 def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool) -> Any:
     """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified."""
     step_dir = os.path.join(root, step_dir_name(chosen))
-    m = read_manifest(step_dir)
+    m = read_part(root, chosen)
     if m.attempt != attempt:
         raise CheckpointCorruptError(f"holds attempt {m.attempt}, not the agreed {attempt}", step_dir)
     return load_rank(step_dir, m, rank, verify)

@@ -26,12 +26,20 @@ log = logging.getLogger("asyncckpt")
 _STEP_DIR = re.compile(r"step_(\d{8,})$")
 
 
+def read_part(root: str, step: int) -> _manifest.Manifest:
+    """The manifest of ``step`` on this node's ``root`` (the node tier's one manifest read: a
+    node's part is no committed step of a :class:`~asyncckpt.roots.Root`, its other nodes'
+    files are elsewhere). ``CheckpointNotFoundError`` (no manifest), ``CheckpointCorruptError``
+    (one that does not decode), ``CheckpointReadError`` (the disk could not serve it)."""
+    return read_manifest(os.path.join(root, step_dir_name(step)))
+
+
 def part_state(root: str, step: int, ranks: Collection[int]) -> _manifest.Manifest | None:
     """The manifest of ``step`` on this node's ``root`` if its files of ``ranks`` are all there
     with the sizes it lists (the part is complete for them); ``None`` otherwise."""
     step_dir = os.path.join(root, step_dir_name(step))
     try:
-        m = read_manifest(step_dir)
+        m = read_part(root, step)
     except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
         return None
     for r in ranks:
