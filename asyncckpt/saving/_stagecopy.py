@@ -58,7 +58,7 @@ class _CopyRun:
                 if type(s) in PLAIN_TENSORS and s.is_contiguous() and not s.is_conj() and not s.is_neg():
                     _memmove(plan.dst[i], s.data_ptr(), plan.nbytes[i])
                 else:  # strided, conjugated or wrapped tensors: torch knows how to read them
-                    plan.views[i].copy_(s)
+                    plan.view(i).copy_(s)
             if self.progress is not None:
                 self.progress.group_done(g)
 
@@ -179,8 +179,8 @@ class StagingCopier:
         self, arena: Arena, layout: ShardLayout, sources: Sequence[torch.Tensor], progress: StageProgress | None
     ) -> None:
         plan = arena.copy_plan(layout)
-        if len(plan.views) != len(sources):
-            raise ValueError(f"{len(sources)} tensors for a layout of {len(plan.views)}")
+        if plan.count != len(sources):
+            raise ValueError(f"{len(sources)} tensors for a layout of {plan.count}")
         if progress is not None:
             progress.expect_groups(plan.ends)
         run = _CopyRun(plan, sources, progress)
