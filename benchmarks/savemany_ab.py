@@ -88,8 +88,8 @@ for i in range(saves):
                      process_cpu_s=(r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime), gc_passes=gcs))
 ck.close()
 shutil.rmtree(root, ignore_errors=True)
-print("RESULT " + json.dumps(dict(n=n, peak_bytes=peak, staging_bytes=staging, first_save_s=first_s,
-                                  bytes_per_tensor=(peak - staging) / n, saves=rows)))
+print("RESULT " + json.dumps(dict(n=n, module=asyncckpt.__file__, peak_bytes=peak, staging_bytes=staging,
+                                  first_save_s=first_s, bytes_per_tensor=(peak - staging) / n, saves=rows)))
 """
 
 
@@ -98,12 +98,16 @@ def run_case(checkout: str, n: int, size: int, saves: int, scratch: str) -> dict
     code = CHILD.format(here=HERE, n=n, size=size, saves=saves, root=root)
     env = {**os.environ, "PYTHONPATH": checkout}
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+        # cwd: not a checkout (``python -c`` puts the working directory first on sys.path)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=1800, check=False
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             res: dict[str, Any] = json.loads(line[7:])
+            assert res["module"].startswith(os.path.abspath(checkout)), (res["module"], checkout)
             return res
     raise RuntimeError(f"case failed ({out.returncode}): {out.stderr[-2000:]}")
 

@@ -47,11 +47,16 @@ class Planner:
     def plan_parts(self, names: list[str], tensors: list[Any]) -> tuple[ShardLayout, Sequence[int], bool]:
         """:meth:`plan` of ``flatten_parts``' parallel lists of names and tensors. The
         structure is compared list by list, each list made and compared at C speed."""
-        dtypes = list(map(_DTYPE, tensors))
-        shapes = list(map(_SHAPE, tensors))
         all_cpu = all(map(_IS_CPU, tensors))
         key = self.layout_key
-        if key is None or self.layout is None or key[0] != names or key[1] != dtypes or key[2] != shapes:
+        # each attribute compared as it is read (no list of torch.Size: ~80 bytes a tensor)
+        if (
+            key is None or self.layout is None or key[0] != names or len(key[1]) != len(tensors)
+            or not all(map(operator.is_, map(_DTYPE, tensors), key[1]))
+            or not all(map(operator.eq, map(_SHAPE, tensors), key[2]))
+        ):  # fmt: skip
+            dtypes = list(map(_DTYPE, tensors))
+            shapes = list(map(_SHAPE, tensors))
             layout, perm = plan_order(list(zip(names, dtypes, shapes, strict=True)), _META)
             # the key keeps the layout's own strings and tuples, in flatten's order
             at = [0] * len(perm)

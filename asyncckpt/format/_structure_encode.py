@@ -152,10 +152,19 @@ def flatten_parts(
     used: set[str] = {"__metadata__"}
     active: set[int] = set()
     # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view. The
-    # tensors named so far by their first element's address: the first one by its index in
-    # the lists, turned into {full key: name} once the address repeats (the full key costs
-    # ~1 us a tensor: computed only where an address repeats, and once per tensor)
+    # tensors named so far by their first element's address: the first one by its name,
+    # turned into {full key: name} once the address repeats (the full key costs ~1 us a
+    # tensor: computed only where an address repeats, and once per tensor)
     at_ptr: dict[int, Any] = {}
+    # a name's index in the lists, made at the first repeated address and extended as needed
+    indexed: dict[str, int] = {}
+
+    def index_of(name: str) -> int:
+        if name not in indexed:
+            for i in range(len(indexed), len(names)):
+                indexed[names[i]] = i
+        return indexed[name]
+
     dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
 
     def unique(path: tuple[str, ...]) -> str:
@@ -205,16 +214,16 @@ def flatten_parts(
         seen = at_ptr.get(ptr)
         tied = None
         if seen is not None:
-            if type(seen) is int:  # the address repeats: from here on, by full key
-                key = _tie_key(tensors[seen])
-                seen = at_ptr[ptr] = {} if key is None else {key: names[seen]}
+            if type(seen) is str:  # the address repeats: from here on, by full key
+                key = _tie_key(tensors[index_of(seen)])
+                seen = at_ptr[ptr] = {} if key is None else {key: seen}
             tied = _tie_key(t)
             if tied is not None and tied in seen:
                 n_tied += 1
                 return {"$tensor": seen[tied]}  # the same storage view and dtype: stored once
         name = unique(path)
         if seen is None:
-            at_ptr[ptr] = len(tensors)
+            at_ptr[ptr] = name
         # detached only where autograd would track the copy (state_dict() values are not)
         add_name(name)
         add_tensor(t.detach() if t.requires_grad else t)
@@ -250,11 +259,13 @@ def flatten_parts(
                     name = prefix + key
                     if name not in used and name.isascii():
                         used.add(name)
-                        at_ptr[ptr] = len(tensors)
+                        at_ptr[ptr] = name
                         add_name(name)
                         # detached only where autograd would track the copy (state_dict() values are not)
                         add_tensor(v.detach() if v.requires_grad else v)
-                        append([k, {"$tensor": name}])
+                        # (a pair: 16 bytes less than a list, the same JSON; never a set's element,
+                        # whose encodings sort by repr: a set holding a tensor is refused)
+                        append((k, {"$tensor": name}))
                         continue
             append([k, tensor_node(v, (*path, key))])
         return items
