@@ -93,8 +93,9 @@ class SavePipeline:
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
                 tree, names, tensors = flatten_parts(
-                    state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
-                )
+                    state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
+                    compact=True,
+                )  # fmt: skip
                 if found and self.opts.dedupe and self.session.world_size > 1:
                     found, refs = spread_replica_writes(found, list(map(TensorRef, names, tensors)))
                     names, tensors = [r.name for r in refs], [r.tensor for r in refs]

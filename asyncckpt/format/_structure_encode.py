@@ -116,12 +116,19 @@ def flatten(
     return tree, list(map(TensorRef, names, tensors))
 
 
+#: ``orjson.Fragment`` (orjson >= 3.9): JSON text orjson writes as it is.
+_FRAGMENT: Any = getattr(orjson, "Fragment", None)
+#: The int keys a fragment may spell: what orjson writes (wider ones make it fall back, see tree_json).
+_FRAGMENT_INT = 1 << 63
+
+
 def flatten_parts(
     state: Any,
     strip_prefixes: Iterable[str] = (),
     dtensors: list[tuple[str, Any, Any]] | None = None,
     tied_out: list[int] | None = None,
     dtensor_aliases: dict[str, str] | None = None,
+    compact: bool = False,
 ) -> tuple[Any, list[str], list[torch.Tensor]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order: the tree,
     the tensors' unique names and the tensors (two parallel lists: no object per tensor).
@@ -141,8 +148,13 @@ def flatten_parts(
     becomes a node naming the earlier one, and ``dtensor_aliases`` (when given) maps the name
     it would have had to the earlier name: the index records it, so that every rank's tree
     resolves to one stored tensor even where a rank could not see the tie.
+
+    ``compact``: a dict entry holding a plain tensor may be one ``orjson.Fragment`` of its
+    JSON (``["key",{"$tensor":"name"}]``, ~110 bytes a tensor less than a pair and a dict;
+    issue 32) where key and name need no escape: a tree only :func:`tree_json` reads.
     """
     prefixes = tuple(strip_prefixes)
+    fragment = _FRAGMENT if compact else None
     n_tied = 0
     names: list[str] = []
     tensors: list[torch.Tensor] = []
@@ -263,8 +275,17 @@ def flatten_parts(
                         add_name(name)
                         # detached only where autograd would track the copy (state_dict() values are not)
                         add_tensor(v.detach() if v.requires_grad else v)
-                        # (a pair: 16 bytes less than a list, the same JSON; never a set's element,
-                        # whose encodings sort by repr: a set holding a tensor is refused)
+                        # the entry as its JSON text where orjson would write it as it is: printable
+                        # ASCII without quote or backslash (and a key within orjson's ints)
+                        if fragment is not None and name.isprintable() and '"' not in name and "\\" not in name:
+                            if tk is str:
+                                append(fragment(f'["{k}",{{"$tensor":"{name}"}}]'))
+                                continue
+                            if -_FRAGMENT_INT <= k < _FRAGMENT_INT:
+                                append(fragment(f'[{k},{{"$tensor":"{name}"}}]'))
+                                continue
+                        # (a pair: 16 bytes less than a list, the same JSON; neither is ever a set's
+                        # element, whose encodings sort by repr: a set holding a tensor is refused)
                         append((k, {"$tensor": name}))
                         continue
             append([k, tensor_node(v, (*path, key))])
@@ -410,7 +431,15 @@ def tree_json(tree: Any) -> bytes:
         return orjson.dumps(tree)
     except orjson.JSONEncodeError:  # (orjson also stops at 255 levels of JSON)
         with recursion_room():
-            return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+            return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=_unfragment).encode()
+
+
+def _unfragment(obj: Any) -> Any:
+    """A ``flatten_parts(compact=True)`` fragment as the value it spells, for the standard
+    library's writer (which then escapes it as it escapes the rest of the tree)."""
+    if _FRAGMENT is not None and type(obj) is _FRAGMENT:
+        return json.loads(orjson.dumps(obj))
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:
