@@ -76,3 +76,35 @@ def test_the_first_saves_of_100k_tensors_take_under_1_kib_a_tensor_and_no_full_c
     # after its pause may run one young-generation pass; never a full one, and none later
     assert len(first) <= 1 and 2 not in first, f"collector passes in the first save(): generations {first}"
     assert second == [], f"collector passes in the second save(): generations {second}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"wide": 2**100},  # orjson refuses it: the standard library writes the whole tree
+        {"lone": "\ud800"},  # the same, through a surrogate
+        {"nan": float("nan"), "set": {3, 1, 2}},
+    ],
+)
+def test_a_compact_tree_is_written_as_the_plain_one(extra: dict[str, object]) -> None:
+    """``save()``'s walk writes a plain tensor's entry as one JSON fragment where it can; the
+    tree's bytes (``rankRRRRR.json``) must stay those of the plain tree, escapes, int keys
+    and the standard library's fallback (which escapes every non-ASCII character) included."""
+    import torch
+
+    from asyncckpt.format._structure_encode import flatten, flatten_parts, tree_json
+
+    def t() -> torch.Tensor:
+        return torch.zeros(2)
+
+    state = {
+        "m": {"w": t(), 7: t(), -3: t(), 2**70: t(), 'q"uote': t(), "back\\slash": t(), "é": t(), "tab\t": t()},
+        "del\x7f": t(), "x.y": t(), "x": {"y": t()}, "1": t(), 1: t(), "": t(), "__metadata__": t(),
+        "o": {i: {"step": t(), "exp_avg": t()} for i in range(3)}, "n": [t(), {"z": t()}], **extra,
+    }  # fmt: skip
+    plain_tree, refs = flatten(state)
+    tree, names, tensors = flatten_parts(state, compact=True)
+    assert names == [r.name for r in refs]
+    assert all(a is b.tensor for a, b in zip(tensors, refs, strict=True))
+    assert tree_json(tree) == tree_json(plain_tree)
