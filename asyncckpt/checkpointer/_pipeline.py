@@ -16,7 +16,7 @@ from .._info import CheckpointInfo
 from ..format._layout import check_step
 from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
-from ..format._structure_encode import flatten, tree_json
+from ..format._structure_encode import TensorRef, flatten, flatten_parts, tree_json
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
@@ -92,14 +92,17 @@ class SavePipeline:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
-                tree, refs = flatten(
-                    state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases
-                )
+                tree, names, tensors = flatten_parts(
+                    state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
+                    compact=True,
+                )  # fmt: skip
                 if found and self.opts.dedupe and self.session.world_size > 1:
-                    found, refs = spread_replica_writes(found, refs)
+                    found, refs = spread_replica_writes(found, list(map(TensorRef, names, tensors)))
+                    names, tensors = [r.name for r in refs], [r.tensor for r in refs]
+                    del refs
                 tree_bytes = tree_json(tree)
                 del tree
-                layout, perm, all_cpu = self.planner.plan(refs)
+                layout, perm, all_cpu = self.planner.plan_parts(names, tensors)
                 dtensors = _load_global.describe_for_index(found, aliases, self.session.world_size) if found else None
                 tied = n_tied[0] > 0
                 plan_key, file = layout, None
@@ -111,12 +114,14 @@ class SavePipeline:
                     self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed)
                 raise
             arena, waited = self.acquire_slot(layout.file_size)
-            sources = [refs[i].tensor for i in perm]
-            deferred = _deferred.split([refs[i].name for i in perm], sources, *lazy) if lazy else None
+            sources = [tensors[i] for i in perm]
+            del tensors
+            deferred = _deferred.split([names[i] for i in perm], sources, *lazy) if lazy else None
             if deferred:
                 return self._stage_deferred(step, t_call, arena, layout, tree_bytes, sources, waited, deferred,
-                                            [refs[i].name for i in perm], dtensors=dtensors, tied=tied,
+                                            [names[i] for i in perm], dtensors=dtensors, tied=tied,
                                             handed=handed, file=file, plan_key=plan_key)  # fmt: skip
+            del names  # (the layout keeps its own: these died with the tree, but for this list)
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,

@@ -3,13 +3,19 @@ stays the same), the file a dedupe round is expected to leave this rank, and rep
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 from ..format._header import round_up
-from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_layout, plan_split_layout
+from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_order, plan_split_layout
 from ..format._structure_encode import TensorRef
 from ..saving import _dedupe
+
+_META = {"format": "pt", "writer": "asyncckpt"}
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 class Planner:
@@ -18,33 +24,53 @@ class Planner:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.layout_key: list[tuple[str, Any, Any]] | None = None
+        # the structure the layout was planned for, in flatten's order: names, dtypes, shapes
+        # (the layout's own name strings and shape tuples: ~24 bytes a tensor of its own)
+        self.layout_key: tuple[list[str], list[Any], list[tuple[int, ...]]] | None = None
         self.layout: ShardLayout | None = None
-        self.perm: list[int] = []
+        self.perm: Sequence[int] = []
         self.layouts_planned = 0  # StagingStatistics.layouts_planned
         # with dedupe: the last round's plan, and the arena laid out for it (see expected_file)
         self.plan_hint = _dedupe.PlanHint()
         self.split_key: tuple[Any, frozenset[str]] | None = None
         self.split: tuple[ShardLayout, ShardLayout, list[int]] | None = None
 
-    def plan(self, refs: Sequence[Any]) -> tuple[ShardLayout, list[int], bool]:
+    def plan(self, refs: Sequence[Any]) -> tuple[ShardLayout, Sequence[int], bool]:
         """The shard layout for these tensors, the permutation from ``refs`` to its slots, and
         whether every tensor is on the CPU. The layout (and the arena's copy plan, which
         hangs on the layout object) is reused while names, dtypes and shapes stay exactly
         the same; any difference in one of them, or in their order, plans anew."""
-        key = [(r.name, r.tensor.dtype, r.tensor.shape) for r in refs]
-        all_cpu = all(r.tensor.is_cpu for r in refs)
-        if key != self.layout_key or self.layout is None:
-            layout = plan_layout([(n, d, tuple(s)) for n, d, s in key], {"format": "pt", "writer": "asyncckpt"})
-            index = {r.name: i for i, r in enumerate(refs)}
-            self.perm = [index[s.name] for s in layout.slots]
-            self.layout, self.layout_key = layout, key
+        names = [r.name for r in refs]
+        tensors = [r.tensor for r in refs]
+        return self.plan_parts(names, tensors)
+
+    def plan_parts(self, names: list[str], tensors: list[Any]) -> tuple[ShardLayout, Sequence[int], bool]:
+        """:meth:`plan` of ``flatten_parts``' parallel lists of names and tensors. The
+        structure is compared list by list, each list made and compared at C speed."""
+        all_cpu = all(map(_IS_CPU, tensors))
+        key = self.layout_key
+        # each attribute compared as it is read (no list of torch.Size: ~80 bytes a tensor)
+        if (
+            key is None or self.layout is None or key[0] != names or len(key[1]) != len(tensors)
+            or not all(map(operator.is_, map(_DTYPE, tensors), key[1]))
+            or not all(map(operator.eq, map(_SHAPE, tensors), key[2]))
+        ):  # fmt: skip
+            dtypes = list(map(_DTYPE, tensors))
+            shapes = list(map(_SHAPE, tensors))
+            layout, perm = plan_order(list(zip(names, dtypes, shapes, strict=True)), _META)
+            # the key keeps the layout's own strings and tuples, in flatten's order
+            at = [0] * len(perm)
+            for j, i in enumerate(perm):
+                at[i] = j
+            slots = layout.slots
+            self.layout_key = ([slots[j].name for j in at], dtypes, [slots[j].shape for j in at])
+            self.layout, self.perm = layout, perm
             self.layouts_planned += 1
         return self.layout, self.perm, all_cpu
 
     def expected_file(
-        self, layout: ShardLayout, perm: list[int], dtensors: list[dict[str, Any]] | None
-    ) -> tuple[ShardLayout, ShardLayout | None, list[int]]:
+        self, layout: ShardLayout, perm: Sequence[int], dtensors: list[dict[str, Any]] | None
+    ) -> tuple[ShardLayout, ShardLayout | None, Sequence[int]]:
         """With dedupe on many ranks: the arena's layout, the file this rank writes before its
         dedupe round ends (``SaveJob.file``; None: the round decides first) and the permutation
         from the flattened tensors to the arena's slots.
@@ -69,7 +95,7 @@ class Planner:
             specs = [(s.name, ST_TO_DTYPE[s.dtype], s.shape) for s in layout.slots]
             staging, file = plan_split_layout(
                 [x for x in specs if x[0] in names], [x for x in specs if x[0] not in names],
-                {"format": "pt", "writer": "asyncckpt"},
+                _META,
             )  # fmt: skip
             if round_up(staging.file_size) > round_up(layout.file_size):
                 # alignment padding would need a larger arena than the structure's (what

@@ -10,9 +10,12 @@ to its element size and can be viewed without a copy on load.
 
 from __future__ import annotations
 
+import array
 import json
+import json.encoder
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +71,62 @@ def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata:
     dimensions or of 2**63 bytes or more, and a header longer than safetensors readers take
     (``_header.check_header_length``: an export is refused by the same rule).
     """
+    return plan_order(specs, metadata)[0]
+
+
+def plan_order(
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+) -> tuple[ShardLayout, array.array[int]]:
+    """:func:`plan_layout`, and the permutation from ``specs`` to the layout's slots (slot
+    ``j`` holds ``specs[perm[j]]``).
+
+    Built for states of many tensors (issue 32: ~0.3 KB a tensor kept, none of it a dict or a
+    list per tensor): the header's JSON is written entry by entry, in pieces, exactly as
+    ``json.dumps`` writes the dict of its entries (compact, ``ensure_ascii=False``); equal
+    shapes share one tuple, and a slot's end is the next slot's begin (one int object)."""
     for name, dtype, shape in specs:  # (once per structure: layouts are cached)
         try:
             shape_bytes(shape, dtype.itemsize)
         except ValueError as e:
             raise ValueError(f"tensor {name!r} has {e}") from None
-    order = sorted(specs, key=lambda s: (-s[1].itemsize, s[0]))
+    perm = array.array("q", sorted(range(len(specs)), key=lambda i: (-specs[i][1].itemsize, specs[i][0])))
+    if any(s[0] == "__metadata__" for s in specs):  # (never from flatten): the dict's own semantics
+        return _plan_by_dict([specs[i] for i in perm], metadata), perm
+    slots: list[TensorSlot] = []
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    quote = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) quotes a str with
+    out = bytearray(8)  # the length prefix, filled in at the end
+    out += b'{"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False).encode()
+    piece: list[str] = []
+    offset = 0
+    for j, i in enumerate(perm):
+        name, dtype, dims = specs[i]
+        shape = tuple(dims)
+        shape = shapes.setdefault(shape, shape)
+        end = offset + math.prod(shape) * dtype.itemsize
+        st = DTYPE_TO_ST[dtype]
+        slots.append(TensorSlot(name, st, shape, offset, end))
+        piece.append(
+            f',{quote(name)}:{{"dtype":"{st}","shape":[{",".join(map(str, shape))}],"data_offsets":[{offset},{end}]}}'
+        )
+        offset = end
+        if len(piece) == 4096 or j == len(perm) - 1:  # the header in pieces: no str per tensor at once
+            out += "".join(piece).encode("utf-8")
+            piece.clear()
+    out += b"}"
+    data_start = round_up(len(out))
+    try:
+        check_header_length(data_start - 8)  # the length the shard declares, padding included
+    except ValueError as e:
+        raise _header_too_long(e, slots) from None
+    out += b" " * (data_start - len(out))
+    out[:8] = struct.pack("<Q", data_start - 8)
+    return ShardLayout(bytes(out), tuple(slots), data_start, offset), perm
+
+
+def _plan_by_dict(order: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> ShardLayout:
+    """The layout of ``order`` (sorted already) with its header written through the dict of
+    its entries: for a tensor named ``__metadata__``, which that dict's semantics decide."""
     slots: list[TensorSlot] = []
     offset = 0
     for name, dtype, shape in order:

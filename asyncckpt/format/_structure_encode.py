@@ -37,6 +37,8 @@ _NESTING = (dict, list, tuple, set, frozenset, collections.OrderedDict, collecti
 #: Types of the values that are their own JSON node (ints: of up to 2,000 bits, see enc).
 _PLAIN_KINDS = frozenset({int, str, bool, type(None)})
 _SMALL_INT = 1 << 2_000
+_STRIDED = torch.strided
+_TENSOR = torch.Tensor
 
 
 def _plain_list(obj: list[Any]) -> bool:
@@ -109,7 +111,27 @@ def flatten(
     tied_out: list[int] | None = None,
     dtensor_aliases: dict[str, str] | None = None,
 ) -> tuple[Any, list[TensorRef]]:
-    """Encode ``state`` as a JSON tree plus its tensors, in deterministic order.
+    """:func:`flatten_parts` with its names and tensors paired as :class:`TensorRef`."""
+    tree, names, tensors = flatten_parts(state, strip_prefixes, dtensors, tied_out, dtensor_aliases)
+    return tree, list(map(TensorRef, names, tensors))
+
+
+#: ``orjson.Fragment`` (orjson >= 3.9): JSON text orjson writes as it is.
+_FRAGMENT: Any = getattr(orjson, "Fragment", None)
+#: The int keys a fragment may spell: what orjson writes (wider ones make it fall back, see tree_json).
+_FRAGMENT_INT = 1 << 63
+
+
+def flatten_parts(
+    state: Any,
+    strip_prefixes: Iterable[str] = (),
+    dtensors: list[tuple[str, Any, Any]] | None = None,
+    tied_out: list[int] | None = None,
+    dtensor_aliases: dict[str, str] | None = None,
+    compact: bool = False,
+) -> tuple[Any, list[str], list[torch.Tensor]]:
+    """Encode ``state`` as a JSON tree plus its tensors, in deterministic order: the tree,
+    the tensors' unique names and the tensors (two parallel lists: no object per tensor).
 
     DTensors are refused unless ``dtensors`` is a list: then each one becomes a
     ``{"$dtensor": name}`` node, ``(name, ShardInfo, dtensor)`` is appended to ``dtensors``
@@ -126,19 +148,35 @@ def flatten(
     becomes a node naming the earlier one, and ``dtensor_aliases`` (when given) maps the name
     it would have had to the earlier name: the index records it, so that every rank's tree
     resolves to one stored tensor even where a rank could not see the tie.
+
+    ``compact``: a dict entry holding a plain tensor may be one ``orjson.Fragment`` of its
+    JSON (``["key",{"$tensor":"name"}]``, ~110 bytes a tensor less than a pair and a dict;
+    issue 32) where key and name need no escape: a tree only :func:`tree_json` reads.
     """
     prefixes = tuple(strip_prefixes)
+    fragment = _FRAGMENT if compact else None
     n_tied = 0
-    tensors: list[TensorRef] = []
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    add_name, add_tensor = names.append, tensors.append
     # "__metadata__" is the safetensors header's own entry: a tensor saved under that key path
     # is named "__metadata__~2" (the tree maps the key to whatever name its tensor got)
     used: set[str] = {"__metadata__"}
     active: set[int] = set()
     # tied tensors (GPT-2's lm_head.weight and wte.weight): one name per storage view. The
-    # tensors named so far by their first element's address: the first one as (tensor, name),
+    # tensors named so far by their first element's address: the first one by its name,
     # turned into {full key: name} once the address repeats (the full key costs ~1 us a
     # tensor: computed only where an address repeats, and once per tensor)
     at_ptr: dict[int, Any] = {}
+    # a name's index in the lists, made at the first repeated address and extended as needed
+    indexed: dict[str, int] = {}
+
+    def index_of(name: str) -> int:
+        if name not in indexed:
+            for i in range(len(indexed), len(names)):
+                indexed[names[i]] = i
+        return indexed[name]
+
     dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
 
     def unique(path: tuple[str, ...]) -> str:
@@ -180,43 +218,77 @@ def flatten(
                 if key is not None:
                     dties[key] = name
                 if info.writer:
-                    tensors.append(TensorRef(name, info.local.detach()))
+                    add_name(name)
+                    add_tensor(info.local.detach())
                 return {"$dtensor": name}
         check_tensor(t, path)
         ptr = t.data_ptr()
         seen = at_ptr.get(ptr)
         tied = None
         if seen is not None:
-            if type(seen) is tuple:  # the address repeats: from here on, by full key
-                first, first_name = seen
-                key = _tie_key(first)
-                seen = at_ptr[ptr] = {} if key is None else {key: first_name}
+            if type(seen) is str:  # the address repeats: from here on, by full key
+                key = _tie_key(tensors[index_of(seen)])
+                seen = at_ptr[ptr] = {} if key is None else {key: seen}
             tied = _tie_key(t)
             if tied is not None and tied in seen:
                 n_tied += 1
                 return {"$tensor": seen[tied]}  # the same storage view and dtype: stored once
         name = unique(path)
-        # detached only where autograd would track the copy (state_dict() values are not)
-        tensors.append(TensorRef(name, t.detach() if t.requires_grad else t))
         if seen is None:
-            at_ptr[ptr] = (t, name)
-        elif tied is not None:
+            at_ptr[ptr] = name
+        # detached only where autograd would track the copy (state_dict() values are not)
+        add_name(name)
+        add_tensor(t.detach() if t.requires_grad else t)
+        if seen is not None and tied is not None:
             seen[tied] = name
         return {"$tensor": name}
 
     def items_of(obj: Mapping[Any, Any], path: tuple[str, ...]) -> list[Any]:
-        items = []
+        items: list[Any] = []
+        append = items.append
+        prefix = ".".join(path) + "." if path else ""  # (the name of a value below: prefix + key)
         for k, v in obj.items():
             tk = type(k)  # (a bool key's type is bool: refused too)
-            if tk is not str and tk is not int:
+            if tk is str:
+                key = k
+            elif tk is int:
+                if k.bit_length() > 2_000:  # (see enc: str() has a digit limit)
+                    check_int_digits(k, path, "dict key")
+                key = str(k)
+            else:
                 raise TypeError(
                     f"unsupported dict key {k!r} ({tk.__name__}) at {describe_path(path)!r}: keys must be str or int"
                 )
-            if tk is int and k.bit_length() > 2_000:  # (see enc: str() has a digit limit)
-                check_int_digits(k, path, "dict key")
-            sub = (*path, k if tk is str else str(k))
-            # a plain tensor straight to its node: the common value of a state dict
-            items.append([k, tensor_node(v, sub) if type(v) is torch.Tensor else enc(v, sub)])
+            if type(v) is not _TENSOR:
+                append([k, enc(v, (*path, key))])
+                continue
+            # a plain tensor, the common value of a state dict: tensor_node's common case
+            # inline (issue 32: ~1 us a tensor less). A meta tensor's address is 0, as is an
+            # empty one's: both take tensor_node, as does a tie or a name to make unique
+            if v.dtype in DTYPE_TO_ST and v.layout is _STRIDED and not v.is_nested:
+                ptr = v.data_ptr()
+                if ptr and ptr not in at_ptr:
+                    name = prefix + key
+                    if name not in used and name.isascii():
+                        used.add(name)
+                        at_ptr[ptr] = name
+                        add_name(name)
+                        # detached only where autograd would track the copy (state_dict() values are not)
+                        add_tensor(v.detach() if v.requires_grad else v)
+                        # the entry as its JSON text where orjson would write it as it is: printable
+                        # ASCII without quote or backslash (and a key within orjson's ints)
+                        if fragment is not None and name.isprintable() and '"' not in name and "\\" not in name:
+                            if tk is str:
+                                append(fragment(f'["{k}",{{"$tensor":"{name}"}}]'))
+                                continue
+                            if -_FRAGMENT_INT <= k < _FRAGMENT_INT:
+                                append(fragment(f'[{k},{{"$tensor":"{name}"}}]'))
+                                continue
+                        # (a pair: 16 bytes less than a list, the same JSON; neither is ever a set's
+                        # element, whose encodings sort by repr: a set holding a tensor is refused)
+                        append((k, {"$tensor": name}))
+                        continue
+            append([k, tensor_node(v, (*path, key))])
         return items
 
     def elements(obj: Iterable[Any], path: tuple[str, ...]) -> list[Any]:
@@ -229,6 +301,14 @@ def flatten(
 
     def enc(obj: Any, path: tuple[str, ...]) -> Any:
         t = type(obj)
+        if t is dict and len(path) < MAX_DEPTH:  # (the common container first: what the general path does)
+            if id(obj) in active:
+                raise ValueError(f"reference cycle in state at {describe_path(path)!r}")
+            active.add(id(obj))
+            try:
+                return {"$dict": items_of(obj, path)}
+            finally:
+                active.discard(id(obj))
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
@@ -246,7 +326,8 @@ def flatten(
         if t is np.ndarray:
             src = _array_source(obj, describe_path(path))
             name = unique(path)
-            tensors.append(TensorRef(name, src))
+            add_name(name)
+            add_tensor(src)
             return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
         if isinstance(obj, np.generic) and obj.dtype.name in NP_STORAGE and obj.dtype.isnative:
             if len(path) >= MAX_DEPTH:
@@ -338,7 +419,7 @@ def flatten(
         enc = items_of = elements = enc_odict = spent_closure
     if tied_out is not None:
         tied_out.append(n_tied)
-    return tree, tensors
+    return tree, names, tensors
 
 
 def tree_json(tree: Any) -> bytes:
@@ -350,7 +431,15 @@ def tree_json(tree: Any) -> bytes:
         return orjson.dumps(tree)
     except orjson.JSONEncodeError:  # (orjson also stops at 255 levels of JSON)
         with recursion_room():
-            return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+            return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=_unfragment).encode()
+
+
+def _unfragment(obj: Any) -> Any:
+    """A ``flatten_parts(compact=True)`` fragment as the value it spells, for the standard
+    library's writer (which then escapes it as it escapes the rest of the tree)."""
+    if _FRAGMENT is not None and type(obj) is _FRAGMENT:
+        return json.loads(orjson.dumps(obj))
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:

@@ -4,12 +4,14 @@ with no further copy.
 
 Its pages are faulted in at allocation (on transparent huge pages with ``huge_pages``), wiped
 in forked children, page-locked for CUDA copies on demand (:meth:`Arena.pin`). Per layout it
-caches typed views of its slots and the :class:`CopyPlan` the copy follows: where each slot
-goes and the file-order groups of about :data:`GROUP` bytes the copy hands to the writer.
+caches the :class:`CopyPlan` the copy follows (where each slot goes and the file-order groups
+of about :data:`GROUP` bytes the copy hands to the writer) and, for CUDA copies, typed views
+of its slots.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import mmap
@@ -24,29 +26,40 @@ GROUP = 8 * 1024 * 1024
 
 
 class CopyPlan:
-    """Per (arena, layout): destination addresses, byte counts and the file-order groups."""
+    """Per (arena, layout): destination addresses, byte counts and the file-order groups.
 
-    def __init__(self, arena: Arena, layout: ShardLayout, views: list[torch.Tensor]) -> None:
+    Compact (issue 32: a state of 300,000 tensors): two 8-byte numbers a slot, no tensor
+    object a slot; a typed view of a slot (:meth:`view`) is made only for a source the plain
+    ``memmove`` cannot read (strided, conjugated), when the copy meets it."""
+
+    def __init__(self, arena: Arena, layout: ShardLayout) -> None:
         base = arena.tensor.data_ptr() + layout.data_start
-        self.dst = [base + s.begin for s in layout.slots]
-        self.nbytes = [s.end - s.begin for s in layout.slots]
-        self.views = views
+        slots = layout.slots
+        self.tensor, self.layout = arena.tensor, layout  # (not the arena: no cycle through its cache)
+        self.dst = array.array("q", [base + s.begin for s in slots])
+        self.nbytes = array.array("q", [s.end - s.begin for s in slots])
+        self.count = len(slots)
         bounds: list[int] = []  # index after each group
         ends: list[int] = []  # file offset after each group
         acc = 0
-        for i, s in enumerate(layout.slots):
-            acc += s.end - s.begin
+        for i, n in enumerate(self.nbytes):
+            acc += n
             if acc >= GROUP:
                 bounds.append(i + 1)
-                ends.append(layout.data_start + s.end)
+                ends.append(layout.data_start + slots[i].end)
                 acc = 0
-        if not bounds or bounds[-1] != len(layout.slots):
-            bounds.append(len(layout.slots))
+        if not bounds or bounds[-1] != len(slots):
+            bounds.append(len(slots))
             ends.append(layout.file_size)
         self.starts = [0, *bounds[:-1]]
         self.bounds = bounds
         self.ends = ends
 
+    def view(self, i: int) -> torch.Tensor:
+        """A typed view of slot ``i`` of the arena (made on demand, not kept)."""
+        s = self.layout.slots[i]
+        base = self.layout.data_start
+        return self.tensor[base + s.begin : base + s.end].view(ST_TO_DTYPE[s.dtype]).view(s.shape)
 
 
 #: The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
@@ -145,7 +158,7 @@ class Arena:
     def copy_plan(self, layout: ShardLayout) -> CopyPlan:
         """Where each slot of ``layout`` goes in this arena, and the copy groups (cached)."""
         if self._plan_for is not layout or self._plan is None:
-            self._plan = CopyPlan(self, layout, self.views(layout))
+            self._plan = CopyPlan(self, layout)
             self._plan_for = layout
             self.copy_plans += 1
         return self._plan
