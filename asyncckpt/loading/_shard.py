@@ -11,6 +11,8 @@ Memory: the header's bytes are not kept (their CRC is), the slots die at their l
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap as _mmap
 import os
 from collections.abc import Callable, Mapping
@@ -111,6 +113,27 @@ def shard_header(fd: _pread.Source, path: str, size: int) -> ShardHeader:
 _BEGIN = attrgetter("begin")
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None  # (glibc only)
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, ValueError, AttributeError):
+        return None
+    return trim
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing): what a load's parse freed (the header's text, the tree) otherwise stays in the
+    process's memory while the reads then touch every page of the fresh tensors, adding to
+    the peak (~100 bytes a tensor of 10,000 of 26 KB). A few ms for 300,000 tensors."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def read_shard_fd(
     fd: _pread.Source,
     path: str,
@@ -153,6 +176,7 @@ def read_shard_fd(
             if take is not None:
                 take(tensors)
                 tensors = {}
+        release_free_heap()  # before the reads touch the tensors' pages: the parse's are free now
         crc = _readinto.read_into(fd, path, first, checksum=expected_crc is not None)
         del first
         if expected_crc is not None:
