@@ -182,3 +182,22 @@ def test_a_large_tensor_in_a_run_is_cut_for_every_thread() -> None:
     assert sum(p.nbytes for g in groups for p in g) == d.nbytes
     offsets = [p.offset for g in groups for p in g]
     assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["fresh", "into"])
+@pytest.mark.parametrize("name", ["a", "c"], ids=["a-tensor-twice-b-never", "a-tensor-the-shard-lacks"])
+def test_a_tree_that_does_not_name_the_shards_tensors_exactly_is_corrupt(
+    tmp_path: Path, into: bool, name: str
+) -> None:
+    from asyncckpt import CheckpointCorruptError, Checkpointer, load
+
+    state = {"a": torch.ones(2), "b": torch.zeros(2)}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result()
+    (tree_file,) = tmp_path.glob("step_*/rank*.json")
+    text = tree_file.read_bytes()
+    assert text.count(b'{"$tensor":"b"}') == 1
+    tree_file.write_bytes(text.replace(b'{"$tensor":"b"}', b'{"$tensor":"%s"}' % name.encode()))  # (same size)
+    target = {"a": torch.empty(2), "b": torch.empty(2)} if into else None
+    with pytest.raises(CheckpointCorruptError, match="structure and shard disagree on tensor names"):
+        load(tmp_path, 1, verify=False, into=target)
