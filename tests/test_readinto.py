@@ -479,7 +479,7 @@ def test_read_blocks_lands_every_run_and_checks_every_block(
 ) -> None:
     import numpy as np
 
-    monkeypatch.setattr(_readinto, "BOUNCE", bounce)  # blocks larger than a segment stream through it
+    monkeypatch.setattr(_blocks, "BOUNCE", bounce)  # blocks larger than a segment stream through it
     rng = np.random.default_rng(bounce)
     files = []
     for i, size in enumerate((0, 5000, 3 * 4096 + 11, 40000)):

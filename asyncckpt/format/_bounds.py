@@ -48,7 +48,7 @@ import re
 import resource
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError
@@ -268,14 +268,23 @@ def check_structure_size(size: int, path: str) -> None:
     check_memory(json_memory(size, 0), "reading the structure file", path)
 
 
-def parse_structure(raw: bytes, path: str, size: int, expected_crc: int | None) -> Any:
-    """Check and parse the bytes of a structure file: size, checksum, memory, JSON."""
+def parse_structure(
+    raw: bytes,
+    path: str,
+    size: int,
+    expected_crc: int | None,
+    object_hook: Callable[[dict[str, Any]], Any] | None = None,
+) -> Any:
+    """Check and parse the bytes of a structure file: size, checksum, memory, JSON
+    (``object_hook``: ``json.loads``', e.g. ``_structure_decode.compact_node``)."""
     if len(raw) != size or (expected_crc is not None and crc32c(raw) != expected_crc):
         raise CheckpointCorruptError("checksum mismatch", path)
     check_json_memory(raw, "parsing the structure file", path)
     try:
         with paused_gc(), recursion_room():  # many small containers, no garbage cycles
-            return json.loads(raw.decode("utf-8"))
+            text = raw.decode("utf-8")
+            del raw  # (gone during the parse if the caller kept no reference to it)
+            return json.loads(text, object_hook=object_hook)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"structure is not valid JSON ({e})", path) from None
     except MemoryError:

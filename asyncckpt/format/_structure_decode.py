@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ._bounds import MAX_DEPTH, recursion_room
+from ._header import TensorSlot
+from ._safetensors import ST_TO_DTYPE
 from ._structure_nodes import FACTORIES, NP_STORAGE, PATH_TYPES, TORCH_DTYPES, spent_closure
 
 #: The values json.loads makes of JSON scalars.
@@ -43,16 +45,22 @@ def _dec_tz(node: Any) -> datetime.tzinfo | None:
     raise ValueError("malformed tz")
 
 
-def _array_from(t: torch.Tensor, dtype: Any, shape: Any) -> Any:
-    """The ndarray a ``$ndarray`` node names, checked against its tensor."""
+def _array_from(t: torch.Tensor | TensorSlot, dtype: Any, shape: Any) -> Any:
+    """The ndarray a ``$ndarray`` node names, checked against its tensor (or its stand-in:
+    returned as it is)."""
     if not isinstance(dtype, str) or dtype not in NP_STORAGE:
         raise ValueError(f"malformed $ndarray dtype {dtype!r}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise ValueError("malformed $ndarray shape")
     want = math.prod(shape) * (2 if dtype == "complex128" else 1)
-    if t.dtype != NP_STORAGE[dtype] or t.numel() != want:
-        raise ValueError(f"$ndarray of {dtype}{shape} disagrees with its tensor ({t.dtype}, {t.numel()} elements)")
-    if t.is_meta:  # a structure check (verify) with placeholder tensors: nothing to convert
+    if type(t) is TensorSlot:
+        have_dtype, have = ST_TO_DTYPE[t.dtype], math.prod(t.shape)
+    else:
+        assert isinstance(t, torch.Tensor)
+        have_dtype, have = t.dtype, t.numel()
+    if have_dtype != NP_STORAGE[dtype] or have != want:
+        raise ValueError(f"$ndarray of {dtype}{shape} disagrees with its tensor ({have_dtype}, {have} elements)")
+    if not isinstance(t, torch.Tensor) or t.is_meta:  # a structure check with stand-ins: nothing to convert
         return t
     a = t.contiguous().numpy()
     if dtype == "complex128":
@@ -65,15 +73,58 @@ def _dec_float(v: Any) -> float:
         return float(v)
     if isinstance(v, dict) and len(v) == 1 and v.get("$float") in ("nan", "inf", "-inf"):
         return float(v["$float"])
+    if type(v) is tuple and len(v) == 2 and v[0] == "$float" and v[1] in ("nan", "inf", "-inf"):
+        return float(v[1])  # (compact_node's)
     raise ValueError("malformed float")
+
+
+def compact_node(node: dict[str, Any]) -> Any:
+    """``json.loads``' ``object_hook`` for a tree only :func:`unflatten` reads: a tag node
+    ``{tag: val}`` becomes the tuple ``(tag, val)``, 56 bytes instead of a dict's 232, and a
+    ``{"$tensor": name}`` node the 1-tuple ``(name,)`` (JSON makes no tuples: in a tree a
+    tuple is one of these); anything else stays as it is (and is refused as before)."""
+    if len(node) == 1:
+        ((tag, val),) = node.items()
+        return (val,) if tag == "$tensor" and type(val) is str else (tag, val)
+    return node
+
+
+def resolving_node(tensors: Mapping[str, torch.Tensor], resolved: list[torch.Tensor]) -> Callable[[Any], Any]:
+    """:func:`compact_node` that also puts in place of a ``{"$tensor": name}`` node whose name
+    ``tensors`` holds that tensor itself (appended to ``resolved``): the tree then holds no
+    name of its own for it (for the load that rebuilds the state straight from the parse)."""
+
+    def hook(node: dict[str, Any]) -> Any:
+        if len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag == "$tensor" and type(val) is str:
+                t = tensors.get(val)
+                if t is None:
+                    return (val,)
+                resolved.append(t)
+                return t
+            return (tag, val)
+        return node
+
+    return hook
 
 
 class UnknownTensorError(ValueError):
     """A tree node names a tensor that the mapping given to :func:`unflatten` lacks."""
 
 
-def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] | None = None) -> Any:
+def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = None, consume: bool = False) -> Any:
     """Rebuild the state encoded by :func:`flatten` from its tree and loaded tensors.
+
+    ``tensors`` maps a name to its tensor, or to a *stand-in* for it: its shard slot
+    (:class:`~asyncckpt.format._header.TensorSlot`, checked as a tensor of its dtype and
+    shape would be), or a ``meta`` tensor. The state rebuilt over stand-ins is a skeleton
+    holding the stand-ins where the tensors would be (a ``Parameter``, an ndarray, a
+    generator state: the stand-in itself), each node checked as for the real load.
+    A tree parsed with :func:`compact_node` or :func:`resolving_node` is read as the same
+    tree (the tensors the latter put in place as they are).
+    ``consume``: the tree's containers are emptied as they are decoded, so its memory goes as
+    the state's comes (the tree is of no use afterwards; an error leaves it partly emptied).
 
     Raises ``ValueError`` on any malformed node (the loader turns it into
     ``CheckpointCorruptError``); :class:`UnknownTensorError`, a ``ValueError``, for a node
@@ -84,8 +135,11 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] |
     no second walk of the tree.
     """
     note = named.append if named is not None else None
+    # one str object per distinct key: the state's many dicts of the same keys (an optimizer's
+    # "exp_avg" per parameter) share them instead of each holding the copy JSON made
+    same_key = dict[str, str]().setdefault
 
-    def tensor(val: Any) -> torch.Tensor:
+    def tensor(val: Any) -> Any:
         t = tensors.get(val) if type(val) is str else None
         if t is None:
             raise UnknownTensorError(f"tree names a tensor the shard lacks: {val!r}")
@@ -96,15 +150,30 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] |
             raise ValueError("malformed mapping items")
         out = []
         inner = depth + 1
-        for item in val:
+        if consume:  # taken from the end, in order: each item is freed once decoded
+            val.reverse()
+            pop = val.pop
+            it: Any = (pop() for _ in range(len(val)))
+        else:
+            it = val
+        for item in it:
             if not (type(item) is list and len(item) == 2):
                 raise ValueError("malformed mapping item")
             k, v = item
             tk = type(k)  # (json makes no subclasses; a bool key is refused)
-            if tk is not str and tk is not int:
+            if tk is str:
+                k = same_key(k, k)
+            elif tk is not int:
                 raise ValueError("malformed mapping key")
             # the common value of a state dict, a plain tensor node, without dec's dispatch
-            if type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:
+            if type(v) is torch.Tensor and inner <= MAX_DEPTH:  # (resolving_node's)
+                out.append((k, v))
+            elif type(v) is tuple and len(v) == 1 and inner <= MAX_DEPTH:  # (compact_node's)
+                name = v[0]
+                out.append((k, tensor(name)))
+                if note is not None:
+                    note(name)
+            elif type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:
                 out.append((k, tensor(name)))
                 if note is not None:
                     note(name)
@@ -121,6 +190,19 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] |
         if depth > MAX_DEPTH:
             raise ValueError(f"tree nested deeper than {MAX_DEPTH} levels")
         if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if type(node) is tuple:  # compact_node's (tag, val) and (name,)
+            if len(node) == 2:
+                tag, val = node
+            elif len(node) == 1:
+                tag, val = "$tensor", node[0]
+            else:
+                raise ValueError(f"malformed node of {len(node)} values")
+            decode = _DECODERS.get(tag)
+            if decode is None:
+                raise ValueError(f"unknown tag {tag!r}")
+            return decode(val, depth)
+        if type(node) is torch.Tensor:  # resolving_node's
             return node
         if isinstance(node, list):
             if node and depth >= MAX_DEPTH:
@@ -187,6 +269,8 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] |
         if len(val) != 2 or not isinstance(val[1], bool):
             raise ValueError("malformed $param")
         t = dec(val[0], depth + 1)
+        if type(t) is TensorSlot:
+            return t  # a stand-in's skeleton
         if type(t) is not torch.Tensor:
             raise ValueError("malformed $param tensor")
         if t.is_meta:
@@ -254,6 +338,10 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], named: list[str] |
             raise ValueError("malformed $generator")
         device = d_device(val[0], depth)
         state = dec(val[1], depth + 1)
+        if type(state) is TensorSlot:
+            if state.dtype != "U8":
+                raise ValueError("malformed $generator state")
+            return state  # a stand-in's skeleton
         if type(state) is not torch.Tensor or state.dtype != torch.uint8:
             raise ValueError("malformed $generator state")
         if state.is_meta:

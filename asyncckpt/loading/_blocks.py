@@ -5,7 +5,7 @@ Each :class:`Block` is a file range with its own CRC-32C and the parts of it tha
 memory; the blocks are spread over the I/O threads in file order, adjacent ones share a
 ``preadv``, and each block is checked as its bytes land (streamed through the thread's
 bounce buffer of :data:`~asyncckpt.loading._readinto.BOUNCE` bytes where the parts do not
-tile it). Sources and the thread machinery are ``_readinto``'s.
+tile it). Sources and bounce buffers are ``_pread``'s, the threads ``_readinto``'s.
 """
 
 from __future__ import annotations
@@ -14,17 +14,8 @@ from dataclasses import dataclass
 
 from .._errors import CheckpointCorruptError
 from ..format._checksum import crc32c
-from ._readinto import (
-    BOUNCE,
-    Bounce,
-    Source,
-    advise_sequential,
-    bytes_of,
-    parallel,
-    pread_exact,
-    source_order,
-    threads_for,
-)
+from ._pread import Bounce, Source, advise_sequential, bytes_of, parallel, pread_exact, source_order
+from ._readinto import BOUNCE, threads_for
 
 
 # ---------------------------------------------------------------------- checked blocks, many files

@@ -49,8 +49,9 @@ from ..format._structure_encode import flatten
 from ..format._structure_names import dtensor_names, resolve_dtensor_aliases, tensor_names
 from ..roots._readfault import read_error
 from . import _blocks
-from ._load import check_tree_size, read_shard_fd
+from ._load import check_tree_size
 from ._readinto import byte_view
+from ._shard import read_shard_fd
 from ._stepfiles import NoSuchShard, StepFiles
 
 PerRank = Literal["error", "rank0"]

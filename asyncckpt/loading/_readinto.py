@@ -1,70 +1,42 @@
 """Parallel, bounded reads of one shard file into the memory the caller names.
 
 A read is a list of destinations sorted by file offset: byte views of contiguous CPU
-tensors (read straight into, with ``preadv``) and ``Staged`` targets (non-contiguous or
-CUDA tensors of the saved dtype and shape), which go through one reused bounce buffer per
-thread, a leading-dimension slice at a time, and a ``copy_``. The destinations are split
-into contiguous file ranges, one per I/O thread; every thread checksums what it read while
-the bytes are still in cache, and the ranges' CRC-32Cs are combined in file order, so a
+tensors (read straight into, with ``preadv``; a run of them that tiles a file range is one
+:class:`Tiles`, two pointers a tensor) and ``Staged`` targets (non-contiguous or CUDA tensors
+of the saved dtype and shape), which go through one reused bounce buffer per thread, a
+leading-dimension slice at a time, and a ``copy_``. The destinations are split into
+contiguous file ranges, one per I/O thread; every thread checksums what it read while the
+bytes are still in cache, and the ranges' CRC-32Cs are combined in file order, so a
 whole-file checksum costs one cache-hot pass on the threads that read. ``verify_file``
 checksums a file through the same bounce buffers without keeping anything (the verification
-before a read into the caller's tensors). Short reads are continued; a read past the end is
-``CheckpointCorruptError``. Extra memory: ``threads x BOUNCE`` bytes, whatever the state size.
+before a read into the caller's tensors). Extra memory: ``threads x BOUNCE`` bytes, whatever
+the state size.
 
-``_blocks.read_blocks`` is the same reader for many files and checked blocks (the resharded
-load), on the sources and threads of this module.
-
-A *source* is an open file descriptor (``preadv``) or a :class:`RangeSource`: bytes read by
-ranges from elsewhere (a root's ``StepReader``: a store's ranged GETs, memory; see
-``_stepfiles``). Everything above holds for both; a range source only says how many reads it
-wants in flight.
+The sources (a file descriptor or a range source), exact reads and bounce buffers are
+``_pread``'s; ``_blocks.read_blocks`` is the same reader for many files and checked blocks
+(the resharded load), on the sources and threads of this module.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, TypeVar
+from array import array
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from .._errors import CheckpointCorruptError, CheckpointError
+from .._errors import CheckpointCorruptError
 from ..format._checksum import crc32c, crc32c_combine
-from ..threads._iopool import IOPool
+from ._pread import IOV_MAX, Bounce, Source, advise_sequential, bytes_of, parallel, pread_exact
 
 #: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
 THREADS = 4
 #: One thread's bounce buffer (verification, staged targets) and its largest ``preadv``.
 BOUNCE = 4 * 1024 * 1024
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-T = TypeVar("T")
-
-
-class RangeSource(Protocol):
-    """Bytes of one object read by ranges (not a local file): an object store's ranged GETs."""
-
-    #: reads of this source worth having in flight at once (the I/O threads of a read)
-    threads: int
-    #: orders sources among each other (a read visits each source's ranges in offset order)
-    order: int
-
-    def read_exact(self, views: list[memoryview], offset: int) -> None:
-        """Fill ``views`` (consecutive in the object) from ``offset``, or raise: ``OSError``
-        (an ``ObjectStoreError`` keeps its type) or ``CheckpointCorruptError``."""
-        ...
-
-
-#: An open file descriptor or a range source.
-Source = int | RangeSource
 
 
 def threads_for(sources: Any) -> int:
     return max((s.threads for s in sources if not isinstance(s, int)), default=THREADS)
-
-
-def source_order(src: Source) -> tuple[int, int]:
-    return (0, src) if isinstance(src, int) else (1, src.order)
 
 
 # The destinations are tuples: one is made per tensor of every load (a frozen dataclass's
@@ -80,14 +52,15 @@ class Direct(NamedTuple):
         return len(self.view)
 
 
-class Whole(NamedTuple):
-    """File bytes ``[offset, offset + nbytes)`` land in ``tensor``, a contiguous CPU tensor of
-    exactly ``nbytes`` bytes. Its byte view is made by the thread that reads it, when it gets
-    there (:func:`byte_view`): a load of many tensors holds a tuple per tensor, not a view."""
+class Tiles(NamedTuple):
+    """File bytes ``[offset, offset + nbytes)`` land in ``tensors`` back to back: contiguous
+    CPU tensors, the i-th of exactly ``sizes[i]`` bytes (the common destination of a load of
+    many tensors: a pointer and 8 bytes a tensor; the views are made by the thread that reads)."""
 
     offset: int
     nbytes: int
-    tensor: torch.Tensor
+    tensors: list[torch.Tensor]
+    sizes: array[int]
 
 
 #: dtypes whose tensors ``Tensor.numpy()`` converts
@@ -136,120 +109,50 @@ class Skip(NamedTuple):
     nbytes: int
 
 
-Dest = Direct | Whole | Device | Staged | Skip
+Dest = Direct | Tiles | Device | Staged | Skip
+
+
+class Destinations:
+    """A read's destination list, built in file order: consecutive contiguous CPU tensors
+    join one :class:`Tiles`, adjacent skips one :class:`Skip`."""
+
+    def __init__(self) -> None:
+        self.dests: list[Dest] = []
+        self._run: list[torch.Tensor] = []
+        self._sizes = array("q")
+        self._start = self._end = 0
+
+    def tensor(self, offset: int, nbytes: int, t: torch.Tensor) -> None:
+        """File bytes ``[offset, offset + nbytes)`` land in ``t``, a contiguous CPU tensor of
+        exactly ``nbytes`` bytes."""
+        if offset != self._end or not self._run:
+            self._close()
+            self._start = offset
+        self._run.append(t)
+        self._sizes.append(nbytes)
+        self._end = offset + nbytes
+
+    def other(self, d: Dest) -> None:
+        """Any other destination, after those added so far."""
+        self._close()
+        last = self.dests[-1] if self.dests else None
+        if isinstance(d, Skip) and isinstance(last, Skip) and last.offset + last.nbytes == d.offset:
+            self.dests[-1] = Skip(last.offset, last.nbytes + d.nbytes)
+        else:
+            self.dests.append(d)
+
+    def _close(self) -> None:
+        if self._run:
+            self.dests.append(Tiles(self._start, self._end - self._start, self._run, self._sizes))
+            self._run, self._sizes = [], array("q")
+
+    def done(self) -> list[Dest]:
+        """The destinations (the builder is spent)."""
+        self._close()
+        return self.dests
 
 
 # ---------------------------------------------------------------------- reads
-def pread_exact(fd: Source, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (consecutive in the file) from ``offset``; short reads are continued."""
-    if not isinstance(fd, int):
-        fd.read_exact(views, offset)
-        return
-    try:
-        _preadv_exact(fd, views, offset, path)
-    except OSError as e:
-        if e.filename is None and not isinstance(e, CheckpointError):
-            e.filename = path  # name the file: the caller tells damage from an I/O fault by errno
-        raise
-
-
-def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    i = 0
-    while i < len(views):
-        batch = views[i : i + _IOV_MAX]
-        want = sum(len(v) for v in batch)
-        got = os.preadv(fd, batch, offset)
-        if got == want:
-            offset += got
-            i += len(batch)
-            continue
-        for v in batch:  # a short read: finish the batch view by view
-            if got >= len(v):
-                got -= len(v)
-                offset += len(v)
-                continue
-            pos, offset, got = got, offset + got, 0
-            while pos < len(v):
-                n = os.preadv(fd, [v[pos:]], offset)
-                if n <= 0:
-                    raise CheckpointCorruptError("file ended early", path)
-                pos += n
-                offset += n
-        i += len(batch)
-
-
-def pread(src: Source, n: int, offset: int, path: str) -> bytes:
-    """Exactly ``n`` bytes of ``src`` from ``offset`` (``CheckpointCorruptError`` if it ends first)."""
-    if n <= 0:
-        return b""
-    buf = bytearray(n)
-    pread_exact(src, [memoryview(buf)], offset, path)
-    return bytes(buf)
-
-
-def bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-
-
-class Bounce:
-    """One thread's reused buffers: a plain one, and for CUDA targets (when CUDA is there) two
-    pinned ones that alternate, so the next piece is read while the last one is still being
-    copied to the device on the thread's side stream."""
-
-    def __init__(self) -> None:
-        self.cpu: torch.Tensor | None = None
-        self.pinned: list[torch.Tensor | None] = [None, None]
-        self.copied: list[Any] = [None, None]  # per pinned buffer: the event of its last copy out
-        self.streams: dict[torch.device, Any] = {}
-        self.turn = 0
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        if self.cpu is None or self.cpu.numel() < nbytes:
-            self.cpu = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8)
-        return self.cpu
-
-    def next_pinned(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The pinned buffer to fill next, once the device copy out of it has finished."""
-        i = self.turn
-        self.turn ^= 1
-        ev = self.copied[i]
-        if ev is not None:
-            ev.synchronize()
-            self.copied[i] = None
-        buf = self.pinned[i]
-        if buf is None or buf.numel() < nbytes:
-            pin = torch.cuda.is_available()
-            buf = self.pinned[i] = torch.empty(max(nbytes, BOUNCE), dtype=torch.uint8, pin_memory=pin)
-        return i, buf
-
-    def copy_out(self, i: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` for each pair, ``src`` a piece of pinned buffer ``i``: on a CUDA
-        device, queued on this thread's side stream (overlapping the next read) and noted as
-        the buffer's last copy out; elsewhere at once."""
-        device = pairs[0][0].device
-        if device.type != "cuda":
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        stream = self.streams.get(device)
-        if stream is None:
-            stream = self.streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ev.record(stream)
-        self.copied[i] = ev
-
-    def drain(self) -> None:
-        """Wait until every device copy out of the pinned buffers has finished (so the targets
-        hold their bytes when the read returns, and the buffers may be freed)."""
-        for i, ev in enumerate(self.copied):
-            if ev is not None:
-                ev.synchronize()
-                self.copied[i] = None
-
-
 def _read_skipped(fd: Source, d: Skip, bounce: Bounce, path: str, crc: int | None) -> int | None:
     for pos in range(d.offset, d.offset + d.nbytes, BOUNCE):
         n = min(BOUNCE, d.offset + d.nbytes - pos)
@@ -329,9 +232,7 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             bounce.copy_out(i, pairs)
         dev, dev_bytes = [], 0
 
-    for d in dests:
-        if isinstance(d, Whole):
-            d = Direct(d.offset, byte_view(d.tensor))
+    for d in _expanded(dests):
         if isinstance(d, Device):
             flush()
             for i in range(0, d.nbytes, BOUNCE):
@@ -364,7 +265,7 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
                 run_start = d.offset
             run.append(d.view)
             run_bytes += n
-            if run_bytes >= BOUNCE or len(run) >= _IOV_MAX:
+            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
                 flush()
             continue
         for i in range(0, n, BOUNCE):
@@ -375,13 +276,45 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             v = d.view[i : i + BOUNCE]
             run.append(v)
             run_bytes += len(v)
-            # (a preadv takes _IOV_MAX views at most: a run of more small tensors would only
+            # (a preadv takes IOV_MAX views at most: a run of more small tensors would only
             # hold their views longer)
-            if run_bytes >= BOUNCE or len(run) >= _IOV_MAX:
+            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
                 flush()
     flush()
     flush_dev()
     return crc or 0
+
+
+def _expanded(dests: list[Dest]) -> Any:
+    """``dests`` with every tensor of a ``Tiles`` as a ``Direct`` (its byte view made now,
+    by the thread that reads it)."""
+    for d in dests:
+        if isinstance(d, Tiles):
+            offset = d.offset
+            for t, n in zip(d.tensors, d.sizes, strict=True):
+                yield Direct(offset, byte_view(t))
+                offset += n
+        else:
+            yield d
+
+
+def _cut_tiles(d: Tiles, step: int) -> list[Dest]:
+    """A run of tensors cut at tensor boundaries into pieces of at most ``step`` bytes (a
+    tensor larger than that alone, and cut as a ``Direct``)."""
+    ends = np.cumsum(np.frombuffer(d.sizes, dtype=np.int64)) if len(d.sizes) else np.zeros(0, np.int64)
+    out: list[Dest] = []
+    i, start = 0, 0
+    while i < len(d.tensors):
+        j = int(np.searchsorted(ends, start + step, side="right"))
+        if j <= i:  # tensor i alone exceeds step
+            view = byte_view(d.tensors[i])
+            out.extend(Direct(d.offset + start + k, view[k : k + step]) for k in range(0, len(view), step))
+            j = i + 1
+        else:
+            out.append(Tiles(d.offset + start, int(ends[j - 1]) - start, d.tensors[i:j], d.sizes[i:j]))
+        start = int(ends[j - 1])
+        i = j
+    return out
 
 
 def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
@@ -393,8 +326,10 @@ def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
     pieces: list[Dest] = []
     step = max(BOUNCE, -(-total // (parts * 4)))
     for d in dests:
-        if isinstance(d, Whole) and d.nbytes > step:
-            d = Direct(d.offset, byte_view(d.tensor))  # (one of a few large tensors)
+        if isinstance(d, Tiles):  # many tensors: cut finer, so small files use every thread too
+            fine = max(1, -(-total // (parts * 4)))
+            pieces.extend(_cut_tiles(d, fine) if d.nbytes > fine else [d])
+            continue
         if isinstance(d, Direct) and d.nbytes > step:
             pieces.extend(Direct(d.offset + i, d.view[i : i + step]) for i in range(0, d.nbytes, step))
         elif isinstance(d, Device) and d.nbytes > step:
@@ -436,32 +371,6 @@ def _settle_cuda_targets(dests: list[Dest]) -> None:
     if devices and torch.cuda.is_available():
         for dev in devices:
             torch.cuda.synchronize(dev)
-
-
-def parallel(name: str, fn: Callable[..., T], calls: list[tuple[Any, ...]]) -> list[T]:
-    """``fn(*args)`` for every ``args`` of ``calls``, one thread each; waits for all of them
-    (no thread is left writing into the caller's memory) and raises the first failure."""
-    if len(calls) <= 1:
-        return [fn(*args) for args in calls]
-    pool = IOPool(len(calls), name)
-    try:
-        futures = [pool.submit(fn, *args) for args in calls]
-        concurrent.futures.wait(futures)
-        for f in futures:
-            exc = f.exception()
-            if exc is not None:
-                raise exc
-        return [f.result() for f in futures]
-    finally:
-        pool.shutdown(wait=True)
-
-
-def advise_sequential(fd: Source) -> None:
-    if isinstance(fd, int) and hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass
 
 
 def read_into(fd: Source, path: str, dests: list[Dest], *, checksum: bool, threads: int | None = None) -> int:

@@ -2,7 +2,7 @@
 
 :class:`StepFiles` is all the loaders (``_load.load_files``, ``_load_global``) know of where
 a step lives: a file's path or URL (for messages), its size as the manifest lists it, a
-source to read ranges of (``_readinto.Source``), the whole of a small file, and ``close``.
+source to read ranges of (``_pread.Source``), the whole of a small file, and ``close``.
 :class:`ReaderFiles` serves it from any root's :class:`~asyncckpt.roots._root.StepReader`
 (``Root.open_reader``): a file descriptor where the medium has one (a POSIX directory: the
 kernel's ``preadv`` and ``mmap``), else ranged reads through the reader (a store's ranged
@@ -18,7 +18,7 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format._checksum import crc32c
 from ..format._manifest import MANIFEST, Manifest
 from ..roots._root import StepReader
-from ._readinto import Source
+from ._pread import Source
 
 
 class NoSuchShard(CheckpointNotFoundError):
@@ -53,7 +53,7 @@ class StepFiles(Protocol):
 
 
 class _ReaderRange:
-    """One file of a step read by ranges through its reader (a ``_readinto.RangeSource``)."""
+    """One file of a step read by ranges through its reader (a ``_pread.RangeSource``)."""
 
     def __init__(self, reader: StepReader, name: str, order: int) -> None:
         self.reader, self.name, self.order = reader, name, order

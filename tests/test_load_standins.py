@@ -1,0 +1,203 @@
+"""What the loader does to keep a load of many tensors small (issue 32), checked against the
+plain path: the tree parsed compact (``compact_node``) and emptied as it is decoded
+(``consume``) rebuilds exactly the same state; the shard's slots stand in for the tensors
+when the targets of ``into=`` are planned, with every node checked as for the real load;
+runs of tensors (``Tiles``) land every byte and chain the CRC as one destination a tensor did.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import os
+import random
+from array import array
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc
+import numpy as np
+import pytest
+import torch
+
+from asyncckpt.format._header import TensorSlot
+from asyncckpt.format._safetensors import DTYPE_TO_ST
+from asyncckpt.format._structure_decode import compact_node, unflatten
+from asyncckpt.format._structure_encode import flatten, tree_json
+from asyncckpt.loading import _readinto
+
+
+def _varied() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    od: collections.OrderedDict[str, Any] = collections.OrderedDict(w=torch.rand(2, generator=g))
+    od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {
+        "model": {f"l{i}.weight": torch.rand(3, generator=g) for i in range(5)},
+        "param": torch.nn.Parameter(torch.rand(2, generator=g), requires_grad=False),
+        "array": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "rng": torch.Generator().manual_seed(7),
+        "odict": od,
+        "dd": collections.defaultdict(list, {"a": [torch.ones(1)]}),
+        "tuple": (torch.zeros(2), 1, "x", None, 2.5),
+        "nested": [[{"t": torch.arange(4)}]],
+        "set": {1, 2},
+        "when": datetime.date(2026, 12, 5),
+        "size": torch.Size([2, 3]),
+        "iteration": 12345,
+    }
+
+
+def compact_tree_name(tree: Any, *path: str) -> str:
+    """The tensor name at ``path`` of a tree of plain (dict) nodes."""
+    node = tree
+    for key in path:
+        node = dict(node["$dict"])[key]
+    return str(node["$tensor"])
+
+
+def _parsed(state: Any, hook: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    tree, refs = flatten(state)
+    return json.loads(tree_json(tree), object_hook=hook), {r.name: r.tensor.detach() for r in refs}
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a is b or (a.dtype == b.dtype and torch.equal(a, b))
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, torch.Generator):
+        assert torch.equal(a.get_state(), b.get_state())
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_a_compact_tree_emptied_as_it_is_decoded_rebuilds_the_same_state() -> None:
+    plain, tensors = _parsed(_varied())
+    compact, _ = _parsed(_varied(), compact_node)
+    tag, items = compact
+    assert tag == "$dict" and items[0][0] == "model" and items[0][1][0] == "$dict"
+    assert items[0][1][1][0] == ["l0.weight", (compact_tree_name(plain, "model", "l0.weight"),)]
+    want = unflatten(plain, tensors)
+    named: list[str] = []
+    got = unflatten(compact, tensors, named, consume=True)
+    _same(got, want)
+    assert sorted(set(named)) == sorted(tensors)
+    assert items == []  # consumed: every item list emptied as it was decoded
+    assert got["model"]["l0.weight"] is tensors[compact_tree_name(plain, "model", "l0.weight")]
+
+
+def _slots(tensors: dict[str, torch.Tensor]) -> dict[str, TensorSlot]:
+    return {n: TensorSlot(n, DTYPE_TO_ST[t.dtype], tuple(t.shape), 0, t.nbytes) for n, t in tensors.items()}
+
+
+def test_slots_stand_in_for_the_tensors_of_every_node() -> None:
+    tree, tensors = _parsed(_varied(), compact_node)
+    slots = _slots(tensors)
+    skeleton = unflatten(tree, slots)
+    for key in ("param", "array"):
+        assert type(skeleton[key]) is TensorSlot
+    assert type(skeleton["rng"]) is TensorSlot and skeleton["rng"].dtype == "U8"
+    plain, _ = _parsed(_varied())
+    assert skeleton["model"]["l3.weight"] is slots[compact_tree_name(plain, "model", "l3.weight")]
+    assert type(skeleton["tuple"][0]) is TensorSlot and skeleton["tuple"][1:] == (1, "x", None, 2.5)
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"$ndarray": ["t", "object", [2]]},
+        {"$ndarray": ["t", "float32", [3]]},
+        {"$ndarray": ["t", "int64", [2]]},
+        {"$param": [{"$tensor": "t"}, 1]},
+        {"$param": [5, True]},
+        {"$param": [{"$tuple": []}, True]},
+        {"$generator": ["cpu", {"$tensor": "t"}]},
+        {"$generator": ["cpu", 5]},
+        {"$dict": {"$tensor": "t"}},
+        {"$tuple": {"$tensor": "t"}},
+        {"$tensor": {"$tensor": "t"}},
+        {"$dict": [["k", {"$tensor": "u"}]]},
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("compact", [False, True], ids=["dict-nodes", "compact"])
+def test_malformed_nodes_are_value_errors_over_stand_ins_too(node: Any, compact: bool) -> None:
+    tree = json.loads(json.dumps(node), object_hook=compact_node if compact else None)
+    stand_in = {"t": TensorSlot("t", "F32", (2,), 0, 8)}
+    with pytest.raises(ValueError):
+        unflatten(tree, stand_in)
+    with pytest.raises(ValueError):
+        unflatten(json.loads(json.dumps(node)), {"t": torch.zeros(2)})
+
+
+def test_tiles_land_every_byte_and_chain_one_crc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)  # a few bounce buffers' worth: runs are cut
+    rng = random.Random(5)
+    sizes = [rng.choice([0, 1, 8, 100, 1000, 5000]) for _ in range(300)] + [3 * 4096 + 4, 8]
+    data = os.urandom(sum(sizes))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fresh = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    dests = _readinto.Destinations()
+    at = 0
+    skip_at = (10, 11, 12)  # adjacent skips join
+    for i, (n, t) in enumerate(zip(sizes, fresh, strict=True)):
+        if i in skip_at:
+            dests.other(_readinto.Skip(at, n))
+        else:
+            dests.tensor(at, n, t)
+        at += n
+    built = dests.done()
+    assert sum(isinstance(d, _readinto.Skip) for d in built) == 1
+    assert sum(isinstance(d, _readinto.Tiles) for d in built) == 2
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc = _readinto.read_into(fd, str(path), built, checksum=True, threads=4)
+    finally:
+        os.close(fd)
+    assert crc == _crc.crc32c(data)
+    at = 0
+    for i, (n, t) in enumerate(zip(sizes, fresh, strict=True)):
+        if i not in skip_at:
+            assert bytes(t.numpy()) == data[at : at + n], i
+        at += n
+
+
+def test_a_large_tensor_in_a_run_is_cut_for_every_thread() -> None:
+    big = torch.empty(1 << 20, dtype=torch.uint8)
+    small = [torch.empty(10, dtype=torch.uint8) for _ in range(3)]
+    d = _readinto.Tiles(0, 30 + big.numel(), [*small, big], array("q", [10, 10, 10, big.numel()]))
+    groups = _readinto._split([d], 4)
+    assert len(groups) == 4
+    assert sum(p.nbytes for g in groups for p in g) == d.nbytes
+    offsets = [p.offset for g in groups for p in g]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["fresh", "into"])
+@pytest.mark.parametrize("name", ["a", "c"], ids=["a-tensor-twice-b-never", "a-tensor-the-shard-lacks"])
+def test_a_tree_that_does_not_name_the_shards_tensors_exactly_is_corrupt(
+    tmp_path: Path, into: bool, name: str
+) -> None:
+    from asyncckpt import CheckpointCorruptError, Checkpointer, load
+
+    state = {"a": torch.ones(2), "b": torch.zeros(2)}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result()
+    (tree_file,) = tmp_path.glob("step_*/rank*.json")
+    text = tree_file.read_bytes()
+    assert text.count(b'{"$tensor":"b"}') == 1
+    tree_file.write_bytes(text.replace(b'{"$tensor":"b"}', b'{"$tensor":"%s"}' % name.encode()))  # (same size)
+    target = {"a": torch.empty(2), "b": torch.empty(2)} if into else None
+    with pytest.raises(CheckpointCorruptError, match="structure and shard disagree on tensor names"):
+        load(tmp_path, 1, verify=False, into=target)
