@@ -27,7 +27,7 @@ from typing import Any
 import _nemo
 import pytest
 from _ranks import free_port, log_tail, run_ranks
-from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+from faultfs import FaultFS, mounted, rule
 
 import asyncckpt
 
@@ -45,19 +45,9 @@ def nemo() -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("nemofuse")
-    fs = FaultFS(base / "backing", base / "mnt")
-    try:
-        fs.mount()
-    except FaultFSUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with mounted(base / "backing", base / "mnt", skip_unavailable=True) as fs:
         yield fs
-    finally:
-        fs.unmount()
 
 
 @pytest.fixture

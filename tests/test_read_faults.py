@@ -24,7 +24,7 @@ import pytest
 import torch
 from _cli_util import run_cli
 from _ranks import free_port, log_tail, run_ranks
-from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+from faultfs import FaultFS, mounted, rule
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointReadError
@@ -52,21 +52,11 @@ def marks(root: str | Path) -> list[str]:
 # ------------------------------------------------------------------------------ a FUSE mount
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("readfault")
     # direct I/O: every read reaches the file system (the page cache would retry a failed
     # readahead by itself, hiding a single EIO)
-    fs = FaultFS(base / "backing", base / "mnt", direct_io=True)
-    try:
-        fs.mount()
-    except FaultFSUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with mounted(base / "backing", base / "mnt", direct_io=True, skip_unavailable=True) as fs:
         yield fs
-    finally:
-        fs.unmount()
 
 
 @pytest.fixture

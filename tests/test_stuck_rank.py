@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from _ranks import free_port, log_tail, run_ranks
-from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+from faultfs import FaultFS, mounted, rule
 
 from asyncckpt import Checkpointer, find_latest
 
@@ -30,19 +30,11 @@ STUCK = 2
 
 @pytest.fixture
 def fs(tmp_path: Path) -> Any:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    mount = FaultFS(tmp_path / "backing", tmp_path / "mnt")
-    try:
-        mount.mount()
-    except FaultFSUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield mount
-    finally:
-        mount.clear()  # lets any held call go before the unmount
-        mount.unmount()
+    with mounted(tmp_path / "backing", tmp_path / "mnt", skip_unavailable=True) as mount:
+        try:
+            yield mount
+        finally:
+            mount.clear()  # lets any held call go before the unmount
 
 
 def _wait_for(paths: list[Path], seconds: float) -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 from _cli_util import run_cli
-from faultfs import FaultFS, FaultFSUnavailable, rule, unavailable_reason
+from faultfs import FaultFS, mounted, rule
 
 import asyncckpt
 from asyncckpt import Checkpointer
@@ -68,19 +68,9 @@ def saved(root: str | Path, steps: tuple[int, ...]) -> None:
 # ------------------------------------------------------------------------------ a FUSE mount
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("attack26")
-    fs = FaultFS(base / "backing", base / "mnt", direct_io=True)
-    try:
-        fs.mount()
-    except FaultFSUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with mounted(base / "backing", base / "mnt", direct_io=True, skip_unavailable=True) as fs:
         yield fs
-    finally:
-        fs.unmount()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _cli_util import Run, run_cli
-from faultfs import FaultFS, FaultFSUnavailable, unavailable_reason
+from faultfs import FaultFS, mounted
 from s3fixtures import data_keys, opts
 
 from asyncckpt import Checkpointer
@@ -32,19 +32,9 @@ def mount_fixture() -> Any:
 
     @pytest.fixture(scope="module")
     def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFS]:
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
         base = tmp_path_factory.mktemp("fuse")
-        fs = FaultFS(base / "backing", base / "mnt")
-        try:
-            fs.mount()
-        except FaultFSUnavailable as e:
-            pytest.skip(str(e))
-        try:
+        with mounted(base / "backing", base / "mnt", skip_unavailable=True) as fs:
             yield fs
-        finally:
-            fs.unmount()
 
     return mount
 
