@@ -120,6 +120,15 @@ class ForkServer:
 
     def wait_event(self, pid: int, event: str, step: int | None = None) -> tuple[float, int]:
         """(arrival time, step) of the worker's first ``event`` (of ``step``, if given)."""
+        found = self.event_or_sigkill(pid, event, step)
+        if found is None:
+            self._fail(f"worker {pid} ended (exit code {self.exited.get(pid)}) before '{event} {step}'")
+        assert found is not None
+        return found
+
+    def event_or_sigkill(self, pid: int, event: str, step: int | None = None) -> tuple[float, int] | None:
+        """:meth:`wait_event`, or ``None`` if a SIGKILL the test did not send ended the worker first
+        (any other end before the event fails the test)."""
 
         def match() -> tuple[float, int] | None:
             return next(((t, s) for t, e, s in self.events[pid] if e == event and step in (None, s)), None)
@@ -127,9 +136,8 @@ class ForkServer:
         if match() is None and pid not in self.exited:
             self._pump(lambda _: match() is not None or pid in self.exited, WAIT_S, f"'{event} {step}' from {pid}")
         found = match()
-        if found is None:
+        if found is None and self.exited.get(pid) != -signal.SIGKILL:
             self._fail(f"worker {pid} ended (exit code {self.exited.get(pid)}) before '{event} {step}'")
-        assert found is not None
         return found
 
     def reap(self, pid: int) -> int:
@@ -253,7 +261,7 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
     lengths: defaultdict[tuple[str, bool], list[float]] = defaultdict(list)
     landed: Counter[str] = Counter()
     aimed: Counter[tuple[str, str]] = Counter()
-    cleaned = streak = 0
+    cleaned = streak = outside = 0
     acked = started = 0
     complete: list[int] = []
     t_start = time.monotonic()
@@ -262,18 +270,28 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
         while plan:
             target = plan.pop()
             pid = server.spawn(root)
-            _, first = server.wait_event(pid, "start")
-            assert first == (max(complete) + 1 if complete else 1), f"resumed at {first}, complete: {complete}"
-            nth = rng.randint(1, 2)  # the first save after a restart, or the next one
-            t_open, _ = server.wait_event(pid, OPENED_BY[target], first + nth - 1)
-            seen = lengths[(target, nth == 1)] or lengths[(target, nth != 1)]
-            typical = statistics.median(seen) if seen else GUESS[target]
-            time.sleep(max(0.0, t_open + rng.uniform(0.0, typical) - time.monotonic()))
-            os.kill(pid, signal.SIGKILL)
+            opened = start = server.event_or_sigkill(pid, "start")
+            if start is not None:
+                first = start[1]
+                assert first == (max(complete) + 1 if complete else 1), f"resumed at {first}, complete: {complete}"
+                nth = rng.randint(1, 2)  # the first save after a restart, or the next one
+                opened = server.event_or_sigkill(pid, OPENED_BY[target], first + nth - 1)
+            if opened is None:
+                # SIGKILLed before the test aimed (CI runs other tests beside this one, and a pid
+                # signalled after its number was reused is one way): a crash all the same, at a
+                # point nobody chose; every check below holds for it, and the planned kill comes again
+                outside += 1
+                assert outside <= 5, f"{outside} workers were SIGKILLed by something other than this test"
+                plan.append(target)
+            else:
+                seen = lengths[(target, nth == 1)] or lengths[(target, nth != 1)]
+                typical = statistics.median(seen) if seen else GUESS[target]
+                time.sleep(max(0.0, opened[0] + rng.uniform(0.0, typical) - time.monotonic()))
+                os.kill(pid, signal.SIGKILL)
             code = server.reap(pid)
             assert code == -signal.SIGKILL, f"worker {pid} ended with {code} before it was killed"
 
-            events = server.events.pop(pid)
+            events = server.events.pop(pid, [])
             for key, got in phase_lengths(events).items():
                 lengths[key].extend(got)
             phase = landed_in(events, root)
@@ -309,6 +327,7 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
         f"{p} {_median_ms(lengths[(p, True)])}/{_median_ms(lengths[(p, False)])}" for p in TARGETS
     ))  # fmt: skip
     report.append(f"restarts that removed leftovers: {cleaned}; steps committed: {acked}; complete now: {complete}")
+    report.append(f"workers SIGKILLed by something other than this test: {outside}")
     print("\n".join(report))
     assert landed_total >= kills
     missed = [p for p in TARGETS if not landed[p]]
