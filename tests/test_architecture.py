@@ -1,5 +1,6 @@
 """The package's structure, checked from its source (``ast``, nothing imported): no import
-cycle, no use of another module's private names, and a one-line job for every folder.
+cycle, no use of another module's private names, a one-line job for every folder, and no
+test reaching into a Checkpointer's private attributes.
 
 The layers themselves (cli/integrations -> facade -> saving/loading -> roots -> ranks ->
 format/threads) are ``import-linter`` contracts in ``pyproject.toml`` (``make lint``); these
@@ -175,3 +176,67 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path: Path) -> None:
         PKG = saved
     assert _cycles(mods) == [["asyncckpt.a", "asyncckpt.b"]]
     assert mods["asyncckpt.b"].private == ["2: from asyncckpt.a import _g"]
+
+
+# ------------------------------------------------------------- tests use public seams only
+TESTS = Path(__file__).resolve().parent
+#: names the tests commonly give a Checkpointer, checked even where the binding is not seen
+CHECKPOINTER_NAMES = frozenset({"ck", "ckpt", "c"})
+
+
+def _is_checkpointer(node: ast.expr | None) -> bool:
+    """``Checkpointer(...)``/``asyncckpt.Checkpointer(...)`` (a call), or the annotation ``Checkpointer``."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+        return node.value.rsplit(".", 1)[-1] == "Checkpointer"
+    return isinstance(node, (ast.Name, ast.Attribute)) and ast.unparse(node).rsplit(".", 1)[-1] == "Checkpointer"
+
+
+def private_checkpointer_uses(source: str, filename: str = "<test>") -> list[str]:
+    """``line: name._attr`` for each access to a private attribute (``_x``, not a dunder) of a
+    Checkpointer in ``source``: of a name (or ``self.x``) bound anywhere in the file from
+    ``Checkpointer(...)`` (assignment, ``with ... as``) or annotated ``Checkpointer``, and of
+    the usual names :data:`CHECKPOINTER_NAMES`. A file-wide, flow-blind scan: simple on purpose.
+    What a test may observe is public or a documented seam (``os_ops=``, ``staging_statistics()``,
+    ``upload_states()``, docs/development.md "Fault injection")."""
+    tree = ast.parse(source, filename)
+    bound = set(CHECKPOINTER_NAMES)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and _is_checkpointer(n.value):
+            bound.update(ast.unparse(t) for t in n.targets)
+        elif isinstance(n, ast.AnnAssign) and (_is_checkpointer(n.value) or _is_checkpointer(n.annotation)):
+            bound.add(ast.unparse(n.target))
+        elif isinstance(n, (ast.With, ast.AsyncWith)):
+            bound.update(ast.unparse(i.optional_vars) for i in n.items
+                         if i.optional_vars is not None and _is_checkpointer(i.context_expr))  # fmt: skip
+        elif isinstance(n, ast.arg) and _is_checkpointer(n.annotation):
+            bound.add(n.arg)
+    uses = [n for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and _private(n.attr) and ast.unparse(n.value) in bound]  # fmt: skip
+    return [f"{n.lineno}: {ast.unparse(n)}" for n in sorted(uses, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def test_tests_use_no_private_attribute_of_a_checkpointer() -> None:
+    """Tests observe a Checkpointer through its public API and documented seams, never its
+    private parts (``ck._rt``, ``ck._books``, ...): a restructuring of its insides must not
+    break them, and what they check is what a user can rely on. tests/support/ included."""
+    found = [f"{p.relative_to(TESTS)}:{use}" for p in sorted(TESTS.rglob("*.py"))
+             for use in private_checkpointer_uses(p.read_text(), str(p))]  # fmt: skip
+    assert not found, "tests reaching into a Checkpointer's private attributes (use its public API " \
+        "or a documented seam; add a small documented public one if none fits):\n" + "\n".join(found)
+
+
+def test_the_test_checker_sees_a_private_reach() -> None:
+    src = (
+        "import asyncckpt\nfrom asyncckpt import Checkpointer\n"
+        "x = Checkpointer(r)\nx._books.lock\n"
+        "with asyncckpt.Checkpointer(r) as y:\n    y._waits.flush_steps(2.0)\n"
+        "def f(z: Checkpointer, w: 'Checkpointer') -> None:\n    z._session\n    w._loader\n"
+        "class T:\n    def setup(self):\n        self.k = Checkpointer(r)\n        self.k._pipeline\n"
+        "ck._rt.stopped\n"
+        "other._rt\nck.__class__\nck.save(1, {})\n"
+    )
+    assert private_checkpointer_uses(src) == [
+        "4: x._books", "6: y._waits", "8: z._session", "9: w._loader", "13: self.k._pipeline", "14: ck._rt",
+    ]

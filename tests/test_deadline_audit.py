@@ -22,26 +22,67 @@ from faultfs import FaultFS, FaultFSUnavailable, mounted, rule, unavailable_reas
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointReadError
-from asyncckpt.checkpointer._waits import Call, Wait
 
 
-def test_flush_gives_its_save_wait_only_what_the_deferred_guard_left_of_its_timeout(tmp_path: Path) -> None:
+@pytest.mark.timing
+@pytest.mark.needs_root
+def test_flush_gives_its_save_wait_only_what_the_deferred_guard_left_of_its_timeout(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
     # flush(timeout) first releases the deferred copies (a guard that may wait up to the end of
     # the timeout), then waits for the saves: that wait got the whole timeout again, so a flush
-    # could take twice what it was given
-    ck = Checkpointer(tmp_path / "ck")
-    try:
-        ck.save(1, {"w": torch.ones(4)}).result(30)
-        steps = ck._waits.flush_steps(2.0)
-        first = next(steps)
-        assert isinstance(first, Call)
-        time.sleep(1.5)  # the guard took 1.5 s of the 2 s (a deferred copy still running)
-        second = steps.send(first.fn())
-        assert isinstance(second, Wait)
-        assert second.timeout is not None and second.timeout <= 0.6, second.timeout
-        steps.close()
+    # could take twice what it was given. Here the deferred copy reads a weight mapped from a
+    # file whose first page takes 1.5 s to come in (a slow file system), and the save's write
+    # never ends (its shard's open stalls): the guard takes 1.5 s of flush(2.0), and the save
+    # wait gets the 0.5 s left (with the bug 2 s more: a flush of 3.5 s)
+    import mmap
+    import threading
+
+    from asyncckpt.testing import OsOps
+
+    gate = threading.Event()
+
+    class StalledWrite(OsOps):
+        def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+            if "step_00000001.tmp-" in path and path.endswith(".safetensors"):
+                gate.wait(30)  # a disk that stops answering mid-save, until the test ends
+            return super().open(path, flags, mode)
+
+    n = 256 * 1024  # 1 MiB of float32
+    weights = faulty.path("weights.bin")
+    with open(weights, "wb") as f:
+        f.write(torch.arange(n, dtype=torch.float32).numpy().tobytes())
+    fd = os.open(weights, os.O_RDONLY)
+    try:  # a private (copy-on-write) mapping: its pages are read from the file at first touch
+        mapped = mmap.mmap(fd, n * 4, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
-        ck.close()
+        os.close(fd)
+    w = torch.nn.Parameter(torch.frombuffer(mapped, dtype=torch.float32))
+    opt = torch.optim.SGD([w], lr=0.1)
+    faulty.set_rules([rule("read", glob="*/weights.bin", delay_s=1.5, count=1, id="slow-page")])
+    ck = Checkpointer(tmp_path / "ck", os_ops=StalledWrite())
+    try:
+        t0 = time.monotonic()
+        ck.save(1, {"w": w}, until=opt)  # returns at once: the copy of w runs in the background
+        t1 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"save\(s\) still running") as ei:
+            ck.flush(2.0)
+        took = time.monotonic() - t1
+        # the slow page was read by the background copy, after save() returned: the guard
+        # inside flush() waited for it (at least 1.5 s - (t1 - t0))
+        assert t1 - t0 < 0.5 and faulty.fired("slow-page") == 1, (t1 - t0, faulty.fired("slow-page"))
+        assert took < 2.7, (took, str(ei.value))
+        gate.set()
+        ck.flush(30)  # the save goes on and commits
+    finally:
+        gate.set()
+        faulty.clear()
+        with contextlib.suppress(Exception):
+            ck.close()
+        del opt, w
+        with contextlib.suppress(BufferError):
+            mapped.close()  # nothing of the mount stays mapped (it is unmounted at the module's end)
+    assert torch.equal(asyncckpt.load(tmp_path / "ck")["w"], torch.arange(n, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -134,57 +175,87 @@ def test_a_deadline_is_built_only_from_a_duration_or_a_named_point_and_phases_sh
 
 
 # ---------------------------------------------------------------------- the exit hook
+_EXIT_JOB = """
+import atexit, sys, threading, time
+import torch
+from asyncckpt import Checkpointer
+from asyncckpt.testing import OsOps
+
+root, timeout, margin, limit = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+gate = threading.Event()  # released after the one deadline: the slow calls then go on
+hook_started = threading.Event()
+
+class Stuck(OsOps):
+    def open(self, path, flags, mode=0o644):
+        if "step_00000003.tmp-" in path and path.endswith(".safetensors"):
+            gate.wait(30)  # a disk that stops answering mid-save
+        return super().open(path, flags, mode)
+
+    def open_dir(self, name, dir_fd=None):
+        if ".deleting-" in name:  # the retired step's directory, opened below the root
+            gate.wait(30)  # and the removal of the retired step with it
+        return super().open_dir(name, dir_fd)
+
+ck = Checkpointer(root, timeout=timeout, keep_last=1, io_threads=4, os_ops=Stuck())
+ck.save(1, {"w": torch.ones(4)}).result(30)
+ck.save(2, {"w": torch.full((4,), 2.0)}).result(30)  # retires step 1: its removal is stuck
+ck.save(3, {"w": torch.full((4,), 3.0)})  # its write is stuck; the job ends without close()
+
+def release():
+    hook_started.wait(60)
+    time.sleep(timeout + margin + 1.5)  # past the one deadline
+    gate.set()
+
+def watch():  # the hook marks the Checkpointer closed once its waits are over, then stops it
+    hook_started.wait(60)
+    late = time.monotonic() + limit
+    while not ck.closed:
+        if late is not None and time.monotonic() > late:
+            print(f"still-waiting {time.monotonic():.3f}", flush=True)
+            late = None
+        time.sleep(0.002)
+    print(f"waits-over {time.monotonic():.3f}", flush=True)
+
+threading.Thread(target=release, daemon=True).start()
+threading.Thread(target=watch, daemon=True).start()
+
+@atexit.register  # after asyncckpt's own hook: so it runs right before it
+def before_the_hook():
+    print(f"hook-starts {time.monotonic():.3f}", flush=True)
+    hook_started.set()
+"""
+
+
 @pytest.mark.timing
 def test_the_exit_hook_waits_for_the_saves_and_the_removals_within_one_deadline(tmp_path: Path) -> None:
     # a save hung in its write (it fails by its deadline plus the guard) and the removal of
     # the step retention retired stuck on a slow disk: each wait of the exit hook got the
-    # timeout plus the margin again, so the hook waited for the removal long past it
-    import threading
+    # timeout plus the margin again, so the hook waited for the removal long past it. A real
+    # process that saves and exits without close(); it prints when the hook starts and when
+    # its waits are over (the Checkpointer reads closed)
+    import subprocess
+    import sys
 
-    from asyncckpt import SaveTimeoutError
     from asyncckpt.checkpointer._runtime import MARGIN_S
-    from asyncckpt.testing import OsOps
-
-    gate = threading.Event()  # released at the end: the slow calls then go on
-
-    class Stuck(OsOps):
-        def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-            if "step_00000003.tmp-" in path and path.endswith(".safetensors"):
-                gate.wait(30)  # a disk that stops answering mid-save
-            return super().open(path, flags, mode)
-
-        def open_dir(self, name: str, dir_fd: int | None = None) -> int:
-            if ".deleting-" in name:  # the retired step's directory, opened below the root
-                gate.wait(30)  # and the removal of the retired step with it
-            return super().open_dir(name, dir_fd)
 
     timeout = 2.0
+    limit = timeout + MARGIN_S + 0.8  # the one deadline, and a loaded machine's slack
     root = tmp_path / "ck"
-    ck = Checkpointer(root, timeout=timeout, keep_last=1, io_threads=4, os_ops=Stuck())
-    try:
-        ck.save(1, {"w": torch.ones(4)}).result(30)
-        ck.save(2, {"w": torch.full((4,), 2.0)}).result(30)  # retires step 1: its removal is stuck
-        stuck = ck.save(3, {"w": torch.full((4,), 3.0)})  # its write is stuck
-        waits_over: list[float] = []
-        t0 = time.monotonic()
-
-        def watch() -> None:  # the waits are over once the hook stops the runtime
-            while not ck._rt.stopped and time.monotonic() - t0 < 30:
-                time.sleep(0.01)
-            waits_over.append(time.monotonic() - t0)
-
-        threading.Thread(target=watch, daemon=True).start()
-        release = threading.Timer(timeout + MARGIN_S + 1.5, gate.set)  # after the one deadline
-        release.start()
-        lines, _ = ck._waits.finish_at_exit()
-        release.join()
-        assert waits_over and waits_over[0] < timeout + MARGIN_S + 0.8, waits_over
-        assert any("step 3" in line for line in lines), lines  # the failure nobody saw is told
-        assert type(stuck.exception(0)) is SaveTimeoutError  # (and seen now: the real exit hook is quiet)
-    finally:
-        gate.set()
-        with contextlib.suppress(Exception):
-            ck.close()
+    script = tmp_path / "job.py"
+    script.write_text(_EXIT_JOB)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), *sys.path]))
+    r = subprocess.run([sys.executable, str(script), str(root), str(timeout), str(MARGIN_S), str(limit)],
+                       capture_output=True, text=True, timeout=90, env=env)  # fmt: skip
+    said = dict(line.split() for line in r.stdout.splitlines() if line.split()[0] in
+                ("hook-starts", "waits-over", "still-waiting"))  # fmt: skip
+    assert "still-waiting" not in said, f"the exit hook still waited {limit}s after it started: {r.stderr[-3000:]}"
+    assert {"hook-starts", "waits-over"} <= set(said), (r.returncode, r.stdout, r.stderr[-3000:])
+    waits_over = float(said["waits-over"]) - float(said["hook-starts"])
+    assert waits_over < limit, (waits_over, r.stderr[-3000:])
+    # the failure nobody saw is told, and the process exits non-zero
+    failed = [line for line in r.stderr.splitlines() if "save of step 3" in line]
+    assert failed and "failed: SaveTimeoutError" in failed[0], r.stderr[-3000:]
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
     assert asyncckpt.load(root)["w"][0] == 2.0  # the committed step stays, and loads
 
 

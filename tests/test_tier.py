@@ -41,7 +41,6 @@ if weed_binary() is None:  # pragma: no cover - CI fails on this skip
 import asyncckpt
 from asyncckpt import Checkpointer, ObjectStoreError, SaveError, remote
 from asyncckpt.reading import complete_checkpoints
-from asyncckpt.saving._mirror import UploadRecord
 
 BUCKET = "tier-bucket"
 SECRET = "asyncckpt-test-secret"
@@ -89,11 +88,6 @@ def wait_until(cond: Callable[[], bool], seconds: float, what: str) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-def uploads(ck: Checkpointer) -> list[UploadRecord]:
-    with ck._books.lock:
-        return [r for r in ck._books.records if isinstance(r, UploadRecord)]
 
 
 def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(
@@ -149,7 +143,7 @@ def test_local_retention_never_removes_a_step_whose_upload_is_pending(
         # step 1 is in flight, step 3 waits: both kept; step 2 (superseded, not pending) retired
         wait_until(lambda: local_steps(root) == [1, 3], 6, "local retention to retire step 2 only")
         assert remote.find_latest(url, storage_options=o) is None  # step 1 still held at the proxy
-        assert any(r.step == 1 and not r.future.done() for r in uploads(ck))
+        assert ck.upload_states().get(1) == "pending"
         ck.flush(timeout=60)
         assert local_steps(root) == [3]  # uploaded: no longer protected
     assert remote_steps(url, o) == [1, 3]  # step 2 was never uploaded: step 3 covers it
@@ -258,7 +252,7 @@ def test_failed_upload_is_raised_at_the_next_save(tmp_path: Path, proxy: FaultPr
     ck = Checkpointer(root, mirror=url, storage_options=o, timeout=3)
     try:
         ck.save(1, state_for(1)).result(timeout=30)
-        wait_until(lambda: any(r.future.done() for r in uploads(ck)), 30, "the upload to fail")
+        wait_until(lambda: ck.upload_states().get(1) == "failed", 30, "the upload to fail")
         with pytest.raises(SaveError, match="step 1") as ei:
             ck.save(2, state_for(2))
         assert url in str(ei.value)

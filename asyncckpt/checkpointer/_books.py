@@ -122,6 +122,15 @@ class Books:
             recs = list(self.records) + [r for r in self.unraised if r not in self.records]
         return [r for r in recs if r.future.done() and r.failure() is not None and not r.reported]
 
+    def upload_states(self) -> dict[int, str]:
+        """Tier mode: each step whose upload is tracked here, ``"pending"`` (waiting or in
+        flight) or ``"failed"`` (its failure not yet raised by a flush). A snapshot."""
+        with self.lock:
+            ups = [r for r in self.records if isinstance(r, UploadRecord)]
+        # a done upload that succeeded is about to leave the books (its done-callback): not listed
+        return {r.step: "pending" if not r.future.done() else "failed" for r in ups
+                if not r.future.done() or r.failure() is not None}  # fmt: skip
+
     def has_unraised(self) -> bool:
         """Whether a failed save waits to be raised (or warned) by the next ``save()``."""
         with self.lock:

@@ -264,6 +264,14 @@ class Checkpointer:
         saves reuse their buffers): how many were allocated and planned, and the free ones."""
         return self._rt.staging.snapshot(self._pipeline.planner.layouts_planned)
 
+    def upload_states(self) -> dict[int, str]:
+        """Tier mode (``mirror=``): the steps whose upload has not settled, or failed and has
+        not been raised by ``flush()``/``close()`` yet, each ``"pending"`` (waiting or in
+        flight) or ``"failed"``; an upload that succeeded or was superseded is not listed
+        (``{}`` without ``mirror``). A read-only snapshot, for tests and monitoring: it marks
+        no failure as seen."""
+        return self._books.upload_states()
+
     def install_sigterm_handler(
         self, grace_s: float = 30.0, final_save: Callable[[Checkpointer], object] | None = None
     ) -> None:
@@ -336,6 +344,8 @@ class Checkpointer:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()``/``aclose()`` ran, or the exit hook finished this Checkpointer's
+        waits (it is set then, before its threads are stopped)."""
         return self._waits.closed
 
     def __enter__(self) -> Checkpointer:
