@@ -143,6 +143,8 @@ class ForkServer:
     def reap(self, pid: int) -> int:
         self._send(f"reap {pid}")
         line = self._pump(lambda line: line.startswith(f"reaped {pid} "), WAIT_S, f"worker {pid} to be reaped")
+        # the kernel may give this pid to a later worker: it must not inherit this one's end
+        self.exited.pop(pid, None)
         return int(line.split()[2])
 
     def close(self) -> None:
@@ -277,8 +279,8 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
                 nth = rng.randint(1, 2)  # the first save after a restart, or the next one
                 opened = server.event_or_sigkill(pid, OPENED_BY[target], first + nth - 1)
             if opened is None:
-                # SIGKILLed before the test aimed (CI runs other tests beside this one, and a pid
-                # signalled after its number was reused is one way): a crash all the same, at a
+                # SIGKILLed before the test aimed (CI runs other tests beside this one, and one
+                # that signals a pid after its number was reused is one way): a crash all the same, at a
                 # point nobody chose; every check below holds for it, and the planned kill comes again
                 outside += 1
                 assert outside <= 5, f"{outside} workers were SIGKILLed by something other than this test"
@@ -333,3 +335,38 @@ def test_sigkill_crash_loop(tmp_path: Path, kills: int) -> None:
     missed = [p for p in TARGETS if not landed[p]]
     assert not missed, f"no kill landed in {missed}\n" + "\n".join(report)
     assert acked >= 10, "the workers made too little progress between kills"
+
+
+def _fork_with_pid(server: ForkServer, root: Path, want: int) -> int | None:
+    """Spawn a worker, steering the kernel to hand it pid ``want`` (``None``: it would not)."""
+    for _ in range(20):
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(want - 1))
+        except OSError:
+            return None
+        pid = server.spawn(root)
+        if pid == want:
+            return pid
+        os.kill(pid, signal.SIGKILL)
+        server.reap(pid)
+        server.events.pop(pid, None)
+    return None
+
+
+def test_a_reused_pid_is_a_new_worker(tmp_path: Path) -> None:
+    """The kernel reuses pids (pid_max is 32768 here, and a long CI forks many processes): a new
+    worker with a dead one's pid must not inherit its exit code, or the test takes the new worker
+    for one killed before it started and then waits for it to end by itself."""
+    root = tmp_path / "ckpt"
+    with ForkServer(tmp_path) as server:
+        pid = server.spawn(root)
+        assert server.event_or_sigkill(pid, "start") is not None
+        os.kill(pid, signal.SIGKILL)
+        assert server.reap(pid) == -signal.SIGKILL
+        server.events.pop(pid, None)
+        again = _fork_with_pid(server, root, pid)
+        if again is None:
+            pytest.skip("could not steer the next pid (needs root and a quiet pid space)")
+        assert server.event_or_sigkill(again, "start") is not None, "the new worker was taken for the dead one"
+        os.kill(again, signal.SIGKILL)
+        assert server.reap(again) == -signal.SIGKILL
