@@ -59,7 +59,7 @@ demo: venv
 # the longest files first. Then the tests marked `timing` (tight wall-clock bounds) run alone.
 # `make test-slow` runs the long variants marked `slow` (.ci/run runs both).
 TEST_WORKERS ?= 4
-PYTEST := $(BIN)/python -m pytest -q
+PYTEST := $(BIN)/python -m pytest -q --durations=20
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # a phase that selects no test (exit 5, e.g. PYTEST_ARGS naming one file) is no failure; both are
 BOTH_PHASES = for s in $$a $$b; do [ $$s = 0 ] || [ $$s = 5 ] || exit $$s; done; [ $$a$$b != 55 ] || exit 5
