@@ -108,3 +108,34 @@ def test_a_save_whose_small_file_or_shard_end_fails_loses_nothing(tmp_path: Path
         assert_same(load(tmp_path, 1), make_state(1))
         ck.save(3, make_state(3)).result(timeout=30)  # the next save commits
         assert ck.steps() == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "size",
+    [4096, 2**20 - 1, 2**20, 2**20 + 1, 2**20 + CHUNK, 2**20 + CHUNK + 4097, 3 * CHUNK],
+)
+def test_a_shard_of_any_size_is_written_whole_with_its_crc(tmp_path: Path, size: int) -> None:
+    """Sizes around the first (probe) piece and the chunk edges: every byte lands where it
+    belongs, the CRC is the file's, and O_DIRECT was used where the file system takes it."""
+    import mmap
+
+    import crc32c
+
+    from asyncckpt.format._header import round_up
+
+    pool = IOPool(2, "test-io")
+    buf = mmap.mmap(-1, round_up(size))
+    try:
+        data = os.urandom(size)
+        buf[:size] = data
+        storage = Storage(pool, OsOps(), "auto")
+
+        async def go() -> Any:
+            return await storage.write_file(str(tmp_path / "shard"), memoryview(buf), size)
+
+        res = asyncio.run(go())
+        assert (tmp_path / "shard").read_bytes() == data
+        assert res.size == size and res.crc32c == crc32c.crc32c(data)
+    finally:
+        pool.shutdown()
+        buf.close()

@@ -30,6 +30,10 @@ T = TypeVar("T")
 #: Shard writes in flight at once (each on its own I/O thread): the device always has the
 #: next request queued while the previous one completes.
 INFLIGHT = 2
+#: Under O_DIRECT the first piece is written alone (a file system may take the flag at open
+#: and refuse the I/O): a small one, so that the device is idle for ~0.3 ms, not a whole
+#: :data:`CHUNK` (~5 ms at 3 GB/s, 5 % of a 256 MiB save).
+PROBE = 1024 * 1024
 # "this file system cannot preallocate": the write goes on without it
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
@@ -157,7 +161,7 @@ class Storage:
         """Create ``path`` exclusively, write ``buf[:size]``, fsync, close; checksum as it goes.
 
         The file is preallocated (where the file system can) and written in :data:`CHUNK`
-        pieces, :data:`INFLIGHT` at a time on the I/O threads. With ``staged``, each piece
+        pieces (:func:`_pieces`), :data:`INFLIGHT` at a time on the I/O threads. With ``staged``, each piece
         is written only once ``staged.wait_for`` says its bytes are in ``buf`` (the caller
         is still copying the rest), bounded by ``deadline`` (``time.monotonic()``), and the
         checksum waits until the whole of ``buf[:size]`` is staged (then runs on the compute
@@ -195,7 +199,7 @@ class Storage:
                 except OSError as e:
                     if e.errno not in _NO_FALLOCATE:
                         raise
-            pieces = [(off, min(off + CHUNK, size)) for off in range(0, size, CHUNK)]
+            pieces = _pieces(size, use_direct)
             chain = CrcChain(len(pieces))
             if staged is not None and not staged.reached(size):
                 later = asyncio.ensure_future(self._checksum_once_staged(buf, size, staged, until))
@@ -204,9 +208,7 @@ class Storage:
                 # the first piece alone: a file system that took O_DIRECT at open may refuse the I/O
                 try:
                     await until_staged(staged, pieces[0][1], until)
-                    await self.run(
-                        write_piece, f, chain, staged, buf, 0, *pieces[0], use_direct, until, later is None
-                    )
+                    await self.run(write_piece, f, chain, staged, buf, 0, *pieces[0], use_direct, until, later is None)
                 except OSError as e:
                     if e.errno != errno.EINVAL or self._direct_required:
                         raise
@@ -307,3 +309,12 @@ class Storage:
         if errors:
             real = [e for e in errors if not isinstance(e, PieceAbandoned)]
             raise (real or errors)[0]
+
+
+def _pieces(size: int, direct: bool) -> list[tuple[int, int]]:
+    """The byte ranges a file of ``size`` bytes is written in: :data:`CHUNK` each, after a
+    first piece of :data:`PROBE` bytes under O_DIRECT (both multiples of ALIGN)."""
+    head = min(PROBE, size) if direct else 0
+    out = [(0, head)] if head else []
+    out += [(off, min(off + CHUNK, size)) for off in range(head, size, CHUNK)]
+    return out
