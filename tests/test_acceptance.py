@@ -288,6 +288,7 @@ def test_a_global_index_no_reader_would_accept_is_never_committed(tmp_path: Path
 # ------------------------------------------------------------------ every tool reads what load reads
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_info_verify_and_export_read_what_load_reads(tmp_path: Path) -> None:
     """load(), `info`, `verify` and `export` all refused these before (9M commas: over 2**23
     JSON items; a 270 MB string: a structure file over 256 MiB); they share the readers' bounds."""

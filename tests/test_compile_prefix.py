@@ -108,6 +108,7 @@ def test_strip_prefixes_is_checked_at_the_call(tmp_path: Path, bad: Any) -> None
         load(tmp_path / "ck", strip_prefixes=bad)
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(90)
 def test_ddp_module_prefix_is_stripped_when_asked(tmp_path: Path) -> None:
     world, port, root, out = 2, free_port(), tmp_path / "ck", tmp_path / "result"

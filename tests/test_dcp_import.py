@@ -131,6 +131,7 @@ def test_dcp_module_exports_are_pinned() -> None:
     assert issubclass(m.StorageWriter, dcp.StorageWriter) and issubclass(m.StorageReader, dcp.StorageReader)
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_the_example_saves_and_resumes_in_one_process(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -16,6 +16,7 @@ WORKER = str(Path(__file__).parent / "support" / "_sweep_worker.py")
 TIMEOUT = 10.0  # the save timeout the ranks use (_sweep_worker.TIMEOUT)
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(300)
 def test_io_error_sweep_on_leader_and_follower(tmp_path: Path) -> None:
     world, root, out = 2, tmp_path / "ck", tmp_path / "res"

@@ -80,6 +80,7 @@ def _child(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_a_load_of_100k_tensors_takes_well_under_a_kilobyte_each(tmp_path: Path) -> None:
     root = str(tmp_path / "ck")
     _child("save", str(N), root)  # (each load in a process of its own: none reuses another's memory)

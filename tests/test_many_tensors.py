@@ -60,6 +60,7 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_a_100k_tensor_nested_state_round_trips_bit_exact(tmp_path: Path) -> None:
     state = _nested(100_000)
     assert sum(1 for _ in _tensors(state)) == 100_000

@@ -60,6 +60,7 @@ def _run(tmp_path: Path, tag: str, nodes: list[Path], timeout: float = T) -> dic
     return res
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timeout(200)
 def test_node_local_roots_are_refused_on_every_rank_and_a_shared_root_still_works(tmp_path: Path) -> None:

@@ -155,6 +155,7 @@ def test_single_process_each_fsync_is_needed(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- two real ranks
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(150)
 def test_two_gloo_ranks_survive_every_crash_state(tmp_path: Path) -> None:
     """A real 2-rank gloo run (two processes, one shard + structure file each), logs merged by time."""

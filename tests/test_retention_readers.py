@@ -124,6 +124,7 @@ def test_load_latest_never_fails_while_retention_runs(tmp_path: Path) -> None:
     _race(tmp_path, "load", want=3_000, limit_s=40, min_polls=1_000)
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(120)
 def test_explicit_step_retired_during_load_is_not_found_never_corrupt(tmp_path: Path) -> None:
     _race(tmp_path, "explicit", want=2_000, limit_s=40, min_polls=500)

@@ -289,6 +289,7 @@ def test_ctrl_c_in_close_returns_promptly_when_the_store_stops_answering(
     assert asyncckpt.find_latest(url, storage_options=o) is None
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_two_gloo_ranks_fall_back_together_when_one_shard_is_corrupt(
     s3: S3Server, url: str, tmp_path: Path
 ) -> None:

@@ -203,6 +203,7 @@ def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
         assert r["rng_untouched"] and r["model_equal"] and r["optim_equal"] and r["rng0"], r
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(200)
 def test_hsdp_replica_writes_are_spread_and_load_bit_equal(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
@@ -278,6 +279,7 @@ def test_rank_killed_during_a_sharded_save_then_resume_on_2(tmp_path: Path) -> N
 
 
 # ---------------------------------------------------------------------- block CRCs, partial reads
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(200)
 def test_corrupt_chunk_read_by_one_rank_is_named_on_every_rank_and_the_fallback_restores_all(
     saved_on_4: Any, tmp_path: Path

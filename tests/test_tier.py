@@ -364,6 +364,7 @@ def test_exit_with_an_unseen_failed_upload_exits_1(tmp_path: Path, proxy: FaultP
     assert local_steps(tmp_path / "ck") == [1]
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 def test_two_gloo_ranks_on_a_shared_root_rank0_uploads_and_both_resume_from_the_store(
     tmp_path: Path, s3: S3Server, url: str
 ) -> None:
