@@ -22,6 +22,9 @@ with the step in flight and the waiting step protected, so a step is never remov
 before it is on the store (or superseded). Remote retention (``keep_last_remote``) runs
 after each committed upload: the manifest first, then the objects (``retire_remote``); it
 counts and retires only this job's run's steps (``_runs``), never the step just uploaded.
+An upload round (the upload, its manifest, the remote retention) keeps one deadline, the
+``timeout`` from its start: a retention left without time, or cut by it, is logged and done
+by the next round; it never fails the committed upload.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
 from .._info import CheckpointInfo, RemoteCheckpointInfo
 from ..roots._scheme import is_url, split_url
+from ..threads._deadline import Deadline
 from ..threads._iopool import IOPool
 from ..threads._sync import run_sync
 from ..threads._writer import WriterThread
@@ -239,12 +243,12 @@ class Mirror:
 
     async def _upload(self, info: CheckpointInfo) -> None:
         from ..roots._transfer import copy_step
-        from ..roots.objstore._remote import retire_remote
         from ..roots.objstore._root import ObjectRoot
         from ..roots.posix._root import PosixRoot
 
         t0 = time.monotonic()
-        deadline = t0 + self.timeout
+        round_ = Deadline.after(self.timeout)  # the round's one deadline: upload, manifest, retention
+        deadline = round_.monotonic
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
@@ -265,7 +269,7 @@ class Mirror:
         try:
             assert self._pool is not None  # uploads=True: the pool exists
             copy = functools.partial(copy_step, PosixRoot(self.root), dst, info.step,
-                                     deadline_s=max(0.0, deadline - time.monotonic()), stop=stop)
+                                     deadline_s=round_.remaining(), stop=stop)
             result = await asyncio.get_running_loop().run_in_executor(self._pool, copy)
         except asyncio.CancelledError:
             stop.set()
@@ -277,17 +281,33 @@ class Mirror:
         if fresh and self.run is not None:
             await self._look_above(info.step, deadline)
         if self.keep_last_remote is not None:
-            try:
-                # never the step just uploaded, never another run's steps (_runs)
-                until = time.monotonic() + self.timeout
-                look = await view.look(until)  # a number of requests that does not grow with the run
-                removed = await retire_remote(self.store, self.keep_last_remote, until, lease,
-                                              protect=frozenset({info.step}), run=self.run, found=look.steps,
-                                              removed=view.removed)
-                if removed:
-                    log.info("retired remote steps %s under %s", removed, self.url)
-            except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
-                log.warning("remote retention under %s failed: %s", self.url, e)
+            await self._retire_within(round_, info.step, self.keep_last_remote, view, lease)
+
+    async def _retire_within(self, round_: Deadline, step: int, keep: int, view: StoreView, lease: Lease) -> None:
+        """Remote retention after the upload of ``step``, in what is left of the upload's round
+        (never a deadline of its own: the round ends by ``timeout``). Never raises: the upload
+        is committed, and a retention that fails or runs out of time is logged and done by the
+        next round, whose look finds every step still over ``keep``. (A retirement cut between
+        a step's manifest and its objects leaves them uncommitted: no load takes them, and
+        ``asyncckpt gc`` removes them, as after any failed retirement.)"""
+        from ..roots.objstore._remote import retire_remote
+
+        if round_.expired:
+            log.warning("remote retention under %s deferred to the next upload: the upload of step %d took the "
+                        "round's %.3gs", self.url, step, self.timeout)  # fmt: skip
+            return
+        try:
+            until = round_.monotonic
+            look = await view.look(until)  # a number of requests that does not grow with the run
+            # never the step just uploaded, never another run's steps (_runs)
+            removed = await retire_remote(self.store, keep, until, lease,
+                                          protect=frozenset({step}), run=self.run, found=look.steps,
+                                          removed=view.removed)  # fmt: skip
+            if removed:
+                log.info("retired remote steps %s under %s", removed, self.url)
+        except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
+            log.warning("remote retention under %s failed (retried at the next upload; step %d stays "
+                        "committed): %s", self.url, step, e)  # fmt: skip
 
     async def _check_floor(self, step: int, deadline: float) -> None:
         """The step rule across tiers while it is pending (``floor_unknown``): look at the
