@@ -120,13 +120,11 @@ def test_a_rank_whose_read_of_its_own_node_disk_never_returns_fails_its_node_loc
     root = faulty.path("stuckread")
     out = tmp_path / "stuck_read-result"
     stuck = [rule("read", glob="*/step_00000001/rank00001.safetensors", hold_s=60, count=1, id="held-read")]
-    released: list[float] = []
 
     def release() -> None:  # once both ranks said how their load ended (or after 30 s): let the read go
         end = time.monotonic() + 30
         while time.monotonic() < end and not all(os.path.exists(f"{out}.loaded.{r}") for r in range(2)):
             time.sleep(0.02)
-        released.append(time.monotonic())
         faulty.clear()
         Path(f"{out}.go2").touch()
 
@@ -152,4 +150,49 @@ def test_a_rank_whose_read_of_its_own_node_disk_never_returns_fails_its_node_loc
     print(f"\nrank 1 (its read held): {err['type']} after {res[1]['load_s']:.2f} s; rank 0: {other['type']} after "
           f"{res[0]['load_s']:.2f} s (timeout {timeout} s)")
     assert res[0]["load_s"] < timeout + 1.0, res[0]
+    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_rank_whose_look_at_its_own_node_disk_never_returns_fails_a_node_local_construction_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # before any read, each rank looks at which steps its node's disk holds for it (the stat of
+    # its files: roots._nodeparts.parts), unbounded as the read was: the file system holds rank
+    # 1's stat of its shard. That rank's construction must end by the timeout with a typed
+    # error naming it and the root; rank 0 times out naming rank 1
+    import threading
+
+    timeout = 2.0
+    root = faulty.path("stuckscan")
+    out = tmp_path / "stuck_scan-result"
+
+    def release() -> None:  # once both ranks said how their construction ended (or after 30 s)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.built.{r}") for r in range(2)):
+            time.sleep(0.02)
+        faulty.clear()
+        Path(f"{out}.go2").touch()
+
+    def on_saved() -> None:  # rank 1's calls only: rank 0, the node's leader, looks at every file
+        pid = int(Path(f"{out}.pid.1").read_text())
+        faulty.set_rules([rule("getattr", glob="*/step_00000001/rank00001.safetensors", pid=pid, hold_s=60, count=1,
+                               id="held-stat")])  # fmt: skip
+        threading.Thread(target=release, daemon=True).start()
+
+    try:
+        res = _ranks(tmp_path, "stuck_scan", root, on_saved, CK_TIMEOUT=str(timeout))
+        assert faulty.fired("held-stat") == 1
+    finally:
+        faulty.clear()
+    err, other = res[1].get("ctor_error", {}), res[0].get("ctor_error", {})
+    print(f"\nrank 1 (its stat held): {err.get('type')} after {res[1]['ctor_s']:.2f} s; rank 0: {other.get('type')} "
+          f"after {res[0]['ctor_s']:.2f} s (timeout {timeout} s)")
+    assert err.get("type") == "CheckpointReadError", res[1]  # was: the stat waited 30 s, for the test
+    assert "rank 1" in err["msg"] and err.get("filename") == root, err
+    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # by the construction's deadline, not the file system's
+    assert other.get("type") == "AgreeTimeout" and other["missing"] == [1], res[0]
+    assert res[0]["ctor_s"] < timeout + 1.0, res[0]
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
