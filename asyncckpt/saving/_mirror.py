@@ -292,11 +292,7 @@ class Mirror:
         ``asyncckpt gc`` removes them, as after any failed retirement.)"""
         from ..roots.objstore._remote import retire_remote
 
-        if round_.expired:
-            log.warning("remote retention under %s deferred to the next upload: the upload of step %d took the "
-                        "round's %.3gs", self.url, step, self.timeout)  # fmt: skip
-            return
-        try:
+        try:  # a round the upload used up: the look raises at once (ObjectStoreTimeoutError), no request sent
             until = round_.monotonic
             look = await view.look(until)  # a number of requests that does not grow with the run
             # never the step just uploaded, never another run's steps (_runs)
