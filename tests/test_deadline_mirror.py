@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from s3fixtures import opts, require_s3, server_fixture
+from s3fixtures import data_keys, opts, require_s3, server_fixture
 
 require_s3()
 
@@ -88,4 +88,38 @@ def test_a_stalled_remote_retention_ends_with_the_upload_round_and_is_done_by_th
         ck.save(3, _state(3))
         ck.flush(30)
     assert _remote_steps(url, o) == [3]  # the next round retired what this one could not
+    assert torch.equal(asyncckpt.load(url, storage_options=o)["w"], _state(3)["w"])
+
+
+@pytest.mark.timing
+@pytest.mark.timeout(120)
+def test_a_retirement_cut_after_its_manifest_is_finished_by_the_next_round(
+    tmp_path: Path, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the retention of step 1 deletes its manifest (step 1 is no longer a commit), then the
+    # delete of its objects never gets an answer: the round ends by its deadline with step 1's
+    # objects left. No retention would ever count step 1 again (it is not a commit), so its
+    # objects stayed on the store until a gc: the next round must finish the retirement
+    url = f"s3://{BUCKET}/cut-{time.monotonic_ns()}"
+    o = opts(proxy.endpoint)
+    with Checkpointer(tmp_path / "ck", mirror=url, storage_options=o, keep_last_remote=1, timeout=T) as ck:
+        ck.save(1, _state(1))
+        ck.flush(30)
+        stalled = proxy.add(Rule("hang", method="POST", query_has=("delete",), body_regex=rb"step_00000001/a-",
+                                 times=10**6))  # fmt: skip
+        caplog.set_level(logging.INFO, logger="asyncckpt")
+        t0 = time.monotonic()
+        ck.save(2, _state(2))
+        ck.flush(30)  # the upload committed
+        took = time.monotonic() - t0
+        assert stalled.hits >= 1 and took < T + SLACK, (stalled.hits, took)
+        assert _remote_steps(url, o) == [2]
+        left = [k for k in data_keys(proxy.endpoint, url) if k.startswith("step_00000001/")]
+        assert left and "step_00000001/manifest.json" not in left, left  # cut between the manifest and the objects
+        proxy.clear()
+        ck.save(3, _state(3))
+        ck.flush(30)
+    assert _remote_steps(url, o) == [3]
+    assert not [k for k in data_keys(proxy.endpoint, url) if not k.startswith("step_00000003/")], \
+        data_keys(proxy.endpoint, url)  # nothing of steps 1 and 2 is left
     assert torch.equal(asyncckpt.load(url, storage_options=o)["w"], _state(3)["w"])

@@ -153,6 +153,9 @@ class Mirror:
         self.floor_unknown = False
         self._floor: int | None = None  # the store's newest step, as an upload-time look found it
         self._warned: set[int] = set()  # other runs' steps latest() already warned about
+        # remote steps whose retirement began and may not have ended: the next round finishes
+        # them (_retire_within)
+        self._unfinished: set[int] = set()
         if uploads:
             try:
                 self._thread = WriterThread("asyncckpt-mirror")
@@ -287,18 +290,33 @@ class Mirror:
         """Remote retention after the upload of ``step``, in what is left of the upload's round
         (never a deadline of its own: the round ends by ``timeout``). Never raises: the upload
         is committed, and a retention that fails or runs out of time is logged and done by the
-        next round, whose look finds every step still over ``keep``. (A retirement cut between
-        a step's manifest and its objects leaves them uncommitted: no load takes them, and
-        ``asyncckpt gc`` removes them, as after any failed retirement.)"""
+        next round: its look finds every step still over ``keep``, and it first finishes each
+        retirement an earlier round began (a step whose manifest went but whose objects did
+        not is no commit any more: no count would ever pick it again)."""
+        from ..format._layout import manifest_key
         from ..roots.objstore._remote import retire_remote
+        from ..roots.objstore._steps import doomed, remove_step
 
         try:  # a round the upload used up: the look raises at once (ObjectStoreTimeoutError), no request sent
             until = round_.monotonic
             look = await view.look(until)  # a number of requests that does not grow with the run
+            for s in sorted(self._unfinished):
+                p = look.step(s)
+                keys = [] if p is None else [o.key for o in p.listed]
+                # gone already, or a manifest there (never deleted, or a commit since): the count
+                # below decides about it; else its objects are what the retirement left
+                if keys and manifest_key(s) not in keys and s != step and s not in look.busy:
+                    lease.check()
+                    if await remove_step(self.store, s, until, keys):
+                        view.removed(s)
+                    log.info("finished retiring remote step %d under %s", s, self.url)
+                self._unfinished.discard(s)
             # never the step just uploaded, never another run's steps (_runs)
-            removed = await retire_remote(self.store, keep, until, lease,
-                                          protect=frozenset({step}), run=self.run, found=look.steps,
-                                          removed=view.removed)  # fmt: skip
+            protect = frozenset({step})
+            self._unfinished.update(doomed(look.steps, keep, protect, self.run))
+            removed = await retire_remote(self.store, keep, until, lease, protect=protect, run=self.run,
+                                          found=look.steps, removed=view.removed)  # fmt: skip
+            self._unfinished.difference_update(removed)
             if removed:
                 log.info("retired remote steps %s under %s", removed, self.url)
         except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
