@@ -169,6 +169,32 @@ def test_a_deadline_is_built_only_from_a_duration_or_a_named_point_and_phases_sh
     assert gone.expired and gone.remaining() == 0.0 and gone.before(1.0) == gone and gone.sub(1.0) == gone
 
 
+def test_call_by_returns_the_calls_outcome_or_gives_up_on_a_call_that_does_not_return_by_its_deadline() -> None:
+    import threading
+
+    from asyncckpt.threads._deadline import CallTimeout, Deadline, call_by
+
+    assert call_by(lambda: 7, Deadline.after(5.0), "t") == 7
+    with pytest.raises(KeyError):  # the call's own error, as it raised it
+        call_by(lambda: {}["x"], Deadline.after(5.0), "t")
+
+    def own_timeout() -> None:
+        raise TimeoutError("the call's own")
+
+    with pytest.raises(TimeoutError, match="the call's own") as ei:
+        call_by(own_timeout, Deadline.after(5.0), "t")
+    assert type(ei.value) is TimeoutError  # never taken for the deadline's
+    gate = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(CallTimeout, match="blocked"):
+        call_by(lambda: gate.wait(30), Deadline.after(0.2), "blocked")
+    took = time.monotonic() - t0
+    gate.set()  # the call left behind ends on its own thread
+    assert 0.15 < took < 5.0, took
+    with pytest.raises(CallTimeout):  # a deadline already passed: no wait at all
+        call_by(lambda: time.sleep(1.0), Deadline.after(0.0), "late")
+
+
 # ---------------------------------------------------------------------- the exit hook
 _EXIT_JOB = """
 import atexit, sys, threading, time

@@ -1,8 +1,10 @@
 """One deadline for a node-local root's collective calls, through real gloo ranks (one node, two
 ranks: ``support/_deadline_worker.py``): the construction (a leader slow to start) and
 ``load()`` (a rank late, then slow to read) end by the timeout on every rank, with the same
-``AgreeTimeout``, and leave the root as it was. Each test failed on the code before its fix
-(the deadline audit's open findings; the rest: ``test_deadline_audit.py``).
+``AgreeTimeout``, and leave the root as it was; a rank whose read of its own node's disk
+never returns fails its load by the timeout with ``CheckpointReadError`` naming it and the
+file. Each test failed on the code before its fix (the deadline audit's open findings; the
+rest: ``test_deadline_audit.py``).
 """
 
 from __future__ import annotations
@@ -99,4 +101,98 @@ def test_a_node_local_load_ends_by_its_timeout_when_a_rank_is_late_and_then_read
         assert got.get("load_error", {}).get("type") == "AgreeTimeout", (r, got)
     assert res[0]["load_error"]["missing"] == [1], res[0]
     assert res[0]["load_s"] < timeout + 0.5, res[0]  # rank 0: by its timeout
+    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_rank_whose_read_of_its_own_node_disk_never_returns_fails_its_node_local_load_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # the other ranks time out and name it, but the rank itself waited for its read with no
+    # bound: its own node's file system holds the read of its shard (a server that stopped
+    # answering). The read must end by the load's deadline with a typed error naming the
+    # rank and the file, on that rank; the others fail naming it
+    import threading
+
+    timeout = 2.0
+    root = faulty.path("stuckread")
+    out = tmp_path / "stuck_read-result"
+    stuck = [rule("read", glob="*/step_00000001/rank00001.safetensors", hold_s=60, count=1, id="held-read")]
+
+    def release() -> None:  # once both ranks said how their load ended (or after 30 s): let the read go
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.loaded.{r}") for r in range(2)):
+            time.sleep(0.02)
+        faulty.clear()
+        Path(f"{out}.go2").touch()
+
+    def on_saved() -> None:
+        faulty.set_rules(stuck)
+        threading.Thread(target=release, daemon=True).start()
+
+    try:
+        res = _ranks(tmp_path, "stuck_read", root, on_saved, CK_TIMEOUT=str(timeout))
+        assert faulty.fired("held-read") == 1
+    finally:
+        faulty.clear()
+    err = res[1].get("load_error", {})
+    assert err.get("type") == "CheckpointReadError", res[1]  # was: no error, the read waited 30 s for the test
+    assert "rank 1" in err["msg"] and str(err.get("filename", "")).endswith("rank00001.safetensors"), err
+    assert res[1]["load_s"] < timeout + 1.0, res[1]  # by the load's deadline, not the file system's
+    # rank 0 hears rank 1's error in the agreement on the outcome (or, were rank 1 later than
+    # the agreement's wait on a loaded machine, times out naming it)
+    other = res[0].get("load_error", {})
+    assert (other.get("type") == "CheckpointError" and "rank(s) [1]" in other["msg"]
+            and "rank 1: reading its part" in other["msg"]) or (other.get("type") == "AgreeTimeout"
+                                                                and other["missing"] == [1]), res[0]  # fmt: skip
+    print(f"\nrank 1 (its read held): {err['type']} after {res[1]['load_s']:.2f} s; rank 0: {other['type']} after "
+          f"{res[0]['load_s']:.2f} s (timeout {timeout} s)")
+    assert res[0]["load_s"] < timeout + 1.0, res[0]
+    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_rank_whose_look_at_its_own_node_disk_never_returns_fails_a_node_local_construction_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # before any read, each rank looks at which steps its node's disk holds for it (the stat of
+    # its files: roots._nodeparts.parts), unbounded as the read was: the file system holds rank
+    # 1's stat of its shard. That rank's construction must end by the timeout with a typed
+    # error naming it and the root; rank 0 times out naming rank 1
+    import threading
+
+    timeout = 2.0
+    root = faulty.path("stuckscan")
+    out = tmp_path / "stuck_scan-result"
+
+    def release() -> None:  # once both ranks said how their construction ended (or after 30 s)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.built.{r}") for r in range(2)):
+            time.sleep(0.02)
+        faulty.clear()
+        Path(f"{out}.go2").touch()
+
+    def on_saved() -> None:  # rank 1's calls only: rank 0, the node's leader, looks at every file
+        pid = int(Path(f"{out}.pid.1").read_text())
+        faulty.set_rules([rule("getattr", glob="*/step_00000001/rank00001.safetensors", pid=pid, hold_s=60, count=1,
+                               id="held-stat")])  # fmt: skip
+        threading.Thread(target=release, daemon=True).start()
+
+    try:
+        res = _ranks(tmp_path, "stuck_scan", root, on_saved, CK_TIMEOUT=str(timeout))
+        assert faulty.fired("held-stat") == 1
+    finally:
+        faulty.clear()
+    err, other = res[1].get("ctor_error", {}), res[0].get("ctor_error", {})
+    print(f"\nrank 1 (its stat held): {err.get('type')} after {res[1]['ctor_s']:.2f} s; rank 0: {other.get('type')} "
+          f"after {res[0]['ctor_s']:.2f} s (timeout {timeout} s)")
+    assert err.get("type") == "CheckpointReadError", res[1]  # was: the stat waited 30 s, for the test
+    assert "rank 1" in err["msg"] and err.get("filename") == root, err
+    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # by the construction's deadline, not the file system's
+    assert other.get("type") == "AgreeTimeout" and other["missing"] == [1], res[0]
+    assert res[0]["ctor_s"] < timeout + 1.0, res[0]
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,13 +119,19 @@ def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int
     return f.name, f.size, f.crc32c
 
 
-def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool) -> Any:
-    """Rebuild rank ``rank``'s saved state from a complete step directory (by path)."""
+def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool,
+              reading: Callable[[str], None] | None = None) -> Any:  # fmt: skip
+    """Rebuild rank ``rank``'s saved state from a complete step directory (by path);
+    ``reading(path)`` is told of each file before it is read."""
     tree_name_, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
     shard_name_, shard_size, shard_crc = _listed(step_dir, manifest, shard_name(rank))
     tree_path = os.path.join(step_dir, tree_name_)
     shard_path = os.path.join(step_dir, shard_name_)
+    if reading is not None:
+        reading(tree_path)
     tree = read_tree(tree_path, tree_size, tree_crc if verify else None)
+    if reading is not None:
+        reading(shard_path)
     tensors, _ = read_shard(shard_path, shard_size, shard_crc if verify else None)
     return _rebuild(tree, tensors, tree_path, shard_path)
 

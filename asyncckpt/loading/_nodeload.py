@@ -10,18 +10,20 @@ reads it from the persistent tier (``store``). No fallback to an older step yet:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..format._layout import step_dir_name
+from ..format._manifest import MANIFEST
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
 from ..roots._nodeparts import agree_parts, read_part
 from ..roots._registry import open_root
-from ..threads._deadline import Deadline
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._load import load_rank
 from ._resume import load_step
 
@@ -37,8 +39,10 @@ def load_part(
     rank whose node lacks its part of the agreed step reads it from there.
 
     One deadline, ``by``, for the whole call: the agreement on the step, the reads (a read
-    from the store ends :func:`outcome_reserve` before it, so the ranks can still agree on
-    the outcome) and the agreement on the outcome each get what the phases before them left.
+    from the store or from this node's disk ends :func:`outcome_reserve` before it, so the
+    ranks can still agree on the outcome: a local read that has not returned by then raises
+    ``CheckpointReadError`` naming the rank and file) and the agreement on the outcome each
+    get what the phases before them left.
     A rank late past it raises ``AgreeTimeout`` (a ``TimeoutError``) on every rank.
 
     Raises ``CheckpointNotFoundError`` on every rank when no step is complete for every rank
@@ -62,7 +66,7 @@ def load_part(
             state = load_step(far, chosen, rank=dist.rank, verify=verify, expect=attempt,
                               deadline=reads_by.monotonic)  # fmt: skip
         else:
-            state = _read_local(root, chosen, attempt, dist.rank, verify)
+            state = _read_local(root, chosen, attempt, dist.rank, verify, by.before(outcome_reserve(by)))
     except (CheckpointError, OSError) as e:
         error = e
     mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
@@ -85,10 +89,22 @@ def outcome_reserve(by: Deadline) -> float:
     return min(5.0, by.remaining() / 4)
 
 
-def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool) -> Any:
-    """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified."""
+def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool, by: Deadline) -> Any:
+    """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified,
+    by ``by``: a read the node's file system never answers (a hung server, a dead disk) raises
+    ``CheckpointReadError`` (``ETIMEDOUT``) naming the rank and the file it was reading, in time
+    for the agreement on the outcome (the read itself is left blocked on its own thread)."""
     step_dir = os.path.join(root, step_dir_name(chosen))
-    m = read_part(root, chosen)
-    if m.attempt != attempt:
-        raise CheckpointCorruptError(f"holds attempt {m.attempt}, not the agreed {attempt}", step_dir)
-    return load_rank(step_dir, m, rank, verify)
+    at = [os.path.join(step_dir, MANIFEST)]  # the file being read, for the error
+
+    def read() -> Any:
+        m = read_part(root, chosen)
+        if m.attempt != attempt:
+            raise CheckpointCorruptError(f"holds attempt {m.attempt}, not the agreed {attempt}", step_dir)
+        return load_rank(step_dir, m, rank, verify, reading=lambda path: at.__setitem__(0, path))
+
+    try:
+        return call_by(read, by, f"asyncckpt-nodeload-r{rank}")
+    except CallTimeout:
+        raise CheckpointReadError(errno.ETIMEDOUT, f"rank {rank}: reading its part of step {chosen} from this "
+                                  "node's disk did not finish within the load's deadline", at[0]) from None

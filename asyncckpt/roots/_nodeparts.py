@@ -6,6 +6,7 @@ manifest but only that node's ranks' files. Torch-free; store calls only (``rank
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -13,13 +14,13 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError
 from ..format import _manifest
 from ..format._layout import step_dir_name
 from ..format._stepstates import same_run
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
-from ..threads._deadline import Deadline
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from .posix._discovery import read_manifest
 
 log = logging.getLogger("asyncckpt")
@@ -84,10 +85,17 @@ def agree_parts(
     With ``step``: that step only, or none. The run rule (``roots._runs``): when some step is
     complete on the nodes' disks alone, only steps of its run count; else any run's (a job
     whose disks are all new resumes its run from the store). ``timeout``: seconds, or the
-    ``Deadline`` of the caller's whole operation (as for ``agree``)."""
-    mine: dict[str, Any] = {
-        "parts": {str(s): list(v) for s, v in parts(root, [dist.rank]).items() if step is None or s == step}
-    }
+    ``Deadline`` of the caller's whole operation (as for ``agree``); this rank's look at its
+    node's disk ends by it too: one the file system never answers raises
+    ``CheckpointReadError`` (``ETIMEDOUT``) naming the rank and the root, and the others time
+    out on the agreement naming this rank."""
+    by = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
+    try:  # on a thread of its own: a stat or read held by the file system has no deadline of its own
+        found = call_by(lambda: parts(root, [dist.rank]), by, f"asyncckpt-nodescan-r{dist.rank}")
+    except CallTimeout:
+        raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: looking at its parts on this node's disk did "
+                                  "not finish within the deadline", root) from None  # fmt: skip
+    mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if step is None or s == step}}
     if dist.rank == 0:
         mine["store"] = [e for e in store_steps or () if step is None or e[0] == step]
 

@@ -22,6 +22,9 @@ with the step in flight and the waiting step protected, so a step is never remov
 before it is on the store (or superseded). Remote retention (``keep_last_remote``) runs
 after each committed upload: the manifest first, then the objects (``retire_remote``); it
 counts and retires only this job's run's steps (``_runs``), never the step just uploaded.
+An upload round (the upload, its manifest, the remote retention) keeps one deadline, the
+``timeout`` from its start: a retention left without time, or cut by it, is logged and done
+by the next round; it never fails the committed upload.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointCorruptError, RankFailure, SaveError
 from .._info import CheckpointInfo, RemoteCheckpointInfo
 from ..roots._scheme import is_url, split_url
+from ..threads._deadline import Deadline
 from ..threads._iopool import IOPool
 from ..threads._sync import run_sync
 from ..threads._writer import WriterThread
@@ -149,6 +153,9 @@ class Mirror:
         self.floor_unknown = False
         self._floor: int | None = None  # the store's newest step, as an upload-time look found it
         self._warned: set[int] = set()  # other runs' steps latest() already warned about
+        # remote steps whose retirement began and may not have ended: the next round finishes
+        # them (_retire_within)
+        self._unfinished: set[int] = set()
         if uploads:
             try:
                 self._thread = WriterThread("asyncckpt-mirror")
@@ -239,12 +246,12 @@ class Mirror:
 
     async def _upload(self, info: CheckpointInfo) -> None:
         from ..roots._transfer import copy_step
-        from ..roots.objstore._remote import retire_remote
         from ..roots.objstore._root import ObjectRoot
         from ..roots.posix._root import PosixRoot
 
         t0 = time.monotonic()
-        deadline = t0 + self.timeout
+        round_ = Deadline.after(self.timeout)  # the round's one deadline: upload, manifest, retention
+        deadline = round_.monotonic
         if not self._probed:
             await self.store.probe(deadline)  # a store that ignores If-None-Match is refused, never raced
             self._probed = True
@@ -265,7 +272,7 @@ class Mirror:
         try:
             assert self._pool is not None  # uploads=True: the pool exists
             copy = functools.partial(copy_step, PosixRoot(self.root), dst, info.step,
-                                     deadline_s=max(0.0, deadline - time.monotonic()), stop=stop)
+                                     deadline_s=round_.remaining(), stop=stop)
             result = await asyncio.get_running_loop().run_in_executor(self._pool, copy)
         except asyncio.CancelledError:
             stop.set()
@@ -277,17 +284,44 @@ class Mirror:
         if fresh and self.run is not None:
             await self._look_above(info.step, deadline)
         if self.keep_last_remote is not None:
-            try:
-                # never the step just uploaded, never another run's steps (_runs)
-                until = time.monotonic() + self.timeout
-                look = await view.look(until)  # a number of requests that does not grow with the run
-                removed = await retire_remote(self.store, self.keep_last_remote, until, lease,
-                                              protect=frozenset({info.step}), run=self.run, found=look.steps,
-                                              removed=view.removed)
-                if removed:
-                    log.info("retired remote steps %s under %s", removed, self.url)
-            except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
-                log.warning("remote retention under %s failed: %s", self.url, e)
+            await self._retire_within(round_, info.step, self.keep_last_remote, view, lease)
+
+    async def _retire_within(self, round_: Deadline, step: int, keep: int, view: StoreView, lease: Lease) -> None:
+        """Remote retention after the upload of ``step``, in what is left of the upload's round
+        (never a deadline of its own: the round ends by ``timeout``). Never raises: the upload
+        is committed, and a retention that fails or runs out of time is logged and done by the
+        next round: its look finds every step still over ``keep``, and it first finishes each
+        retirement an earlier round began (a step whose manifest went but whose objects did
+        not is no commit any more: no count would ever pick it again)."""
+        from ..format._layout import manifest_key
+        from ..roots.objstore._remote import retire_remote
+        from ..roots.objstore._steps import doomed, remove_step
+
+        try:  # a round the upload used up: the look raises at once (ObjectStoreTimeoutError), no request sent
+            until = round_.monotonic
+            look = await view.look(until)  # a number of requests that does not grow with the run
+            for s in sorted(self._unfinished):
+                p = look.step(s)
+                keys = [] if p is None else [o.key for o in p.listed]
+                # gone already, or a manifest there (never deleted, or a commit since): the count
+                # below decides about it; else its objects are what the retirement left
+                if keys and manifest_key(s) not in keys and s != step and s not in look.busy:
+                    lease.check()
+                    if await remove_step(self.store, s, until, keys):
+                        view.removed(s)
+                    log.info("finished retiring remote step %d under %s", s, self.url)
+                self._unfinished.discard(s)
+            # never the step just uploaded, never another run's steps (_runs)
+            protect = frozenset({step})
+            self._unfinished.update(doomed(look.steps, keep, protect, self.run))
+            removed = await retire_remote(self.store, keep, until, lease, protect=protect, run=self.run,
+                                          found=look.steps, removed=view.removed)  # fmt: skip
+            self._unfinished.difference_update(removed)
+            if removed:
+                log.info("retired remote steps %s under %s", removed, self.url)
+        except Exception as e:  # noqa: BLE001 - retention never fails a committed upload
+            log.warning("remote retention under %s failed (retried at the next upload; step %d stays "
+                        "committed): %s", self.url, step, e)  # fmt: skip
 
     async def _check_floor(self, step: int, deadline: float) -> None:
         """The step rule across tiers while it is pending (``floor_unknown``): look at the

@@ -19,7 +19,14 @@ reached after the reads).
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as _FutureTimeout
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _KEY = object()  # only the named constructors hold it
 
@@ -86,3 +93,33 @@ class Deadline:
 
     def __repr__(self) -> str:
         return f"Deadline(in {self._at - time.monotonic():.3f}s)"
+
+
+class CallTimeout(TimeoutError):
+    """:func:`call_by`'s call did not return by its deadline (never raised by the call itself)."""
+
+
+def call_by(fn: Callable[[], T], by: Deadline, name: str) -> T:
+    """``fn()``'s result (or its exception) if it returns by ``by``; else :class:`CallTimeout`.
+
+    For a blocking call that no deadline of its own can end (a read the kernel holds on a
+    file system that stopped answering): it runs on a daemon thread of its own, named
+    ``name``, which is left to finish (or stay blocked) on its own after the deadline, its
+    outcome discarded; a daemon thread never holds up the interpreter's exit."""
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        return fut.result(timeout=by.remaining())
+    except _FutureTimeout:
+        if fut.done():  # it ended just as the wait did: take its outcome
+            return fut.result()
+        raise CallTimeout(f"{name} did not finish within its deadline") from None

@@ -15,7 +15,8 @@ from typing import Any
 
 
 def _describe(e: BaseException) -> dict[str, Any]:
-    return {"type": type(e).__name__, "msg": str(e), "missing": list(getattr(e, "missing", ()) or ())}
+    return {"type": type(e).__name__, "msg": str(e), "missing": list(getattr(e, "missing", ()) or ()),
+            "filename": getattr(e, "filename", None)}
 
 
 def scenario_slow_start(rank: int, root: str, result: dict[str, Any]) -> None:
@@ -75,6 +76,80 @@ def scenario_late_load(rank: int, root: str, result: dict[str, Any]) -> None:
             result["load_error"] = _describe(e)
         result["load_s"] = time.monotonic() - t0
         dist.barrier()
+        result["loaded"] = float(ck.load()["w"][0])
+
+
+def scenario_stuck_read(rank: int, root: str, result: dict[str, Any]) -> None:
+    """Save step 1 (each rank its own part), then say so (``<OUT>.saved``) and wait for the
+    test's go (``<OUT>.go``: its file system now holds rank 1's read of its shard until the
+    rules change). Both ranks load: each says how it ended (``<OUT>.loaded.<rank>``), and the
+    test lets the held read go once both did (or gave up waiting), then says ``<OUT>.go2``.
+    Then a second load: every rank loads its part (nothing lost)."""
+    import torch
+    import torch.distributed as dist
+
+    from asyncckpt import Checkpointer
+
+    out = os.environ["OUT"]
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
+        ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
+    dist.barrier()
+    if rank == 0:
+        open(f"{out}.saved", "w").close()
+    end = time.monotonic() + 60
+    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
+        time.sleep(0.02)
+    with Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])) as ck:
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            ck.load()
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            result["load_error"] = _describe(e)
+        result["load_s"] = time.monotonic() - t0
+        open(f"{out}.loaded.{rank}", "w").close()
+        end = time.monotonic() + 60
+        while not os.path.exists(f"{out}.go2") and time.monotonic() < end:
+            time.sleep(0.02)
+        dist.barrier()
+        result["loaded"] = float(ck.load()["w"][0])
+
+
+def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
+    """Save step 1 (each rank its own part), say so (``<OUT>.saved``; each rank's pid in
+    ``<OUT>.pid.<rank>``) and wait for the test's go (``<OUT>.go``: its file system now holds
+    rank 1's first look at its shard until the rules change). Both ranks construct (the look
+    at which steps each holds): each says how it ended (``<OUT>.built.<rank>``), and the test
+    lets the held call go once both did, then says ``<OUT>.go2``. Then a construction and a
+    load: every rank loads its part (nothing lost)."""
+    import torch
+    import torch.distributed as dist
+
+    from asyncckpt import Checkpointer
+
+    out = os.environ["OUT"]
+    with open(f"{out}.pid.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
+        ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
+    dist.barrier()
+    if rank == 0:
+        open(f"{out}.saved", "w").close()
+    end = time.monotonic() + 60
+    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    try:
+        Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])).close()
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["ctor_error"] = _describe(e)
+    result["ctor_s"] = time.monotonic() - t0
+    open(f"{out}.built.{rank}", "w").close()
+    end = time.monotonic() + 60
+    while not os.path.exists(f"{out}.go2") and time.monotonic() < end:
+        time.sleep(0.02)
+    dist.barrier()
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
         result["loaded"] = float(ck.load()["w"][0])
 
 

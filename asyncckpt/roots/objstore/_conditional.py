@@ -37,6 +37,7 @@ from ..._errors import (
     ObjectStoreTimeoutError,
 )
 from ...format._layout import META_DIR
+from ...threads._deadline import Deadline
 from ._connection import MiB
 from ._forkguard import check_not_forked
 from ._reads import ObjectInfo, Reads
@@ -75,8 +76,8 @@ class ConditionalWrites(Reads):
             enforced = (await self.create_once(key, first, deadline)).won
             if enforced:
                 try:
-                    await self._bounded(obstore.put_async(self._store, key, b"second", mode="create"), deadline, key,
-                                        "conditional-create probe")
+                    await self._bounded(obstore.put_async(self._store, key, b"second", mode="create"),
+                                        Deadline.at_monotonic(deadline), key, "conditional-create probe")
                     enforced = False
                 except (obx.AlreadyExistsError, obx.PreconditionError):
                     pass
@@ -108,7 +109,7 @@ class ConditionalWrites(Reads):
         resolution (1 s on S3 and SeaweedFS)."""
         key = f"{META_DIR}/clock-{uuid.uuid4().hex}"
         try:
-            await self._retrying(deadline, key, "clock write",
+            await self._retrying(Deadline.at_monotonic(deadline), key, "clock write",
                                  lambda _b: obstore.put_async(self._store, key, b"clock", use_multipart=False))
             return (await self.head(key, deadline)).last_modified
         finally:
@@ -121,7 +122,8 @@ class ConditionalWrites(Reads):
             log.debug("no time left to delete scratch object %s", self.object_url(key))
             return
         try:
-            await self._bounded(obstore.delete_async(self._store, key), deadline, key, "scratch clean-up")
+            await self._bounded(obstore.delete_async(self._store, key), Deadline.at_monotonic(deadline), key,
+                                "scratch clean-up")
         except Exception as e:  # noqa: BLE001 - harmless, see above
             log.debug("could not delete scratch object %s: %s", key, self._errors.scrub(str(e)))
 
@@ -172,7 +174,7 @@ class ConditionalWrites(Reads):
             try:
                 await self._bounded(
                     obstore.put_async(self._make_store(deadline - time.monotonic()), key, body, mode=mode),
-                    deadline, key, what,
+                    Deadline.at_monotonic(deadline), key, what,
                 )
                 last = "written"
             except ObjectStoreTimeoutError:

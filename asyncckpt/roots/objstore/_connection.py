@@ -2,8 +2,10 @@
 
 :class:`Connection` validates the URL and the options, builds obstore clients whose own
 retries and request timeouts end within a time budget, validates keys, and runs each request
-with :meth:`~Connection._retrying`: bounded by an absolute ``deadline`` (``time.monotonic()``
-seconds), retried with jittered exponential backoff while time remains, every failure typed by
+with :meth:`~Connection._retrying`: bounded by a ``Deadline`` (``threads._deadline``; the
+public methods of the operation classes still take the ``time.monotonic()`` point as a float
+and make it one at their entry), retried with jittered exponential backoff while time
+remains, every failure typed by
 :class:`~._errormap.ErrorMap`. It is the base of the operation classes (reads, deletes,
 uploads, conditional writes) that :class:`~._client.ObjectStore` combines; its ``_``-members
 are for those subclasses. :func:`gather_or_cancel` runs a group of requests that succeed or
@@ -26,6 +28,7 @@ from typing import Any
 from obstore.store import S3Store
 
 from ..._errors import ObjectStoreError, ObjectStoreTimeoutError
+from ...threads._deadline import Deadline
 from .._scheme import split_url
 from ._errormap import ErrorMap, retryable, status_of
 from ._forkguard import check_not_forked
@@ -169,9 +172,9 @@ class Connection:
         """Our typed error for an obstore/OS failure of ``what`` on ``key``."""
         return self._errors.translate(e, self.object_url(key), what)
 
-    async def _bounded(self, aw: Any, deadline: float, key: str, what: str) -> Any:
+    async def _bounded(self, aw: Any, deadline: Deadline, key: str, what: str) -> Any:
         """Await ``aw`` (a coroutine or obstore's already-running future) until ``deadline``."""
-        left = deadline - time.monotonic()
+        left = deadline.remaining()
         if left <= 0:
             _discard(aw)
             raise ObjectStoreTimeoutError(errno.ETIMEDOUT, f"{what}: the deadline had passed", self.object_url(key))
@@ -182,7 +185,7 @@ class Connection:
                 errno.ETIMEDOUT, f"{what}: not finished within the deadline", self.object_url(key)
             ) from None
 
-    async def _retrying(self, deadline: float, key: str, what: str, fn: Any) -> Any:
+    async def _retrying(self, deadline: Deadline, key: str, what: str, fn: Any) -> Any:
         """Run ``await fn(budget_s)`` until it succeeds, fails for good, or the deadline.
 
         Errors are raised outside the ``except`` block so the obstore exception (whose text
@@ -194,7 +197,7 @@ class Connection:
         answered: ObjectStoreError | None = None  # the last failure the store answered with a status
         while True:
             tries += 1
-            left = deadline - time.monotonic()
+            left = deadline.monotonic - time.monotonic()  # below 0 once passed: _bounded raises
             try:
                 return await self._bounded(fn(left), deadline, key, what)
             except ObjectStoreTimeoutError:
@@ -212,7 +215,7 @@ class Connection:
             if status is not None:
                 answered = err
             pause = delay * (0.5 + random.random())
-            if time.monotonic() + pause + 0.5 >= deadline:
+            if deadline.remaining() <= pause + 0.5:
                 if status is None and not isinstance(err, ObjectStoreTimeoutError):
                     # no answer from the store before the deadline (a hang, a dead server):
                     # the deadline is what ended it

@@ -19,6 +19,7 @@ from typing import TypeVar
 import obstore
 
 from ..._errors import ObjectStoreError, ObjectStoreUnavailableError
+from ...threads._deadline import Deadline
 from ._connection import Connection
 from ._forkguard import check_not_forked
 from ._s3uploads import Upload, UploadsClient, UploadsError
@@ -38,7 +39,7 @@ class Deletes(Connection):
         keys = [self._check_key(k) for k in keys]
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
-            await self._retrying(deadline, batch[0] if batch else "", "delete",
+            await self._retrying(Deadline.at_monotonic(deadline), batch[0] if batch else "", "delete",
                                  lambda _b, batch=batch: obstore.delete_async(self._store, batch))
 
     async def remove_dirs(self, dirs: Sequence[str], deadline: float) -> bool:
@@ -57,8 +58,8 @@ class Deletes(Connection):
             return True
         until = min(deadline, time.monotonic() + DIRS_S)  # housekeeping: never worth a long wait
         try:
-            await self._bounded(obstore.delete_async(self._make_store(until - time.monotonic()), list(dirs)), until,
-                                dirs[0], "delete directories")
+            await self._bounded(obstore.delete_async(self._make_store(until - time.monotonic()), list(dirs)),
+                                Deadline.at_monotonic(until), dirs[0], "delete directories")
         except Exception as e:  # noqa: BLE001 - housekeeping, see above
             log.debug("could not delete directories under %s: %s", self.object_url(dirs[0]), self._errors.summary(e))
             return False
@@ -99,7 +100,8 @@ class Deletes(Connection):
                                    self.object_url(key))
         failure: ObjectStoreError | None = None
         try:
-            got: T = await self._bounded(self._in_thread(call, self._uploads), deadline, key, what)
+            got: T = await self._bounded(self._in_thread(call, self._uploads), Deadline.at_monotonic(deadline), key,
+                                         what)
         except ObjectStoreError:
             raise
         except (UploadsError, OSError) as e:

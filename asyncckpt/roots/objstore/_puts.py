@@ -32,6 +32,7 @@ import obstore
 
 from ..._errors import ObjectIntegrityError, ObjectStoreError
 from ...format._checksum import crc32c, crc32c_combine
+from ...threads._deadline import Deadline
 from ._connection import as_bytes
 from ._deletes import Deletes
 from ._reads import Reads
@@ -85,7 +86,7 @@ class Puts(Reads, Deletes):
             return got
 
         try:
-            return await self._put(key, size, self.part_size, attempt, crc, deadline, verify)
+            return await self._put(key, size, self.part_size, attempt, crc, Deadline.at_monotonic(deadline), verify)
         finally:
             if not crc_fut.done():
                 crc_fut.cancel()
@@ -123,7 +124,7 @@ class Puts(Reads, Deletes):
             async def single(budget: float) -> Any:
                 return await obstore.put_async(self._make_store(budget), key, body, use_multipart=False)
 
-            return await self._put(key, size, part, single, crc, deadline, verify)
+            return await self._put(key, size, part, single, crc, Deadline.at_monotonic(deadline), verify)
 
         async def parts() -> AsyncIterator[bytearray]:
             total = 0
@@ -147,11 +148,11 @@ class Puts(Reads, Deletes):
                     return None  # not the store's failure: raised below, not retried
                 raise
 
-        return await self._put(key, size, part, multi, crc, deadline, verify, local)
+        return await self._put(key, size, part, multi, crc, Deadline.at_monotonic(deadline), verify, local)
 
     async def _put(
         self, key: str, size: int, part: int, attempt: Callable[[float], Awaitable[Any]],
-        sent_crc: Callable[[], Awaitable[int]], deadline: float, verify: Literal["size", "readback"],
+        sent_crc: Callable[[], Awaitable[int]], deadline: Deadline, verify: Literal["size", "readback"],
         local: list[BaseException] | None = None,
     ) -> PutInfo:
         """Run the upload ``attempt`` (retried within the deadline), then check what the store
@@ -169,18 +170,18 @@ class Puts(Reads, Deletes):
             raise
         crc = await sent_crc()
         if verify == "readback":
-            got = await self.crc32c_of(key, size, deadline)
+            got = await self.crc32c_of(key, size, deadline.monotonic)
             if got != crc:
                 raise ObjectIntegrityError(errno.EIO, f"read-back CRC-32C {got:08x} != {crc:08x} sent",
                                            self.object_url(key))
         else:
-            info = await self.head(key, deadline)
+            info = await self.head(key, deadline.monotonic)
             if info.size != size:
                 raise ObjectIntegrityError(errno.EIO, f"stored size {info.size} != {size} sent",
                                            self.object_url(key))
         return PutInfo(key, size, crc, result.get("e_tag") if isinstance(result, dict) else None, parts)
 
-    async def _abort_after_failure(self, key: str, deadline: float) -> None:
+    async def _abort_after_failure(self, key: str, deadline: Deadline) -> None:
         """Abort every incomplete upload of ``key``: waited for until the failed upload's
         ``deadline`` (never past it), then left to run on (bounded by its own 20 s; a
         cancellation does not stop it either). What it does not abort, the root's sweep does."""
@@ -191,7 +192,7 @@ class Puts(Reads, Deletes):
         task = asyncio.ensure_future(self._abort_logged(key, time.monotonic() + 20.0))
         _aborting.add(task)
         task.add_done_callback(_aborting.discard)
-        await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+        await asyncio.wait({task}, timeout=deadline.remaining())
 
     async def _abort_logged(self, key: str, deadline: float) -> None:
         try:

@@ -22,6 +22,7 @@ import obstore
 
 from ..._errors import ObjectIntegrityError
 from ...format._checksum import crc32c, crc32c_combine
+from ...threads._deadline import Deadline
 from ._connection import Connection, MiB, as_bytes, gather_or_cancel
 
 
@@ -41,7 +42,8 @@ class Reads(Connection):
     async def head(self, key: str, deadline: float) -> ObjectInfo:
         """Size, ETag and modification time of ``key`` (:class:`ObjectNotFoundError` if absent)."""
         self._check_key(key)
-        meta = await self._retrying(deadline, key, "head", lambda _b: obstore.head_async(self._store, key))
+        meta = await self._retrying(Deadline.at_monotonic(deadline), key, "head",
+                                    lambda _b: obstore.head_async(self._store, key))
         return self._object_info(meta)
 
     def _object_info(self, meta: Any) -> ObjectInfo:
@@ -64,7 +66,7 @@ class Reads(Connection):
                 raise ObjectIntegrityError(errno.EFBIG, f"object larger than {limit} bytes", self.object_url(key))
             return bytes(await res.bytes_async()), self._object_info(res.meta)
 
-        got: tuple[bytes, ObjectInfo] = await self._retrying(deadline, key, "get", fetch)
+        got: tuple[bytes, ObjectInfo] = await self._retrying(Deadline.at_monotonic(deadline), key, "get", fetch)
         return got
 
     async def get_range_into(self, key: str, offset: int, out: memoryview, deadline: float,
@@ -145,7 +147,7 @@ class Reads(Connection):
     async def _get_range(self, key: str, start: int, n: int, deadline: float) -> memoryview:
         """One ranged GET (retried) of the ``n`` bytes of ``key`` from ``start``; a short
         answer raises :class:`ObjectIntegrityError`."""
-        got = await self._retrying(deadline, key, "ranged get",
+        got = await self._retrying(Deadline.at_monotonic(deadline), key, "ranged get",
                                    lambda _b: obstore.get_range_async(self._store, key, start=start, length=n))
         src = memoryview(got)
         if src.nbytes != n:
@@ -180,7 +182,7 @@ class Reads(Connection):
                 out.extend(self._object_info(m) for m in chunk)
             return sorted(out, key=lambda i: i.key)
 
-        result: list[ObjectInfo] = await self._retrying(deadline, prefix, "list", run)
+        result: list[ObjectInfo] = await self._retrying(Deadline.at_monotonic(deadline), prefix, "list", run)
         return result
 
     async def list_dirs(self, prefix: str, deadline: float) -> builtins.list[str]:
@@ -198,6 +200,6 @@ class Reads(Connection):
                 out.append(rel.strip("/"))
             return out
 
-        result: builtins.list[str] = await self._retrying(deadline, prefix, "list", run)
+        result: builtins.list[str] = await self._retrying(Deadline.at_monotonic(deadline), prefix, "list", run)
         return result
 
