@@ -248,25 +248,27 @@ def _stream(
 ) -> tuple[dict[str, Any], list[tuple[str, ...]], list[tuple[str, ...]], dict[str, str]]:
     """Stream the selected tensors of ``step`` into ``dest`` (atomically); return them by
     output name, the key paths of every tensor of the rank, those of the skipped values, and
-    the tied names left out. A checksum failure is also recorded as the step's bad mark, as
-    a load would (an I/O error is not: it says nothing about the checkpoint)."""
-    from .._errors import CheckpointCorruptError
+    the tied names left out. What a failed read means is judged as a load judges it
+    (``_resume.judge``): a checksum failure is recorded as the step's bad mark (an I/O error
+    is not: it says nothing about the checkpoint), and either on a step retired or replaced
+    meanwhile is ``CheckpointNotFoundError``."""
+    from .._errors import CheckpointCorruptError, CheckpointReadError
     from ..loading import _export, _resume  # torch: only this command needs it
 
-    with _export.open_export(root, step, args.rank) as ex:
-        selected = select_key(ex.named, args.key)
-        kept, dropped = _export.drop_aliases(selected)
-        try:  # before anything is created: a header safetensors would refuse is never written
-            layout = ex.plan(kept)
-        except ValueError as e:
-            raise DataError(
-                f"step {step} cannot be exported as one .safetensors file: {e}; export part of it (--key) "
-                "or to a .pt file"
-            ) from None
+    with root.open_reader(step) as reader:
         try:
+            ex = _export.export_of(reader, args.rank)
+            selected = select_key(ex.named, args.key)
+            kept, dropped = _export.drop_aliases(selected)
+            try:  # before anything is created: a header safetensors would refuse is never written
+                layout = ex.plan(kept)
+            except ValueError as e:
+                raise DataError(
+                    f"step {step} cannot be exported as one .safetensors file: {e}; export part of it (--key) "
+                    "or to a .pt file"
+                ) from None
             _atomic_write(dest, lambda p: ex.write(p, kept, layout), args.force)
-        except CheckpointCorruptError as e:
-            if ex.reader.still_there():  # a step retired meanwhile was not damaged
-                _resume.mark(root, step, ex.reader.manifest.attempt, e)
+        except (CheckpointCorruptError, CheckpointReadError) as e:  # the step's: not the output's
+            _resume.judge(root, reader, e)
             raise
         return dict(kept), ex.keys, ex.skipped, dropped
