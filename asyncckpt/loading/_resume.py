@@ -43,6 +43,7 @@ from ..roots.posix._discovery import Vanished
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
 from ._stepfiles import NoSuchShard, ReaderFiles, StepFiles
+from ._targets import Unfit
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -206,8 +207,8 @@ def load_files_as(
             return load_files(files, rank, verify, into, strip_prefixes, mmap, first)
         finally:
             files.close()
-    except BaseException:
-        if reader is not None and reader.touched:
+    except BaseException as e:
+        if reader is not None and reader.touched and not isinstance(e, Unfit):
             reader.dirty = True  # bytes of a failed read may be in the targets
         raise
 
