@@ -195,3 +195,21 @@ def test_ctrl_c_mid_export_leaves_no_output(s3: Any, proxy: FaultProxy, tmp_path
             p.wait()
     assert p.returncode == 130 and "interrupted" in err, (p.returncode, err)
     assert os.listdir(out) == []
+
+
+@pytest.mark.needs_root
+def test_a_pt_export_to_a_full_file_system_is_enospc_not_an_internal_error(tmp_path: Path) -> None:
+    """``--to x.pt`` on a 2 MiB tmpfs (torch.save has no size to reserve first): exit 1 with
+    ENOSPC named, nothing left beside OUT (main: exit 70, "internal error (RuntimeError:
+    [enforce fail at inline_container.cc] unexpected pos ...)": torch's zip writer loses the
+    errno)."""
+    from _nosigbus import tmpfs
+
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"model": {"w": torch.randn(MiB)}}).result(timeout=60)
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        r = subprocess.run([sys.executable, "-m", "asyncckpt", "export", str(root), "--to", str(mnt / "m.pt")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 1 and os.strerror(28) in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert os.listdir(mnt) == []

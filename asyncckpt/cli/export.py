@@ -140,12 +140,38 @@ def select_key(tensors: list[tuple[str, T]], key: str | None) -> dict[str, T]:
     return out
 
 
+class _Sink:
+    """The file ``torch.save`` writes to, keeping the ``OSError`` a write raised: torch's zip
+    writer reports it as a ``RuntimeError`` that has lost the errno ("unexpected pos")."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.f.write(data))
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def write_torch(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``), fsynced."""
+    """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``),
+    fsynced. An error writing it is an ``OSError`` naming ``path`` (a full disk: ENOSPC)."""
     import torch
 
     with open(path, "xb") as f:
-        torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, f)
+        sink = _Sink(f)
+        try:
+            torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, sink)  # type: ignore[arg-type]
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise OSError(sink.error.errno, sink.error.strerror, path) from None
         f.flush()
         os.fsync(f.fileno())
 
