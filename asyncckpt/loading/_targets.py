@@ -103,6 +103,17 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
     the tensors before the mismatch). What the skeleton cannot tell (a saved array or generator: its stand-in) and
     what is not ours to judge (a module's or an object's ``load_state_dict``) is left to
     ``restore_into``."""
+    if type(target) is dict and isinstance(skeleton, Mapping):  # the common container: its tensors inline
+        for key, value in target.items():
+            got = skeleton.get(key, _ABSENT)
+            if type(value) in PLAIN_TENSORS and type(got) is TensorSlot and value.shape == got.shape:
+                continue  # (a path spelled only for a node that is not this plain case)
+            sub = f"{path}.{key}" if path else str(key)
+            if got is _ABSENT:
+                raise UnfitKeyError(f"{sub} is not in the checkpoint")
+            if not _is_leaf(value):
+                check_fit(value, got, sub)
+        return
     where = path or "<root>"
     if isinstance(target, torch.Tensor):
         if type(skeleton) is TensorSlot:
@@ -132,6 +143,9 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
         for i, (t, v) in enumerate(zip(target, skeleton, strict=True)):
             if not (_is_leaf(t) and isinstance(target, MutableSequence)):
                 check_fit(t, v, f"{path}.{i}" if path else str(i))
+
+
+_ABSENT = object()
 
 
 def _kind(skeleton: Any) -> str:
