@@ -213,3 +213,18 @@ def test_a_pt_export_to_a_full_file_system_is_enospc_not_an_internal_error(tmp_p
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         assert r.returncode == 1 and os.strerror(28) in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert os.listdir(mnt) == []
+
+
+def test_out_that_is_a_directory_is_refused_by_name_even_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main: with --force, exit 1 "Is a directory: .../.d.safetensors.tmp-..." naming the
+    temporary file, after the whole step was read; now refused at once, naming OUT."""
+    root = local(tmp_path)
+    dest = tmp_path / "d.safetensors"
+    dest.mkdir()
+    for extra in ([], ["--force"]):
+        code, _, err = cli(capsys, "export", root, "--to", dest, *extra)
+        assert code == 2 and f"{dest} is a directory" in err and ".tmp-" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["ck", "d.safetensors"]
+    assert os.listdir(dest) == []

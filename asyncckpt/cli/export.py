@@ -197,6 +197,8 @@ def _atomic_write(dest: str, writer: Callable[[str], object], force: bool) -> No
 def run(args: argparse.Namespace) -> int:
     """Write one rank's tensors (or those under ``--key``) of a step as a flat name->tensor file."""
     dest: str = args.to
+    if os.path.isdir(dest):  # os.replace would name the temporary file, not this
+        raise UsageError(f"{dest} is a directory: --to names the file to write")
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
     root = root_of(args)
