@@ -243,7 +243,8 @@ def test_corrupt_shard_without_targets_still_detected(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError, match="checksum"):
         load(tmp_path, 1)
     with pytest.raises(CheckpointCorruptError, match="checksum"):
-        load(tmp_path, 1, into={"w": torch.zeros(7)})  # no usable target: read once, checksummed
+        # no usable target (another dtype: copied, not read into): read once, checksummed
+        load(tmp_path, 1, into={"w": torch.zeros(1 << 20, dtype=torch.float64)})
 
 
 def test_short_reads_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

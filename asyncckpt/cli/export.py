@@ -140,12 +140,38 @@ def select_key(tensors: list[tuple[str, T]], key: str | None) -> dict[str, T]:
     return out
 
 
+class _Sink:
+    """The file ``torch.save`` writes to, keeping the ``OSError`` a write raised: torch's zip
+    writer reports it as a ``RuntimeError`` that has lost the errno ("unexpected pos")."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.f.write(data))
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def write_torch(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``), fsynced."""
+    """``torch.save`` the flat dict ``tensors`` to ``path`` (loadable with ``weights_only=True``),
+    fsynced. An error writing it is an ``OSError`` naming ``path`` (a full disk: ENOSPC)."""
     import torch
 
     with open(path, "xb") as f:
-        torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, f)
+        sink = _Sink(f)
+        try:
+            torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, sink)  # type: ignore[arg-type]
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise OSError(sink.error.errno, sink.error.strerror, path) from None
         f.flush()
         os.fsync(f.fileno())
 
@@ -171,6 +197,8 @@ def _atomic_write(dest: str, writer: Callable[[str], object], force: bool) -> No
 def run(args: argparse.Namespace) -> int:
     """Write one rank's tensors (or those under ``--key``) of a step as a flat name->tensor file."""
     dest: str = args.to
+    if os.path.isdir(dest):  # os.replace would name the temporary file, not this
+        raise UsageError(f"{dest} is a directory: --to names the file to write")
     if os.path.lexists(dest) and not args.force:
         raise UsageError(f"{dest} already exists (pass --force to overwrite it)")
     root = root_of(args)
@@ -248,25 +276,27 @@ def _stream(
 ) -> tuple[dict[str, Any], list[tuple[str, ...]], list[tuple[str, ...]], dict[str, str]]:
     """Stream the selected tensors of ``step`` into ``dest`` (atomically); return them by
     output name, the key paths of every tensor of the rank, those of the skipped values, and
-    the tied names left out. A checksum failure is also recorded as the step's bad mark, as
-    a load would (an I/O error is not: it says nothing about the checkpoint)."""
-    from .._errors import CheckpointCorruptError
+    the tied names left out. What a failed read means is judged as a load judges it
+    (``_resume.judge``): a checksum failure is recorded as the step's bad mark (an I/O error
+    is not: it says nothing about the checkpoint), and either on a step retired or replaced
+    meanwhile is ``CheckpointNotFoundError``."""
+    from .._errors import CheckpointCorruptError, CheckpointReadError
     from ..loading import _export, _resume  # torch: only this command needs it
 
-    with _export.open_export(root, step, args.rank) as ex:
-        selected = select_key(ex.named, args.key)
-        kept, dropped = _export.drop_aliases(selected)
-        try:  # before anything is created: a header safetensors would refuse is never written
-            layout = ex.plan(kept)
-        except ValueError as e:
-            raise DataError(
-                f"step {step} cannot be exported as one .safetensors file: {e}; export part of it (--key) "
-                "or to a .pt file"
-            ) from None
+    with root.open_reader(step) as reader:
         try:
+            ex = _export.export_of(reader, args.rank)
+            selected = select_key(ex.named, args.key)
+            kept, dropped = _export.drop_aliases(selected)
+            try:  # before anything is created: a header safetensors would refuse is never written
+                layout = ex.plan(kept)
+            except ValueError as e:
+                raise DataError(
+                    f"step {step} cannot be exported as one .safetensors file: {e}; export part of it (--key) "
+                    "or to a .pt file"
+                ) from None
             _atomic_write(dest, lambda p: ex.write(p, kept, layout), args.force)
-        except CheckpointCorruptError as e:
-            if ex.reader.still_there():  # a step retired meanwhile was not damaged
-                _resume.mark(root, step, ex.reader.manifest.attempt, e)
+        except (CheckpointCorruptError, CheckpointReadError) as e:  # the step's: not the output's
+            _resume.judge(root, reader, e)
             raise
         return dict(kept), ex.keys, ex.skipped, dropped

@@ -120,46 +120,53 @@ def open_export(root: Root, step: int, rank: int) -> Export:
     """
     reader = root.open_reader(step)
     try:
-        manifest = reader.manifest
-        tree = _tree(reader, rank)
-        ex = Export(reader, rank, [], [])
-        sources: dict[str, Source] = {}
-        if indexed(manifest):
-            index = index_of(reader)
-            tree = resolve_dtensor_aliases(tree, index["aliases"])  # tied DTensors: one source
-            entries = index["plain"][rank]
-            if entries is None:
-                sources.update(_whole(reader, shard_name(rank), ex._wholes))
-            else:
-                for name, (dtype, shape, file, begin, n, crc) in entries.items():
-                    sources[name] = Plain(name, file, begin, n, crc, dtype, shape)
-            for name, meta in index["tensors"].items():
-                sources[name] = Global(name, meta["dtype"], meta["shape"], tuple(meta["chunks"]), tuple(meta["crcs"]))
-        else:
-            sources.update(_whole(reader, shard_name(rank), ex._wholes))
-        tree_path = reader.locate(tree_name(rank))
-        placeholders = {n: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for n, s in sources.items()}
-        try:
-            unflatten(tree, placeholders)  # validates every node; zero memory
-        except (ValueError, TypeError, RecursionError, OverflowError) as e:
-            raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
-        for path, kind, value in walk(tree):
-            if kind == "tensor":
-                ex.named.append((dotted(path), sources[value]))
-                ex.keys.append(path)
-            else:
-                ex.skipped.append(path)
-        # every file this rank's tensors lie in, held now (a directory's descriptors): a
-        # retirement that starts later (a job writing with keep_last) cannot take them away
-        # in the middle of the export. A store's reader holds its attempt's prefix instead.
-        for _, src in ex.named:
-            for file in {c.file for c in src.chunks} if isinstance(src, Global) else {src.file}:
-                listed(reader, file)
-                reader.fileno(file)
-        return ex
+        return export_of(reader, rank)
     except BaseException:
         reader.close()
         raise
+
+
+def export_of(reader: StepReader, rank: int) -> Export:
+    """:func:`open_export` of a step already held open (``reader``, which the export then
+    owns: closing it closes the reader; on an error the caller still holds it, to judge what
+    the error means: ``StepReader.still_there``)."""
+    manifest = reader.manifest
+    tree = _tree(reader, rank)
+    ex = Export(reader, rank, [], [])
+    sources: dict[str, Source] = {}
+    if indexed(manifest):
+        index = index_of(reader)
+        tree = resolve_dtensor_aliases(tree, index["aliases"])  # tied DTensors: one source
+        entries = index["plain"][rank]
+        if entries is None:
+            sources.update(_whole(reader, shard_name(rank), ex._wholes))
+        else:
+            for name, (dtype, shape, file, begin, n, crc) in entries.items():
+                sources[name] = Plain(name, file, begin, n, crc, dtype, shape)
+        for name, meta in index["tensors"].items():
+            sources[name] = Global(name, meta["dtype"], meta["shape"], tuple(meta["chunks"]), tuple(meta["crcs"]))
+    else:
+        sources.update(_whole(reader, shard_name(rank), ex._wholes))
+    tree_path = reader.locate(tree_name(rank))
+    placeholders = {n: torch.empty(s.shape, dtype=ST_TO_DTYPE[s.dtype], device="meta") for n, s in sources.items()}
+    try:
+        unflatten(tree, placeholders)  # validates every node; zero memory
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:
+        raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    for path, kind, value in walk(tree):
+        if kind == "tensor":
+            ex.named.append((dotted(path), sources[value]))
+            ex.keys.append(path)
+        else:
+            ex.skipped.append(path)
+    # every file this rank's tensors lie in, held now (a directory's descriptors): a
+    # retirement that starts later (a job writing with keep_last) cannot take them away
+    # in the middle of the export. A store's reader holds its attempt's prefix instead.
+    for _, src in ex.named:
+        for file in {c.file for c in src.chunks} if isinstance(src, Global) else {src.file}:
+            listed(reader, file)
+            reader.fileno(file)
+    return ex
 
 
 def _tree(reader: StepReader, rank: int) -> Any:

@@ -37,12 +37,13 @@ from .._errors import (
 from ..format._manifest import Manifest, shard_name, tree_name
 from ..roots._readfault import fault_of, retrying, store_fault
 from ..roots._registry import open_root
-from ..roots._root import Root
+from ..roots._root import Root, StepReader
 from ..roots._runs import check_choice
 from ..roots.posix._discovery import Vanished
 from ._load import load_files
 from ._load_global import Reader, indexed, load_indexed_files
 from ._stepfiles import NoSuchShard, ReaderFiles, StepFiles
+from ._targets import Unfit
 
 log = logging.getLogger("asyncckpt")
 T = TypeVar("T")
@@ -150,13 +151,7 @@ def _attempt(
     try:
         state = load_files_as(ReaderFiles(opened), rank, verify, world_size, into, strip_prefixes, reader, mmap)
     except Exception as e:
-        fault = fault_of(e)
-        if fault in ("corrupt", "io") and not opened.still_there():
-            # retired: neither damage nor the storage
-            raise Vanished(f"step {step} under {root.url} was retired or replaced while it was being read") from None
-        if fault == "corrupt":
-            assert isinstance(e, CheckpointCorruptError)
-            mark(root, step, manifest.attempt, e)
+        judge(root, opened, e)
         raise
     verified = verified_files(manifest, rank, verify)
     if report is not None:
@@ -212,10 +207,24 @@ def load_files_as(
             return load_files(files, rank, verify, into, strip_prefixes, mmap, first)
         finally:
             files.close()
-    except BaseException:
-        if reader is not None and reader.touched:
+    except BaseException as e:
+        if reader is not None and reader.touched and not isinstance(e, Unfit):
             reader.dirty = True  # bytes of a failed read may be in the targets
         raise
+
+
+def judge(root: Root, reader: StepReader, err: BaseException) -> None:
+    """What ``err``, raised reading the step ``reader`` holds, means (every reader of a held
+    step, a load's and an export's, decides it here): a defect or an I/O fault on a step no
+    longer there (retired, replaced) raises ``Vanished``, neither damage nor the storage; a
+    defect of the commit still there is recorded as its bad mark. Otherwise returns, for
+    the caller to raise ``err`` itself."""
+    fault = fault_of(err)
+    if fault in ("corrupt", "io") and not reader.still_there():
+        step = reader.manifest.step
+        raise Vanished(f"step {step} under {root.url} was retired or replaced while it was being read") from None
+    if isinstance(err, CheckpointCorruptError):
+        mark(root, reader.manifest.step, reader.manifest.attempt, err)
 
 
 def mark(root: Root, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:

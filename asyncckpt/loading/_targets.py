@@ -26,6 +26,18 @@ class MissingKeyError(CheckpointError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class Unfit:
+    """Mixed into an error :func:`check_fit` raised: no target of ``into=`` was written."""
+
+
+class UnfitValueError(Unfit, ValueError):
+    """A shape or kind mismatch found before anything was read (a ``ValueError``)."""
+
+
+class UnfitKeyError(Unfit, MissingKeyError):
+    """A key of ``into=`` the checkpoint lacks, found before anything was read."""
+
+
 def unflatten_named(
     tree: Any, tensors: Mapping[str, Any], shard_path: str, consume: bool = False
 ) -> tuple[Any, list[str]]:
@@ -58,13 +70,15 @@ def plan_targets(
     into it. Only plain tensors and parameters of the saved dtype and shape qualify, on the
     CPU or CUDA; a target whose memory overlaps another's (tied weights) and a saved tensor
     the structure names twice keep the fresh-tensor path, as does everything else
-    (``restore_into`` then copies or raises exactly as before). Nothing is written here.
+    (``restore_into`` then copies or raises exactly as before). Nothing is written here; a
+    mismatch :func:`check_fit` finds is raised here, before any target is.
     """
     slot_of = {s.name: s for s in slots}
     try:
         skeleton, names = unflatten_named(tree, slot_of, shard_path)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    check_fit(into, skeleton)  # a mismatch restore_into would meet: raised before any target is written
     found: dict[str, torch.Tensor] = {}
     _pair(into, skeleton, prefixes, found)
     del skeleton
@@ -78,6 +92,65 @@ def plan_targets(
             usable[name] = t
     del found
     return _without_overlaps(usable, slot_of)
+
+
+def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
+    """Raise what :func:`restore_into` of the state ``skeleton`` stands for into ``target``
+    would raise for its containers and tensors, without touching either: ``MissingKeyError``
+    for a key of a dict of ``target`` the checkpoint lacks, ``ValueError`` for a tensor of
+    another shape or a container of another kind or length (both :class:`Unfit`). Run
+    before the first byte is read, so such a load leaves every target as it was (not only
+    the tensors before the mismatch). What the skeleton cannot tell (a saved array or generator: its stand-in) and
+    what is not ours to judge (a module's or an object's ``load_state_dict``) is left to
+    ``restore_into``."""
+    if type(target) is dict and isinstance(skeleton, Mapping):  # the common container: its tensors inline
+        for key, value in target.items():
+            got = skeleton.get(key, _ABSENT)
+            if type(value) in PLAIN_TENSORS and type(got) is TensorSlot and value.shape == got.shape:
+                continue  # (a path spelled only for a node that is not this plain case)
+            sub = f"{path}.{key}" if path else str(key)
+            if got is _ABSENT:
+                raise UnfitKeyError(f"{sub} is not in the checkpoint")
+            if not _is_leaf(value):
+                check_fit(value, got, sub)
+        return
+    where = path or "<root>"
+    if isinstance(target, torch.Tensor):
+        if type(skeleton) is TensorSlot:
+            if tuple(target.shape) != tuple(skeleton.shape):
+                shape, want = tuple(skeleton.shape), tuple(target.shape)
+                raise UnfitValueError(f"{where}: shape {shape} in checkpoint, {want} in target")
+        elif not isinstance(skeleton, torch.Tensor):
+            raise UnfitValueError(f"{where}: checkpoint holds {type(skeleton).__name__}, target is a tensor")
+        return
+    if isinstance(target, (np.ndarray, torch.Generator, torch.nn.Module)) or callable(
+        getattr(target, "load_state_dict", None)
+    ):
+        return
+    if isinstance(target, Mapping):
+        if not isinstance(skeleton, Mapping):
+            raise UnfitValueError(f"{where}: checkpoint holds {_kind(skeleton)}, target is a mapping")
+        for key, value in target.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in skeleton:
+                raise UnfitKeyError(f"{sub} is not in the checkpoint")
+            if not (_is_leaf(value) and isinstance(target, MutableMapping)):
+                check_fit(value, skeleton[key], sub)
+        return
+    if isinstance(target, (list, tuple)):
+        if not isinstance(skeleton, (list, tuple)) or len(skeleton) != len(target):
+            raise UnfitValueError(f"{where}: sequence length or type differs from the checkpoint")
+        for i, (t, v) in enumerate(zip(target, skeleton, strict=True)):
+            if not (_is_leaf(t) and isinstance(target, MutableSequence)):
+                check_fit(t, v, f"{path}.{i}" if path else str(i))
+
+
+_ABSENT = object()
+
+
+def _kind(skeleton: Any) -> str:
+    """The type a skeleton's node stands for, as ``restore_into`` names the loaded value's."""
+    return "Tensor" if type(skeleton) is TensorSlot else type(skeleton).__name__
 
 
 def _pair(target: Any, loaded: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
@@ -198,8 +271,9 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
     of a compiled or wrapped model loads into a plain one and the other way round. Raises
     :class:`MissingKeyError` (a ``CheckpointError``, also a ``KeyError``) when ``target``
     holds a key the checkpoint lacks, ``ValueError`` on a type or
-    shape mismatch (targets may be partly overwritten then: tensors read in place by
-    :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
+    shape mismatch (a step without a global index raised those of :func:`check_fit` before
+    any target was written; any other leaves the targets partly overwritten: tensors read
+    in place by :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
     loaded tensor (read in place) is left as it is.
     """
     where = path or "<root>"

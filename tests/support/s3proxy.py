@@ -17,6 +17,10 @@ run-time :class:`Rule` s matched on method, path, query keys and request headers
                   CompleteMultipartUpload when it fails after sending the status);
 * ``strip_header`` forward without the header named by ``header`` (a store that ignores a
                   precondition; the loopback server does not check signatures);
+* ``short_200``   forward, then answer ``200 OK`` with half the body and an honest
+                  ``Content-Length`` (no ``Content-Range``): a store that serves a ranged GET
+                  with fewer bytes and says nothing wrong; ``short_206`` the same as a
+                  ``206`` whose ``Content-Range`` names the shorter range it sends;
 * ``hang``        read the request, then never answer (nor forward) until the proxy stops
                   or the rule is cleared (then the connection is dropped): a store that
                   accepts connections and never replies.
@@ -282,11 +286,32 @@ class FaultProxy:
                     else:
                         writer.close()
                     return
+                if action in ("short_200", "short_206") and "content-range" in resp_headers:
+                    writer.write(_shortened(status_head, resp_headers, resp_body, action == "short_206"))
+                    await writer.drain()
+                    continue
                 writer.write(status_head + resp_body)
                 await writer.drain()
         finally:
             if up_w is not None:
                 _abort(up_w)
+
+
+def _shortened(status_head: bytes, headers: dict[str, str], body: bytes, partial: bool) -> bytes:
+    """A ranged GET's answer with the first half of ``body``: ``200 OK`` without a range, or
+    (``partial``) a ``206`` whose ``Content-Range`` names the shorter range; either with an
+    honest ``Content-Length``."""
+    short = body[: len(body) // 2]
+    kept = [ln for ln in status_head.split(b"\r\n")[1:]
+            if ln and not ln.lower().startswith((b"content-length:", b"content-range:"))]  # fmt: skip
+    if partial:
+        first = int(headers["content-range"].split()[1].split("-")[0])
+        total = headers["content-range"].rsplit("/", 1)[1].encode()
+        last = first + len(short) - 1
+        status = [b"HTTP/1.1 206 Partial Content", b"Content-Range: bytes %d-%d/%s" % (first, last, total)]
+    else:
+        status = [b"HTTP/1.1 200 OK"]
+    return b"\r\n".join([*status, *kept, b"Content-Length: %d" % len(short)]) + b"\r\n\r\n" + short
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[str, dict[str, str], bytes] | None:
