@@ -11,6 +11,7 @@ from .._info import CheckpointInfo
 from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._osops import OsOps
+from ..roots.posix._root import step_dir_hint
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
 
@@ -123,6 +124,9 @@ class Options:
             # pinned: a symlinked root (runs/current -> runs/exp7) repointed while the job runs
             # must not make it write to, or retire in, a root it does not own
             resolved = os.path.realpath(given)
+            hint = step_dir_hint(resolved)
+            if hint is not None:  # saving there would write into a committed checkpoint
+                raise ValueError(f"{given} is not a checkpoint root: {hint}")
         if on_commit is not None and not callable(on_commit):
             raise TypeError("on_commit must be callable")
         if not isinstance(allow_earlier_steps, bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import os
 import threading
 import time
@@ -14,8 +15,8 @@ import uuid
 from collections.abc import Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
-from ...format._layout import deleting_dir_name, step_dir_name
-from ...format._manifest import FileEntry, Manifest
+from ...format._layout import deleting_dir_name, parse_step_dir, step_dir_name
+from ...format._manifest import MANIFEST, FileEntry, Manifest
 from ...threads._sync import run_sync
 from .._backend import PosixBackend
 from .._badmarks import clear, record_bad
@@ -165,8 +166,22 @@ class PosixRoot:
         return Storage(self._pool)
 
     def _need_dir(self) -> None:
+        """The root is a directory, and not a step's own (else ``CheckpointNotFoundError``)."""
         if not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"{self.path} is not a directory")
+        hint = step_dir_hint(self.path)
+        if hint is not None:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {self.path}: {hint}")
+
+    def _may_be_root(self) -> None:
+        """A look for steps (``find_latest``, ``latest()``, ``steps()``): a root that does not
+        exist yet holds none, but a file or a step's own directory is a wrong path, never "no
+        checkpoint" (a run would start from scratch beside its checkpoints)."""
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(errno.ENOTDIR, "the checkpoint root is not a directory", self.path)
+        hint = step_dir_hint(self.path)
+        if hint is not None:
+            raise ValueError(f"{self.path} is not a checkpoint root: {hint}")
 
     def list_steps(self) -> list[Listed]:
         return [listed(d) for d in scan(self.path)]
@@ -182,6 +197,7 @@ class PosixRoot:
         return None if found is None else found.step
 
     def resumable(self, newest: bool = False) -> list[Manifest]:
+        self._may_be_root()
         if newest:
             found = _discovery.newest_resumable(self.path)
             return [] if found is None else [found]
@@ -265,3 +281,12 @@ class PosixRoot:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+
+def step_dir_hint(path: str) -> str | None:
+    """What to pass instead, when ``path`` is a step's own directory (``…/step_N`` holding a
+    manifest) given where its root belongs; ``None`` otherwise."""
+    step = parse_step_dir(os.path.basename(os.path.normpath(path)))
+    if step is None or not os.path.isfile(os.path.join(path, MANIFEST)):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    return f"it is the directory of checkpoint step {step}; pass its root, {parent}, and step={step}"
