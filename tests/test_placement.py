@@ -32,7 +32,7 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path) -> dict[i
     logs.mkdir()
     port = free_port()
     argv = [str(world), str(port), str(root), str(out)]
-    hung = run_ranks(lambda r: [WORKER, scenario, str(r), *argv], world, logs, 100.0)
+    hung = run_ranks(lambda r: [WORKER, scenario, str(r), *argv], world, logs, 100.0, warm=True)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):

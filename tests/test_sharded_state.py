@@ -41,7 +41,7 @@ def spawn(
     def args(r: int) -> list[str]:
         return [WORKER, argv[0], str(r), *argv[2:]]
 
-    hung = run_ranks(args, world, logs, 120.0)
+    hung = run_ranks(args, world, logs, 120.0, warm=True)  # forked from a warm server: no torch import per rank
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):
