@@ -26,6 +26,7 @@ def _run(tmp_path: Path, scenarios: list[str], deadline: float) -> list[dict[str
         WORLD,
         tmp_path,
         deadline,
+        warm=True,
     )
     assert not hung, f"ranks {hung} hung: {log_tail(tmp_path, hung[0])}"
     res = []
