@@ -31,7 +31,7 @@ def run_ranks(
     port = free_port()
     hung = launch(
         lambda r: [WORKER, scenario, str(r), str(world), str(port), str(root), str(out)],
-        world, tmp_path, deadline, extra_env=extra_env, on_started=on_started, warm=True,
+        world, tmp_path, deadline, extra_env=extra_env, on_started=on_started,
     )  # fmt: skip
     results = {}
     for r in range(world):
