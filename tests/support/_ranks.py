@@ -4,7 +4,10 @@ Every multi-rank test goes through :func:`run_ranks`: each rank runs ``argv(rank
 stdout/stderr in ``log_dir/rank<R>.log``; whatever is still running at the deadline is
 killed, so no test can leave a process behind or hang. ``warm=True`` forks the ranks from a
 server that imported torch already (``_warm``: seconds of CPU less per rank) instead of
-starting a fresh interpreter each; for workers that do not test how an interpreter exits.
+starting a fresh interpreter each; for workers that do not test how an interpreter exits, in
+tests of the parallel phase only (not ``slow``, not ``timing``, no deadline of a few seconds).
+``TESTS_WARM_RANKS=0`` in the environment starts every rank fresh (to compare, or to rule the
+server out).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def run_ranks(
 ) -> list[int]:
     """Run ``world`` ranks to completion or ``deadline`` seconds; return the ranks that hung."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(extra_env or {}))
+    warm = warm and os.environ.get("TESTS_WARM_RANKS", "1") != "0"
     logs = [open(log_dir / f"rank{r}.log", "wb") for r in range(world)]
     procs: list[Any] = []
     try:
