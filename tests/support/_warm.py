@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -46,10 +47,37 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "asyncckpt"
 
 
 # ------------------------------------------------------------------------------- the server
-def _child(req: dict[str, Any], base_path: list[str]) -> None:
+#: Environment variables a library reads once, when it loads (OpenMP/BLAS thread counts, torch's
+#: and gloo's settings, the interpreter's own): a forked worker would silently keep the
+#: server's values, so :func:`spawn` refuses a worker whose environment changes one of them.
+IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOMP_", "TORCH_", "GLOO_", "PYTHON", "LD_", "MALLOC_")
+#: What a worker may change among them: the child rebuilds ``sys.path`` from it.
+PER_WORKER_ENV = ("PYTHONPATH",)
+
+
+def import_time_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of ``env`` that must be the server's own for a forked worker to honour it."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in PER_WORKER_ENV}
+
+
+def _reseed() -> None:
+    """What a fresh interpreter draws anew: torch's and numpy's default seeds come from the OS
+    at start-up, so forked ranks would otherwise all share the server's (``random`` reseeds
+    itself at a fork, ``tempfile`` checks the pid)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def _child(req: dict[str, Any], base_path: list[str], inherited: list[int]) -> None:
     """In the forked child: become ``python argv[0] argv[1:]`` with ``env``; never returns."""
     code = 1
     try:
+        for fd in inherited:  # the server's protocol pipe and exit watches: not this worker's
+            os.close(fd)
         log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -57,6 +85,8 @@ def _child(req: dict[str, Any], base_path: list[str]) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        gc.enable()  # off in the server (see serve)
+        _reseed()
         env = req["env"]
         os.environ.clear()
         os.environ.update(env)
@@ -93,52 +123,67 @@ def _child(req: dict[str, Any], base_path: list[str]) -> None:
 
 
 def serve() -> None:
-    """The server's loop (single-threaded: a fork never copies a lock another thread holds)."""
+    """The server's loop (one Python thread: a fork never copies a lock another thread holds).
+
+    The protocol goes out on a copy of fd 1, and fd 1 becomes stderr (the server's log), so
+    that nothing an import prints can garble it. The collector is off while the preloaded
+    modules are built and they are frozen before the first fork (``gc.freeze``'s documented
+    use): a worker's collections then never write to the pages it shares with the server.
+    Each worker's exit is seen on its pidfd, at once, without polling."""
     import importlib
 
+    out = os.dup(1)
+    os.dup2(2, 1)
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own]
+    gc.disable()
     for name in PRELOAD:
         importlib.import_module(name)
-    children: set[int] = set()
+    gc.freeze()
+    children: dict[int, int] = {}  # pidfd -> pid
     buf = b""
 
     def say(msg: dict[str, Any]) -> None:
-        os.write(1, (json.dumps(msg) + "\n").encode())
+        os.write(out, (json.dumps(msg) + "\n").encode())
 
     while True:
-        ready, _, _ = select.select([0], [], [], 0.02 if children else 1.0)
-        for pid in list(children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if done:
-                children.discard(pid)
-                say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-        if not ready:
+        ready, _, _ = select.select([0, *children], [], [])
+        for fd in ready:
+            if fd == 0:
+                continue
+            pid = children.pop(fd)
+            os.close(fd)
+            _, status = os.waitpid(pid, 0)  # its pidfd is readable: it has exited
+            say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if 0 not in ready:
             continue
         chunk = os.read(0, 65536)
         if not chunk:  # the test process is gone or done: leave nothing behind
-            for pid in children:
+            for fd in children:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            for pid in children:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            for pid in children.values():
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
             return
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            if "signal" in req:  # a worker not reaped yet: its pidfd cannot reach another process
+                for fd, pid in children.items():
+                    if pid == req["signal"]:
+                        with contextlib.suppress(ProcessLookupError):
+                            signal.pidfd_send_signal(fd, req["sig"])
+                continue
             try:
-                req = json.loads(line)
                 pid = os.fork()
             except Exception as e:  # noqa: BLE001 - answered to the client
                 say({"error": repr(e)})
                 continue
             if pid == 0:
-                _child(req, base_path)
-            children.add(pid)
+                _child(req, base_path, [out, *children])
+            children[os.pidfd_open(pid)] = pid
             say({"pid": pid})
 
 
@@ -165,9 +210,10 @@ class WarmProc:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """Signal the worker through the server, its parent: only it knows whether the pid is
+        still this worker's (not reaped yet), so a recycled pid is never hit."""
         if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+            self._server.signal(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -188,7 +234,9 @@ class _Server:
         self.procs: dict[int, WarmProc] = {}
         self.early: dict[int, int] = {}  # exits heard before the spawn's answer was handled
         self.answers: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the server's input and the tables above
+        self.spawning = threading.Lock()  # one spawn (request, answer) at a time
+        self.env = import_time_env(dict(os.environ))
         self.reader = threading.Thread(target=self._read, name="warm-server-reader", daemon=True)
         self.reader.start()
 
@@ -210,19 +258,38 @@ class _Server:
         with self.lock:
             left, self.procs = list(self.procs.values()), {}
         for p in left:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)  # orphaned: no server left to ask
             p._exited(-signal.SIGKILL)
         self.answers.put({"error": "the warm server exited"})
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: str, timeout: float = 60.0) -> WarmProc:
+    def _send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         with self.lock:
-            self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": log}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
+
+    def signal(self, pid: int, sig: int) -> None:
         try:
-            msg = self.answers.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"the warm server did not answer within {timeout:.0f}s") from None
+            self._send({"signal": pid, "sig": int(sig)})
+        except (OSError, ValueError):  # the server is gone: its workers are orphans, signal directly
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: str, timeout: float = 60.0) -> WarmProc:
+        changed = sorted(k for k in self.env.keys() | import_time_env(env).keys() if self.env.get(k) != env.get(k))
+        if changed:
+            raise ValueError(
+                f"{changed} differ from the warm server's environment and are read when a library "
+                "loads: a forked worker would not see them; run these ranks with warm=False"
+            )
+        with self.spawning:
+            self._send({"argv": argv, "env": env, "log": log})
+            try:
+                msg = self.answers.get(timeout=timeout)
+            except queue.Empty:
+                self.close()  # its late answer would be taken for the next spawn's
+                raise RuntimeError(f"the warm server did not answer within {timeout:.0f}s") from None
         if "pid" not in msg:
             raise RuntimeError(f"the warm server could not start {argv}: {msg.get('error')}; {self.log_tail()}")
         p = WarmProc(msg["pid"], argv, self)
