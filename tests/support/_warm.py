@@ -276,14 +276,14 @@ class _Server:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: str, timeout: float = 60.0) -> WarmProc:
+    def spawn(self, argv: list[str], env: dict[str, str], log: str, timeout: float = 120.0) -> WarmProc:
         changed = sorted(k for k in self.env.keys() | import_time_env(env).keys() if self.env.get(k) != env.get(k))
         if changed:
             raise ValueError(
                 f"{changed} differ from the warm server's environment and are read when a library "
                 "loads: a forked worker would not see them; run these ranks with warm=False"
             )
-        with self.spawning:
+        with self.spawning:  # the first answer waits for the server's imports: long on a loaded box
             self._send({"argv": argv, "env": env, "log": log})
             try:
                 msg = self.answers.get(timeout=timeout)
