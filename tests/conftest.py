@@ -40,10 +40,14 @@ LONGEST_FIRST = (
 
 
 def pytest_sessionfinish() -> None:
-    """Stop the SeaweedFS this process shared among its object-store test modules, if any."""
+    """Stop the SeaweedFS this process shared among its object-store test modules and the
+    warm server that forked its rank workers, if any."""
     s3fixtures = sys.modules.get("s3fixtures")
     if s3fixtures is not None:
         s3fixtures.close_shared()
+    warm = sys.modules.get("_warm")
+    if warm is not None:
+        warm.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

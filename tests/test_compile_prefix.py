@@ -112,7 +112,8 @@ def test_strip_prefixes_is_checked_at_the_call(tmp_path: Path, bad: Any) -> None
 @pytest.mark.timeout(90)
 def test_ddp_module_prefix_is_stripped_when_asked(tmp_path: Path) -> None:
     world, port, root, out = 2, free_port(), tmp_path / "ck", tmp_path / "result"
-    hung = run_ranks(lambda r: [WORKER, str(r), str(world), str(port), str(root), str(out)], world, tmp_path, 75)
+    argv = [str(world), str(port), str(root), str(out)]
+    hung = run_ranks(lambda r: [WORKER, str(r), *argv], world, tmp_path, 75, warm=True)
     assert not hung, f"ranks {hung} hung:\n{log_tail(tmp_path, hung[0])}"
     for r in range(world):
         f = Path(f"{out}.{r}.json")

@@ -28,7 +28,7 @@ def spawn(tmp: Path, scenario: str, world: int) -> dict[int, dict[str, Any]]:
     logs.mkdir()
     port, root, out = free_port(), tmp / "root", tmp / "out"
     hung = run_ranks(
-        lambda r: [WORKER, scenario, str(r), str(world), str(port), str(root), str(out)], world, logs, 150.0
+        lambda r: [WORKER, scenario, str(r), str(world), str(port), str(root), str(out)], world, logs, 150.0, warm=True
     )
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}

@@ -18,7 +18,7 @@ WORKER = str(Path(__file__).parent / "support" / "_every_rank_worker.py")
 WORLD = 4
 
 
-def _run(tmp_path: Path, scenarios: list[str], deadline: float) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, scenarios: list[str], deadline: float, warm: bool = False) -> list[dict[str, Any]]:
     port = free_port()
     outs = [tmp_path / f"out{r}.json" for r in range(WORLD)]
     hung = run_ranks(
@@ -26,6 +26,7 @@ def _run(tmp_path: Path, scenarios: list[str], deadline: float) -> list[dict[str
         WORLD,
         tmp_path,
         deadline,
+        warm=warm,
     )
     assert not hung, f"ranks {hung} hung: {log_tail(tmp_path, hung[0])}"
     res = []
@@ -38,7 +39,7 @@ def _run(tmp_path: Path, scenarios: list[str], deadline: float) -> list[dict[str
 
 
 def test_all_results_or_the_same_error_naming_the_failed_rank(tmp_path: Path) -> None:
-    res = _run(tmp_path, ["ok", "one_fails", "not_json", "subgroup"], deadline=90)
+    res = _run(tmp_path, ["ok", "one_fails", "not_json", "subgroup"], deadline=90, warm=True)
 
     ok = [r["ok"] for r in res]
     expect = [{"rank": i, "dir": str(tmp_path / "ok" / f"rank{i}"), "pair": [i, "x"]} for i in range(WORLD)]
@@ -72,7 +73,7 @@ def test_all_results_or_the_same_error_naming_the_failed_rank(tmp_path: Path) ->
 
 
 def test_a_silent_rank_is_named_within_the_deadline_and_late_ranks_raise_the_same(tmp_path: Path) -> None:
-    res = _run(tmp_path, ["absent", "leader_slow"], deadline=90)
+    res = _run(tmp_path, ["absent", "leader_slow"], deadline=90)  # 1-1.5 s timeouts: fresh interpreters
 
     # rank 2 alive but busy for 4 s, timeout 1.5 s: ranks 0, 1, 3 raise RanksTimeoutError
     # naming rank 2 near the deadline (a barrier would wait for it); rank 2 raises the same

@@ -116,7 +116,7 @@ def _two_ranks(tmp_path: Path, bad_rank: int) -> dict[int, dict[str, Any]]:
     port = free_port()
     hung = run_ranks(
         lambda r: [WORKER, str(r), "2", str(port), str(root), str(out)],
-        2, tmp_path, 90, extra_env={"BAD_RANK": str(bad_rank)},
+        2, tmp_path, 90, extra_env={"BAD_RANK": str(bad_rank)}, warm=True,
     )  # fmt: skip
     assert not hung, f"ranks {hung} hung"
     res = {}

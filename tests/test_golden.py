@@ -227,7 +227,7 @@ def spawn(tmp: Path, scenario: str, world: int, roots: list[Path]) -> dict[int, 
     logs.mkdir()
     port, out = free_port(), tmp / f"out-{scenario}"
     argv = [scenario, "", str(world), str(port), *map(str, roots), str(out)]
-    hung = run_ranks(lambda r: [WORKER, argv[0], str(r), *argv[2:]], world, logs, 150.0)
+    hung = run_ranks(lambda r: [WORKER, argv[0], str(r), *argv[2:]], world, logs, 150.0, warm=True)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):

@@ -370,6 +370,7 @@ def test_second_subgroup_on_an_owned_root_is_refused_on_every_rank(tmp_path: Pat
         world,
         tmp_path,
         deadline=100,
+        warm=True,
     )
     elapsed = time.monotonic() - t0
     assert not hung, f"ranks {hung} hung: " + "".join(log_tail(tmp_path, r) for r in hung)

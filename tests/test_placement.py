@@ -27,12 +27,12 @@ WORKER = str(Path(__file__).parent / "support" / "_placement_worker.py")
 STEP = "step_00000001"
 
 
-def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path) -> dict[int, dict[str, Any]]:
+def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, warm: bool = False) -> dict[int, dict[str, Any]]:
     logs = tmp / f"logs-{scenario}-{world}"
     logs.mkdir()
     port = free_port()
     argv = [str(world), str(port), str(root), str(out)]
-    hung = run_ranks(lambda r: [WORKER, scenario, str(r), *argv], world, logs, 100.0)
+    hung = run_ranks(lambda r: [WORKER, scenario, str(r), *argv], world, logs, 100.0, warm=warm)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):
@@ -47,7 +47,7 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path) -> dict[i
 def submesh(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("submesh")
     root, out = tmp / "ck", tmp / "out"
-    return root, out, spawn(tmp, "linear_submesh", 4, root, out)
+    return root, out, spawn(tmp, "linear_submesh", 4, root, out, warm=True)
 
 
 def verify(root: Path, step: int = 1) -> list[str]:

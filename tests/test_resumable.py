@@ -264,7 +264,7 @@ def test_two_ranks_fall_back_then_save_the_bad_step_again(tmp_path: Path) -> Non
     port = free_port()
     hung = run_ranks(
         lambda r: [WORKER, str(r), "2", str(port), str(root), str(out)],
-        2, tmp_path, 120, extra_env={"BAD_RANK": "1", "RESAVE": "1"},
+        2, tmp_path, 120, extra_env={"BAD_RANK": "1", "RESAVE": "1"}, warm=True,
     )  # fmt: skip
     assert not hung, f"ranks {hung} hung"
     for r in range(2):

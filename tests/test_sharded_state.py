@@ -31,7 +31,14 @@ def verify(root: Path, step: int) -> list[Any]:
 
 
 def spawn(
-    tmp: Path, scenario: str, world: int, root: Path, out: Path, saved: int, dead: tuple[int, ...] = ()
+    tmp: Path,
+    scenario: str,
+    world: int,
+    root: Path,
+    out: Path,
+    saved: int,
+    dead: tuple[int, ...] = (),
+    warm: bool = False,
 ) -> dict[int, dict[str, Any]]:
     logs = tmp / f"logs-{scenario}-{world}"
     logs.mkdir()
@@ -41,7 +48,7 @@ def spawn(
     def args(r: int) -> list[str]:
         return [WORKER, argv[0], str(r), *argv[2:]]
 
-    hung = run_ranks(args, world, logs, 120.0)
+    hung = run_ranks(args, world, logs, 120.0, warm=warm)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):
@@ -59,7 +66,7 @@ def spawn(
 def saved_on_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("s4")
     root, out = tmp / "ck", tmp / "out"
-    return root, out, spawn(tmp, "save", 4, root, out, 4)
+    return root, out, spawn(tmp, "save", 4, root, out, 4, warm=True)
 
 
 @pytest.mark.timeout(200)
@@ -78,7 +85,7 @@ def test_save_on_4_load_on_2_reshards_bit_equal(saved_on_4: Any, tmp_path: Path)
     assert len(index["tensors"]["model.b.up.weight"]["chunks"]) == 3
     assert index["tensors"]["tp2d.up.weight"]["placements"] == ["SS(0,2)", "S(0)"]
     assert verify(root, 1) == []
-    res = spawn(tmp_path, "load", 2, root, out, 4)
+    res = spawn(tmp_path, "load", 2, root, out, 4, warm=True)
     for r in res.values():
         # per-rank values across a change of world size are refused by name, then rank 0's taken
         assert r["refused"] is not None and "'rng'" in r["refused"] and "per_rank='rank0'" in r["refused"]
@@ -207,7 +214,7 @@ def test_ddp_dedupe_writes_the_replicated_state_once(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_hsdp_replica_writes_are_spread_and_load_bit_equal(tmp_path: Path) -> None:
     root, out = tmp_path / "ck", tmp_path / "out"
-    res = spawn(tmp_path, "hsdp", 4, root, out, 4)
+    res = spawn(tmp_path, "hsdp", 4, root, out, 4, warm=True)
     assert res[0]["diff"] == []  # loaded into a fresh HSDP model: bit-equal to what was saved
 
     def data_bytes(name: str) -> list[int]:
@@ -298,7 +305,7 @@ def test_corrupt_chunk_read_by_one_rank_is_named_on_every_rank_and_the_fallback_
         b = f.read(1)
         f.seek(begin + 3)
         f.write(bytes([b[0] ^ 0x10]))
-    res = spawn(tmp_path, "loadcorrupt", 2, copy, out, 4)
+    res = spawn(tmp_path, "loadcorrupt", 2, copy, out, 4, warm=True)
     for r in (0, 1):
         on = res[r]["on"]
         assert on["error"] == "CheckpointCorruptError" and on["path"].endswith(file), on
@@ -338,7 +345,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
     chunk) and w0 (64 x 8192 F32, Shard(0): 512 KiB chunks)."""
     tmp = tmp_path_factory.mktemp("wide")
     root, out = tmp / "ck", tmp / "out"
-    spawn(tmp, "savewide", 4, root, out, 4)
+    spawn(tmp, "savewide", 4, root, out, 4, warm=True)
     return root, torch.load(f"{out}.ref.pt")
 
 

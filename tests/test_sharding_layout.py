@@ -20,7 +20,7 @@ WORKER = str(Path(__file__).parent / "support" / "_shard_worker.py")
 
 def run_world(tmp_path: Path, world: int) -> dict[int, dict[str, Any]]:
     out, port = tmp_path / "result", free_port()
-    hung = run_ranks(lambda r: [WORKER, str(r), str(world), str(port), str(out)], world, tmp_path, 90.0)
+    hung = run_ranks(lambda r: [WORKER, str(r), str(world), str(port), str(out)], world, tmp_path, 90.0, warm=True)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):

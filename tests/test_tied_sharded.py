@@ -33,7 +33,8 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path) -> dict[i
     logs = tmp / f"logs-{scenario}-{world}"
     logs.mkdir()
     port = str(free_port())
-    hung = run_ranks(lambda r: [WORKER, scenario, str(r), str(world), port, str(root), str(out)], world, logs, 150.0)
+    argv = [scenario, str(world), port, str(root), str(out)]
+    hung = run_ranks(lambda r: [WORKER, argv[0], str(r), *argv[1:]], world, logs, 150.0, warm=True)
     assert not hung, f"ranks {hung} still running at the deadline"
     res = {}
     for r in range(world):

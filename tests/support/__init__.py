@@ -22,6 +22,7 @@ Real systems the tests run against (a mock only for a fault nothing real produce
 Utilities:
 
 * ``_ranks.py``: launch the ranks of a multi-process test as subprocesses, with a hard deadline.
+* ``_warm.py``: a server that imported torch once and forks rank workers (``run_ranks(warm=True)``).
 * ``_ckcheck.py``: an independent check of a committed step directory (plain ``json``/``os``).
 * ``_cli_util.py``: real checkpoints, the real CLI in a subprocess, resealing files.
 * ``_nosigbus.py``: what the no-signal-death tests share (FUSE and tmpfs mounts, the checks).

@@ -2,7 +2,12 @@
 
 Every multi-rank test goes through :func:`run_ranks`: each rank runs ``argv(rank)`` with
 stdout/stderr in ``log_dir/rank<R>.log``; whatever is still running at the deadline is
-killed, so no test can leave a process behind or hang.
+killed, so no test can leave a process behind or hang. ``warm=True`` forks the ranks from a
+server that imported torch already (``_warm``: seconds of CPU less per rank) instead of
+starting a fresh interpreter each; for workers that do not test how an interpreter exits, in
+tests of the parallel phase only (not ``slow``, not ``timing``, no deadline of a few seconds).
+``TESTS_WARM_RANKS=0`` in the environment starts every rank fresh (to compare, or to rule the
+server out).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import _warm
 
 
 def free_port() -> int:
@@ -30,15 +38,20 @@ def run_ranks(
     deadline: float,
     extra_env: dict[str, str] | None = None,
     on_started: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+    warm: bool = False,
 ) -> list[int]:
     """Run ``world`` ranks to completion or ``deadline`` seconds; return the ranks that hung."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(extra_env or {}))
+    warm = warm and os.environ.get("TESTS_WARM_RANKS", "1") != "0"
     logs = [open(log_dir / f"rank{r}.log", "wb") for r in range(world)]
-    procs = [
-        subprocess.Popen([sys.executable, *argv(r)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-        for r in range(world)
-    ]
+    procs: list[Any] = []
     try:
+        for r in range(world):
+            if warm:
+                procs.append(_warm.spawn(argv(r), env, str(log_dir / f"rank{r}.log")))
+            else:
+                cmd = [sys.executable, *argv(r)]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=logs[r], stderr=subprocess.STDOUT))
         if on_started is not None:
             on_started(procs)
         end = time.monotonic() + deadline
