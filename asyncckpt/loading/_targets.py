@@ -78,9 +78,9 @@ def plan_targets(
         skeleton, names = unflatten_named(tree, slot_of, shard_path)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
-    check_fit(into, skeleton)  # a mismatch restore_into would meet: raised before any target is written
     found: dict[str, torch.Tensor] = {}
-    _pair(into, skeleton, prefixes, found)
+    # a mismatch restore_into would meet is raised here, before any target is written
+    _fit_and_pair(into, skeleton, prefixes, found)
     del skeleton
     # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
     counts = collections.Counter(names) if len(names) != len(slots) else None
@@ -92,6 +92,41 @@ def plan_targets(
             usable[name] = t
     del found
     return _without_overlaps(usable, slot_of)
+
+
+def _fit_and_pair(target: Any, skeleton: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
+    """:func:`check_fit` then :func:`_pair`, in one walk of the common containers: a plain
+    dict's plain tensors are checked and paired on one visit (the two walks cost ~10 % of a
+    100 k-tensor load); any other node takes the two functions as they are."""
+    if type(target) is not dict or not isinstance(skeleton, Mapping):
+        check_fit(target, skeleton)
+        _pair(target, skeleton, prefixes, out)
+        return
+    _fit_and_pair_dict(target, skeleton, prefixes, out, "")
+
+
+def _fit_and_pair_dict(
+    target: dict[Any, Any], skeleton: Mapping[Any, Any], prefixes: tuple[str, ...], out: dict[str, torch.Tensor],
+    path: str,
+) -> None:  # fmt: skip
+    for key, value in target.items():
+        got = skeleton.get(key, _ABSENT)
+        if type(value) in PLAIN_TENSORS and type(got) is TensorSlot and value.shape == got.shape:
+            out.setdefault(got.name, value)
+            continue
+        sub = f"{path}.{key}" if path else str(key)
+        if got is _ABSENT:
+            raise UnfitKeyError(f"{sub} is not in the checkpoint")
+        if type(value) is dict and isinstance(got, Mapping):
+            _fit_and_pair_dict(value, got, prefixes, out, sub)
+            continue
+        if not _is_leaf(value):
+            check_fit(value, got, sub)
+        if type(value) in PLAIN_TENSORS:
+            if type(got) is TensorSlot:
+                out.setdefault(got.name, value)
+        else:
+            _pair(value, got, prefixes, out)
 
 
 def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
