@@ -88,6 +88,7 @@ class S3Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: int | None = None
         self._volumes: set[int] = set()  # volume ids seen before a kill: a restart waits for them
+        self._started = False  # once it answered, its ports are the endpoint clients hold
 
     @property
     def endpoint(self) -> str:
@@ -111,7 +112,27 @@ class S3Server:
         }
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start the server (again, on the same data dir and ports) and wait until S3 answers."""
+        """Start the server (again, on the same data dir and ports) and wait until S3 answers.
+
+        The ports are picked free, then bound by ``weed`` moments later: another process (a
+        gloo rank's store, another test process's server) may take one in between. A first
+        start that fails so (``address already in use`` in its log) picks new ports and tries
+        again, up to 3 times; a restart keeps its ports (clients hold the endpoint)."""
+        first = not self._started
+        for attempt in range(3):
+            try:
+                self._start_once(timeout)
+                return
+            except S3ServerError:
+                if not first or attempt == 2 or "address already in use" not in self.log_tail():
+                    raise
+                (self.s3_port, self.master_port, self.volume_port, self.filer_port, self.master_grpc,
+                 self.volume_grpc, self.filer_grpc, self.s3_grpc) = free_ports(8)  # fmt: skip
+                self.proc = None
+                shutil.rmtree(self.datadir, ignore_errors=True)  # nothing stored yet: a clean start
+                os.makedirs(self.datadir, exist_ok=True)
+
+    def _start_once(self, timeout: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [
@@ -132,6 +153,7 @@ class S3Server:
             args, stdout=self._log, stderr=self._log, start_new_session=True, preexec_fn=_die_with_parent
         )
         self.wait_ready(timeout)
+        self._started = True
 
     def answers(self) -> bool:
         """True if the S3 gateway answers an HTTP request right now (any status)."""
