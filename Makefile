@@ -69,7 +69,7 @@ TIMING_FILES = $(shell grep -l "mark.timing" tests/test_*.py)
 
 test: venv nemo-venv lint
 	$(PYTEST) $(XDIST) -m "not slow and not timing" $(PYTEST_ARGS); a=$$?; \
-	$(PYTEST) -m "timing and not slow" $(or $(PYTEST_ARGS),$(TIMING_FILES)); b=$$?; $(BOTH_PHASES)
+	$(PYTEST) -m "timing and not slow" $(PYTEST_ARGS) $(if $(filter tests/%,$(PYTEST_ARGS)),,$(TIMING_FILES)); b=$$?; $(BOTH_PHASES)
 
 test-slow: venv nemo-venv
 	$(PYTEST) $(XDIST) -m "slow and not timing" $(PYTEST_ARGS); a=$$?; \

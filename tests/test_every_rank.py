@@ -72,6 +72,8 @@ def test_all_results_or_the_same_error_naming_the_failed_rank(tmp_path: Path) ->
         assert err["failures"]["1"]["global_rank"] == 3 and err["failures"]["1"]["errno"] == errno.EACCES, err
 
 
+@pytest.mark.slow  # 15 s: make test-slow (and CI) runs it, one at a time
+@pytest.mark.timing  # 1-1.5 s timeouts against 4 and 7.5 s sleeps
 def test_a_silent_rank_is_named_within_the_deadline_and_late_ranks_raise_the_same(tmp_path: Path) -> None:
     res = _run(tmp_path, ["absent", "leader_slow"], deadline=90)  # 1-1.5 s timeouts: fresh interpreters
 
