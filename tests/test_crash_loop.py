@@ -250,7 +250,7 @@ def check_disk(root: Path, acked: int, started: int) -> list[int]:
 @pytest.mark.parametrize(
     "kills",
     [
-        pytest.param(25, marks=pytest.mark.timeout(180), id="25"),
+        pytest.param(20, marks=pytest.mark.timeout(180), id="20"),
         pytest.param(500, marks=[pytest.mark.slow, pytest.mark.timeout(1800)], id="500"),
     ],
 )

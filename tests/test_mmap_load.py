@@ -149,6 +149,7 @@ print(json.dumps({"peak": peak - base, "anon": kib('RssAnon') - anon, "rss": kib
 """
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.timeout(200)
 def test_memory_is_not_a_second_copy(tmp_path: Path) -> None:
     """A 128 MiB state: a verified mapped load keeps its peak extra memory to the verification

@@ -157,6 +157,7 @@ def test_a_wiped_node_or_another_runs_files_are_never_read(tmp_path: Path) -> No
         assert got["loaded"] == 6 and got["equal"] and got["run_id"] in runs, got
 
 
+@pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timeout(300)
 def test_a_node_that_cannot_commit_fails_the_save_on_every_rank_and_nothing_is_lost(tmp_path: Path) -> None:

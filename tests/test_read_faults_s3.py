@@ -48,7 +48,7 @@ def state(step: int) -> dict[str, Any]:
     "fault",
     [
         pytest.param(Rule("status", method="GET", path_contains="/step_00000002/a-", status=503, times=10**6),
-                     id="503"),
+                     id="503", marks=pytest.mark.slow),  # 17 s; the timeout and the other faults stay
         pytest.param(Rule("delay", method="GET", path_contains="/step_00000002/a-", delay=30, times=10**6),
                      id="timeout"),
     ],
