@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
-from s3fixtures import data_keys, opts, require_s3, server_fixture
+from s3fixtures import data_keys, opts, proxy_fixture, require_s3, server_fixture
 
 require_s3()
 
@@ -24,7 +23,6 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from s3proxy import FaultProxy, Rule  # noqa: E402
-from s3server import S3Server  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import Checkpointer, remote  # noqa: E402
@@ -35,14 +33,7 @@ SLACK = 0.9  # what a loaded 2-core machine may add to a deadline
 
 s3 = server_fixture(BUCKET)
 
-
-@pytest.fixture
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3.s3_port, max_lifetime=120).start()
-    try:
-        yield p
-    finally:
-        p.stop()  # also lets every held request go
+proxy = proxy_fixture(max_lifetime=120)  # its stop() also lets every held request go
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -120,6 +111,7 @@ def test_a_retirement_cut_after_its_manifest_is_finished_by_the_next_round(
         ck.save(3, _state(3))
         ck.flush(30)
     assert _remote_steps(url, o) == [3]
-    assert not [k for k in data_keys(proxy.endpoint, url) if not k.startswith("step_00000003/")], \
-        data_keys(proxy.endpoint, url)  # nothing of steps 1 and 2 is left
+    assert not [k for k in data_keys(proxy.endpoint, url) if not k.startswith("step_00000003/")], data_keys(
+        proxy.endpoint, url
+    )  # nothing of steps 1 and 2 is left
     assert torch.equal(asyncckpt.load(url, storage_options=o)["w"], _state(3)["w"])

@@ -9,17 +9,15 @@ server or obstore is missing.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from s3fixtures import opts, require_s3, server_fixture
+from s3fixtures import opts, proxy_fixture, require_s3, server_fixture
 
 require_s3()
 
 from conftest import make_state  # noqa: E402
 from s3proxy import FaultProxy, Rule  # noqa: E402
-from s3server import S3Server  # noqa: E402
 
 from asyncckpt import Checkpointer, ObjectStoreTimeoutError, SaveError, SaveTimeoutError  # noqa: E402
 
@@ -29,14 +27,7 @@ SLACK = 1.0  # what a loaded 2-core machine may add to a deadline
 
 s3 = server_fixture(BUCKET)
 
-
-@pytest.fixture
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3.s3_port, max_lifetime=120).start()
-    try:
-        yield p
-    finally:
-        p.stop()  # also lets every held request go
+proxy = proxy_fixture(max_lifetime=120)  # its stop() also lets every held request go
 
 
 def _url(name: str) -> str:
