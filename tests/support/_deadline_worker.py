@@ -46,25 +46,39 @@ def scenario_slow_start(rank: int, root: str, result: dict[str, Any]) -> None:
         result["after"] = ck.steps()
 
 
-def scenario_late_load(rank: int, root: str, result: dict[str, Any]) -> None:
-    """Save step 1 (each rank its own part), then say so (``<OUT>.saved``) and wait for the
-    test's go (``<OUT>.go``: its file system now makes rank 1's first read of its part slow).
-    Rank 1 comes to ``load()`` ``LATE_S`` after rank 0: rank 0's load must end by its timeout.
-    Then a second load, with the slow read spent: every rank loads its part (nothing lost)."""
+def _wait_for(path: str, timeout: float = 60.0) -> None:
+    """Until the test creates ``path`` (at most ``timeout`` s: the test fails on what follows)."""
+    end = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _save_then_wait_for_go(rank: int, root: str, out: str) -> None:
+    """Save step 1 (each rank its own part), say so (``<OUT>.saved``), wait for ``<OUT>.go``."""
     import torch
     import torch.distributed as dist
 
     from asyncckpt import Checkpointer
 
-    out = os.environ["OUT"]
     with Checkpointer(root, node_local=True, timeout=60) as ck:
         ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
     dist.barrier()
     if rank == 0:
         open(f"{out}.saved", "w").close()
-    end = time.monotonic() + 60
-    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
-        time.sleep(0.02)
+    _wait_for(f"{out}.go")
+
+
+def scenario_late_load(rank: int, root: str, result: dict[str, Any]) -> None:
+    """Save step 1 (each rank its own part), then say so (``<OUT>.saved``) and wait for the
+    test's go (``<OUT>.go``: its file system now makes rank 1's first read of its part slow).
+    Rank 1 comes to ``load()`` ``LATE_S`` after rank 0: rank 0's load must end by its timeout.
+    Then a second load, with the slow read spent: every rank loads its part (nothing lost)."""
+    import torch.distributed as dist
+
+    from asyncckpt import Checkpointer
+
+    out = os.environ["OUT"]
+    _save_then_wait_for_go(rank, root, out)
     with Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])) as ck:
         dist.barrier()
         if rank == 1:
@@ -85,20 +99,12 @@ def scenario_stuck_read(rank: int, root: str, result: dict[str, Any]) -> None:
     rules change). Both ranks load: each says how it ended (``<OUT>.loaded.<rank>``), and the
     test lets the held read go once both did (or gave up waiting), then says ``<OUT>.go2``.
     Then a second load: every rank loads its part (nothing lost)."""
-    import torch
     import torch.distributed as dist
 
     from asyncckpt import Checkpointer
 
     out = os.environ["OUT"]
-    with Checkpointer(root, node_local=True, timeout=60) as ck:
-        ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
-    dist.barrier()
-    if rank == 0:
-        open(f"{out}.saved", "w").close()
-    end = time.monotonic() + 60
-    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
-        time.sleep(0.02)
+    _save_then_wait_for_go(rank, root, out)
     with Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])) as ck:
         dist.barrier()
         t0 = time.monotonic()
@@ -108,9 +114,7 @@ def scenario_stuck_read(rank: int, root: str, result: dict[str, Any]) -> None:
             result["load_error"] = _describe(e)
         result["load_s"] = time.monotonic() - t0
         open(f"{out}.loaded.{rank}", "w").close()
-        end = time.monotonic() + 60
-        while not os.path.exists(f"{out}.go2") and time.monotonic() < end:
-            time.sleep(0.02)
+        _wait_for(f"{out}.go2")
         dist.barrier()
         result["loaded"] = float(ck.load()["w"][0])
 
@@ -122,7 +126,6 @@ def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
     at which steps each holds): each says how it ended (``<OUT>.built.<rank>``), and the test
     lets the held call go once both did, then says ``<OUT>.go2``. Then a construction and a
     load: every rank loads its part (nothing lost)."""
-    import torch
     import torch.distributed as dist
 
     from asyncckpt import Checkpointer
@@ -130,14 +133,7 @@ def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
     out = os.environ["OUT"]
     with open(f"{out}.pid.{rank}", "w") as f:
         f.write(str(os.getpid()))
-    with Checkpointer(root, node_local=True, timeout=60) as ck:
-        ck.save(1, {"w": torch.full((4096,), float(rank + 1))}).result(120)
-    dist.barrier()
-    if rank == 0:
-        open(f"{out}.saved", "w").close()
-    end = time.monotonic() + 60
-    while not os.path.exists(f"{out}.go") and time.monotonic() < end:
-        time.sleep(0.02)
+    _save_then_wait_for_go(rank, root, out)
     t0 = time.monotonic()
     try:
         Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])).close()
@@ -145,9 +141,7 @@ def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
         result["ctor_error"] = _describe(e)
     result["ctor_s"] = time.monotonic() - t0
     open(f"{out}.built.{rank}", "w").close()
-    end = time.monotonic() + 60
-    while not os.path.exists(f"{out}.go2") and time.monotonic() < end:
-        time.sleep(0.02)
+    _wait_for(f"{out}.go2")
     dist.barrier()
     with Checkpointer(root, node_local=True, timeout=60) as ck:
         result["loaded"] = float(ck.load()["w"][0])
