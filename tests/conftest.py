@@ -32,10 +32,25 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 #: test_distributed.py (4 s save deadlines) starts beside files that mostly wait, not beside
 #: test_sharded_state.py, the other CPU-heavy multi-rank file.
 LONGEST_FIRST = (
-    "test_distributed.py", "test_crash_loop.py", "test_tier.py", "test_s3_checkpointer.py", "test_sharded_state.py",
-    "test_torchtitan_2d.py", "test_exit_paths.py", "test_s3_lease.py", "test_cli_hostile.py", "test_s3_traffic.py",
-    "test_placement.py", "test_retention_readers.py", "test_no_sigbus_export.py", "test_acceptance.py",
-    "test_dcp_storage.py", "test_objstore.py", "test_remote.py", "test_interrupts.py", "test_export_sharded.py",
+    "test_distributed.py",
+    "test_crash_loop.py",
+    "test_tier.py",
+    "test_s3_checkpointer.py",
+    "test_sharded_state.py",
+    "test_torchtitan_2d.py",
+    "test_exit_paths.py",
+    "test_s3_lease.py",
+    "test_cli_hostile.py",
+    "test_s3_traffic.py",
+    "test_placement.py",
+    "test_retention_readers.py",
+    "test_no_sigbus_export.py",
+    "test_acceptance.py",
+    "test_dcp_storage.py",
+    "test_objstore.py",
+    "test_remote.py",
+    "test_interrupts.py",
+    "test_export_sharded.py",
 )
 
 
@@ -48,6 +63,15 @@ def pytest_sessionfinish() -> None:
     warm = sys.modules.get("_warm")
     if warm is not None:
         warm.close()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when the tests run in one process
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """A worker that died mid-test leaves no traceback: say what the kernel saw (an OOM kill,
+    a segfault) on the failure's own line, which CI's summary repeats."""
+    from _crashinfo import kernel_notes
+
+    report.longrepr = f"{report.longrepr}; {kernel_notes()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -166,4 +190,3 @@ def small_tmpfs(tmp_path: Any) -> Iterator[str]:
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-
