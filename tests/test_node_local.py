@@ -12,14 +12,13 @@ Needs root (mount namespaces): skips with a reason starting ``needs root/``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _ranks import free_port, log_tail, run_ranks
+from _ranks import free_port, rank_results, run_ranks
 
 WORKER = str(Path(__file__).parent / "support" / "_rank_worker.py")
 T = 5.0  # the Checkpointer's timeout: how long a rank looks for rank 0's token
@@ -49,13 +48,7 @@ def _run(tmp_path: Path, tag: str, nodes: list[Path], timeout: float = T) -> dic
         lambda r: [WORKER, "nodes", str(r), "4", str(port), str(mount), str(out)], 4, logs, 120,
         extra_env={"NODE_DIRS": ":".join(map(str, nodes)), "CK_TIMEOUT": str(timeout), "HOST_STORE_S": "30"},
     )  # fmt: skip
-    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
-    res = {}
-    for r in range(4):
-        f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
-        res[r] = json.loads(f.read_text())
-        assert "crash" not in res[r], res[r]["crash"]
+    res = rank_results(out, logs, hung, 4)
     assert os.listdir(mount) == []  # every bind mount stayed in its rank's namespace
     return res
 

@@ -9,14 +9,13 @@ costs ~10-15 s of process start on a busy 2-core machine: the tests with several
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _ranks import free_port, log_tail, run_ranks
+from _ranks import free_port, rank_results, run_ranks
 
 WORKER = str(Path(__file__).parent / "support" / "_node_worker.py")
 NAMES = "a:a:b:b"
@@ -49,13 +48,7 @@ def _run(
         lambda r: [WORKER, "run", str(r), "4", str(port), str(mount), str(out)], 4, logs, 150,
         extra_env={"NODE_DIRS": dirs, "NODE_NAMES": names, "HOST_STORE_S": "30", **env},
     )  # fmt: skip
-    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
-    res = {}
-    for r in range(4):
-        f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
-        res[r] = json.loads(f.read_text())
-        assert "crash" not in res[r], res[r]["crash"]
+    res = rank_results(out, logs, hung, 4)
     assert os.listdir(mount) == []  # every bind mount stayed in its rank's namespace
     return res
 

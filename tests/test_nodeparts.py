@@ -16,7 +16,7 @@ def _p(**steps: tuple[str, str]) -> dict[str, list[Any]]:
 
 def test_every_rank_reads_its_own_disk_when_it_holds_the_attempt() -> None:
     local = [_p(s1=("x1", "R"), s2=("x2", "R"))] * 4
-    assert common_steps(local, []) == [[1, "x1", "R", ["local"] * 4], [2, "x2", "R", ["local"] * 4]]
+    assert [e[:4] for e in common_steps(local, [])] == [[1, "x1", "R", ["local"] * 4], [2, "x2", "R", ["local"] * 4]]
 
 
 def test_a_rank_lacking_its_part_reads_the_store_but_only_of_the_same_attempt() -> None:
@@ -24,7 +24,9 @@ def test_a_rank_lacking_its_part_reads_the_store_but_only_of_the_same_attempt() 
     wiped: dict[str, list[Any]] = {}
     other = _p(s2=("y2", "Q"))  # another attempt (another run) of step 2 on that node's disk
     store = [[2, "x2", "R"]]
-    assert common_steps([a, a, wiped, other], store) == [[2, "x2", "R", ["local", "local", "store", "store"]]]
+    assert common_steps([a, a, wiped, other], store) == [
+        [2, "x2", "R", ["local", "local", "store", "store"], [["local", "store"]] * 2 + [["store"]] * 2]
+    ]
     assert common_steps([a, a, wiped, other], []) == []  # without the store: never a mix
 
 
@@ -47,10 +49,24 @@ def test_every_chosen_step_is_readable_by_every_rank_with_one_attempt(
 ) -> None:
     parts = [{s: list(v) for s, v in p.items()} for p in local]
     listed = {s: (a, r) for s, a, r in store}  # one manifest per step on the store
-    for step, attempt, _run, sources in common_steps(parts, [[s, a, r] for s, (a, r) in listed.items()]):
+    for step, attempt, _run, sources, _tiers in common_steps(parts, [[s, a, r] for s, (a, r) in listed.items()]):
         assert len(sources) == len(parts)
         for p, src in zip(parts, sources, strict=True):
             if src == "local":
                 assert p[str(step)][0] == attempt
             else:
                 assert listed[step][0] == attempt
+
+
+def test_a_rank_reads_its_memory_copy_first_then_its_disk_then_the_store_of_the_same_attempt() -> None:
+    disk = _p(s4=("x4", "R"), s5=("x5", "R"))
+    mem = _p(s5=("x5", "R"))
+    stale = _p(s5=("y5", "R"))  # another attempt of step 5 in a node's memory: never read
+    store = [[5, "x5", "R"]]
+    got = common_steps([disk, disk, {}, disk], store, [mem, stale, mem, {}])
+    assert got[-1] == [5, "x5", "R", ["memory", "local", "memory", "local"],
+                       [["memory", "local", "store"], ["local", "store"], ["memory", "store"], ["local", "store"]]]
+    # the memory tier alone (the disks wiped, no store): a step every rank holds in memory
+    assert common_steps([{}, {}], [], [mem, mem]) == [[5, "x5", "R", ["memory"] * 2, [["memory"]] * 2]]
+    # memory on some ranks only and nothing else: never a mix with another step
+    assert common_steps([{}, {}], [], [mem, {}]) == []

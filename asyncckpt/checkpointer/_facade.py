@@ -110,6 +110,16 @@ class Checkpointer:
             holds with one attempt (docs/node-local.md). Nodes are grouped by host name, or by
             the ``ASYNCCKPT_NODE`` environment variable where it is set. With ``mirror``, every
             rank uploads its own files of each committed step and rank 0 commits on the store.
+        memory: with ``node_local``, a directory on tmpfs (``/dev/shm/run1``, the same path on
+            every node): the memory tier. Each step committed on the disks is also copied, in
+            the background, into each node's memory tier (same commit discipline); it survives
+            a restart of the training processes on the node (not a reboot), and ``load()``
+            reads each rank's part from it first (then its disk, then the store: always the
+            agreed step). A directory not on tmpfs fails construction (docs/node-local.md).
+        memory_keep_last: steps each node keeps in its memory tier (default 1).
+        memory_budget: bytes each node's memory tier may hold (its steps and the one being
+            copied); the oldest steps go first, a step whose part alone exceeds it is not kept
+            in memory. Never fails a save. Default: no budget but ``memory_keep_last``.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
@@ -150,6 +160,9 @@ class Checkpointer:
         lease_ttl: float | None = None,
         huge_pages: bool = False,
         node_local: bool = False,
+        memory: str | os.PathLike[str] | None = None,
+        memory_keep_last: int | None = None,
+        memory_budget: int | None = None,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -159,6 +172,7 @@ class Checkpointer:
             on_commit=on_commit, strip_prefixes=strip_prefixes, allow_earlier_steps=allow_earlier_steps,
             dedupe=dedupe, mirror=mirror, keep_last_remote=keep_last_remote, storage_options=storage_options,
             lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
+            memory=memory, memory_keep_last=memory_keep_last, memory_budget=memory_budget,
         )  # fmt: skip
         self.root = opts.root
         self.strip_prefixes = opts.strip_prefixes

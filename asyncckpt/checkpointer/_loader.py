@@ -137,7 +137,7 @@ class Loader:
             store = (m.url, m.storage_options, listed)
         session.queries += 1
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
-                                   by, store)[1]  # fmt: skip
+                                   by, store, session.opts.memory)[1]  # fmt: skip
 
     def _load_agreed(self, req: LoadRequest) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""

@@ -12,6 +12,8 @@ from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._osops import OsOps
 from ..roots.posix._root import step_dir_hint
+from ..saving._memtier import check_apart
+from ..saving._memtier import check_options as check_memory
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
 
@@ -57,6 +59,10 @@ class Options:
     huge_pages: bool
     os_ops: OsOps
     node_local: bool = False
+    #: the memory tier (``saving._memtier``): its directory (absolute), steps kept, byte budget
+    memory: str | None = None
+    memory_keep_last: int = 1
+    memory_budget: int | None = None
 
     @classmethod
     def check(
@@ -82,6 +88,9 @@ class Options:
         huge_pages: bool,
         os_ops: OsOps,
         node_local: bool = False,
+        memory: str | os.PathLike[str] | None = None,
+        memory_keep_last: int | None = None,
+        memory_budget: int | None = None,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -140,6 +149,9 @@ class Options:
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be a bool, not {huge_pages!r}")
         check_node_local(node_local, store is not None, allow_earlier_steps)  # the node-local tier
+        mem = check_memory(memory, memory_keep_last, memory_budget, node_local)  # the memory tier
+        if mem is not None:
+            check_apart(mem, resolved)
         if not isinstance(os_ops, OsOps):
             raise TypeError(f"os_ops must be an asyncckpt.testing.OsOps, not {type(os_ops).__name__}")
         return cls(
@@ -149,7 +161,8 @@ class Options:
             direct_io=direct_io, verify=verify, io_threads=io_threads, process_group=process_group,
             on_commit=on_commit, strip_prefixes=prefixes, allow_earlier_steps=allow_earlier_steps, dedupe=dedupe,
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
-            huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
+            huge_pages=huge_pages, os_ops=os_ops, node_local=node_local, memory=mem,
+            memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget,
         )  # fmt: skip
 
 

@@ -418,6 +418,8 @@ class SavePipeline:
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
+        if info is not None and self.session.memory is not None:
+            self.session.memory.committed(info.step)  # the memory tier: copied in the background
         if info is not None and self.session.uploads_here():
             self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
         if info is not None and self.opts.on_commit is not None:

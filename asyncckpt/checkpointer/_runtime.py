@@ -20,6 +20,7 @@ from ..roots._backend import Backend
 from ..roots.posix._osops import OsOps
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._storage import Storage
+from ..saving._memtier import MemoryCopies
 from ..saving._mirror import Mirror
 from ..saving._stagecopy import StagingCopier
 from ..saving._stagingpool import StagingPool
@@ -48,6 +49,7 @@ class Runtime:
         self.ownership: Ownership | None = None
         self.lease: Lease | None = None  # an object-store root's (rank 0): released like ownership
         self.mirror: Mirror | None = None  # tier mode (mirror=): stopped before the writer
+        self.memory: MemoryCopies | None = None  # the memory tier's rounds: stopped before the writer
         self.backend: Backend | None = None  # where saves go (POSIX root or object store)
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
@@ -100,6 +102,8 @@ class Runtime:
             try:
                 if self.mirror is not None:
                     self.mirror.stop(timeout=10.0)
+                if self.memory is not None:
+                    self.memory.stop(timeout=10.0)
                 shutdown = getattr(self.coord, "shutdown", None)
                 if shutdown is not None:
                     shutdown()

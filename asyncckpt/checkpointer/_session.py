@@ -19,7 +19,7 @@ from ..roots._registry import open_root
 from ..roots._root import Root
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
-from ..saving import _nodelocal, _nodeupload
+from ..saving import _memtier, _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
 from ..threads._deadline import Deadline
 from ..threads._iopool import IOPool
@@ -59,7 +59,11 @@ class RootSession:
         self.key = self.dist.start_key(opts.given) if self.dist is not None else ""
         # the node-local tier (saving._nodelocal): which ranks share a node; each node's leader
         # takes the root on its own disk
+        if opts.memory is not None and self.dist is None:
+            raise ValueError("memory= needs a process group (one node's ranks and their agreement); a single "
+                             "process has no memory tier yet")  # fmt: skip
         self.nodes = _nodes.discover(self.dist, self.key, self.timeout) if opts.node_local and self.dist else None
+        self.memory: _memtier.MemoryCopies | None = None  # the memory tier's rounds (set by claim)
         self.node_run: str | None = None  # the node-local tier: the run of the agreed newest step
         leads = self.rank == 0 or (self.nodes is not None and self.rank in self.nodes.leaders)
         # made before anything is locked: whatever interrupts the rest of construction (an
@@ -130,6 +134,12 @@ class RootSession:
                                timeout=self.timeout, retire_local=self.local_retention(rt),
                                uploads=self.rank == 0, ranks=self.ranks, lease_ttl=opts.lease_ttl)
         self.mirror = rt.mirror
+        if opts.memory is not None:  # the memory tier: every rank copies its files of each commit
+            assert self.dist is not None and self.nodes is not None
+            rt.memory = self.memory = _memtier.MemoryCopies(
+                self.root, opts.memory, self.nodes, rank=self.rank, world_size=self.world_size,
+                connect=self.dist.connect, namespace=namespace, keep_last=opts.memory_keep_last,
+                budget=opts.memory_budget, timeout=self.timeout)  # fmt: skip
         self.start_run(committed)  # the run this job continues (_runs)
         return rt
 
@@ -143,6 +153,8 @@ class RootSession:
 
         def start() -> None:  # its directory wait gets what is left of the construction's deadline
             _rootstart.node_start(self.root, opts.os_ops, self.ownership, by.remaining(), self.ranks, self.dead)
+            if opts.memory is not None:
+                _memtier.start_memory(opts.memory)
 
         def listed() -> list[list[Any]]:
             assert opts.mirror is not None
@@ -150,7 +162,8 @@ class RootSession:
                                           .remaining())  # fmt: skip
 
         failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, by,
-                                                    None if opts.mirror is None else listed)  # fmt: skip
+                                                    None if opts.mirror is None else listed,
+                                                    opts.memory)  # fmt: skip
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
         return failure, [int(a[0]) for a in agreed]
 

@@ -79,6 +79,10 @@ class Waits:
         if removing is not None and (yield Wait([removing], left(), shield=False)):
             removing.cancel()  # stops the waiting, not the removals
             raise TimeoutError(f"removing retired checkpoints still running after {timeout}s")
+        if (yield Call(self.copies_to_wait_for)):  # the memory tier's copies of what committed
+            assert self.session.memory is not None
+            if (yield Wait(self.session.memory.pending(), left())):
+                raise TimeoutError(f"copies to the memory tier still running after {timeout}s")
         if (yield Call(lambda: self.uploads_to_wait_for(local_only))):
             running = yield Wait(self.books.pending_futures(), left())
             if running:
@@ -118,6 +122,14 @@ class Waits:
                     answer = len(not_done)
             else:
                 answer = await asyncio.to_thread(step.fn)
+
+    def copies_to_wait_for(self) -> bool:
+        """With a memory tier: whether to wait for its copies (after one round trip through the
+        writer loop, as for uploads: every settled save has handed its step over by then)."""
+        if self.session.memory is None or self.rt.stopped:
+            return False
+        self.rt.writer.submit(asyncio.sleep(0)).result(MARGIN_S)
+        return True
 
     def uploads_to_wait_for(self, local_only: bool) -> bool:
         """Tier mode, after the local saves settled: whether to wait for uploads too. True

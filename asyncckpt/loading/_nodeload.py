@@ -5,7 +5,11 @@ every rank with one attempt (``roots._nodeparts.agree_parts``), each reads and v
 files of that step on its node, and they agree on the outcome, so either every rank returns
 the same step or every rank raises (its own error where it failed, ``CheckpointError`` naming
 the failed ranks elsewhere). A rank whose node lacks its part
-reads it from the persistent tier (``store``). No fallback to an older step yet: a corrupt part raises.
+reads it from the persistent tier (``store``). With a memory tier (``saving._memtier``) a rank
+reads from its node's memory when it holds that very attempt; a read that fails there (a
+corrupt or missing file) goes on to the next tier holding the same attempt (its node's disk,
+then the store): never to another step. No fallback to an older step: a part that no tier of
+the agreed attempt can serve raises.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ log = logging.getLogger("asyncckpt")
 
 def load_part(
     dist: DistContext, key: str, root: str, step: int | None, verify: bool, by: Deadline,
-    store: tuple[str, Mapping[str, str] | None, list[list[Any]] | None] | None = None,
+    store: tuple[str, Mapping[str, str] | None, list[list[Any]] | None] | None = None, memory: str | None = None,
 ) -> tuple[int, Any]:  # fmt: skip
     """This rank's state of the agreed step (``step``: that one, else the newest) and its number.
     ``store``: the persistent tier's URL, storage options and (rank 0) its resumable steps; a
@@ -48,27 +52,26 @@ def load_part(
     Raises ``CheckpointNotFoundError`` on every rank when no step is complete for every rank
     in some tier (a node's disk empty, wiped, or holding another run's or attempt's files, and
     the step not on the store)."""
-    steps = agree_parts(dist, f"{key}/parts", root, by, step, None if store is None else store[2])
+    steps = agree_parts(dist, f"{key}/parts", root, by, step, None if store is None else store[2], memory)
     if not steps:
         what = f"step {step}" if step is not None else "a step"
         raise CheckpointNotFoundError(f"no node-local checkpoint under {root}: {what} complete for every rank with "
                                       "one attempt is on no node's disk")  # fmt: skip
-    chosen, attempt, source = int(steps[-1][0]), str(steps[-1][1]), steps[-1][3][dist.rank]
+    chosen, attempt, tiers = int(steps[-1][0]), str(steps[-1][1]), list(steps[-1][4][dist.rank])
     error: BaseException | None = None
     state: Any = None
-    log.info("rank %d: loading step %d from %s", dist.rank, chosen, "its node's disk" if source == "local" else
-             "the store")  # fmt: skip
-    try:
-        if source == "store":
-            assert store is not None
-            reads_by = by.before(outcome_reserve(by))
-            far = open_root(store[0], storage_options=store[1], deadline_s=reads_by.remaining())
-            state = load_step(far, chosen, rank=dist.rank, verify=verify, expect=attempt,
-                              deadline=reads_by.monotonic)  # fmt: skip
-        else:
-            state = _read_local(root, chosen, attempt, dist.rank, verify, by.before(outcome_reserve(by)))
-    except (CheckpointError, OSError) as e:
-        error = e
+    for source in tiers:  # fastest first; the next one on a failed read, same step and attempt
+        log.info("rank %d: loading step %d from %s", dist.rank, chosen, _WHERE[source])
+        try:
+            state = _read_from(source, root, memory, store, chosen, attempt, dist.rank, verify, by)
+            error = None
+            break
+        except (CheckpointError, OSError) as e:
+            error = e
+            if source != tiers[-1]:
+                log.warning("rank %d: step %d could not be read from %s (%s: %s); falling back to the same step "
+                            "from %s", dist.rank, chosen, _WHERE[source], type(e).__name__, e,
+                            _WHERE[tiers[tiers.index(source) + 1]])  # fmt: skip
     mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -81,6 +84,24 @@ def load_part(
         raise CheckpointError(f"step {chosen} could not be loaded from the node-local root {root} on rank(s) "
                               f"{[r for r, _ in bad]}: {bad[0][1]}")  # fmt: skip
     return chosen, state
+
+
+_WHERE = {"memory": "its node's memory tier", "local": "its node's disk", "store": "the store"}
+
+
+def _read_from(
+    source: str, root: str, memory: str | None, store: tuple[str, Mapping[str, str] | None, Any] | None,
+    chosen: int, attempt: str, rank: int, verify: bool, by: Deadline,
+) -> Any:  # fmt: skip
+    """Rank ``rank``'s part of the agreed attempt from one tier."""
+    reads_by = by.before(outcome_reserve(by))
+    if source == "store":
+        assert store is not None
+        far = open_root(store[0], storage_options=store[1], deadline_s=reads_by.remaining())
+        return load_step(far, chosen, rank=rank, verify=verify, expect=attempt, deadline=reads_by.monotonic)
+    where = root if source == "local" else memory
+    assert where is not None
+    return _read_local(where, chosen, attempt, rank, verify, reads_by)
 
 
 def outcome_reserve(by: Deadline) -> float:

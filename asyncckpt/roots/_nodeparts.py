@@ -74,12 +74,14 @@ def parts(root: str, ranks: Collection[int]) -> dict[int, tuple[str, str | None]
 
 def agree_parts(
     dist: DistContext, key: str, root: str, timeout: float | Deadline, step: int | None = None,
-    store_steps: list[list[Any]] | None = None,
+    store_steps: list[list[Any]] | None = None, memory: str | None = None,
 ) -> list[list[Any]]:  # fmt: skip
     """Collective (store only, bounded by ``timeout``): the steps complete for every rank with
-    one attempt, ascending, as ``[step, attempt, run, sources]``; ``sources[r]`` is where rank
-    ``r`` reads its part: ``"local"`` (its node's ``root``) or ``"store"`` (the persistent tier,
-    whose resumable steps rank 0 passes as ``store_steps``: ``[step, attempt, run]``). Each rank
+    one attempt, ascending, as ``[step, attempt, run, sources, tiers]``; ``sources[r]`` is where
+    rank ``r`` reads its part: ``"memory"`` (its node's memory tier, ``memory``), ``"local"``
+    (its node's ``root``) or ``"store"`` (the persistent tier, whose resumable steps rank 0
+    passes as ``store_steps``: ``[step, attempt, run]``); ``tiers[r]`` every place holding rank
+    ``r``'s part of that attempt, fastest first (a failed read goes on to the next). Each rank
     looks at its own files only; a part is read locally wherever the node holds that very
     attempt (same manifest, CRC-checked files: provably the same bytes as on the store).
     With ``step``: that step only, or none. The run rule (``roots._runs``): when some step is
@@ -92,40 +94,48 @@ def agree_parts(
     by = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
     try:  # on a thread of its own: a stat or read held by the file system has no deadline of its own
         found = call_by(lambda: parts(root, [dist.rank]), by, f"asyncckpt-nodescan-r{dist.rank}")
+        held = {} if memory is None else call_by(lambda: parts(memory, [dist.rank]), by,
+                                                 f"asyncckpt-memscan-r{dist.rank}")  # fmt: skip
     except CallTimeout:
         raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: looking at its parts on this node's disk did "
                                   "not finish within the deadline", root) from None  # fmt: skip
-    mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if step is None or s == step}}
+    mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if step is None or s == step},
+                            "memory": {str(s): list(v) for s, v in held.items() if step is None or s == step}}
     if dist.rank == 0:
         mine["store"] = [e for e in store_steps or () if step is None or e[0] == step]
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"steps": common_steps([o["parts"] for o in outcomes], outcomes[0].get("store", []))}
+        return {"steps": common_steps([o["parts"] for o in outcomes], outcomes[0].get("store", []),
+                                      [o.get("memory", {}) for o in outcomes])}  # fmt: skip
 
     return list(agree(dist, key, mine, decide, timeout)["steps"])
 
 
-def common_steps(local: list[dict[str, list[Any]]], store_steps: list[list[Any]]) -> list[list[Any]]:
-    """:func:`agree_parts`'s decision from every rank's parts and the store's steps (pure)."""
+def common_steps(
+    local: list[dict[str, list[Any]]], store_steps: list[list[Any]], memory: list[dict[str, list[Any]]] | None = None
+) -> list[list[Any]]:
+    """:func:`agree_parts`'s decision from every rank's parts (on its node's disk, ``local``,
+    and in its node's memory tier, ``memory``) and the store's steps (pure)."""
     store = {int(e[0]): (str(e[1]), e[2]) for e in store_steps}
-    steps = {int(s) for p in local for s in p} | set(store)
+    mem = memory if memory is not None else [{} for _ in local]
+    steps = {int(s) for p in [*local, *mem] for s in p} | set(store)
     out: list[list[Any]] = []
     for s in sorted(steps):
-        found = {(str(p[str(s)][0]), p[str(s)][1]) for p in local if str(s) in p}
+        found = {(str(p[str(s)][0]), p[str(s)][1]) for p in [*local, *mem] if str(s) in p}
         found |= {store[s]} if s in store else set()
         for attempt, run in sorted(found, key=str):
-            sources = []
-            for p in local:
-                if str(s) in p and p[str(s)][0] == attempt:
-                    sources.append("local")
-                elif s in store and store[s][0] == attempt:
-                    sources.append("store")
-                else:
+            tiers = []
+            for p, q in zip(local, mem, strict=True):
+                held = [name for name, there in (("memory", q), ("local", p)) if str(s) in there
+                        and there[str(s)][0] == attempt]  # fmt: skip
+                held += ["store"] if s in store and store[s][0] == attempt else []
+                if not held:
                     break
+                tiers.append(held)
             else:
-                out.append([s, attempt, run, sources])
+                out.append([s, attempt, run, [t[0] for t in tiers], tiers])
                 break
-    on_disks = [e for e in out if all(x == "local" for x in e[3])]
+    on_disks = [e for e in out if all(x != "store" for x in e[3])]
     if on_disks:
         run = on_disks[-1][2]
         out = [e for e in out if same_run(e[2], run)]

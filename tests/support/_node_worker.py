@@ -1,7 +1,9 @@
 """One rank of a node-local tier test (``test_node_tier.py``): argv scenario rank world port root out.
 
 ``NODE_DIRS``: per rank, the directory bind-mounted at ``root`` in this rank's own mount
-namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``.
+namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``;
+``MEMORY`` (the memory tier's one path) and ``MEMORY_DIRS`` (per rank, its node's directory on
+/dev/shm, bind-mounted there in the same namespace).
 Writes what happened to ``out.<rank>.json``.
 """
 
@@ -53,6 +55,11 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
 
         ops = FailCommit()
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
+    if os.environ.get("MEMORY"):  # the memory tier
+        extra["memory"] = os.environ["MEMORY"]
+        for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET"):
+            if os.environ.get(opt):
+                extra[opt.lower()] = int(os.environ[opt])
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
         if os.environ.get("KEEP_LAST_REMOTE"):
@@ -93,6 +100,13 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         ck.flush(timeout=timeout * 6)  # with the persistent tier: the uploads too
     except Exception as e:  # noqa: BLE001
         result["flush_error"] = describe(e)
+    if os.environ.get("KILL_AFTER_FLUSH"):  # every process of every node killed: no close, no goodbye
+        with open(f"{out}.{rank}.json", "w") as f:
+            json.dump(result, f)
+        end = time.monotonic() + 30  # rank 0 hosts the c10d store: the last to go
+        while rank == 0 and time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+            time.sleep(0.05)
+        os._exit(9)
     ck.close()
 
 
@@ -104,6 +118,12 @@ def main() -> None:
 
     faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER_S", "100")))
     enter_node(os.environ["NODE_DIRS"].split(":")[rank], root)
+    if os.environ.get("MEMORY_DIRS"):  # in the namespace enter_node made private: this node's tmpfs dir
+        import ctypes
+
+        src, dst = os.environ["MEMORY_DIRS"].split(":")[rank], os.environ["MEMORY"]
+        if ctypes.CDLL(None, use_errno=True).mount(src.encode(), dst.encode(), None, 4096, None) != 0:  # MS_BIND
+            raise OSError(ctypes.get_errno(), f"mount --bind {src} {dst}")
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

@@ -12,6 +12,7 @@ server out).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -72,3 +73,15 @@ def run_ranks(
 
 def log_tail(log_dir: Path, rank: int, n: int = 3000) -> str:
     return (log_dir / f"rank{rank}.log").read_text(errors="replace")[-n:]
+
+
+def rank_results(out: Path, logs: Path, hung: list[int], world: int) -> dict[int, dict[str, Any]]:
+    """Every rank's ``out.<rank>.json`` after ``run_ranks`` (none hung, none crashed), by rank."""
+    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
+    res = {}
+    for r in range(world):
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        res[r] = json.loads(f.read_text())
+        assert "crash" not in res[r], res[r]["crash"]
+    return res

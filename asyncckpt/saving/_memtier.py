@@ -1,0 +1,333 @@
+"""The memory tier of node-local roots: each node keeps its newest steps on tmpfs too.
+
+``Checkpointer(root, node_local=True, memory="/dev/shm/run1", memory_keep_last=1,
+memory_budget=...)``. The memory tier is one more node-local POSIX root (``_nodelocal``'s
+layout and commit discipline) whose path is on tmpfs, so it outlives the training process (not
+a reboot). Theory of operation (docs/design/tiers.md): each step the nodes' disks committed is
+handed to :class:`MemoryCopies` on every rank, one round per committed step, in commit order
+(every rank sees the same commits, so the rounds stay aligned without another agreement):
+
+1. each node's leader makes room: it removes its node's memory steps beyond
+   ``memory_keep_last - 1`` and, oldest first, until they and this step's part of the node fit
+   ``memory_budget``, then posts the go for its node (a part larger than the whole budget is
+   not copied);
+2. every rank copies its own files of the step from its node's disk into
+   ``step_N.tmp-<attempt>/`` under the memory root and checks their sizes;
+3. the ranks exchange their outcomes through the c10d store (their own namespace, bounded by
+   ``timeout``); each node's leader commits its node's part (``_nodelocal.commit_part``, with
+   the disk step's exact manifest bytes: the same attempt, so provably the same bytes) when its
+   node's ranks all copied theirs.
+
+A copy that fails or is skipped never fails a save (the durable tiers committed first): it is
+logged, and the memory tier lacks that step. ``save()`` blocks no longer: the rounds run on a
+thread of their own after the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import CheckpointError
+from ..format import _manifest
+from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from ..ranks._coordination import StoreCoordinator
+from ..ranks._nodes import Nodes
+from ..roots._nodeparts import parts
+from ..roots._scheme import is_url
+from ..roots.posix._retention import remove_leftovers
+from ..roots.posix._storage import Storage
+from ..threads._iopool import IOPool
+from ..threads._writer import WriterThread
+from ._nodelocal import commit_part
+from ._nodeupload import open_part
+
+log = logging.getLogger("asyncckpt")
+
+#: The file systems a memory tier may live on (``/proc/self/mountinfo``'s type field).
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_options(memory: object, keep_last: object, budget: object, node_local: bool) -> str | None:
+    """Raise ``TypeError``/``ValueError`` for memory-tier options that cannot work (no I/O);
+    return the memory root made absolute (``None`` without a memory tier)."""
+    if memory is None:
+        if keep_last is not None or budget is not None:
+            raise ValueError("memory_keep_last and memory_budget apply to a memory tier (memory=...)")
+        return None
+    if not isinstance(memory, (str, os.PathLike)):
+        raise TypeError(f"memory must be a path on tmpfs, not {type(memory).__name__}")
+    path = os.fspath(memory)
+    if not isinstance(path, str) or not path or is_url(path):
+        raise ValueError(f"memory must be a directory on tmpfs (e.g. /dev/shm/run1), not {memory!r}")
+    if not node_local:
+        raise ValueError("memory= is a tier of node-local roots: it needs node_local=True")
+    if keep_last is not None and not _is_int(keep_last):
+        raise TypeError(f"memory_keep_last must be an int, not {type(keep_last).__name__}")
+    if keep_last is not None and keep_last < 1:  # type: ignore[operator]
+        raise ValueError(f"memory_keep_last must be at least 1, not {keep_last!r}")
+    if budget is not None and not _is_int(budget):
+        raise TypeError(f"memory_budget must be an int (bytes), not {type(budget).__name__}")
+    if budget is not None and budget < 1:  # type: ignore[operator]
+        raise ValueError(f"memory_budget must be a positive number of bytes, not {budget!r}")
+    return os.path.abspath(path)
+
+
+def check_apart(memory: str, root: str) -> None:
+    """``ValueError`` when the memory root and the disk root are one, or one holds the other."""
+    a, b = os.path.realpath(memory), os.path.realpath(root)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise ValueError(f"memory={memory!r} and the root {root!r} must be two separate directories")
+
+
+def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system holding ``path`` (an existing directory), from the mount
+    whose mount point is the longest prefix of its real path."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    with open(mountinfo, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields, _, rest = line.partition(" - ")
+            point = fields.split()[4].encode().decode("unicode_escape")  # \040 for a space
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, kind = point, rest.split()[0]
+    return kind
+
+
+def start_memory(memory: str) -> None:
+    """A node's leader at construction: make the memory root, refuse one not on tmpfs
+    (``CheckpointError``), remove the attempts a killed process left there."""
+    os.makedirs(memory, mode=0o700, exist_ok=True)
+    kind = fs_type(memory)
+    if kind not in MEMORY_FS:
+        raise CheckpointError(f"asyncckpt: memory={memory} is on a {kind or 'unknown'} file system, not tmpfs: "
+                              "it would not be memory (use a directory under /dev/shm)")  # fmt: skip
+    remove_leftovers(memory)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _remove(memory: str, step: int) -> None:
+    """Remove this node's memory part of ``step``: renamed aside first (never a half-removed
+    step that looks committed), then deleted."""
+    aside = os.path.join(memory, deleting_dir_name(step, uuid.uuid4().hex[:16]))
+    os.rename(os.path.join(memory, step_dir_name(step)), aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def make_room(memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, need: int) -> list[int]:
+    """Remove this node's oldest memory steps until at most ``keep_last - 1`` are left and
+    they with ``need`` bytes more fit ``budget``; return the removed steps."""
+    have = sorted(parts(memory, ranks))
+    sizes = {s: _tree_bytes(os.path.join(memory, step_dir_name(s))) for s in have}
+    gone = []
+    while have and (len(have) > keep_last - 1 or (budget is not None and sum(sizes[s] for s in have) + need > budget)):
+        s = have.pop(0)
+        _remove(memory, s)
+        gone.append(s)
+    return gone
+
+
+_NO_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def _copy_range(src: int, dst: int, count: int, offset: int) -> int:
+    return os.copy_file_range(src, dst, count, offset, offset)
+
+
+def _send(src: int, dst: int, count: int, offset: int) -> int:
+    os.lseek(dst, offset, os.SEEK_SET)
+    return os.sendfile(dst, src, offset, count)
+
+
+def copy_files(opened: dict[str, int], loc: str) -> None:
+    """Copy this rank's opened files into the attempt directory ``loc``, durable, sizes checked."""
+    os.makedirs(loc, mode=0o700, exist_ok=True)
+    for name, fd in opened.items():
+        size = os.fstat(fd).st_size
+        dst = os.path.join(loc, name)
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            done, copy = 0, _copy_range
+            while done < size:
+                try:
+                    n = copy(fd, out, size - done, done)
+                except OSError as e:  # copy_file_range across file systems (EXDEV on older kernels)
+                    if copy is _send or e.errno not in _NO_RANGE:
+                        raise
+                    copy = _send
+                    continue
+                if n == 0:
+                    raise OSError(f"{dst}: the source ended at {done} of {size} bytes")
+                done += n
+            os.fsync(out)
+        finally:
+            os.close(out)
+        if os.stat(dst).st_size != size:
+            raise OSError(f"{dst}: copied {os.stat(dst).st_size} bytes of {size}")
+
+
+class MemoryCopies:
+    """The rounds that copy committed steps into the memory tier, on every rank (module docstring)."""
+
+    def __init__(
+        self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[[], Any],
+        namespace: str, keep_last: int, budget: int | None, timeout: float,
+    ) -> None:  # fmt: skip
+        self.disk, self.memory, self.nodes, self.rank = disk, memory, nodes, rank
+        self.node = nodes.node_of(rank)
+        self.keep_last, self.budget, self.timeout = keep_last, budget, timeout
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[int, concurrent.futures.Future[bool]]] = collections.deque()
+        self._pending: set[concurrent.futures.Future[bool]] = set()
+        self._pumping = False
+        self._stopped = False
+        self._rounds = 0
+        self._dead: set[str] = set()
+        #: the steps this node committed in memory in this job, in order (monitoring, tests)
+        self.copied: list[int] = []
+        self._pool = IOPool(2, "asyncckpt-memtier-io")
+        self._storage = Storage(self._pool, direct_io="off")
+        self._coord_pool = IOPool(2, "asyncckpt-memtier-coord")
+        self._coord = StoreCoordinator(connect, rank, world_size, f"{namespace}-mem", self._run_coord)
+        self._thread = WriterThread("asyncckpt-memtier")
+
+    async def _run_coord(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._coord_pool, fn, *args)
+
+    @property
+    def _ranks(self) -> tuple[int, ...]:
+        return self.nodes.members[self.node]
+
+    def committed(self, step: int) -> None:
+        """Queue committed ``step`` for its round; never blocks (the save's writer thread calls it)."""
+        fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped:
+                return
+            self._queue.append((step, fut))
+            self._pending.add(fut)
+            start, self._pumping = not self._pumping, True
+        if start:
+            try:
+                self._thread.submit(self._pump())
+            except RuntimeError:
+                with self._lock:
+                    self._pumping = False
+
+    def pending(self) -> list[concurrent.futures.Future[bool]]:
+        """The rounds not finished yet (``flush()`` waits for them); each settles ``True`` when
+        this node committed the step in memory, ``False`` otherwise; never with an error."""
+        with self._lock:
+            return list(self._pending)
+
+    def _done(self, fut: concurrent.futures.Future[bool], ok: bool) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+        if not fut.done():
+            fut.set_result(ok)
+
+    async def _pump(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self._stopped:
+                    self._pumping = False
+                    return
+                step, fut = self._queue.popleft()
+                self._rounds += 1
+                seq = self._rounds
+            ok = False
+            try:
+                ok = await self._round(seq, step)
+            except Exception as e:  # noqa: BLE001 - the memory tier never fails a save: logged
+                log.warning("asyncckpt: rank %d: step %d was not copied to the memory tier %s: %s: %s", self.rank,
+                            step, self.memory, type(e).__name__, e)  # fmt: skip
+            finally:
+                self._done(fut, ok)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _round(self, seq: int, step: int) -> bool:
+        deadline = time.monotonic() + self.timeout
+        leader = self.rank == self.nodes.leader(self.node)
+        _, m, raw, opened = await self._run(open_part, self.disk, step, self.rank)
+        loc = os.path.join(self.memory, tmp_dir_name(step, m.attempt))
+        mine: dict[str, Any] = {"ok": False, "error": "no room in the memory tier"}
+        try:
+            need = sum(m.file(n).size for r in self._ranks for n in (_manifest.shard_name(r), _manifest.tree_name(r)))
+            if leader:
+                room = self.budget is None or need <= self.budget
+                if room:
+                    try:
+                        gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, need)
+                        if gone:
+                            log.info("asyncckpt: memory tier %s: removed steps %s", self.memory, gone)
+                    except OSError as e:
+                        log.warning("asyncckpt: memory tier %s: could not make room: %s", self.memory, e)
+                        room = False
+                else:
+                    log.warning("asyncckpt: step %d's part of node %r (%d bytes) exceeds memory_budget=%d: not kept "
+                                "in memory", step, self.nodes.names[self.node], need, self.budget)  # fmt: skip
+                await self._coord.post_once(seq, f"room/{self.node}", {"ok": room})
+            go = await self._coord.wait_for(seq, f"room/{self.node}", deadline)
+            if go is not None and go["ok"]:
+                try:
+                    await self._run(copy_files, opened, loc)
+                    mine = {"ok": True}
+                except OSError as e:
+                    mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+        got = await self._coord.exchange(seq, "copied", mine, deadline)
+        if not leader:
+            return all(got[r]["ok"] for r in self._ranks)
+        if not all(got[r]["ok"] for r in self._ranks):
+            failed = {r: got[r].get("error") for r in self._ranks if not got[r]["ok"]}
+            await self._run(shutil.rmtree, loc, True)
+            if any(e != "no room in the memory tier" for e in failed.values()):
+                log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory, failed)
+            return False
+        await commit_part(self._storage, self.memory, loc, step, m.attempt, raw, self._ranks, self._dead)
+        self.copied.append(step)
+        return True
+
+    def stop(self, timeout: float) -> None:
+        """Stop the rounds (a round still running is cancelled; the attempt it leaves is removed
+        at the next start). Idempotent."""
+        with self._lock:
+            self._stopped = True
+            queued = list(self._queue)
+            self._queue.clear()
+        for _, fut in queued:
+            self._done(fut, False)
+        self._thread.stop(timeout=timeout)
+        self._coord.shutdown()
+        self._coord_pool.shutdown(wait=True, timeout=timeout)
+        self._pool.shutdown(wait=True, timeout=timeout)
+        for fut in self.pending():
+            self._done(fut, False)
