@@ -158,6 +158,19 @@ def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(tmp_path: Path, shm
     assert "exceeds memory_budget=10000" in logs[0] and "exceeds memory_budget=10000" in logs[2]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
+@pytest.mark.timeout(300)
+def test_memory_every_copies_every_nth_commit_and_the_disks_take_every_save(tmp_path: Path, shm: Path) -> None:
+    _needs_root()
+    c = Cluster(tmp_path, shm)
+    res, _ = c.run("every-2", STEPS="1,2,3,4,5", MEMORY_EVERY="2", MEMORY_KEEP_LAST="5", KEEP_LAST="5")
+    for got in res.values():
+        assert got["saved"] == [1, 2, 3, 4, 5] and got.get("flush_error") is None, got
+    assert _steps(c.ma) == [1, 3, 5] and _steps(c.mb) == [1, 3, 5]  # the 1st, 3rd and 5th commits
+    assert _steps(c.a) == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [
@@ -172,6 +185,11 @@ def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(tmp_path: Path, shm
         ({"memory": "/dev/shm/x", "node_local": True, "memory_budget": 1.5}, TypeError, "must be an int (bytes)"),
         ({"memory_budget": 100}, ValueError, "apply to a memory tier"),
         ({"memory_keep_last": 2}, ValueError, "apply to a memory tier"),
+        ({"memory": "/dev/shm/x", "node_local": True, "memory_every": 0}, ValueError, "at least 1"),
+        ({"memory": "/dev/shm/x", "node_local": True, "memory_every": 2.0}, TypeError, "must be an int"),
+        ({"node_local": True, "memory_every": 2}, ValueError, "(memory=...), which is not set"),
+        ({"node_local": True, "mirror_every": 3}, ValueError, "(mirror=...), which is not set"),
+        ({"mirror": "s3://b/p", "mirror_every": 3}, ValueError, "node-local roots"),
     ],
 )
 def test_bad_memory_options_raise_typed_errors_at_the_call(

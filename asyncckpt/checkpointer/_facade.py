@@ -120,6 +120,8 @@ class Checkpointer:
         memory_budget: bytes each node's memory tier may hold (its steps and the one being
             copied); the oldest steps go first, a step whose part alone exceeds it is not kept
             in memory. Never fails a save. Default: no budget but ``memory_keep_last``.
+        memory_every, mirror_every: tier frequencies (``node_local``): every n-th commit of
+            the job (the first always) goes to memory, to the store; the disks take every save.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
@@ -163,6 +165,8 @@ class Checkpointer:
         memory: str | os.PathLike[str] | None = None,
         memory_keep_last: int | None = None,
         memory_budget: int | None = None,
+        memory_every: int | None = None,
+        mirror_every: int | None = None,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -172,7 +176,8 @@ class Checkpointer:
             on_commit=on_commit, strip_prefixes=strip_prefixes, allow_earlier_steps=allow_earlier_steps,
             dedupe=dedupe, mirror=mirror, keep_last_remote=keep_last_remote, storage_options=storage_options,
             lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
-            memory=memory, memory_keep_last=memory_keep_last, memory_budget=memory_budget,
+            memory=memory, memory_keep_last=memory_keep_last, memory_budget=memory_budget, memory_every=memory_every,
+            mirror_every=mirror_every,
         )  # fmt: skip
         self.root = opts.root
         self.strip_prefixes = opts.strip_prefixes

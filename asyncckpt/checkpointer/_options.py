@@ -12,7 +12,7 @@ from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._osops import OsOps
 from ..roots.posix._root import step_dir_hint
-from ..saving._memtier import check_apart
+from ..saving._memtier import check_apart, check_every
 from ..saving._memtier import check_options as check_memory
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
@@ -63,6 +63,9 @@ class Options:
     memory: str | None = None
     memory_keep_last: int = 1
     memory_budget: int | None = None
+    #: tier frequencies: every n-th commit of the job goes to the memory tier, to the store
+    memory_every: int = 1
+    mirror_every: int = 1
 
     @classmethod
     def check(
@@ -91,6 +94,8 @@ class Options:
         memory: str | os.PathLike[str] | None = None,
         memory_keep_last: int | None = None,
         memory_budget: int | None = None,
+        memory_every: int | None = None,
+        mirror_every: int | None = None,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -152,6 +157,8 @@ class Options:
         mem = check_memory(memory, memory_keep_last, memory_budget, node_local)  # the memory tier
         if mem is not None:
             check_apart(mem, resolved)
+        every_mem = check_every("memory_every", memory_every, mem, node_local)
+        every_mirror = check_every("mirror_every", mirror_every, mirror, node_local)
         if not isinstance(os_ops, OsOps):
             raise TypeError(f"os_ops must be an asyncckpt.testing.OsOps, not {type(os_ops).__name__}")
         return cls(
@@ -162,7 +169,8 @@ class Options:
             on_commit=on_commit, strip_prefixes=prefixes, allow_earlier_steps=allow_earlier_steps, dedupe=dedupe,
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
             huge_pages=huge_pages, os_ops=os_ops, node_local=node_local, memory=mem,
-            memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget,
+            memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget, memory_every=every_mem,
+            mirror_every=every_mirror,
         )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from ..saving import _deferred
 from ..saving._arena import Arena
 from ..saving._commit import run_save
 from ..saving._handle import SaveHandle, SaveRecord
+from ..saving._memtier import due
 from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
 from ..saving._verdict import LEADER_SILENT_UNKNOWN
@@ -53,6 +54,8 @@ class SavePipeline:
         # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
         self.grace_end: float | None = None
         self.interrupted_save = False
+        #: the saves this job committed (settle, on the writer thread): the tiers' frequencies count them
+        self.tier_commits = 0
 
     def track_upload(self, info: CheckpointInfo) -> None:
         """Hand committed ``info`` to the mirror and track its upload like a save."""
@@ -404,6 +407,7 @@ class SavePipeline:
         """A save's future resolved (on the writer thread): book it, hand a commit to the
         mirror (tier mode, rank 0) and to ``on_commit``."""
         info = record.future.result() if ok else None
+        nth = 0  # this commit's number in the job (every rank counts the same commits: tier frequencies)
         with self.books.lock:
             if self.books.reserved.get(record.step) is record:
                 del self.books.reserved[record.step]
@@ -413,14 +417,16 @@ class SavePipeline:
             if ok:
                 self.books.committed.add(record.step)
                 self.books.commits += 1
+                self.tier_commits += 1
+                nth = self.tier_commits
                 if record in self.books.records:
                     self.books.records.remove(record)
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
-        if info is not None and self.session.memory is not None:
+        if info is not None and self.session.memory is not None and due(nth, self.opts.memory_every):
             self.session.memory.committed(info.step)  # the memory tier: copied in the background
-        if info is not None and self.session.uploads_here():
+        if info is not None and self.session.uploads_here() and due(nth, self.opts.mirror_every):
             self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
         if info is not None and self.opts.on_commit is not None:
             try:

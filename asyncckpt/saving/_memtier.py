@@ -87,6 +87,28 @@ def check_options(memory: object, keep_last: object, budget: object, node_local:
     return os.path.abspath(path)
 
 
+def check_every(name: str, every: object, tier: object, node_local: bool) -> int:
+    """A tier's save frequency (``memory_every``, ``mirror_every``): every ``every``-th commit
+    of the job goes to that tier (the first one always). ``TypeError``/``ValueError`` at the
+    call; ``tier`` is the tier's option (``None``: no such tier, so no frequency for it)."""
+    if every is None:
+        return 1
+    if not isinstance(every, int) or isinstance(every, bool):
+        raise TypeError(f"{name} must be an int (every n-th save), not {type(every).__name__}")
+    if every < 1:
+        raise ValueError(f"{name} must be at least 1, not {every!r}")
+    if tier is None:
+        raise ValueError(f"{name} applies to its tier ({name.split('_')[0]}=...), which is not set")
+    if not node_local:
+        raise ValueError(f"{name} applies to node-local roots (node_local=True) for now")
+    return every
+
+
+def due(nth: int, every: int) -> bool:
+    """Whether the ``nth`` commit of the job (1 for the first) goes to a tier of frequency ``every``."""
+    return (nth - 1) % every == 0
+
+
 def check_apart(memory: str, root: str) -> None:
     """``ValueError`` when the memory root and the disk root are one, or one holds the other."""
     a, b = os.path.realpath(memory), os.path.realpath(root)

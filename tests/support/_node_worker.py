@@ -57,11 +57,13 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
     if os.environ.get("MEMORY"):  # the memory tier
         extra["memory"] = os.environ["MEMORY"]
-        for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET"):
+        for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY"):
             if os.environ.get(opt):
                 extra[opt.lower()] = int(os.environ[opt])
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
+        if os.environ.get("MIRROR_EVERY"):
+            extra["mirror_every"] = int(os.environ["MIRROR_EVERY"])
         if os.environ.get("KEEP_LAST_REMOTE"):
             extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
     try:
