@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,3 +220,28 @@ def test_a_memory_tier_not_on_tmpfs_is_refused_and_leftovers_on_tmpfs_are_remove
     (leftover / "rank00000.safetensors").write_bytes(b"half")
     start_memory(str(shm / "mem"))
     assert os.listdir(shm / "mem") == []  # a killed process's half copy is gone
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # two runs of 4 ranks
+@pytest.mark.timeout(300)
+def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_disks(tmp_path: Path, shm: Path) -> None:
+    _needs_root()
+    c = Cluster(tmp_path, shm)
+    # node b's memory is a tmpfs of its own too small for its part (~33 KB): a real ENOSPC
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20k", "tmpfs", str(c.mb)], check=True)
+    try:
+        res, logs = c.run("full", STEPS="1,2", KEEP_LAST="2")
+        for got in res.values():
+            assert got["saved"] == [1, 2] and got.get("flush_error") is None, got
+        assert "No space left on device" in logs[2], logs[2][-3000:]  # named by node b's leader
+        assert _steps(c.ma) == [2] and _steps(c.mb) == []  # node a's memory holds its part, node b's none
+        assert not [p for p in c.mb.iterdir() if ".tmp-" in p.name]  # the failed attempt is removed
+        res, logs = c.run("after", KILL_AFTER_FLUSH="1")
+        _resumed(res, 2)  # the same step everywhere: node a from memory, node b from its disk
+        for r in (0, 1):
+            assert f"loading step 2 {FROM_MEMORY}" in logs[r]
+        for r in (2, 3):
+            assert f"loading step 2 {FROM_DISK}" in logs[r]
+    finally:
+        subprocess.run(["umount", str(c.mb)], check=False)

@@ -40,7 +40,7 @@ class DistContext:
     rank: int
     world_size: int
     prefix: str
-    connect: Callable[[], Any]
+    connect: Callable[..., Any]
 
     def wait_get(self, key: str, timeout: float) -> Any:
         """Rank 0's value of ``key``. Raises ``TimeoutError`` when rank 0 is alive but did not
@@ -137,7 +137,7 @@ def _dec_start_failure(d: dict[str, Any]) -> BaseException:
     return _errors.CheckpointError(f"{d.get('type')}: {msg}")
 
 
-def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], Any]:
+def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[..., Any]:
     """New, independent clients of the TCPStore behind ``store`` (keys under ``prefix``).
 
     A TCP probe comes first: TCPStore's own connect retries a refused connection for its
@@ -153,14 +153,16 @@ def _client_factory(store: Any, prefix: str, timeout_s: float) -> Callable[[], A
         base = base.underlying_store
     tcp = getattr(dist, "TCPStore", None)
     if tcp is None or not isinstance(base, tcp):
-        return lambda: dist.distributed_c10d.PrefixStore(prefix, store)
+        return lambda probe=True: dist.distributed_c10d.PrefixStore(prefix, store)
     host, port = base.host, base.port
 
-    def connect() -> Any:
+    def connect(probe: bool = True) -> Any:
         # TCPStore's connect retries a refused connection until its timeout (it waits for a
-        # server still starting); ours is long up, so a refusal means the host is gone
-        probe = socket.create_connection((host, port), timeout=min(timeout_s, CALL_S))
-        probe.close()
+        # server still starting); ours is long up, so a refusal means the host is gone.
+        # ``probe=False`` where the store is known up: a probe (connected, closed without a
+        # handshake) while other clients connect held their connects 5 s on torch 2.13's server
+        if probe:
+            socket.create_connection((host, port), timeout=min(timeout_s, CALL_S)).close()
         per_call = timedelta(seconds=min(timeout_s, CLIENT_S))
         client = tcp(host, port, is_master=False, timeout=per_call, wait_for_workers=False)
         return dist.distributed_c10d.PrefixStore(prefix, client)

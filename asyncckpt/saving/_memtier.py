@@ -53,6 +53,7 @@ from ._nodelocal import commit_part
 from ._nodeupload import open_part
 
 log = logging.getLogger("asyncckpt")
+_NO_ROOM = "no room in the memory tier"
 
 #: The file systems a memory tier may live on (``/proc/self/mountinfo``'s type field).
 MEMORY_FS = ("tmpfs", "ramfs")
@@ -216,7 +217,7 @@ class MemoryCopies:
     """The rounds that copy committed steps into the memory tier, on every rank (module docstring)."""
 
     def __init__(
-        self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[[], Any],
+        self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[..., Any],
         namespace: str, keep_last: int, budget: int | None, timeout: float,
     ) -> None:  # fmt: skip
         self.disk, self.memory, self.nodes, self.rank = disk, memory, nodes, rank
@@ -233,9 +234,15 @@ class MemoryCopies:
         self.copied: list[int] = []
         self._pool = IOPool(2, "asyncckpt-memtier-io")
         self._storage = Storage(self._pool, direct_io="off")
-        self._coord_pool = IOPool(2, "asyncckpt-memtier-coord")
-        self._coord = StoreCoordinator(connect, rank, world_size, f"{namespace}-mem", self._run_coord)
+        # one thread, so one store client: a round's store calls are sequential
+        self._coord_pool = IOPool(1, "asyncckpt-memtier-coord")
+        # connected now, at construction, with no probe (the store is up): a client connecting
+        # while a save runs held the c10d store's connects, and so every rank's save, for 5 s
+        # (a probe's connect-and-close while others connect, torch 2.13: ranks._distributed)
+        self._coord = StoreCoordinator(lambda: connect(probe=False), rank, world_size, f"{namespace}-mem",
+                                       self._run_coord)  # fmt: skip
         self._thread = WriterThread("asyncckpt-memtier")
+        self._thread.submit(self._coord.exchange(0, "ready", True, 0.0, wait=False)).result(timeout)
 
     async def _run_coord(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._coord_pool, fn, *args)
@@ -294,48 +301,78 @@ class MemoryCopies:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _round(self, seq: int, step: int) -> bool:
+        """One round (module docstring); whether this node committed ``step`` in memory. A rank
+        that cannot read or copy its part still takes part: its failure is in the exchange."""
         deadline = time.monotonic() + self.timeout
         leader = self.rank == self.nodes.leader(self.node)
-        _, m, raw, opened = await self._run(open_part, self.disk, step, self.rank)
-        loc = os.path.join(self.memory, tmp_dir_name(step, m.attempt))
-        mine: dict[str, Any] = {"ok": False, "error": "no room in the memory tier"}
+        t0 = time.monotonic()
+        mine, part = await self._copy(seq, step, leader, deadline)
+        got = await self._coord.exchange(seq, "copied", mine, deadline)
+        ok = all(got[r]["ok"] for r in self._ranks)
+        if not leader:
+            return ok
+        if part is None or not ok:
+            if part is not None:
+                await self._run(shutil.rmtree, part[0], True)
+            failed = {r: got[r].get("error") for r in self._ranks if not got[r]["ok"]}
+            if any(e != _NO_ROOM for e in failed.values()):
+                log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory, failed)
+            return False
+        loc, attempt, raw = part
+        await commit_part(self._storage, self.memory, loc, step, attempt, raw, self._ranks, self._dead)
+        self.copied.append(step)
+        log.info("asyncckpt: node %r: step %d committed in the memory tier %s in %.3fs", self.nodes.names[self.node],
+                 step, self.memory, time.monotonic() - t0)  # fmt: skip
+        return True
+
+    async def _copy(
+        self, seq: int, step: int, leader: bool, deadline: float
+    ) -> tuple[dict[str, Any], tuple[str, str, bytes] | None]:
+        """This rank's part of a round up to the exchange: its outcome, and (once its files were
+        opened) the attempt directory, the attempt and the manifest's bytes."""
         try:
-            need = sum(m.file(n).size for r in self._ranks for n in (_manifest.shard_name(r), _manifest.tree_name(r)))
+            _, m, raw, opened = await self._run(open_part, self.disk, step, self.rank)
+        except (OSError, CheckpointError, ValueError) as e:  # retired from the disk already, unreadable
             if leader:
-                room = self.budget is None or need <= self.budget
-                if room:
-                    try:
-                        gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, need)
-                        if gone:
-                            log.info("asyncckpt: memory tier %s: removed steps %s", self.memory, gone)
-                    except OSError as e:
-                        log.warning("asyncckpt: memory tier %s: could not make room: %s", self.memory, e)
-                        room = False
-                else:
-                    log.warning("asyncckpt: step %d's part of node %r (%d bytes) exceeds memory_budget=%d: not kept "
-                                "in memory", step, self.nodes.names[self.node], need, self.budget)  # fmt: skip
-                await self._coord.post_once(seq, f"room/{self.node}", {"ok": room})
-            go = await self._coord.wait_for(seq, f"room/{self.node}", deadline)
-            if go is not None and go["ok"]:
-                try:
-                    await self._run(copy_files, opened, loc)
-                    mine = {"ok": True}
-                except OSError as e:
-                    mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                await self._post_room(seq, False)
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
+        part = (os.path.join(self.memory, tmp_dir_name(step, m.attempt)), m.attempt, raw)
+        try:
+            if leader:  # always posts: the node's ranks wait for its word
+                await self._post_room(seq, await self._make_room(step, m))
+            go = await self._coord.wait_for(seq, f"room/{self.node}/{self.nodes.leader(self.node)}", deadline)
+            if go is None or not go["ok"]:
+                return {"ok": False, "error": _NO_ROOM}, part
+            await self._run(copy_files, opened, part[0])
+            return {"ok": True}, part
+        except OSError as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, part
         finally:
             for fd in opened.values():
                 os.close(fd)
-        got = await self._coord.exchange(seq, "copied", mine, deadline)
-        if not leader:
-            return all(got[r]["ok"] for r in self._ranks)
-        if not all(got[r]["ok"] for r in self._ranks):
-            failed = {r: got[r].get("error") for r in self._ranks if not got[r]["ok"]}
-            await self._run(shutil.rmtree, loc, True)
-            if any(e != "no room in the memory tier" for e in failed.values()):
-                log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory, failed)
+
+    async def _post_room(self, seq: int, ok: bool) -> None:
+        """The leader: its node's go for the copies (a plain set: only the leader writes it)."""
+        await self._coord.exchange(seq, f"room/{self.node}", {"ok": ok}, 0.0, wait=False)
+
+    async def _make_room(self, step: int, m: _manifest.Manifest) -> bool:
+        """The leader: make room for its node's part of ``step`` (whether there is room now)."""
+        try:
+            need = sum(m.file(n).size for r in self._ranks for n in (_manifest.shard_name(r), _manifest.tree_name(r)))
+        except CheckpointError as e:  # a manifest without this node's files: nothing to keep
+            log.warning("asyncckpt: step %d is not copied to the memory tier: %s", step, e)
             return False
-        await commit_part(self._storage, self.memory, loc, step, m.attempt, raw, self._ranks, self._dead)
-        self.copied.append(step)
+        if self.budget is not None and need > self.budget:
+            log.warning("asyncckpt: step %d's part of node %r (%d bytes) exceeds memory_budget=%d: not kept in "
+                        "memory", step, self.nodes.names[self.node], need, self.budget)  # fmt: skip
+            return False
+        try:
+            gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, need)
+        except OSError as e:
+            log.warning("asyncckpt: memory tier %s: could not make room: %s", self.memory, e)
+            return False
+        if gone:
+            log.info("asyncckpt: memory tier %s: removed steps %s", self.memory, gone)
         return True
 
     def stop(self, timeout: float) -> None:

@@ -128,7 +128,7 @@ def main() -> None:
             raise OSError(ctypes.get_errno(), f"mount --bind {src} {dst}")
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(threadName)s %(levelname)s %(message)s")
     os.environ["ASYNCCKPT_NODE"] = os.environ["NODE_NAMES"].split(":")[rank]
     from datetime import timedelta
 
