@@ -19,8 +19,9 @@ handed to :class:`MemoryCopies` on every rank, one round per committed step, in 
    node's ranks all copied theirs.
 
 A copy that fails or is skipped never fails a save (the durable tiers committed first): it is
-logged, and the memory tier lacks that step. ``save()`` blocks no longer: the rounds run on a
-thread of their own after the commit.
+logged, and the memory tier lacks that step. ``save()`` does not wait for it: the rounds run on
+a thread of their own after the commit (they do compete with the next save for the disk and the
+CPU: the copy re-reads the step from the disk; docs/design/tiers.md, "Measured").
 """
 
 from __future__ import annotations

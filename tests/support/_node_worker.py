@@ -17,7 +17,19 @@ import time
 import traceback
 from typing import Any
 
-from _rank_worker import describe, enter_node, state_for
+from _rank_worker import describe, enter_node
+from _rank_worker import state_for as small_state
+
+
+def state_for(rank: int, step: int) -> dict[str, Any]:
+    """``_rank_worker.state_for``, plus ``STATE_MB`` MiB of float32 when set (measurements)."""
+    import torch
+
+    state = small_state(rank, step)
+    if os.environ.get("STATE_MB"):
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        state["model"]["big"] = torch.rand(int(os.environ["STATE_MB"]) << 18, generator=g)
+    return state
 
 
 def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
@@ -73,23 +85,30 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         return
     result["run_id"] = ck.run_id
     try:
+        t_load = time.monotonic()
         loaded = ck.load()
+        result["load_s"] = time.monotonic() - t_load
     except Exception as e:  # noqa: BLE001 - what the test looks at
         result["load_error"] = describe(e)
     else:
         step = int(loaded["extra"]["step"])
         want = state_for(rank, step)
         result["loaded"] = step
-        result["equal"] = bool(torch.equal(loaded["model"]["w"], want["model"]["w"])) and loaded["extra"] == want[
+        result["equal"] = all(torch.equal(loaded["model"][k], want["model"][k]) for k in want["model"]) and loaded[
             "extra"
-        ]
+        ] == want["extra"] and set(loaded["model"]) == set(want["model"])
     result["saved"] = []
     for s in [int(x) for x in os.environ.get("STEPS", "").split(",") if x]:
         if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
             json.dump(result, open(f"{out}.{rank}.json", "w"))
             os._exit(9)  # this node is lost: no close, no goodbye
         try:
-            ck.save(s, state_for(rank, s)).result(timeout + 30)
+            state = state_for(rank, s)
+            time.sleep(float(os.environ.get("SAVE_GAP_S", "0")))  # the training steps between saves
+            t_call = time.monotonic()
+            handle = ck.save(s, state)
+            result.setdefault("block_s", []).append(time.monotonic() - t_call)  # save()'s blocking
+            handle.result(timeout + 30)
             result["saved"].append(s)
         except Exception as e:  # noqa: BLE001
             result["save_error"] = describe(e)
@@ -120,7 +139,7 @@ def main() -> None:
 
     faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER_S", "100")))
     enter_node(os.environ["NODE_DIRS"].split(":")[rank], root)
-    if os.environ.get("MEMORY_DIRS"):  # in the namespace enter_node made private: this node's tmpfs dir
+    if os.environ.get("MEMORY_DIRS") and os.environ.get("MEMORY"):  # this node's tmpfs dir, in its namespace
         import ctypes
 
         src, dst = os.environ["MEMORY_DIRS"].split(":")[rank], os.environ["MEMORY"]
