@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from _ranks import free_port, log_tail, rank_results, run_ranks
 
-from asyncckpt import Checkpointer, CheckpointError
+from asyncckpt import Checkpointer, CheckpointError, RootInUseError
+from asyncckpt.roots.posix._ownership import Ownership
 from asyncckpt.saving._memtier import fs_type, start_memory
 
 WORKER = str(Path(__file__).parent / "support" / "_node_worker.py")
@@ -220,6 +221,16 @@ def test_a_memory_tier_not_on_tmpfs_is_refused_and_leftovers_on_tmpfs_are_remove
     (leftover / "rank00000.safetensors").write_bytes(b"half")
     start_memory(str(shm / "mem"))
     assert os.listdir(shm / "mem") == []  # a killed process's half copy is gone
+    # taken as a root is: a second job's leader on this node is refused, nothing removed
+    mine = Ownership(str(shm / "mem"), None)
+    start_memory(str(shm / "mem"), mine, (0, 1))
+    leftover.mkdir()
+    with pytest.raises(RootInUseError):
+        start_memory(str(shm / "mem"), Ownership(str(shm / "mem"), None), (0, 1))
+    assert leftover.exists()
+    mine.release()
+    start_memory(str(shm / "mem"), Ownership(str(shm / "mem"), None), (0, 1))  # free again
+    assert not leftover.exists()
 
 
 @pytest.mark.needs_root

@@ -69,6 +69,8 @@ class RootSession:
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), abandon() releases what was taken
         self.ownership = Ownership(self.root, None) if leads and self.store is None else None
+        # the memory tier's root, taken by each node's leader as its disk root is
+        self.memory_ownership = Ownership(opts.memory, None) if leads and opts.memory is not None else None
         self.lease: Lease | None = None
         if self.rank == 0 and self.store is not None:
             from ..roots.objstore._lease import Lease  # obstore: only for s3:// roots
@@ -139,7 +141,7 @@ class RootSession:
             rt.memory = self.memory = _memtier.MemoryCopies(
                 self.root, opts.memory, self.nodes, rank=self.rank, world_size=self.world_size,
                 connect=self.dist.connect, namespace=namespace, keep_last=opts.memory_keep_last,
-                budget=opts.memory_budget, timeout=self.timeout)  # fmt: skip
+                budget=opts.memory_budget, timeout=self.timeout, ownership=self.memory_ownership)  # fmt: skip
         self.start_run(committed)  # the run this job continues (_runs)
         return rt
 
@@ -154,7 +156,7 @@ class RootSession:
         def start() -> None:  # its directory wait gets what is left of the construction's deadline
             _rootstart.node_start(self.root, opts.os_ops, self.ownership, by.remaining(), self.ranks, self.dead)
             if opts.memory is not None:
-                _memtier.start_memory(opts.memory)
+                _memtier.start_memory(opts.memory, self.memory_ownership, self.ranks)
 
         def listed() -> list[list[Any]]:
             assert opts.mirror is not None
@@ -173,6 +175,8 @@ class RootSession:
             self.rt.stop(5.0, collective=False)  # releases the ownership too
         if self.ownership is not None:
             self.ownership.release()
+        if self.memory_ownership is not None:
+            self.memory_ownership.release()
         if self.lease is not None:
             self.lease.release()
 

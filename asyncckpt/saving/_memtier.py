@@ -36,7 +36,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import CheckpointError
@@ -46,6 +46,7 @@ from ..ranks._coordination import StoreCoordinator
 from ..ranks._nodes import Nodes
 from ..roots._nodeparts import parts
 from ..roots._scheme import is_url
+from ..roots.posix._ownership import Ownership, acquire
 from ..roots.posix._retention import remove_leftovers
 from ..roots.posix._storage import Storage
 from ..threads._iopool import IOPool
@@ -132,14 +133,17 @@ def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     return kind
 
 
-def start_memory(memory: str) -> None:
+def start_memory(memory: str, own: Ownership | None = None, ranks: Sequence[int] = (0,)) -> None:
     """A node's leader at construction: make the memory root, refuse one not on tmpfs
-    (``CheckpointError``), remove the attempts a killed process left there."""
+    (``CheckpointError``), take it as a root is taken (``own``: one job per memory root on a
+    node, ``RootInUseError`` for a second), remove the attempts a killed process left there."""
     os.makedirs(memory, mode=0o700, exist_ok=True)
     kind = fs_type(memory)
     if kind not in MEMORY_FS:
         raise CheckpointError(f"asyncckpt: memory={memory} is on a {kind or 'unknown'} file system, not tmpfs: "
                               "it would not be memory (use a directory under /dev/shm)")  # fmt: skip
+    if own is not None:
+        acquire(memory, ranks, into=own)
     remove_leftovers(memory)
 
 
@@ -219,11 +223,12 @@ class MemoryCopies:
 
     def __init__(
         self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[..., Any],
-        namespace: str, keep_last: int, budget: int | None, timeout: float,
+        namespace: str, keep_last: int, budget: int | None, timeout: float, ownership: Ownership | None = None,
     ) -> None:  # fmt: skip
         self.disk, self.memory, self.nodes, self.rank = disk, memory, nodes, rank
         self.node = nodes.node_of(rank)
         self.keep_last, self.budget, self.timeout = keep_last, budget, timeout
+        self._ownership = ownership  # a node leader's hold on the memory root: released by stop()
         self._lock = threading.Lock()
         self._queue: collections.deque[tuple[int, concurrent.futures.Future[bool]]] = collections.deque()
         self._pending: set[concurrent.futures.Future[bool]] = set()
@@ -391,3 +396,5 @@ class MemoryCopies:
         self._pool.shutdown(wait=True, timeout=timeout)
         for fut in self.pending():
             self._done(fut, False)
+        if self._ownership is not None:
+            self._ownership.release()
