@@ -1,6 +1,6 @@
 """The memory tier of node-local roots, measured: 2 simulated nodes x 2 ranks (root, mount namespaces).
 
-    sudo python benchmarks/memtier.py [MiB per rank, default 256] [seconds between saves, default 2]
+    sudo python benchmarks/memtier.py [MiB per rank: 256] [seconds between saves: 2] [direct_io: auto]
 
 Saves steps 1-4 with ``memory=`` on /dev/shm, every process killed after ``flush()``; resumes
 from the memory tier (page cache dropped first: tmpfs pages stay), from the disks with a warm
@@ -39,7 +39,13 @@ def main() -> None:
     shm.mkdir()
     try:
         c = Cluster(tmp, shm)
-        env = {"STATE_MB": mib, "CK_TIMEOUT": "120", "KILL_AFTER_FLUSH": "1", "SAVE_GAP_S": gap}
+        env = {
+            "STATE_MB": mib,
+            "CK_TIMEOUT": "120",
+            "KILL_AFTER_FLUSH": "1",
+            "SAVE_GAP_S": gap,
+            "DIRECT_IO": sys.argv[3] if len(sys.argv) > 3 else "auto",
+        }
         res, logs = c.run("save-mem", STEPS="1,2,3,4", **env)
         blocking = [b for r in res.values() for b in r["block_s"][1:]]
         rounds = re.findall(r"committed in the memory tier \S+ in ([0-9.]+)s", logs[0] + logs[2])

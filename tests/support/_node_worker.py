@@ -67,6 +67,8 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
 
         ops = FailCommit()
     extra: dict[str, Any] = {"os_ops": ops} if ops is not None else {}
+    if os.environ.get("DIRECT_IO"):
+        extra["direct_io"] = os.environ["DIRECT_IO"]
     if os.environ.get("MEMORY"):  # the memory tier
         extra["memory"] = os.environ["MEMORY"]
         for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY"):
