@@ -159,3 +159,39 @@ def test_mirror_every_uploads_every_nth_commit_and_the_disks_keep_the_steps_not_
         "step_00000001/manifest.json", "step_00000003/manifest.json"]  # the 1st and 3rd commits  # fmt: skip
     # keep_last=1, but step 4 is on no store: the disks keep it (retention runs at the next commit)
     assert {3, 4} <= set(_steps(a)) and {3, 4} <= set(_steps(b))
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_corrupt_memory_copy_on_a_wiped_disk_falls_back_to_the_store_of_the_same_step(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    from test_node_memory import Cluster
+
+    shm = Path("/dev/shm") / f"asyncckpt-test-{uuid.uuid4().hex[:12]}"
+    shm.mkdir()
+    try:
+        c = Cluster(tmp_path, shm)
+        url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+        env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30", "KILL_AFTER_FLUSH": "1"}
+        res, _ = c.run("first", STEPS="1,2", **env)
+        for got in res.values():
+            assert got["saved"] == [1, 2] and got.get("flush_error") is None, got
+        assert "step_00000002/manifest.json" in keys(s3.endpoint, url)
+        shutil.rmtree(c.b)  # node b's disk replaced, its memory kept (the processes restarted)
+        c.b.mkdir()
+        shard = c.mb / "step_00000002" / "rank00002.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-100] ^= 0xFF  # and rank 2's memory copy corrupt: same size, one byte flipped
+        shard.write_bytes(bytes(raw))
+        res, logs = c.run("restart", **env)
+        for r, got in res.items():
+            assert got.get("load_error") is None and got["loaded"] == 2 and got["equal"], (r, got)
+        assert "falling back to the same step from the store" in logs[2], logs[2][-3000:]
+        assert "rank 2: loading step 2 from the store" in logs[2]
+        for r in (0, 1, 3):
+            assert f"rank {r}: loading step 2 from its node's memory tier" in logs[r], logs[r][-3000:]
+            assert "from the store" not in logs[r]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
