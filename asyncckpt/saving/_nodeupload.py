@@ -81,7 +81,7 @@ class PartUploads(Mirror):
 
     def __init__(
         self, root: str, url: str, storage_options: Mapping[str, str] | None, *, rank: int, world_size: int,
-        connect: Callable[[], Any], namespace: str, keep_last_remote: int | None, timeout: float,
+        connect: Callable[..., Any], namespace: str, keep_last_remote: int | None, timeout: float,
         ranks: Sequence[int], lease_ttl: float | None,
     ) -> None:  # fmt: skip
         super().__init__(root, url, storage_options, keep_last_remote=keep_last_remote, timeout=timeout,
@@ -94,7 +94,12 @@ class PartUploads(Mirror):
         #: the newest step this rank saw committed on the store (local retention keeps every step above)
         self.floor = -1
         self._coord_pool = IOPool(2, "asyncckpt-upload-coord")
-        self._coord = StoreCoordinator(connect, rank, world_size, f"{namespace}-up", self._run_coord)
+        # connected now, without the TCP probe (the store is up): a client that connects with
+        # its probe while others connect holds the store's connects, and every rank's save, 5 s
+        self._coord = StoreCoordinator(lambda: connect(probe=False), rank, world_size, f"{namespace}-up",
+                                       self._run_coord)  # fmt: skip
+        assert self._thread is not None
+        self._thread.submit(self._coord.exchange(-1, "ready", True, 0.0, wait=False)).result(timeout)
         self._retiring: asyncio.Future[None] | None = None  # rank 0: the remote retention running now
 
     async def _run_coord(self, fn: Callable[..., Any], *args: Any) -> Any:
