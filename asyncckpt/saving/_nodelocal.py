@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -47,7 +48,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointReadError
 from ..format import _manifest
 from ..format._layout import deleting_dir_name, step_dir_name
 from ..ranks._agree import agree
@@ -58,7 +59,7 @@ from ..ranks._sharedroot import check_node_disks, place_token, remove_token
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
-from ..threads._deadline import Deadline
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._cleanup import in_background
 from ._savejob import SaveJob
 
@@ -263,12 +264,18 @@ def start_on_nodes(
 
     Everything by one deadline, ``by`` (the construction's, counted from its call): the
     leaders' start and each agreement after it get what is left of it, so a leader slow to
-    start fails the construction with ``AgreeTimeout`` on every rank by then, never later."""
+    start fails the construction by then, never later: the others with ``AgreeTimeout``
+    naming it, the leader itself with ``CheckpointReadError`` (``ETIMEDOUT``) naming it and
+    the root (its start, on a thread of its own, is left to end on its own: ``start`` must let
+    go of what it took once the construction gave up)."""
     failure: BaseException | None = None
     token: str | None = None
     if dist.rank in nodes.leaders:
-        try:
-            start()
+        try:  # on a thread of its own: a call the disk never answers has no deadline of its own
+            call_by(start, by, f"asyncckpt-nodestart-r{dist.rank}")
+        except CallTimeout:  # the others time out on the agreement below, naming this rank
+            raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: starting on this node's disk did not "
+                                      "finish within the construction's deadline", root) from None  # fmt: skip
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
         try:  # which ranks see this disk (check_node_disks); also after a failed start, if it can
