@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import cli, so
 from s3fixtures import get, opts, proxy_fixture, put, require_s3, server_fixture
 from s3proxy import FaultProxy, Rule
 
@@ -33,16 +34,6 @@ MiB = 1024 * 1024
 pytestmark = pytest.mark.timeout(300)
 s3 = server_fixture(BUCKET)
 proxy = proxy_fixture()
-
-
-def so(endpoint: str) -> list[str]:
-    return [f"--storage-option={k}={v}" for k, v in opts(endpoint).items()]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli_main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def single(tmp_path: Path, endpoint: str, mib: int = 20) -> tuple[Path, str]:
