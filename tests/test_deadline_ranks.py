@@ -168,6 +168,8 @@ HELD = {
     # the node's leader starts on its disk (make the root, take it: roots._rootstart.node_start)
     # with no bound of its own either: its open of the root's lock file
     "leader-start": ("open", "*/held-leader-start/.asyncckpt/owner.lock", 0),
+    # then it places a token on its disk (which ranks see it: check_node_disks), unbounded too
+    "leader-token": ("create", "*/held-leader-token/.asyncckpt-shared-*", 0),
 }
 
 
