@@ -72,3 +72,20 @@ def run_ranks(
 
 def log_tail(log_dir: Path, rank: int, n: int = 3000) -> str:
     return (log_dir / f"rank{rank}.log").read_text(errors="replace")[-n:]
+
+
+def results(out: str | Path, world: int, log_dir: Path, dead: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
+    """What each rank but ``dead`` wrote to ``OUT.RANK.json`` (read, then removed): a rank that
+    wrote nothing or recorded a crash fails the test with its log's tail."""
+    import json
+
+    res = {}
+    for r in range(world):
+        if r in dead:
+            continue
+        f = Path(f"{out}.{r}.json")
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(log_dir, r)}"
+        res[r] = json.loads(f.read_text())
+        f.unlink()
+        assert "crash" not in res[r], res[r]["crash"]
+    return res
