@@ -1,0 +1,233 @@
+"""The replicas a rank holds for others: one directory, the commit discipline of every root.
+
+Layout under the caller's directory (the memory tier passes a tmpfs path)::
+
+    peer-rank00003/                      the replicas of rank 3's parts
+        step_00000012/                   committed: visible to held() and fetch
+            .replica.json                the record: source, step, attempt, files (name, size, crc)
+            rank00003.distcp ...         the files, byte for byte as rank 3 had them
+        .incoming-step_00000013-<uuid>/  being received: invisible, removed on the next start
+
+A replica is written into a hidden attempt directory, its files and record fsynced, then
+renamed to ``step_N`` (an older replica of the same step is moved aside first, never
+overwritten in place), and the directory fsynced: a reader sees a step whole or not at all. A
+step is *held* for an attempt when its record names that source, step and attempt and every
+file has the size it lists; reading it back checks every file's CRC-32C. The newest ``keep``
+steps of each source are kept. Torch-free: the bytes move in and out through memoryviews.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...format._checksum import crc32c
+from ...format._layout import step_dir_name
+from ..posix._fileio import write_all
+from ..posix._osops import DEFAULT_OPS, O_CLOEXEC
+
+RECORD = ".replica.json"
+_INCOMING = ".incoming-"
+_DELETING = ".deleting-"
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of a replica: its name, size in bytes and CRC-32C."""
+
+    name: str
+    size: int
+    crc: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a committed replica holds (its ``.replica.json``)."""
+
+    source: int
+    step: int
+    attempt: str
+    files: tuple[Entry, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(e.size for e in self.files)
+
+    def as_json(self) -> dict[str, object]:
+        return {"format": _FORMAT, "source": self.source, "step": self.step, "attempt": self.attempt,
+                "files": [[e.name, e.size, e.crc] for e in self.files]}  # fmt: skip
+
+    @staticmethod
+    def from_json(d: dict[str, object]) -> Record:
+        files = d["files"]
+        assert isinstance(files, list)
+        return Record(int(d["source"]), int(d["step"]), str(d["attempt"]),  # type: ignore[call-overload]
+                      tuple(Entry(str(n), int(s), int(c)) for n, s, c in files))  # fmt: skip
+
+
+class NotHeld(Exception):
+    """No usable replica: ``kind`` is ``missing`` or ``corrupt``, the message says why."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def check_name(name: str) -> None:
+    """``ValueError`` for a file name a replica cannot hold (a path, hidden, empty)."""
+    if not name or name.startswith(".") or "/" in name or "\0" in name or len(name) > 255:
+        raise ValueError(f"a replica's file needs a plain, visible name, not {name!r}")
+
+
+class HeldReplicas:
+    """The replicas under ``directory``; ``keep``: the newest steps kept per source."""
+
+    def __init__(self, directory: str, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep!r}")
+        self.directory = directory
+        self.keep = keep
+        os.makedirs(directory, exist_ok=True)
+
+    def source_dir(self, source: int) -> str:
+        return os.path.join(self.directory, f"peer-rank{source:05d}")
+
+    def clean(self, sources: Sequence[int]) -> None:
+        """Remove what a crash left under the ``sources``' directories (half-received replicas,
+        replicas being deleted): they were never visible."""
+        for s in sources:
+            d = self.source_dir(s)
+            for name in _listdir(d):
+                if name.startswith((_INCOMING, _DELETING)):
+                    shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+    def steps(self, source: int) -> list[int]:
+        """The committed steps of ``source``, ascending."""
+        out = []
+        for name in _listdir(self.source_dir(source)):
+            if name.startswith("step_") and name[5:].isdigit():
+                out.append(int(name[5:]))
+        return sorted(out)
+
+    def commit(self, record: Record, payload: memoryview) -> None:
+        """Write ``payload`` (the files' bytes back to back, in ``record.files`` order) as
+        ``record``'s replica; checks every CRC first (``NotHeld("corrupt")``), then retires
+        all but the newest ``keep`` steps of that source."""
+        verify(record, payload)
+        d = self.source_dir(record.source)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f"{_INCOMING}{step_dir_name(record.step)}-{uuid.uuid4().hex[:12]}")
+        os.mkdir(tmp)
+        try:
+            off = 0
+            for e in record.files:
+                _write(os.path.join(tmp, e.name), payload[off : off + e.size])
+                off += e.size
+            _write(os.path.join(tmp, RECORD), json.dumps(record.as_json()).encode())
+            DEFAULT_OPS.fsync_dir(tmp)
+            final = os.path.join(d, step_dir_name(record.step))
+            if os.path.lexists(final):  # a replica of the same step (another attempt): aside first
+                os.rename(final, os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}"))
+            os.rename(tmp, final)
+            DEFAULT_OPS.fsync_dir(d)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._retire(record.source)
+
+    def find(self, source: int, step: int, attempt: str) -> Record:
+        """The record of ``source``'s committed replica of ``step`` made by ``attempt``, every file
+        there with its size; ``NotHeld("missing")`` otherwise (none, another attempt's, a file
+        gone or cut short; ``"corrupt"`` for an unreadable record)."""
+        path = os.path.join(self.source_dir(source), step_dir_name(step))
+        try:
+            with open(os.path.join(path, RECORD), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise NotHeld("missing", f"no replica of rank {source}'s step {step} in {self.directory}") from None
+        try:
+            rec = Record.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
+            raise NotHeld("corrupt", f"the record of rank {source}'s step {step} is unreadable ({e})") from None
+        if (rec.source, rec.step) != (source, step):
+            raise NotHeld("corrupt", f"{path} holds rank {rec.source}'s step {rec.step}")
+        if rec.attempt != attempt:
+            raise NotHeld("missing", f"the replica of rank {source}'s step {step} is of attempt "
+                                     f"{rec.attempt!r}, not {attempt!r}")  # fmt: skip
+        for ent in rec.files:
+            try:
+                size = os.stat(os.path.join(path, ent.name)).st_size
+            except FileNotFoundError:
+                raise NotHeld("missing", f"{ent.name} of rank {source}'s step {step} is gone") from None
+            if size != ent.size:
+                raise NotHeld("corrupt", f"{ent.name} of rank {source}'s step {step} has {size} bytes, "
+                                         f"not {ent.size}")  # fmt: skip
+        return rec
+
+    def held(self, source: int, step: int, attempt: str) -> bool:
+        """Whether :meth:`find` finds it (no CRC check: that is the read's)."""
+        try:
+            self.find(source, step, attempt)
+        except NotHeld:
+            return False
+        return True
+
+    def read_into(self, rec: Record, out: memoryview) -> None:
+        """Read ``rec``'s files back to back into ``out`` (``rec.total`` bytes) and check every
+        CRC (``NotHeld("corrupt")`` naming the file)."""
+        path = os.path.join(self.source_dir(rec.source), step_dir_name(rec.step))
+        off = 0
+        for e in rec.files:
+            try:
+                with open(os.path.join(path, e.name), "rb", buffering=0) as f:
+                    got = f.readinto(out[off : off + e.size]) if e.size else 0
+            except FileNotFoundError:
+                raise NotHeld("missing", f"{e.name} of rank {rec.source}'s step {rec.step} is gone") from None
+            if got != e.size:
+                raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} was cut short")
+            off += e.size
+        verify(rec, out)
+
+    def _retire(self, source: int) -> None:
+        d = self.source_dir(source)
+        for step in self.steps(source)[: -self.keep]:
+            aside = os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(os.path.join(d, step_dir_name(step)), aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        for name in _listdir(d):  # replaced replicas of a step
+            if name.startswith(_DELETING):
+                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+
+def verify(rec: Record, payload: memoryview) -> None:
+    """``NotHeld("corrupt")`` unless ``payload`` is ``rec``'s files, sizes and CRC-32C alike."""
+    if len(payload) != rec.total:
+        raise NotHeld("corrupt", f"rank {rec.source}'s step {rec.step}: {len(payload)} bytes, not {rec.total}")
+    off = 0
+    for e in rec.files:
+        if crc32c(payload[off : off + e.size]) != e.crc:
+            raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} fails its CRC-32C")
+        off += e.size
+
+
+def _write(path: str, data: memoryview | bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+    try:
+        write_all(fd, memoryview(data), 0, path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,337 @@
+"""The peer replica: every rank's files of a step kept in the memory of a rank on another node.
+
+:class:`Replicas` is one rank's side. Its rounds are collective over every rank of the group,
+called in the same order everywhere:
+
+- :meth:`Replicas.push` sends this rank's files to its buddy (``_buddies``) and receives the
+  files of the ranks whose buddy it is, checks each file's size and CRC-32C and commits them
+  under its directory (``_held``); then the ranks agree (``ranks._agree``, the c10d store) on
+  the outcome, so a push that failed anywhere fails on every rank, with the same
+  :class:`ReplicaPushError` naming the ranks.
+- :meth:`Replicas.fetch`: the ranks agree which of them need their files (each names the step
+  and attempt); each buddy of a needer reads its replica (CRC-checked) and sends it, or sends
+  why it cannot; the needer checks it again; a second agreement names every failure. A needer
+  that got nothing and its buddy raise the same typed error (missing, corrupt, transport);
+  the other ranks go on. The caller falls back to the next tier for those ranks.
+
+Every round is bounded by ``timeout`` seconds from its call: the transfers end a little before
+(each ``Work.wait`` gets what is left) so the agreement can name a dead or silent rank. The
+traffic runs on its own process group (:func:`open_group`, gloo), never the training's. After
+a transport failure (a dead peer, a wait past its deadline: gloo closes the pair) every rank
+marks the object broken and refuses further rounds with :class:`ReplicaTransportError`; a
+missing or corrupt replica leaves it usable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+from ...format._checksum import crc32c
+from ...ranks._agree import AgreeTimeout, agree
+from ...ranks._distributed import DistContext
+from ...ranks._nodes import Nodes
+from ...threads._deadline import Deadline
+from ._buddies import buddy_of, sources_of
+from ._failures import (
+    ReplicaError,
+    ReplicaPushError,
+    ReplicaPushTimeout,
+    ReplicaTimeoutError,
+    ReplicaTransportError,
+    SingleNodeError,
+    kind_error,
+    worst,
+)
+from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, verify
+from ._wire import DATA, FAIL, Counts, Sending, WireError, finish, recv, send
+
+#: What a file to push is: a path, or its bytes.
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+#: At most this much of a round's time is kept for its closing agreement.
+_AGREE_S = 5.0
+
+
+def open_group(timeout: float) -> Any:
+    """A new gloo process group of every rank, for replica traffic only (collective: every rank
+    of the default group calls it, in the same order as its other ``new_group`` calls)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+class Replicas:
+    """This rank's side of the peer replica.
+
+    ``ranks``: the job's ranks (store and rank, for the agreements); ``group``: a process group
+    of the same ranks for the transfers (:func:`open_group`); ``nodes``: the ranks by node;
+    ``directory``: where this rank keeps the replicas it holds; ``keep``: steps kept per source;
+    ``timeout``: seconds each round may take. ``SingleNodeError`` with one node."""
+
+    def __init__(self, ranks: DistContext, group: Any, nodes: Nodes, directory: str, keep: int = 2,
+                 timeout: float = 60.0) -> None:  # fmt: skip
+        world = sum(len(m) for m in nodes.members)
+        if world != ranks.world_size or dist.get_world_size(group) != world:
+            raise ValueError(f"the nodes ({nodes.describe()}), the ranks ({ranks.world_size}) and the group "
+                             f"({dist.get_world_size(group)}) must count the same ranks")  # fmt: skip
+        buddy = buddy_of(nodes, ranks.rank)
+        if buddy is None:
+            raise SingleNodeError(f"asyncckpt: every rank is on one node ({nodes.describe()}): no other node "
+                                  "can hold a replica")  # fmt: skip
+        self.ranks, self.group, self.nodes, self.timeout = ranks, group, nodes, timeout
+        self.rank, self.buddy = ranks.rank, buddy
+        self.sources = sources_of(nodes, ranks.rank)
+        self.held_here = HeldReplicas(directory, keep)
+        self.held_here.clean(self.sources)
+        self.counts = Counts()
+        self._key = f"replica/{getattr(group, 'group_name', '')}"
+        self._round = 0
+        self._broken: str | None = None
+
+    # ----------------------------------------------------------------------------------- push
+    def push(self, step: int, attempt: str, files: Mapping[str, Source]) -> None:
+        """Collective: this rank's ``files`` (name to path or bytes) to its buddy; its sources'
+        files into this rank's directory. Returns when every rank's replica is committed on its
+        buddy; else raises :class:`ReplicaPushError` (:class:`ReplicaPushTimeout` when a rank
+        did not answer) on every rank, within ``timeout``."""
+        self._check()
+        by = Deadline.after(self.timeout)
+        moving = by.before(min(_AGREE_S, self.timeout / 4))
+        key = self._next("push")
+        problems: list[str] = []
+        transport = False
+        try:
+            payload, entries = _gather(files)
+        except (OSError, ValueError) as e:
+            problems.append(f"its files could not be read ({e})")
+            sending = self._send_fail(self.buddy, "source", problems[-1])
+        else:
+            desc = {"source": self.rank, "step": step, "attempt": attempt,
+                    "files": [[e.name, e.size, e.crc] for e in entries]}  # fmt: skip
+            sending = self._send(DATA, desc, payload)
+        if sending is None:
+            transport = True
+            problems.append(f"its send to rank {self.buddy} failed")
+        for s in self.sources:
+            try:
+                self._receive_push(s, step, attempt, moving)
+            except WireError as e:
+                transport = True
+                problems.append(f"receiving rank {s}'s files: {e}")
+            except _Refused as e:
+                problems.append(f"rank {s}'s files: {e}")
+            except OSError as e:
+                problems.append(f"rank {s}'s files could not be written to {self.held_here.directory} ({e})")
+        if sending is not None:
+            try:
+                finish(sending, moving)
+            except WireError as e:
+                transport = True
+                problems.append(str(e))
+        verdict = self._agree(key, {"problems": problems, "transport": transport}, by, ReplicaPushTimeout)
+        failed = {int(r): "; ".join(p) for r, p in verdict["problems"].items()}
+        if verdict["transport"]:
+            self._broken = f"push of step {step} failed on the group"
+        if failed:
+            text = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            raise ReplicaPushError(f"asyncckpt: the replica of step {step} did not land on every buddy: {text}",
+                                   failed, broken=bool(verdict["transport"]))  # fmt: skip
+
+    def _receive_push(self, source: int, step: int, attempt: str, by: Deadline) -> None:
+        kind, desc, payload = recv(self.group, source, by, self.counts)
+        if kind == FAIL:
+            raise _Refused(f"rank {source} sent none: {desc.get('msg', '')}")
+        rec = _record(desc)
+        if (rec.source, rec.step, rec.attempt) != (source, step, attempt):
+            raise _Refused(f"rank {source} sent rank {rec.source}'s step {rec.step} of attempt {rec.attempt!r}, "
+                           f"not its step {step} of {attempt!r}")  # fmt: skip
+        try:
+            self.held_here.commit(rec, _view(payload))
+        except NotHeld as e:
+            raise _Refused(f"arrived corrupt, refused ({e})") from None
+
+    # ---------------------------------------------------------------------------------- fetch
+    def held(self, step: int, attempt: str, source: int | None = None) -> bool:
+        """Whether this rank holds ``source``'s (default: every one of its sources') replica of
+        ``step`` made by ``attempt``, every file there with its size (local, no messages)."""
+        sources = self.sources if source is None else (source,)
+        return bool(sources) and all(self.held_here.held(s, step, attempt) for s in sources)
+
+    def fetch(self, step: int, attempt: str, need: bool) -> dict[str, bytes] | None:
+        """Collective: a rank with ``need`` gets its files of ``step`` made by ``attempt`` back from
+        its buddy (name to bytes, every CRC checked); a rank without returns ``None``.
+
+        A needer that gets nothing raises :class:`ReplicaMissingError`,
+        :class:`ReplicaCorruptError` or :class:`ReplicaTransportError`, and so does its buddy
+        (``failed`` names every failed needer, the same on every rank; a rank that failed to
+        serve but got its own files finds them in the error's ``files``); within ``timeout``."""
+        self._check()
+        by = Deadline.after(self.timeout)
+        moving = by.before(min(_AGREE_S, self.timeout / 4))
+        key = self._next("fetch")
+        mine = {"need": need, "step": step, "attempt": attempt}
+
+        def decide(outs: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"needs": {str(r): [o["step"], o["attempt"]] for r, o in enumerate(outs) if o["need"]}}
+
+        needs = self._agree(f"{key}/need", mine, moving, ReplicaTimeoutError, decide)["needs"]
+        failures: dict[str, list[Any]] = {}  # needer -> [kind, message]
+        sendings = [self._serve(s, int(needs[str(s)][0]), str(needs[str(s)][1]), failures)
+                    for s in self.sources if str(s) in needs]  # fmt: skip
+        got: dict[str, bytes] | None = None
+        if need:
+            try:
+                got = self._receive_fetch(step, attempt, moving)
+            except WireError as e:
+                failures[str(self.rank)] = ["transport", str(e)]
+            except NotHeld as e:
+                failures[str(self.rank)] = [e.kind, str(e)]
+        for s in sendings:
+            if s is None:
+                continue
+            try:
+                finish(s, moving)
+            except WireError as e:
+                failures.setdefault(str(s.peer), ["transport", str(e)])
+        verdict = self._agree(key, {"failures": failures}, by, ReplicaTimeoutError, _merge_failures)
+        failed = {int(r): f"{k}: {m}" for r, (k, m) in verdict["failures"].items()}
+        kinds = [k for k, _ in verdict["failures"].values()]
+        if "transport" in kinds:
+            self._broken = f"fetch of step {step} failed on the group"
+        mine_failed = [r for r in failed if r == self.rank or buddy_of(self.nodes, r) == self.rank]
+        if mine_failed:
+            which = worst(verdict["failures"][str(r)][0] for r in mine_failed)
+            text = "; ".join(f"rank {r} from rank {buddy_of(self.nodes, r)}: {failed[r]}" for r in sorted(failed))
+            err = kind_error(which)(f"asyncckpt: a replica could not be fetched: {text}", failed,
+                                    broken="transport" in kinds)  # fmt: skip
+            err.files = got
+            raise err
+        return got
+
+    def _serve(self, source: int, step: int, attempt: str, failures: dict[str, list[Any]]) -> Sending | None:
+        """Send ``source`` its replica of ``step``, or why not (recorded in ``failures``)."""
+        try:
+            rec = self.held_here.find(source, step, attempt)
+            buf = torch.empty(rec.total, dtype=torch.uint8)
+            self.held_here.read_into(rec, _view(buf))
+        except (NotHeld, OSError) as e:
+            kind = e.kind if isinstance(e, NotHeld) else "missing"
+            failures[str(source)] = [kind, f"rank {self.rank} holds none: {e}"]
+            sending = self._send_fail(source, kind, failures[str(source)][1])
+        else:
+            sending = self._send(DATA, {"record": rec.as_json()}, buf, source)
+        if sending is None:
+            failures[str(source)] = ["transport", f"rank {self.rank} could not send"]
+        return sending
+
+    def _receive_fetch(self, step: int, attempt: str, by: Deadline) -> dict[str, bytes]:
+        kind, desc, payload = recv(self.group, self.buddy, by, self.counts)
+        if kind == FAIL:
+            raise NotHeld(str(desc.get("kind", "missing")), str(desc.get("msg", "")))
+        try:
+            rec = _record(desc["record"])
+        except (KeyError, TypeError, ValueError, _Refused) as e:
+            raise NotHeld("corrupt", f"rank {self.buddy} sent an unreadable record ({e})") from None
+        if (rec.source, rec.step, rec.attempt) != (self.rank, step, attempt):
+            raise NotHeld("missing", f"rank {self.buddy} sent rank {rec.source}'s step {rec.step} of "
+                                     f"{rec.attempt!r}")  # fmt: skip
+        view = _view(payload)
+        verify(rec, view)
+        out, off = {}, 0
+        for ent in rec.files:
+            out[ent.name] = bytes(view[off : off + ent.size])
+            off += ent.size
+        return out
+
+    # -------------------------------------------------------------------------------- helpers
+    def _send(self, kind: int, desc: dict[str, Any], payload: torch.Tensor | None,
+              peer: int | None = None) -> Sending | None:  # fmt: skip
+        try:
+            return send(self.group, self.buddy if peer is None else peer, kind, desc, payload, self.counts)
+        except WireError:
+            return None
+
+    def _send_fail(self, peer: int, kind: str, msg: str) -> Sending | None:
+        return self._send(FAIL, {"kind": kind, "msg": msg}, None, peer)
+
+    def _agree(self, key: str, mine: dict[str, Any], by: Deadline, timeout_error: type[ReplicaError],
+               decide: Any = None) -> dict[str, Any]:  # fmt: skip
+        def union(outs: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"problems": {str(r): o["problems"] for r, o in enumerate(outs) if o["problems"]},
+                    "transport": any(o["transport"] for o in outs)}  # fmt: skip
+
+        try:
+            return agree(self.ranks, key, mine, decide or union, by)
+        except AgreeTimeout as e:
+            self._broken = f"{key} timed out"
+            raise timeout_error(f"asyncckpt: the replica round {key!r} did not complete: {e}",
+                                {r: "did not answer" for r in e.missing}, broken=True) from e  # fmt: skip
+
+    def _next(self, what: str) -> str:
+        self._round += 1
+        return f"{self._key}/{self._round}-{what}"
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise ReplicaTransportError(f"asyncckpt: this replica group is broken ({self._broken}): build a new "
+                                        "group and Replicas", broken=True)  # fmt: skip
+
+
+class _Refused(Exception):
+    """A push's files that arrived but cannot be committed."""
+
+
+def _merge_failures(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's view of the failed needers; the needer's own report first (it saw them arrive)."""
+    merged: dict[str, list[Any]] = {}
+    for r, o in enumerate(outs):
+        for needer, fail in o["failures"].items():
+            if needer == str(r) or needer not in merged:
+                merged[needer] = fail
+    return {"failures": merged}
+
+
+def _record(desc: dict[str, Any]) -> Record:
+    try:
+        rec = Record.from_json(desc)
+        for e in rec.files:
+            check_name(e.name)
+    except (KeyError, TypeError, ValueError, AssertionError) as e:
+        raise _Refused(f"an unreadable description ({e})") from None
+    return rec
+
+
+def _view(t: torch.Tensor | None) -> memoryview:
+    array: Any = t.numpy() if t is not None else b""
+    return memoryview(array)
+
+
+def _gather(files: Mapping[str, Source]) -> tuple[torch.Tensor, list[Entry]]:
+    """The files' bytes back to back in one tensor (read straight into it) and their entries."""
+    sizes: list[tuple[str, Any, int]] = []
+    for name, src in files.items():
+        check_name(name)
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            data = memoryview(src).cast("B")
+            sizes.append((name, data, len(data)))
+        else:
+            path = os.fspath(src)
+            sizes.append((name, path, os.stat(path).st_size))
+    buf = torch.empty(sum(n for _, _, n in sizes), dtype=torch.uint8)
+    view = _view(buf)
+    entries, off = [], 0
+    for name, src, n in sizes:
+        part = view[off : off + n]
+        if isinstance(src, memoryview):
+            part[:] = src
+        elif n:
+            with open(src, "rb", buffering=0) as f:
+                if f.readinto(part) != n or f.read(1):
+                    raise OSError(f"{src} changed size while it was read")
+        entries.append(Entry(name, n, crc32c(part)))
+        off += n
+    return buf, entries

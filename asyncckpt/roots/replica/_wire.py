@@ -1,0 +1,138 @@
+"""Frames over a torch.distributed group: point-to-point ``isend``/``irecv`` of uint8 tensors.
+
+One *frame* from a rank to a peer is up to three messages, in order on that pair:
+
+1. a fixed header, 4 int64 (32 bytes): magic, kind (:data:`DATA` or :data:`FAIL`), the length
+   of the JSON description, the length of the payload;
+2. the JSON description (for :data:`DATA` the step, attempt and each file's name, size and
+   CRC-32C; for :data:`FAIL` the failure's kind and message);
+3. the payload, the files' bytes back to back (absent when empty).
+
+Every wait is bounded by the round's :class:`Deadline` (``Work.wait(timeout)``: with gloo a
+wait past it closes that pair, so the group is not used again). A peer that dies fails the
+wait at once (gloo: "Connection closed by peer"). Failures are :class:`WireError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...threads._deadline import Deadline
+
+MAGIC = 0x41434B5245504C31  # "ACKREPL1"
+DATA, FAIL = 1, 2
+_FIXED = 4
+_MAX_DESC = 64 << 20
+
+
+class WireError(Exception):
+    """A frame did not arrive or leave whole by the deadline (``timeout``) or the pair failed."""
+
+    def __init__(self, message: str, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+@dataclass
+class Counts:
+    """Messages and bytes this rank sent and received over the group (headers included)."""
+
+    sent_messages: int = 0
+    sent_bytes: int = 0
+    recv_messages: int = 0
+    recv_bytes: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Sending:
+    """The works of one frame being sent, and the tensors they read (kept alive until done)."""
+
+    peer: int
+    works: list[Any] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payload: torch.Tensor | None,
+         counts: Counts) -> Sending:  # fmt: skip
+    """Post ``kind``'s frame to group rank ``peer``; wait with :func:`finish`."""
+    body = json.dumps(desc).encode()
+    n = 0 if payload is None else payload.numel()
+    fixed = torch.tensor([MAGIC, kind, len(body), n], dtype=torch.int64)
+    msgs = [fixed, torch.frombuffer(bytearray(body), dtype=torch.uint8)]
+    if n:
+        assert payload is not None
+        msgs.append(payload)
+    out = Sending(peer, keep=msgs)
+    try:
+        for t in msgs:
+            out.works.append(dist.isend(t, group=group, group_dst=peer))
+            counts.sent_messages += 1
+            counts.sent_bytes += t.numel() * t.element_size()
+    except Exception as e:
+        raise WireError(f"sending to rank {peer} failed: {_first_line(e)}") from e
+    return out
+
+
+def finish(sending: Sending, by: Deadline) -> None:
+    """Wait until ``sending``'s messages left (``WireError`` past ``by`` or on a failed pair)."""
+    for w in sending.works:
+        _wait(w, by, f"sending to rank {sending.peer}")
+
+
+def recv(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict[str, Any], torch.Tensor | None]:
+    """The next frame from group rank ``peer``: its kind, description and payload."""
+    fixed = torch.empty(_FIXED, dtype=torch.int64)
+    _wait(_irecv(fixed, group, peer), by, f"receiving from rank {peer}")
+    magic, kind, desc_len, n = (int(x) for x in fixed.tolist())
+    counts.recv_messages += 1
+    counts.recv_bytes += fixed.numel() * 8
+    if magic != MAGIC or kind not in (DATA, FAIL) or not 0 <= desc_len <= _MAX_DESC or n < 0:
+        raise WireError(f"rank {peer} sent a frame that is not a replica's ({[magic, kind, desc_len, n]})")
+    body = torch.empty(desc_len, dtype=torch.uint8)
+    if desc_len:
+        _wait(_irecv(body, group, peer), by, f"receiving from rank {peer}")
+        counts.recv_messages += 1
+        counts.recv_bytes += desc_len
+    try:
+        desc = json.loads(body.numpy().tobytes()) if desc_len else {}
+    except ValueError as e:
+        raise WireError(f"rank {peer} sent an unreadable description ({e})") from None
+    payload = None
+    if n:
+        payload = torch.empty(n, dtype=torch.uint8)
+        _wait(_irecv(payload, group, peer), by, f"receiving from rank {peer}")
+        counts.recv_messages += 1
+        counts.recv_bytes += n
+    return kind, desc, payload
+
+
+def _irecv(t: torch.Tensor, group: Any, peer: int) -> Any:
+    try:
+        return dist.irecv(t, group=group, group_src=peer)
+    except Exception as e:
+        raise WireError(f"receiving from rank {peer} failed: {_first_line(e)}") from e
+
+
+def _wait(work: Any, by: Deadline, what: str) -> None:
+    left = by.remaining()
+    if left <= 0:
+        raise WireError(f"{what}: the deadline passed", timeout=True)
+    try:
+        work.wait(timedelta(seconds=left))
+    except Exception as e:
+        text = _first_line(e)
+        raise WireError(f"{what} failed: {text}", timeout="Timed out" in text) from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
