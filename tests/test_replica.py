@@ -245,3 +245,34 @@ def test_a_dead_rank_fails_the_push_on_every_survivor_within_the_deadline(tmp_pa
     # node B holds rank 0's replica (rank 2 got it whole) and nothing of rank 1's, nothing half-received
     assert not [p for p in res[3]["leftovers"] if "peer-rank00001" in p or ".incoming" in p or ".deleting" in p], res[3]
     assert "peer-rank00000/step_00000001/.replica.json" in res[3]["leftovers"]
+
+
+def test_a_rank_whose_files_cannot_be_read_fails_the_push_everywhere_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Rank 2 names a file that is not there at step 2: it tells its buddy (a failure frame,
+    not silence), every rank raises ``ReplicaPushError`` at once (the group still works), the
+    replicas of step 1 stay, the other ranks' replicas of step 2 land, and step 3 pushes fine."""
+    res = _run(tmp_path, "bad", ["A", "A", "B", "B"], PUSH="1,2,3", BAD_RANK="2", BAD_STEP="2", KEEP="3")
+    for r, got in res.items():
+        one, two, three = got["pushes"]
+        assert one["error"] is None and three["error"] is None and three["held"]
+        assert two["error"]["type"] == "ReplicaPushError" and not two["error"]["broken"], two
+        assert set(two["error"]["failed"]) == {"0", "2"}  # the sender and its buddy both say so
+        assert "could not be read" in two["error"]["failed"]["2"] and "rank 2 sent none" in two["error"]["failed"]["0"]
+        assert two["s"] < 10 and two["held"] == (r != 0)  # rank 0 holds rank 2's: it is the one missing
+        assert one["held"]
+
+
+@pytest.mark.timing
+def test_a_silent_rank_fails_the_push_within_the_deadline(tmp_path: Path) -> None:
+    """Rank 1 is alive and connected but never pushes (a stuck process), with 8 MiB frames
+    that no socket buffer absorbs: rank 3's receive from it and its send to it both end at the
+    round's deadline (``Work.wait`` with what is left; gloo then closes the pair), and every
+    survivor raises ``ReplicaPushTimeout`` naming rank 1 within the 4 s."""
+    res = _run(tmp_path, "hang", ["A", "A", "B", "B"], deadline=60, PUSH="1", DIE_RANK="1", DIE_AT="hang",
+               REPLICA_TIMEOUT="4", SIZE=str(8 << 20))  # fmt: skip
+    for r in (0, 2, 3):
+        (push,) = res[r]["pushes"]
+        assert push["error"]["type"] == "ReplicaPushTimeout", push
+        assert push["error"]["failed"] == {"1": "did not answer"} and push["error"]["broken"], push
+        assert push["s"] < 4 + 1.5, push
+    assert not res[3]["pushes"][0]["held"] and res[0]["pushes"][0]["held"]

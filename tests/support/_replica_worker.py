@@ -6,7 +6,8 @@ replicas under ``base/<node>/replicas``. ``PUSH``: steps to push (comma-separate
 ``FETCHES``: fetch rounds after the pushes, ``;``-separated, each ``step:attempt:needers`` with
 ``:corrupt`` appended to have every holder flip one byte of what it holds of that step first.
 ``DIE_RANK`` dies by SIGKILL at ``DIE_AT``: ``before`` (its push) or ``mid`` (after sending the
-header of a 8 MiB frame to its buddy, none of the bytes). Writes ``out.<rank>.json``.
+header of a 8 MiB frame to its buddy, none of the bytes) or ``hang`` (alive and silent for
+``HANG_S``). ``BAD_RANK`` pushes a file that is not there at ``BAD_STEP``. Writes ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         given: dict[str, Any] = {**files, f"rank{rank:05d}.data": disk}
         if die and os.environ.get("DIE_AT") == "before":
             os.kill(os.getpid(), signal.SIGKILL)
+        if die and os.environ.get("DIE_AT") == "hang":  # alive, connected, silent: a stuck process
+            time.sleep(float(os.environ.get("HANG_S", "8")))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("BAD_RANK") == str(rank) and os.environ.get("BAD_STEP") == str(step):
+            given[f"rank{rank:05d}.data"] = disk + ".gone"  # a file that is not there
         if die and os.environ.get("DIE_AT") == "mid":
             big = torch.zeros(8 << 20, dtype=torch.uint8)  # announced, never sent whole: the frame's header
             sending = send(group, rep.buddy, DATA, {"source": rank, "step": step, "attempt": attempt,
@@ -84,7 +90,7 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         result["pushes"].append({"step": step, "s": time.monotonic() - t0, "error": error,
                                  "counts": {k: after[k] - before[k] for k in after},
                                  "held": rep.held(step, attempt)})  # fmt: skip
-        if error:
+        if error and error["broken"]:
             result["leftovers"] = sorted(
                 os.path.relpath(os.path.join(d, n), directory) for d, ds, fs in os.walk(directory) for n in ds + fs
             )
