@@ -4,6 +4,7 @@ nodes (``ASYNCCKPT_NODE``; each node keeps its replicas in a directory of its ow
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -17,8 +18,9 @@ from _replica_worker import digest, files_for
 
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.ranks._nodes import Nodes
+from asyncckpt.roots.posix import _fileio
 from asyncckpt.roots.replica import buddy_of, lost_with, sources_of
-from asyncckpt.roots.replica._held import Entry, HeldReplicas, NotHeld, Record
+from asyncckpt.roots.replica._held import Entry, HeldReplicas, NotHeld, Record, check_name
 
 WORKER = str(Path(__file__).parent / "support" / "_replica_worker.py")
 
@@ -64,9 +66,7 @@ def test_a_held_replica_reads_back_exact_and_the_newest_k_are_kept(tmp_path: Pat
         held.commit(*_record(5, step, "a", {"x": bytes([step]) * 1000, "y": b"", "z": b"zz"}))
     assert held.steps(5) == [2, 3]
     rec = held.find(5, 3, "a")
-    out = bytearray(rec.total)
-    held.read_into(rec, memoryview(out))
-    assert bytes(out) == b"\x03" * 1000 + b"zz"
+    assert [bytes(v) for v in held.map(rec)] == [b"\x03" * 1000, b"", b"zz"]
     assert held.held(5, 2, "a") and not held.held(5, 1, "a") and not held.held(4, 3, "a")
     with pytest.raises(NotHeld, match="no replica") as e:
         held.find(5, 1, "a")
@@ -95,7 +95,7 @@ def test_a_corrupt_replica_is_refused_on_read_and_on_arrival(tmp_path: Path) -> 
     raw[10] ^= 1
     p.write_bytes(raw)
     with pytest.raises(NotHeld, match="fails its CRC-32C") as e:
-        held.read_into(held.find(2, 4, "a"), memoryview(bytearray(rec.total)))
+        held.map(held.find(2, 4, "a"))
     assert e.value.kind == "corrupt"
     p.write_bytes(raw[:-1])  # cut short: seen without reading it
     with pytest.raises(NotHeld, match="599 bytes, not 600"):
@@ -110,16 +110,17 @@ def test_a_corrupt_replica_is_refused_on_read_and_on_arrival(tmp_path: Path) -> 
 def test_a_half_received_replica_is_never_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     held = HeldReplicas(str(tmp_path), keep=2)
     held.commit(*_record(3, 1, "a", {"x": b"one"}))
-    real_write = os.pwrite
+    real = _fileio._FALLOCATE
     calls = {"n": 0}
 
-    def full_disk(fd: int, data: Any, offset: int) -> int:  # the OS call fails half way (tmpfs over its size)
+    def full_disk(fd: int, mode: int, offset: int, size: int) -> int:  # the OS call: a tmpfs over its size
         calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(fd, data, offset)
+        if calls["n"] == 2:  # the second file does not fit
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return int(real(fd, mode, offset, size))
 
-    monkeypatch.setattr(os, "pwrite", full_disk)
+    monkeypatch.setattr(_fileio, "_FALLOCATE", full_disk)
     with pytest.raises(OSError, match="No space"):
         held.commit(*_record(3, 2, "a", {"x": b"two", "y": b"more"}))
     monkeypatch.undo()
@@ -135,8 +136,6 @@ def test_a_half_received_replica_is_never_visible(tmp_path: Path, monkeypatch: p
 
 
 def test_names_a_replica_cannot_hold_are_refused(tmp_path: Path) -> None:
-    from asyncckpt.roots.replica._held import check_name
-
     for bad in ("", ".replica.json", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="plain, visible name"):
             check_name(bad)
@@ -198,10 +197,10 @@ def test_push_then_fetch_is_bit_exact_and_failures_are_typed_on_both_sides(tmp_p
         else:
             assert corrupt["got"] is None
         assert again["got"] == _want(r, 3)
-        # three messages a push each way; bytes: the files plus 32 + the description's
+        # 2 + one message per non-empty file (2 of the 3) a push each way; bytes: the files, 32, the description
         push = got["pushes"][0]["counts"]
         size = sum(len(b) for b in files_for(r, 1, "a").values())
-        assert push["sent_messages"] == 3 and push["recv_messages"] == 3
+        assert push["sent_messages"] == 4 and push["recv_messages"] == 4
         assert size + 32 < push["sent_bytes"] < size + 32 + 300
 
 

@@ -76,7 +76,7 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         if die and os.environ.get("DIE_AT") == "mid":
             big = torch.zeros(8 << 20, dtype=torch.uint8)  # announced, never sent whole: the frame's header
             sending = send(group, rep.buddy, DATA, {"source": rank, "step": step, "attempt": attempt,
-                                                      "files": [["x", 8 << 20, 0]]}, big, Counts())  # fmt: skip
+                                                      "files": [["x", 8 << 20, 0]]}, [big], Counts())  # fmt: skip
             del sending
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()

@@ -22,7 +22,7 @@ class ReplicaError(CheckpointError):
         self.failed: dict[int, str] = dict(failed or {})
         self.broken = broken
         #: a fetch's own files when this rank got them but failed to serve its source's
-        self.files: dict[str, bytes] | None = None
+        self.files: dict[str, memoryview] | None = None
 
 
 class SingleNodeError(ReplicaError, ValueError):

@@ -8,18 +8,22 @@ Layout under the caller's directory (the memory tier passes a tmpfs path)::
             rank00003.distcp ...         the files, byte for byte as rank 3 had them
         .incoming-step_00000013-<uuid>/  being received: invisible, removed on the next start
 
-A replica is written into a hidden attempt directory, its files and record fsynced, then
+A replica is received straight into its files (:meth:`HeldReplicas.receive`: each file's space
+reserved, then mapped, so the bytes land in the tmpfs pages with no copy and a full tmpfs fails
+as ``ENOSPC``, never as a signal) in a hidden attempt directory; its files and record fsynced, then
 renamed to ``step_N`` (an older replica of the same step is moved aside first, never
 overwritten in place), and the directory fsynced: a reader sees a step whole or not at all. A
 step is *held* for an attempt when its record names that source, step and attempt and every
-file has the size it lists; reading it back checks every file's CRC-32C. The newest ``keep``
-steps of each source are kept. Torch-free: the bytes move in and out through memoryviews.
+file has the size it lists; reading it back (:meth:`HeldReplicas.map`, the files mapped, no
+copy) checks every file's CRC-32C. The newest ``keep`` steps of each source are kept.
+Torch-free: the bytes move in and out through memoryviews.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 from ...format._checksum import crc32c
 from ...format._layout import step_dir_name
-from ..posix._fileio import write_all
+from ..posix._fileio import reserve, write_all
 from ..posix._osops import DEFAULT_OPS, O_CLOEXEC
 
 RECORD = ".replica.json"
@@ -116,30 +120,36 @@ class HeldReplicas:
         return sorted(out)
 
     def commit(self, record: Record, payload: memoryview) -> None:
-        """Write ``payload`` (the files' bytes back to back, in ``record.files`` order) as
-        ``record``'s replica; checks every CRC first (``NotHeld("corrupt")``), then retires
-        all but the newest ``keep`` steps of that source."""
-        verify(record, payload)
+        """Commit ``payload`` (the files' bytes back to back, in ``record.files`` order) as
+        ``record``'s replica (:meth:`receive`, filled by a copy)."""
+        incoming = self.receive(record)
+        try:
+            off = 0
+            for e, view in zip(record.files, incoming.views, strict=True):
+                view[:] = payload[off : off + e.size]
+                off += e.size
+            incoming.commit()
+        finally:
+            incoming.abort()
+
+    def receive(self, record: Record) -> Incoming:
+        """A hidden attempt directory holding ``record``'s files at their sizes, each open as a
+        writable view (``Incoming.views``) to receive into; :meth:`Incoming.commit` checks and
+        publishes it, :meth:`Incoming.abort` removes it. ``OSError`` (ENOSPC) when it does not fit."""
+        for e in record.files:
+            check_name(e.name)
         d = self.source_dir(record.source)
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f"{_INCOMING}{step_dir_name(record.step)}-{uuid.uuid4().hex[:12]}")
         os.mkdir(tmp)
+        incoming = Incoming(self, record, tmp)
         try:
-            off = 0
             for e in record.files:
-                _write(os.path.join(tmp, e.name), payload[off : off + e.size])
-                off += e.size
-            _write(os.path.join(tmp, RECORD), json.dumps(record.as_json()).encode())
-            DEFAULT_OPS.fsync_dir(tmp)
-            final = os.path.join(d, step_dir_name(record.step))
-            if os.path.lexists(final):  # a replica of the same step (another attempt): aside first
-                os.rename(final, os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}"))
-            os.rename(tmp, final)
-            DEFAULT_OPS.fsync_dir(d)
+                incoming.open(e)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            incoming.abort()
             raise
-        self._retire(record.source)
+        return incoming
 
     def find(self, source: int, step: int, attempt: str) -> Record:
         """The record of ``source``'s committed replica of ``step`` made by ``attempt``, every file
@@ -178,23 +188,27 @@ class HeldReplicas:
             return False
         return True
 
-    def read_into(self, rec: Record, out: memoryview) -> None:
-        """Read ``rec``'s files back to back into ``out`` (``rec.total`` bytes) and check every
-        CRC (``NotHeld("corrupt")`` naming the file)."""
+    def map(self, rec: Record) -> list[memoryview]:
+        """``rec``'s files, each mapped copy-on-write (no copy; writable for the transport, never
+        written back), every CRC checked (``NotHeld("corrupt")`` naming the file)."""
         path = os.path.join(self.source_dir(rec.source), step_dir_name(rec.step))
-        off = 0
+        views = []
         for e in rec.files:
+            if not e.size:
+                views.append(memoryview(bytearray()))
+                continue
             try:
-                with open(os.path.join(path, e.name), "rb", buffering=0) as f:
-                    got = f.readinto(out[off : off + e.size]) if e.size else 0
+                with open(os.path.join(path, e.name), "rb") as f:
+                    if os.fstat(f.fileno()).st_size != e.size:
+                        raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} changed size")
+                    views.append(memoryview(mmap.mmap(f.fileno(), e.size, access=mmap.ACCESS_COPY)))
             except FileNotFoundError:
                 raise NotHeld("missing", f"{e.name} of rank {rec.source}'s step {rec.step} is gone") from None
-            if got != e.size:
-                raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} was cut short")
-            off += e.size
-        verify(rec, out)
+        verify_views(rec, views)
+        return views
 
-    def _retire(self, source: int) -> None:
+    def retire(self, source: int) -> None:
+        """Remove all but the newest ``keep`` steps of ``source`` and replaced replicas."""
         d = self.source_dir(source)
         for step in self.steps(source)[: -self.keep]:
             aside = os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}")
@@ -206,6 +220,13 @@ class HeldReplicas:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
 
+def verify_views(rec: Record, views: Sequence[memoryview]) -> None:
+    """``NotHeld("corrupt")`` unless ``views`` are ``rec``'s files, sizes and CRC-32C alike."""
+    for e, view in zip(rec.files, views, strict=True):
+        if len(view) != e.size or crc32c(view) != e.crc:
+            raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} fails its CRC-32C")
+
+
 def verify(rec: Record, payload: memoryview) -> None:
     """``NotHeld("corrupt")`` unless ``payload`` is ``rec``'s files, sizes and CRC-32C alike."""
     if len(payload) != rec.total:
@@ -215,6 +236,68 @@ def verify(rec: Record, payload: memoryview) -> None:
         if crc32c(payload[off : off + e.size]) != e.crc:
             raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} fails its CRC-32C")
         off += e.size
+
+
+class Incoming:
+    """One replica being received (:meth:`HeldReplicas.receive`): ``views[i]`` is the writable
+    memory of ``record.files[i]`` (the file itself, mapped, where its space could be reserved)."""
+
+    def __init__(self, held: HeldReplicas, record: Record, path: str) -> None:
+        self.held, self.record, self.path = held, record, path
+        self.views: list[memoryview] = []
+        self._fds: list[int] = []
+        self._maps: list[mmap.mmap | None] = []
+        self._done = False
+
+    def open(self, e: Entry) -> None:
+        fd = os.open(os.path.join(self.path, e.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+        self._fds.append(fd)
+        if e.size and reserve(fd, e.size, os.path.join(self.path, e.name)):
+            m = mmap.mmap(fd, e.size, access=mmap.ACCESS_WRITE)
+            self._maps.append(m)
+            self.views.append(memoryview(m))
+        else:  # nothing to map, or a file system that cannot reserve: through memory, written at commit
+            self._maps.append(None)
+            self.views.append(memoryview(bytearray(e.size)))
+
+    def commit(self) -> None:
+        """Check every file's size and CRC (``NotHeld("corrupt")``), make them and the record
+        durable, publish the replica as ``step_N`` (one rename), retire the oldest."""
+        rec = self.record
+        verify_views(rec, self.views)
+        for e, fd, m, view in zip(rec.files, self._fds, self._maps, self.views, strict=True):
+            if m is None and e.size:
+                write_all(fd, view, 0, os.path.join(self.path, e.name))
+            os.fsync(fd)
+        _write(os.path.join(self.path, RECORD), json.dumps(rec.as_json()).encode())
+        self._close()
+        DEFAULT_OPS.fsync_dir(self.path)
+        d = self.held.source_dir(rec.source)
+        final = os.path.join(d, step_dir_name(rec.step))
+        if os.path.lexists(final):  # a replica of the same step (another attempt): aside first
+            os.rename(final, os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}"))
+        os.rename(self.path, final)
+        self._done = True
+        DEFAULT_OPS.fsync_dir(d)
+        self.held.retire(rec.source)
+
+    def abort(self) -> None:
+        """Remove the attempt directory unless it was committed (idempotent)."""
+        self._close()
+        if not self._done:
+            self._done = True
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _close(self) -> None:
+        self.views = []
+        for m in self._maps:
+            if m is not None:
+                with contextlib.suppress(BufferError):  # a view still held elsewhere: freed with it
+                    m.close()
+        self._maps = []
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
 
 
 def _write(path: str, data: memoryview | bytes) -> None:

@@ -24,8 +24,9 @@ missing or corrupt replica leaves it usable.
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Union
 
@@ -48,14 +49,16 @@ from ._failures import (
     kind_error,
     worst,
 )
-from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, verify
-from ._wire import DATA, FAIL, Counts, Sending, WireError, finish, recv, send
+from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, verify_views
+from ._wire import DATA, FAIL, Counts, Sending, WireError, finish, recv_desc, recv_into, send
 
 #: What a file to push is: a path, or its bytes.
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
-#: At most this much of a round's time is kept for its closing agreement.
-_AGREE_S = 5.0
+#: At most this much of a round's time is kept for its closing agreement: twice what rank 0
+#: keeps of what is left when it enters it (``_agree``: a quarter, at most 5 s), so a rank whose
+#: transfers ran to their end still reports before rank 0 decides.
+_AGREE_S = 10.0
 
 
 def open_group(timeout: float) -> Any:
@@ -100,19 +103,20 @@ class Replicas:
         did not answer) on every rank, within ``timeout``."""
         self._check()
         by = Deadline.after(self.timeout)
-        moving = by.before(min(_AGREE_S, self.timeout / 4))
+        moving = by.before(min(_AGREE_S, self.timeout / 2))
         key = self._next("push")
         problems: list[str] = []
         transport = False
         try:
-            payload, entries = _gather(files)
+            payloads, entries = _gather(files)
         except (OSError, ValueError) as e:
             problems.append(f"its files could not be read ({e})")
             sending = self._send_fail(self.buddy, "source", problems[-1])
         else:
             desc = {"source": self.rank, "step": step, "attempt": attempt,
                     "files": [[e.name, e.size, e.crc] for e in entries]}  # fmt: skip
-            sending = self._send(DATA, desc, payload)
+            sending = self._send(DATA, desc, payloads)
+            del payloads
         if sending is None:
             transport = True
             problems.append(f"its send to rank {self.buddy} failed")
@@ -142,17 +146,27 @@ class Replicas:
                                    failed, broken=bool(verdict["transport"]))  # fmt: skip
 
     def _receive_push(self, source: int, step: int, attempt: str, by: Deadline) -> None:
-        kind, desc, payload = recv(self.group, source, by, self.counts)
+        kind, desc, n = recv_desc(self.group, source, by, self.counts)
         if kind == FAIL:
             raise _Refused(f"rank {source} sent none: {desc.get('msg', '')}")
-        rec = _record(desc)
-        if (rec.source, rec.step, rec.attempt) != (source, step, attempt):
-            raise _Refused(f"rank {source} sent rank {rec.source}'s step {rec.step} of attempt {rec.attempt!r}, "
-                           f"not its step {step} of {attempt!r}")  # fmt: skip
+        rec = _record(desc, n)
         try:
-            self.held_here.commit(rec, _view(payload))
+            incoming = self.held_here.receive(rec)
+        except OSError:
+            _drain(self.group, source, rec, by, self.counts)  # keep the pair in step, then say why
+            raise
+        try:
+            targets = _tensors(incoming.views)
+            recv_into(self.group, source, targets, by, self.counts)
+            del targets
+            if (rec.source, rec.step, rec.attempt) != (source, step, attempt):
+                raise _Refused(f"rank {source} sent rank {rec.source}'s step {rec.step} of attempt "
+                               f"{rec.attempt!r}, not its step {step} of {attempt!r}")  # fmt: skip
+            incoming.commit()
         except NotHeld as e:
             raise _Refused(f"arrived corrupt, refused ({e})") from None
+        finally:
+            incoming.abort()
 
     # ---------------------------------------------------------------------------------- fetch
     def held(self, step: int, attempt: str, source: int | None = None) -> bool:
@@ -161,9 +175,9 @@ class Replicas:
         sources = self.sources if source is None else (source,)
         return bool(sources) and all(self.held_here.held(s, step, attempt) for s in sources)
 
-    def fetch(self, step: int, attempt: str, need: bool) -> dict[str, bytes] | None:
+    def fetch(self, step: int, attempt: str, need: bool) -> dict[str, memoryview] | None:
         """Collective: a rank with ``need`` gets its files of ``step`` made by ``attempt`` back from
-        its buddy (name to bytes, every CRC checked); a rank without returns ``None``.
+        its buddy (name to its bytes, a memoryview; every CRC checked); a rank without returns ``None``.
 
         A needer that gets nothing raises :class:`ReplicaMissingError`,
         :class:`ReplicaCorruptError` or :class:`ReplicaTransportError`, and so does its buddy
@@ -171,7 +185,7 @@ class Replicas:
         serve but got its own files finds them in the error's ``files``); within ``timeout``."""
         self._check()
         by = Deadline.after(self.timeout)
-        moving = by.before(min(_AGREE_S, self.timeout / 4))
+        moving = by.before(min(_AGREE_S, self.timeout / 2))
         key = self._next("fetch")
         mine = {"need": need, "step": step, "attempt": attempt}
 
@@ -182,7 +196,7 @@ class Replicas:
         failures: dict[str, list[Any]] = {}  # needer -> [kind, message]
         sendings = [self._serve(s, int(needs[str(s)][0]), str(needs[str(s)][1]), failures)
                     for s in self.sources if str(s) in needs]  # fmt: skip
-        got: dict[str, bytes] | None = None
+        got: dict[str, memoryview] | None = None
         if need:
             try:
                 got = self._receive_fetch(step, attempt, moving)
@@ -213,50 +227,48 @@ class Replicas:
         return got
 
     def _serve(self, source: int, step: int, attempt: str, failures: dict[str, list[Any]]) -> Sending | None:
-        """Send ``source`` its replica of ``step``, or why not (recorded in ``failures``)."""
+        """Send ``source`` its replica of ``step`` (from the mapped files), or why not (recorded
+        in ``failures``)."""
         try:
             rec = self.held_here.find(source, step, attempt)
-            buf = torch.empty(rec.total, dtype=torch.uint8)
-            self.held_here.read_into(rec, _view(buf))
+            views = self.held_here.map(rec)
         except (NotHeld, OSError) as e:
             kind = e.kind if isinstance(e, NotHeld) else "missing"
             failures[str(source)] = [kind, f"rank {self.rank} holds none: {e}"]
             sending = self._send_fail(source, kind, failures[str(source)][1])
         else:
-            sending = self._send(DATA, {"record": rec.as_json()}, buf, source)
+            payloads = _tensors(views)
+            del views
+            sending = self._send(DATA, {"record": rec.as_json()}, payloads, source)
         if sending is None:
             failures[str(source)] = ["transport", f"rank {self.rank} could not send"]
         return sending
 
-    def _receive_fetch(self, step: int, attempt: str, by: Deadline) -> dict[str, bytes]:
-        kind, desc, payload = recv(self.group, self.buddy, by, self.counts)
+    def _receive_fetch(self, step: int, attempt: str, by: Deadline) -> dict[str, memoryview]:
+        kind, desc, n = recv_desc(self.group, self.buddy, by, self.counts)
         if kind == FAIL:
             raise NotHeld(str(desc.get("kind", "missing")), str(desc.get("msg", "")))
-        try:
-            rec = _record(desc["record"])
-        except (KeyError, TypeError, ValueError, _Refused) as e:
-            raise NotHeld("corrupt", f"rank {self.buddy} sent an unreadable record ({e})") from None
+        rec = _record(desc.get("record"), n)
+        targets = [torch.empty(e.size, dtype=torch.uint8) for e in rec.files if e.size]
+        recv_into(self.group, self.buddy, targets, by, self.counts)
         if (rec.source, rec.step, rec.attempt) != (self.rank, step, attempt):
             raise NotHeld("missing", f"rank {self.buddy} sent rank {rec.source}'s step {rec.step} of "
                                      f"{rec.attempt!r}")  # fmt: skip
-        view = _view(payload)
-        verify(rec, view)
-        out, off = {}, 0
-        for ent in rec.files:
-            out[ent.name] = bytes(view[off : off + ent.size])
-            off += ent.size
-        return out
+        it = iter(targets)
+        views = [_view(next(it)) if e.size else memoryview(b"") for e in rec.files]
+        verify_views(rec, views)
+        return {e.name: v for e, v in zip(rec.files, views, strict=True)}
 
     # -------------------------------------------------------------------------------- helpers
-    def _send(self, kind: int, desc: dict[str, Any], payload: torch.Tensor | None,
+    def _send(self, kind: int, desc: dict[str, Any], payloads: Sequence[torch.Tensor],
               peer: int | None = None) -> Sending | None:  # fmt: skip
         try:
-            return send(self.group, self.buddy if peer is None else peer, kind, desc, payload, self.counts)
+            return send(self.group, self.buddy if peer is None else peer, kind, desc, payloads, self.counts)
         except WireError:
             return None
 
     def _send_fail(self, peer: int, kind: str, msg: str) -> Sending | None:
-        return self._send(FAIL, {"kind": kind, "msg": msg}, None, peer)
+        return self._send(FAIL, {"kind": kind, "msg": msg}, (), peer)
 
     def _agree(self, key: str, mine: dict[str, Any], by: Deadline, timeout_error: type[ReplicaError],
                decide: Any = None) -> dict[str, Any]:  # fmt: skip
@@ -295,14 +307,28 @@ def _merge_failures(outs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"failures": merged}
 
 
-def _record(desc: dict[str, Any]) -> Record:
+def _record(desc: Any, messages: int) -> Record:
+    """The record a frame's description holds; ``WireError`` when it cannot be read or does not
+    announce as many files as messages follow (the pair is out of step: nothing more is read)."""
     try:
         rec = Record.from_json(desc)
         for e in rec.files:
             check_name(e.name)
     except (KeyError, TypeError, ValueError, AssertionError) as e:
-        raise _Refused(f"an unreadable description ({e})") from None
+        raise WireError(f"an unreadable description ({e})") from None
+    if sum(1 for e in rec.files if e.size) != messages or any(e.size < 0 for e in rec.files):
+        raise WireError(f"a description of {len(rec.files)} files with {messages} messages")
     return rec
+
+
+def _tensors(views: Sequence[memoryview]) -> list[torch.Tensor]:
+    """uint8 tensors over the non-empty ``views`` (no copy)."""
+    return [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
+
+
+def _drain(group: Any, peer: int, rec: Record, by: Deadline, counts: Counts) -> None:
+    """Receive and drop the payload of a frame that cannot be kept (the pair stays usable)."""
+    recv_into(group, peer, [torch.empty(e.size, dtype=torch.uint8) for e in rec.files if e.size], by, counts)
 
 
 def _view(t: torch.Tensor | None) -> memoryview:
@@ -310,28 +336,21 @@ def _view(t: torch.Tensor | None) -> memoryview:
     return memoryview(array)
 
 
-def _gather(files: Mapping[str, Source]) -> tuple[torch.Tensor, list[Entry]]:
-    """The files' bytes back to back in one tensor (read straight into it) and their entries."""
-    sizes: list[tuple[str, Any, int]] = []
+def _gather(files: Mapping[str, Source]) -> tuple[list[torch.Tensor], list[Entry]]:
+    """The non-empty files' bytes as uint8 tensors (a path's file mapped copy-on-write, no copy;
+    read-only bytes copied once) and every file's entry (name, size, CRC-32C)."""
+    payloads, entries = [], []
     for name, src in files.items():
         check_name(name)
         if isinstance(src, (bytes, bytearray, memoryview)):
-            data = memoryview(src).cast("B")
-            sizes.append((name, data, len(data)))
+            view = memoryview(src).cast("B")
+            if view.readonly:
+                view = memoryview(bytearray(view))
         else:
-            path = os.fspath(src)
-            sizes.append((name, path, os.stat(path).st_size))
-    buf = torch.empty(sum(n for _, _, n in sizes), dtype=torch.uint8)
-    view = _view(buf)
-    entries, off = [], 0
-    for name, src, n in sizes:
-        part = view[off : off + n]
-        if isinstance(src, memoryview):
-            part[:] = src
-        elif n:
-            with open(src, "rb", buffering=0) as f:
-                if f.readinto(part) != n or f.read(1):
-                    raise OSError(f"{src} changed size while it was read")
-        entries.append(Entry(name, n, crc32c(part)))
-        off += n
-    return buf, entries
+            with open(os.fspath(src), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                view = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray())
+        entries.append(Entry(name, len(view), crc32c(view)))
+        if len(view):
+            payloads.append(torch.frombuffer(view, dtype=torch.uint8))
+    return payloads, entries

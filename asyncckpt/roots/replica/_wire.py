@@ -1,12 +1,13 @@
 """Frames over a torch.distributed group: point-to-point ``isend``/``irecv`` of uint8 tensors.
 
-One *frame* from a rank to a peer is up to three messages, in order on that pair:
+One *frame* from a rank to a peer is 2 + F messages, in order on that pair:
 
 1. a fixed header, 4 int64 (32 bytes): magic, kind (:data:`DATA` or :data:`FAIL`), the length
-   of the JSON description, the length of the payload;
+   of the JSON description, the number F of payload messages;
 2. the JSON description (for :data:`DATA` the step, attempt and each file's name, size and
    CRC-32C; for :data:`FAIL` the failure's kind and message);
-3. the payload, the files' bytes back to back (absent when empty).
+3. one message per file that is not empty, its bytes (sent from and received into the memory
+   the caller gives: a mapped file, no copy).
 
 Every wait is bounded by the round's :class:`Deadline` (``Work.wait(timeout)``: with gloo a
 wait past it closes that pair, so the group is not used again). A peer that dies fails the
@@ -16,6 +17,7 @@ wait at once (gloo: "Connection closed by peer"). Failures are :class:`WireError
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,35 +63,36 @@ class Sending:
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
-def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payload: torch.Tensor | None,
+def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payloads: Sequence[torch.Tensor],
          counts: Counts) -> Sending:  # fmt: skip
-    """Post ``kind``'s frame to group rank ``peer``; wait with :func:`finish`."""
+    """Post ``kind``'s frame to group rank ``peer`` (``payloads``: the non-empty files' bytes,
+    uint8 tensors); wait with :func:`finish`."""
     body = json.dumps(desc).encode()
-    n = 0 if payload is None else payload.numel()
-    fixed = torch.tensor([MAGIC, kind, len(body), n], dtype=torch.int64)
-    msgs = [fixed, torch.frombuffer(bytearray(body), dtype=torch.uint8)]
-    if n:
-        assert payload is not None
-        msgs.append(payload)
+    fixed = torch.tensor([MAGIC, kind, len(body), len(payloads)], dtype=torch.int64)
+    msgs = [fixed, torch.frombuffer(bytearray(body), dtype=torch.uint8), *payloads]
     out = Sending(peer, keep=msgs)
     try:
         for t in msgs:
             out.works.append(dist.isend(t, group=group, group_dst=peer))
             counts.sent_messages += 1
             counts.sent_bytes += t.numel() * t.element_size()
-    except Exception as e:
+    except Exception as e:  # gloo refuses a send on a closed pair at once
         raise WireError(f"sending to rank {peer} failed: {_first_line(e)}") from e
     return out
 
 
 def finish(sending: Sending, by: Deadline) -> None:
     """Wait until ``sending``'s messages left (``WireError`` past ``by`` or on a failed pair)."""
-    for w in sending.works:
-        _wait(w, by, f"sending to rank {sending.peer}")
+    try:
+        for w in sending.works:
+            _wait(w, by, f"sending to rank {sending.peer}")
+    finally:
+        sending.keep.clear()
 
 
-def recv(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict[str, Any], torch.Tensor | None]:
-    """The next frame from group rank ``peer``: its kind, description and payload."""
+def recv_desc(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict[str, Any], int]:
+    """The next frame's head from group rank ``peer``: its kind, description and the number of
+    payload messages that follow (receive them with :func:`recv_into`)."""
     fixed = torch.empty(_FIXED, dtype=torch.int64)
     _wait(_irecv(fixed, group, peer), by, f"receiving from rank {peer}")
     magic, kind, desc_len, n = (int(x) for x in fixed.tolist())
@@ -106,19 +109,23 @@ def recv(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict
         desc = json.loads(body.numpy().tobytes()) if desc_len else {}
     except ValueError as e:
         raise WireError(f"rank {peer} sent an unreadable description ({e})") from None
-    payload = None
-    if n:
-        payload = torch.empty(n, dtype=torch.uint8)
-        _wait(_irecv(payload, group, peer), by, f"receiving from rank {peer}")
+    return kind, desc, n
+
+
+def recv_into(group: Any, peer: int, targets: Sequence[torch.Tensor], by: Deadline, counts: Counts) -> None:
+    """Receive the frame's payload messages from ``peer`` into ``targets`` (uint8, the sizes
+    the description gave: gloo fails a message of another size)."""
+    works = [_irecv(t, group, peer) for t in targets]
+    for w, t in zip(works, targets, strict=True):
+        _wait(w, by, f"receiving from rank {peer}")
         counts.recv_messages += 1
-        counts.recv_bytes += n
-    return kind, desc, payload
+        counts.recv_bytes += t.numel()
 
 
 def _irecv(t: torch.Tensor, group: Any, peer: int) -> Any:
     try:
         return dist.irecv(t, group=group, group_src=peer)
-    except Exception as e:
+    except Exception as e:  # a closed pair refuses at once
         raise WireError(f"receiving from rank {peer} failed: {_first_line(e)}") from e
 
 
@@ -128,7 +135,7 @@ def _wait(work: Any, by: Deadline, what: str) -> None:
         raise WireError(f"{what}: the deadline passed", timeout=True)
     try:
         work.wait(timedelta(seconds=left))
-    except Exception as e:
+    except Exception as e:  # gloo raises RuntimeError for a timeout and a dead peer alike
         text = _first_line(e)
         raise WireError(f"{what} failed: {text}", timeout="Timed out" in text) from e
 
