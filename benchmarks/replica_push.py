@@ -5,13 +5,16 @@ each rank holding ``--size`` bytes as a file on ``--scratch`` (default ``/dev/sh
 tier's tmpfs). Alternating, ``--repeats`` times after a warm-up of each:
 
 * ``raw``: every rank ``isend``s its bytes (already in a tensor) to its buddy and ``irecv``s
-  its source's into a preallocated tensor, on a gloo group of its own: the transport's limit;
+  its source's into a preallocated tensor (touched before), on a gloo group of its own: the
+  transport's limit;
+* ``raw-fresh``: the same into a tensor allocated for it (new memory, as any receiver that keeps
+  the bytes needs: the page faults that ``raw`` leaves out);
 * ``push``: ``Replicas.push`` of the file: read into one tensor, CRC-32C, sent with its
   description, received, checked, written into the receiver's directory, committed (fsync,
   rename), retention, and the closing store agreement.
 
 Each figure is the slowest rank's, from a barrier to its end. Prints a table (medians, and
-raw/push: the issue's ratio, target >= 0.8) and writes ``results.json`` under ``--out``.
+raw/push: the issue's ratio, target >= 0.8; fresh/push beside it) and writes ``results.json`` under ``--out``.
 
     python benchmarks/replica_push.py --sizes 64M,256M --repeats 5 --out /tmp/replica-bench
 """
@@ -62,7 +65,7 @@ def rank_main(args: argparse.Namespace) -> None:
     nodes = discover(ctx, "bench", 60)
     raw_group, rep_group = open_group(300), open_group(300)
     node_dir = os.path.join(args.scratch, os.environ["ASYNCCKPT_NODE"])
-    rep = Replicas(ctx, rep_group, nodes, os.path.join(node_dir, "replicas"), keep=1, timeout=300)
+    rep = Replicas(ctx, rep_group, nodes, os.path.join(node_dir, "replicas"), keep=args.keep, timeout=300)
     buddy, (source,) = buddy_of(nodes, rank), sources_of(nodes, rank)
     assert buddy is not None
     out: dict[str, Any] = {}
@@ -74,21 +77,25 @@ def rank_main(args: argparse.Namespace) -> None:
         with open(path, "rb", buffering=0) as f:
             f.readinto(memoryview(mine.numpy()))
         theirs = torch.empty(size, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"raw": [], "push": []}
+        times: dict[str, list[float]] = {"raw": [], "raw-fresh": [], "push": []}
         counts: dict[str, int] = {}
 
-        def raw(mine: torch.Tensor = mine, theirs: torch.Tensor = theirs) -> None:
+        def raw(mine: torch.Tensor = mine, theirs: torch.Tensor | None = theirs) -> None:
+            if theirs is None:
+                theirs = torch.empty(mine.numel(), dtype=torch.uint8)
             r = dist.irecv(theirs, group=raw_group, group_src=source)
             s = dist.isend(mine, group=raw_group, group_dst=buddy)
             s.wait()
             r.wait()
 
         for i in range(args.repeats + 1):
-            for name in ("raw", "push"):
+            for name in ("raw", "raw-fresh", "push"):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "raw":
                     raw()
+                elif name == "raw-fresh":
+                    raw(theirs=None)
                 else:
                     before = rep.counts.as_json()
                     rep.push(i, f"bench-{size}", {f"rank{rank:05d}.data": path})
@@ -112,6 +119,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--keep", type=int, default=2, help="replicas kept per source (>= 2: the oldest's memory is reused)")
     p.add_argument("--scratch", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     p.add_argument("--out", default="bench-results/replica")
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -132,8 +140,8 @@ def main() -> None:
         port = s.getsockname()[1]
     result = os.path.join(args.out, "ranks.json")
     common = ["--sizes", ",".join(map(str, sizes)), "--repeats", str(args.repeats), "--nodes", str(args.nodes),
-              "--ranks-per-node", str(args.ranks_per_node), "--scratch", scratch, "--port", str(port),
-              "--world", str(world), "--result", result]  # fmt: skip
+              "--ranks-per-node", str(args.ranks_per_node), "--keep", str(args.keep), "--scratch", scratch,
+              "--port", str(port), "--world", str(world), "--result", result]  # fmt: skip
     try:
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common]) for r in range(world)]
         codes = [pr.wait() for pr in procs]
@@ -144,16 +152,18 @@ def main() -> None:
     with open(result) as f:
         got = json.load(f)
     rows = []
-    head = f"{'size':>8} {'raw s':>8} {'push s':>8} {'raw GB/s':>9} {'push GB/s':>10} {'raw/push':>9}"
-    print(f"{head}  messages / bytes besides the files, a rank sends")
+    head = f"{'size':>8} {'raw s':>7} {'fresh s':>8} {'push s':>7} {'push GB/s':>10} {'raw/push':>9} {'fresh/push':>11}"
+    print(f"{head}  messages, bytes besides the files a rank sends")
     for size in sizes:
         t = got[str(size)]["times"]
-        raw, push = _median(t["raw"]), _median(t["push"])
+        raw, fresh, push = _median(t["raw"]), _median(t["raw-fresh"]), _median(t["push"])
         c = got[str(size)]["counts"]
-        rows.append({"size": size, "raw_s": raw, "push_s": push, "ratio": raw / push, "counts": c, "samples": t})
-        print(f"{size >> 20:>7}M {raw:>8.3f} {push:>8.3f} {size / raw / 1e9:>9.2f} {size / push / 1e9:>10.2f} "
-              f"{raw / push:>9.2f}  {c['sent_messages']} / {c['sent_bytes'] - size} + size")  # fmt: skip
+        rows.append({"size": size, "raw_s": raw, "raw_fresh_s": fresh, "push_s": push, "raw_over_push": raw / push,
+                     "fresh_over_push": fresh / push, "counts": c, "samples": t})  # fmt: skip
+        print(f"{size >> 20:>7}M {raw:>7.3f} {fresh:>8.3f} {push:>7.3f} {size / push / 1e9:>10.2f} {raw / push:>9.2f} "
+              f"{fresh / push:>11.2f}  {c['sent_messages']}, {c['sent_bytes'] - size}")  # fmt: skip
     doc = {"host": platform.node(), "cpus": os.cpu_count(), "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+           "keep": args.keep,
            "scratch": args.scratch, "repeats": args.repeats, "rows": rows}  # fmt: skip
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(doc, f, indent=1)

@@ -74,6 +74,29 @@ def test_a_held_replica_reads_back_exact_and_the_newest_k_are_kept(tmp_path: Pat
     assert sorted(os.listdir(tmp_path / "peer-rank00005")) == ["step_00000002", "step_00000003"]
 
 
+def test_a_new_replica_reuses_the_oldest_ones_memory_and_holds_only_its_own_files(tmp_path: Path) -> None:
+    held = HeldReplicas(str(tmp_path), keep=2)
+    held.commit(*_record(0, 1, "a", {"x": b"1" * 4096, "old": b"gone", "y": b"short"}))
+    old_x = os.stat(tmp_path / "peer-rank00000" / "step_00000001" / "x").st_ino
+    held.commit(*_record(0, 2, "a", {"x": b"2" * 4096}))
+    held.commit(*_record(0, 3, "a", {"x": b"3" * 4096, "y": b"longer now", "new": b"n"}))
+    step3 = tmp_path / "peer-rank00000" / "step_00000003"
+    assert held.steps(0) == [2, 3] and sorted(os.listdir(step3)) == [".replica.json", "new", "x", "y"]
+    assert os.stat(step3 / "x").st_ino == old_x  # step 1's file, received into again
+    assert [bytes(v) for v in held.map(held.find(0, 3, "a"))] == [b"3" * 4096, b"longer now", b"n"]
+    # a replica that fails on arrival takes the recycled step with it; the newer one stays
+    incoming = held.receive(_record(0, 4, "a", {"x": b"4" * 4096})[0])
+    incoming.views[0][:] = b"5" * 4096
+    with pytest.raises(NotHeld, match="fails its CRC-32C"):
+        incoming.commit()
+    incoming.abort()
+    assert held.steps(0) == [3] and os.listdir(tmp_path / "peer-rank00000") == ["step_00000003"]
+    one = HeldReplicas(str(tmp_path / "one"), keep=1)  # keep 1: the one held stays until the next commits
+    one.commit(*_record(0, 1, "a", {"x": b"1"}))
+    one.receive(_record(0, 2, "a", {"x": b"2"})[0]).abort()
+    assert one.held(0, 1, "a")
+
+
 def test_another_attempts_replica_is_never_returned(tmp_path: Path) -> None:
     held = HeldReplicas(str(tmp_path), keep=2)
     held.commit(*_record(1, 7, "run1/a", {"x": b"old"}))

@@ -15,7 +15,9 @@ renamed to ``step_N`` (an older replica of the same step is moved aside first, n
 overwritten in place), and the directory fsynced: a reader sees a step whole or not at all. A
 step is *held* for an attempt when its record names that source, step and attempt and every
 file has the size it lists; reading it back (:meth:`HeldReplicas.map`, the files mapped, no
-copy) checks every file's CRC-32C. The newest ``keep`` steps of each source are kept.
+copy) checks every file's CRC-32C. The newest ``keep`` steps of each source are kept; with
+``keep`` >= 2 a new replica is received into the files of the oldest (``_recycle``: its memory
+reused, not freed and allocated again; the ``keep - 1`` newer steps stay visible meanwhile).
 Torch-free: the bytes move in and out through memoryviews.
 """
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from ...format._checksum import crc32c
 from ...format._layout import step_dir_name
 from ..posix._fileio import reserve, write_all
-from ..posix._osops import DEFAULT_OPS, O_CLOEXEC
+from ..posix._osops import DEFAULT_OPS, O_CLOEXEC, O_NOFOLLOW
 
 RECORD = ".replica.json"
 _INCOMING = ".incoming-"
@@ -141,15 +143,39 @@ class HeldReplicas:
         d = self.source_dir(record.source)
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f"{_INCOMING}{step_dir_name(record.step)}-{uuid.uuid4().hex[:12]}")
-        os.mkdir(tmp)
+        recycled = self._recycle(record.source, tmp)
+        if not recycled:
+            os.mkdir(tmp)
         incoming = Incoming(self, record, tmp)
         try:
             for e in record.files:
                 incoming.open(e)
+            if recycled:  # the old step's files this one does not have
+                keep = {e.name for e in record.files}
+                for name in os.listdir(tmp):
+                    if name not in keep:
+                        os.unlink(os.path.join(tmp, name))
         except BaseException:
             incoming.abort()
             raise
         return incoming
+
+    def _recycle(self, source: int, tmp: str) -> bool:
+        """With ``keep`` (at least 2) steps of ``source`` held, its oldest becomes the attempt
+        directory ``tmp``: its files, where names and sizes match, are received into again (their
+        memory is there already: no allocation, no zeroing, nothing freed after the commit).
+        The commit would retire that step anyway; the ``keep - 1`` newer ones stay visible
+        throughout. With ``keep`` 1 the one step held stays until the new one is committed."""
+        steps = self.steps(source)
+        if self.keep < 2 or len(steps) < self.keep:
+            return False
+        try:
+            os.rename(os.path.join(self.source_dir(source), step_dir_name(steps[0])), tmp)
+        except FileNotFoundError:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(tmp, RECORD))
+        return True
 
     def find(self, source: int, step: int, attempt: str) -> Record:
         """The record of ``source``'s committed replica of ``step`` made by ``attempt``, every file
@@ -250,9 +276,20 @@ class Incoming:
         self._done = False
 
     def open(self, e: Entry) -> None:
-        fd = os.open(os.path.join(self.path, e.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+        path = os.path.join(self.path, e.name)
+        try:  # a recycled step's file of this size: received into in place
+            fd = os.open(path, os.O_RDWR | O_CLOEXEC | O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0 and os.fstat(fd).st_size != e.size:
+            os.close(fd)
+            os.unlink(path)
+            fd = -1
+        fresh = fd < 0
+        if fresh:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
         self._fds.append(fd)
-        if e.size and reserve(fd, e.size, os.path.join(self.path, e.name)):
+        if e.size and (not fresh or reserve(fd, e.size, path)):
             m = mmap.mmap(fd, e.size, access=mmap.ACCESS_WRITE)
             self._maps.append(m)
             self.views.append(memoryview(m))
