@@ -227,7 +227,9 @@ class HeldReplicas:
                 with open(os.path.join(path, e.name), "rb") as f:
                     if os.fstat(f.fileno()).st_size != e.size:
                         raise NotHeld("corrupt", f"{e.name} of rank {rec.source}'s step {rec.step} changed size")
-                    views.append(memoryview(mmap.mmap(f.fileno(), e.size, access=mmap.ACCESS_COPY)))
+                    m = mmap.mmap(f.fileno(), e.size, access=mmap.ACCESS_COPY)
+                    populate(m, write=False)
+                    views.append(memoryview(m))
             except FileNotFoundError:
                 raise NotHeld("missing", f"{e.name} of rank {rec.source}'s step {rec.step} is gone") from None
         verify_views(rec, views)
@@ -264,6 +266,17 @@ def verify(rec: Record, payload: memoryview) -> None:
         off += e.size
 
 
+#: ``madvise`` advice (Linux 5.14+): fault a mapping's pages in with one call, not one trap a
+#: page (a third of the time on a VM; for a private mapping, without copying a page).
+_POPULATE_READ, _POPULATE_WRITE = 22, 23
+
+
+def populate(m: mmap.mmap, write: bool) -> None:
+    """Map ``m``'s pages in now, for reading or writing (nothing where the kernel cannot)."""
+    with contextlib.suppress(OSError, ValueError):
+        m.madvise(_POPULATE_WRITE if write else _POPULATE_READ)
+
+
 class Incoming:
     """One replica being received (:meth:`HeldReplicas.receive`): ``views[i]`` is the writable
     memory of ``record.files[i]`` (the file itself, mapped, where its space could be reserved)."""
@@ -291,6 +304,7 @@ class Incoming:
         self._fds.append(fd)
         if e.size and (not fresh or reserve(fd, e.size, path)):
             m = mmap.mmap(fd, e.size, access=mmap.ACCESS_WRITE)
+            populate(m, write=True)
             self._maps.append(m)
             self.views.append(memoryview(m))
         else:  # nothing to map, or a file system that cannot reserve: through memory, written at commit

@@ -49,7 +49,7 @@ from ._failures import (
     kind_error,
     worst,
 )
-from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, verify_views
+from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, populate, verify_views
 from ._wire import DATA, FAIL, Counts, Sending, WireError, finish, recv_desc, recv_into, send
 
 #: What a file to push is: a path, or its bytes.
@@ -349,7 +349,12 @@ def _gather(files: Mapping[str, Source]) -> tuple[list[torch.Tensor], list[Entry
         else:
             with open(os.fspath(src), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                view = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray())
+                if size:
+                    m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+                    populate(m, write=False)
+                    view = memoryview(m)
+                else:
+                    view = memoryview(bytearray())
         entries.append(Entry(name, len(view), crc32c(view)))
         if len(view):
             payloads.append(torch.frombuffer(view, dtype=torch.uint8))
