@@ -298,3 +298,18 @@ def test_a_silent_rank_fails_the_push_within_the_deadline(tmp_path: Path) -> Non
         assert push["error"]["failed"] == {"1": "did not answer"} and push["error"]["broken"], push
         assert push["s"] < 4 + 1.5, push
     assert not res[3]["pushes"][0]["held"] and res[0]["pushes"][0]["held"]
+
+
+@pytest.mark.timing
+def test_a_buddy_that_dies_before_a_fetch_fails_it_on_every_survivor_within_the_deadline(tmp_path: Path) -> None:
+    """Rank 3 (the holder of rank 1's replica) dies before the fetch in which rank 1 needs its
+    files: every survivor raises ``ReplicaTimeoutError`` naming rank 3 within the 4 s, and the
+    object refuses further rounds (``ReplicaTransportError``, broken)."""
+    res = _run(tmp_path, "fetchdead", ["A", "A", "B", "B"], deadline=60, PUSH="1", FETCHES="1:a:1;1:a:1",
+               DIE_RANK="3", DIE_AT="fetch", REPLICA_TIMEOUT="4")  # fmt: skip
+    for r in (0, 1, 2):
+        first, second = res[r]["fetches"]
+        assert first["error"]["type"] == "ReplicaTimeoutError", first
+        assert first["error"]["failed"] == {"3": "did not answer"} and first["error"]["broken"]
+        assert first["s"] < 4 + 1.5, first
+        assert second["error"]["type"] == "ReplicaTransportError" and "broken" in second["error"]["msg"]

@@ -7,7 +7,8 @@ replicas under ``base/<node>/replicas``. ``PUSH``: steps to push (comma-separate
 ``:corrupt`` appended to have every holder flip one byte of what it holds of that step first.
 ``DIE_RANK`` dies by SIGKILL at ``DIE_AT``: ``before`` (its push) or ``mid`` (after sending the
 header of a 8 MiB frame to its buddy, none of the bytes) or ``hang`` (alive and silent for
-``HANG_S``). ``BAD_RANK`` pushes a file that is not there at ``BAD_STEP``. Writes ``out.<rank>.json``.
+``HANG_S``) or ``fetch`` (before the first fetch round). ``BAD_RANK`` pushes a file that is not
+there at ``BAD_STEP``. Writes ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
                     b = f.read(1)
                     f.seek(0)
                     f.write(bytes([b[0] ^ 0xFF]))
+        if die and os.environ.get("DIE_AT") == "fetch":
+            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()
         try:
             got = rep.fetch(step, att, rank in needers)
