@@ -189,8 +189,8 @@ def _run(tmp_path: Path, tag: str, names: list[str], deadline: float = 120, **en
     return res
 
 
-def _want(rank: int, step: int, attempt: str = "a") -> dict[str, str]:
-    return digest(files_for(rank, step, attempt))
+def _want(rank: int, step: int, attempt: str = "a", size: int | None = None) -> dict[str, str]:
+    return digest(files_for(rank, step, attempt, size))
 
 
 def test_push_then_fetch_is_bit_exact_and_failures_are_typed_on_both_sides(tmp_path: Path) -> None:
@@ -220,30 +220,33 @@ def test_push_then_fetch_is_bit_exact_and_failures_are_typed_on_both_sides(tmp_p
         else:
             assert corrupt["got"] is None
         assert again["got"] == _want(r, 3)
-        # 2 + one message per non-empty file (2 of the 3) a push each way; bytes: the files, 32, the description
+        # a push each way: header, description, a piece per non-empty file (2 of 3: under 32 MiB), trailer;
+        # bytes: the files + 32 + the description + 8 a file
         push = got["pushes"][0]["counts"]
         size = sum(len(b) for b in files_for(r, 1, "a").values())
-        assert push["sent_messages"] == 4 and push["recv_messages"] == 4
+        assert push["sent_messages"] == 5 and push["recv_messages"] == 5
         assert size + 32 < push["sent_bytes"] < size + 32 + 300
 
 
 def test_four_nodes_one_rank_each_replicate_round_the_ring(tmp_path: Path) -> None:
-    res = _run(tmp_path, "ring", ["n0", "n1", "n2", "n3"], PUSH="5", FETCHES="5:a:0,1,2,3")
+    size = str(40 << 20)  # more than one 32 MiB piece a file
+    res = _run(tmp_path, "ring", ["n0", "n1", "n2", "n3"], PUSH="5", FETCHES="5:a:0,1,2,3", SIZE=size)
     for r, got in res.items():
         assert got["buddy"] == (r + 1) % 4 and got["sources"] == [(r - 1) % 4]
-        assert got["fetches"][0]["got"] == _want(r, 5)
+        assert got["fetches"][0]["got"] == _want(r, 5, size=int(size))
+        assert got["pushes"][0]["counts"]["sent_messages"] == 2 + 2 + 1 + 1  # the large file in two pieces
     for k in range(4):
         assert os.listdir(tmp_path / "nodes" / f"n{k}" / "replicas") == [f"peer-rank{(k - 1) % 4:05d}"]
 
 
 def test_a_replaced_node_fetches_its_ranks_files_from_the_buddys_memory(tmp_path: Path) -> None:
     """The job ends; node B is replaced (its memory and disk wiped); new processes fetch."""
-    first = _run(tmp_path, "first", ["A", "A", "B", "B"], PUSH="7,8", ATTEMPT="run1")
+    first = _run(tmp_path, "first", ["A", "A", "B", "B"], PUSH="7,8", ATTEMPT="run1", NO_FILES_RANK="3")
     assert all(p["error"] is None for got in first.values() for p in got["pushes"])
     shutil.rmtree(tmp_path / "nodes" / "B")
     res = _run(tmp_path, "second", ["A", "A", "B", "B"], FETCHES="8:run1:2,3")
-    for r in (2, 3):
-        assert res[r]["fetches"][0]["got"] == _want(r, 8, "run1")
+    assert res[2]["fetches"][0]["got"] == _want(2, 8, "run1")
+    assert res[3]["fetches"][0]["got"] == {}  # rank 3 pushed no files: it gets none back
     assert res[0]["fetches"][0] == {"got": None, "step": 8, "attempt": "run1", "s": res[0]["fetches"][0]["s"],
                                     "held": True}  # fmt: skip
 

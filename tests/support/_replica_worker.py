@@ -8,7 +8,7 @@ replicas under ``base/<node>/replicas``. ``PUSH``: steps to push (comma-separate
 ``DIE_RANK`` dies by SIGKILL at ``DIE_AT``: ``before`` (its push) or ``mid`` (after sending the
 header of a 8 MiB frame to its buddy, none of the bytes) or ``hang`` (alive and silent for
 ``HANG_S``) or ``fetch`` (before the first fetch round). ``BAD_RANK`` pushes a file that is not
-there at ``BAD_STEP``. Writes ``out.<rank>.json``.
+there at ``BAD_STEP``; ``NO_FILES_RANK`` pushes no files at all. Writes ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import traceback
 from typing import Any
 
 
-def files_for(rank: int, step: int, attempt: str) -> dict[str, bytes]:
+def files_for(rank: int, step: int, attempt: str, size: int | None = None) -> dict[str, bytes]:
     """The files rank ``rank`` pushes for ``step`` (deterministic; sizes differ by rank)."""
     rnd = random.Random(f"{rank}/{step}/{attempt}")
-    n = int(os.environ.get("SIZE", str(64 << 10)))
+    n = int(os.environ.get("SIZE", str(64 << 10))) if size is None else size
     return {f"rank{rank:05d}.data": rnd.randbytes(n + 17 * rank), f"rank{rank:05d}.meta": rnd.randbytes(100 + rank),
             "empty": b""}  # fmt: skip
 
@@ -67,6 +67,8 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         with open(disk, "wb") as f:
             f.write(files[f"rank{rank:05d}.data"])
         given: dict[str, Any] = {**files, f"rank{rank:05d}.data": disk}
+        if os.environ.get("NO_FILES_RANK") == str(rank):  # a rank with nothing to keep
+            given = {}
         if die and os.environ.get("DIE_AT") == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         if die and os.environ.get("DIE_AT") == "hang":  # alive, connected, silent: a stuck process

@@ -24,6 +24,7 @@ missing or corrupt replica leaves it usable.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from collections.abc import Mapping, Sequence
@@ -49,8 +50,22 @@ from ._failures import (
     kind_error,
     worst,
 )
-from ._held import Entry, HeldReplicas, NotHeld, Record, check_name, populate, verify_views
-from ._wire import DATA, FAIL, Counts, Sending, WireError, finish, recv_desc, recv_into, send
+from ._held import HeldReplicas, Incoming, NotHeld, Record, check_name, populate
+from ._wire import (
+    DATA,
+    FAIL,
+    Counts,
+    Receiving,
+    Sending,
+    WireError,
+    count_pieces,
+    finish,
+    recv_desc,
+    send,
+    send_more,
+    tensors,
+    trailer,
+)
 
 #: What a file to push is: a path, or its bytes.
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
@@ -107,29 +122,38 @@ class Replicas:
         key = self._next("push")
         problems: list[str] = []
         transport = False
+        views: list[memoryview] | None = None  # set when a DATA frame goes out: its trailer follows
         try:
-            payloads, entries = _gather(files)
+            names, views = _open_files(files)
         except (OSError, ValueError) as e:
+            views = None
             problems.append(f"its files could not be read ({e})")
             sending = self._send_fail(self.buddy, "source", problems[-1])
         else:
             desc = {"source": self.rank, "step": step, "attempt": attempt,
-                    "files": [[e.name, e.size, e.crc] for e in entries]}  # fmt: skip
-            sending = self._send(DATA, desc, payloads)
-            del payloads
+                    "files": [[n, len(v), 0] for n, v in zip(names, views, strict=True)]}  # fmt: skip
+            sending = self._send(DATA, desc, tensors(views))
         if sending is None:
             transport = True
             problems.append(f"its send to rank {self.buddy} failed")
-        for s in self.sources:
+        receiving: dict[int, tuple[Record, Incoming, Receiving]] = {}
+        for s in self.sources:  # every receive posted before this rank computes its own CRCs
             try:
-                self._receive_push(s, step, attempt, moving)
+                receiving[s] = self._start_push(s, step, attempt, moving)
+            except (WireError, _Refused, OSError) as e:
+                transport |= self._problem(s, e, problems)
+        if sending is not None and views is not None:
+            try:  # while the pieces travel
+                send_more(sending, self.group, trailer([crc32c(v) for v in views]), self.counts)
             except WireError as e:
                 transport = True
-                problems.append(f"receiving rank {s}'s files: {e}")
-            except _Refused as e:
-                problems.append(f"rank {s}'s files: {e}")
-            except OSError as e:
-                problems.append(f"rank {s}'s files could not be written to {self.held_here.directory} ({e})")
+                problems.append(str(e))
+        del views
+        for s, (rec, incoming, rcv) in receiving.items():
+            try:
+                self._end_push(rec, incoming, rcv, moving)
+            except (WireError, _Refused, OSError) as e:
+                transport |= self._problem(s, e, problems)
         if sending is not None:
             try:
                 finish(sending, moving)
@@ -145,24 +169,46 @@ class Replicas:
             raise ReplicaPushError(f"asyncckpt: the replica of step {step} did not land on every buddy: {text}",
                                    failed, broken=bool(verdict["transport"]))  # fmt: skip
 
-    def _receive_push(self, source: int, step: int, attempt: str, by: Deadline) -> None:
+    def _problem(self, source: int, e: Exception, problems: list[str]) -> bool:
+        """Note what went wrong with ``source``'s files; whether it was the transport."""
+        if isinstance(e, WireError):
+            problems.append(f"receiving rank {source}'s files: {e}")
+            return True
+        if isinstance(e, _Refused):
+            problems.append(f"rank {source}'s files: {e}")
+        else:
+            problems.append(f"rank {source}'s files could not be written to {self.held_here.directory} ({e})")
+        return False
+
+    def _start_push(self, source: int, step: int, attempt: str, by: Deadline) -> tuple[Record, Incoming, Receiving]:
+        """Read ``source``'s description, open the replica's files, post every receive."""
         kind, desc, n = recv_desc(self.group, source, by, self.counts)
         if kind == FAIL:
             raise _Refused(f"rank {source} sent none: {desc.get('msg', '')}")
         rec = _record(desc, n)
+        if (rec.source, rec.step, rec.attempt) != (source, step, attempt):
+            raise WireError(f"rank {source} sent rank {rec.source}'s step {rec.step} of attempt {rec.attempt!r}, "
+                            f"not its step {step} of {attempt!r}")  # fmt: skip
         try:
             incoming = self.held_here.receive(rec)
-        except OSError:
-            _drain(self.group, source, rec, by, self.counts)  # keep the pair in step, then say why
+        except OSError:  # keep the pair in step, then say why
+            scratch = [memoryview(torch.empty(e.size, dtype=torch.uint8).numpy()) for e in rec.files]  # type: ignore[arg-type]
+            Receiving(self.group, source, scratch, self.counts).finish(by)
             raise
         try:
-            targets = _tensors(incoming.views)
-            recv_into(self.group, source, targets, by, self.counts)
-            del targets
-            if (rec.source, rec.step, rec.attempt) != (source, step, attempt):
-                raise _Refused(f"rank {source} sent rank {rec.source}'s step {rec.step} of attempt "
-                               f"{rec.attempt!r}, not its step {step} of {attempt!r}")  # fmt: skip
-            incoming.commit()
+            return rec, incoming, Receiving(self.group, source, incoming.views, self.counts)
+        except BaseException:
+            incoming.abort()
+            raise
+
+    def _end_push(self, rec: Record, incoming: Incoming, rcv: Receiving, by: Deadline) -> None:
+        """Wait for the bytes (each piece CRC-checked as it lands) and commit them."""
+        try:
+            got, sent = rcv.finish(by)
+            incoming.record = dataclasses.replace(
+                rec, files=tuple(dataclasses.replace(e, crc=c) for e, c in zip(rec.files, sent, strict=True))
+            )
+            incoming.commit(got)
         except NotHeld as e:
             raise _Refused(f"arrived corrupt, refused ({e})") from None
         finally:
@@ -231,15 +277,19 @@ class Replicas:
         in ``failures``)."""
         try:
             rec = self.held_here.find(source, step, attempt)
-            views = self.held_here.map(rec)
+            views = self.held_here.map(rec, check=False)  # the needer checks as the bytes land
         except (NotHeld, OSError) as e:
             kind = e.kind if isinstance(e, NotHeld) else "missing"
             failures[str(source)] = [kind, f"rank {self.rank} holds none: {e}"]
             sending = self._send_fail(source, kind, failures[str(source)][1])
         else:
-            payloads = _tensors(views)
+            sending = self._send(DATA, {"record": rec.as_json()}, tensors(views), source)
             del views
-            sending = self._send(DATA, {"record": rec.as_json()}, payloads, source)
+            if sending is not None:
+                try:
+                    send_more(sending, self.group, trailer([e.crc for e in rec.files]), self.counts)
+                except WireError:
+                    sending = None
         if sending is None:
             failures[str(source)] = ["transport", f"rank {self.rank} could not send"]
         return sending
@@ -249,14 +299,14 @@ class Replicas:
         if kind == FAIL:
             raise NotHeld(str(desc.get("kind", "missing")), str(desc.get("msg", "")))
         rec = _record(desc.get("record"), n)
-        targets = [torch.empty(e.size, dtype=torch.uint8) for e in rec.files if e.size]
-        recv_into(self.group, self.buddy, targets, by, self.counts)
         if (rec.source, rec.step, rec.attempt) != (self.rank, step, attempt):
-            raise NotHeld("missing", f"rank {self.buddy} sent rank {rec.source}'s step {rec.step} of "
-                                     f"{rec.attempt!r}")  # fmt: skip
-        it = iter(targets)
-        views = [_view(next(it)) if e.size else memoryview(b"") for e in rec.files]
-        verify_views(rec, views)
+            raise WireError(f"rank {self.buddy} sent rank {rec.source}'s step {rec.step} of {rec.attempt!r}")
+        views = [_view(torch.empty(e.size, dtype=torch.uint8)) for e in rec.files]
+        got, _ = Receiving(self.group, self.buddy, views, self.counts).finish(by)
+        bad = [e.name for e, c in zip(rec.files, got, strict=True) if c != e.crc]
+        if bad:
+            raise NotHeld("corrupt", f"{', '.join(bad)} of rank {self.rank}'s step {step} from rank {self.buddy} "
+                                     "fails its CRC-32C")  # fmt: skip
         return {e.name: v for e, v in zip(rec.files, views, strict=True)}
 
     # -------------------------------------------------------------------------------- helpers
@@ -316,19 +366,9 @@ def _record(desc: Any, messages: int) -> Record:
             check_name(e.name)
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise WireError(f"an unreadable description ({e})") from None
-    if sum(1 for e in rec.files if e.size) != messages or any(e.size < 0 for e in rec.files):
+    if any(e.size < 0 for e in rec.files) or count_pieces([e.size for e in rec.files]) != messages:
         raise WireError(f"a description of {len(rec.files)} files with {messages} messages")
     return rec
-
-
-def _tensors(views: Sequence[memoryview]) -> list[torch.Tensor]:
-    """uint8 tensors over the non-empty ``views`` (no copy)."""
-    return [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
-
-
-def _drain(group: Any, peer: int, rec: Record, by: Deadline, counts: Counts) -> None:
-    """Receive and drop the payload of a frame that cannot be kept (the pair stays usable)."""
-    recv_into(group, peer, [torch.empty(e.size, dtype=torch.uint8) for e in rec.files if e.size], by, counts)
 
 
 def _view(t: torch.Tensor | None) -> memoryview:
@@ -336,10 +376,10 @@ def _view(t: torch.Tensor | None) -> memoryview:
     return memoryview(array)
 
 
-def _gather(files: Mapping[str, Source]) -> tuple[list[torch.Tensor], list[Entry]]:
-    """The non-empty files' bytes as uint8 tensors (a path's file mapped copy-on-write, no copy;
-    read-only bytes copied once) and every file's entry (name, size, CRC-32C)."""
-    payloads, entries = [], []
+def _open_files(files: Mapping[str, Source]) -> tuple[list[str], list[memoryview]]:
+    """The files' names and bytes: a path's file mapped copy-on-write (no copy; it must not
+    change while it is pushed), read-only bytes copied once."""
+    names, views = [], []
     for name, src in files.items():
         check_name(name)
         if isinstance(src, (bytes, bytearray, memoryview)):
@@ -355,7 +395,6 @@ def _gather(files: Mapping[str, Source]) -> tuple[list[torch.Tensor], list[Entry
                     view = memoryview(m)
                 else:
                     view = memoryview(bytearray())
-        entries.append(Entry(name, len(view), crc32c(view)))
-        if len(view):
-            payloads.append(torch.frombuffer(view, dtype=torch.uint8))
-    return payloads, entries
+        names.append(name)
+        views.append(view)
+    return names, views

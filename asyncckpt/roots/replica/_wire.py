@@ -1,13 +1,16 @@
 """Frames over a torch.distributed group: point-to-point ``isend``/``irecv`` of uint8 tensors.
 
-One *frame* from a rank to a peer is 2 + F messages, in order on that pair:
+One *frame* from a rank to a peer is 3 + P messages, in order on that pair:
 
 1. a fixed header, 4 int64 (32 bytes): magic, kind (:data:`DATA` or :data:`FAIL`), the length
-   of the JSON description, the number F of payload messages;
-2. the JSON description (for :data:`DATA` the step, attempt and each file's name, size and
-   CRC-32C; for :data:`FAIL` the failure's kind and message);
-3. one message per file that is not empty, its bytes (sent from and received into the memory
-   the caller gives: a mapped file, no copy).
+   of the JSON description, the number P of payload messages;
+2. the JSON description (for :data:`DATA` the step, attempt and each file's name and size; for
+   :data:`FAIL` the failure's kind and message, and nothing follows);
+3. the files' bytes in :func:`pieces` of at most :data:`CHUNK` (sent from and received into the
+   memory the caller gives: a mapped file, no copy);
+4. the trailer: the number of files and each one's CRC-32C (int64), sent once the sender computed them while the
+   pieces were on their way; the receiver computes its own from each piece as it lands
+   (:class:`Receiving`), so neither CRC pass waits for the transfer nor the other way round.
 
 Every wait is bounded by the round's :class:`Deadline` (``Work.wait(timeout)``: with gloo a
 wait past it closes that pair, so the group is not used again). A peer that dies fails the
@@ -25,12 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...format._checksum import crc32c
 from ...threads._deadline import Deadline
 
 MAGIC = 0x41434B5245504C31  # "ACKREPL1"
 DATA, FAIL = 1, 2
 _FIXED = 4
 _MAX_DESC = 64 << 20
+#: The largest payload message: the receiver checks one while the next arrives.
+CHUNK = 32 << 20
 
 
 class WireError(Exception):
@@ -81,6 +87,68 @@ def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payloads: Seque
     return out
 
 
+def send_more(sending: Sending, group: Any, t: torch.Tensor, counts: Counts) -> None:
+    """Post one more message of ``sending``'s frame (its trailer)."""
+    try:
+        sending.works.append(dist.isend(t, group=group, group_dst=sending.peer))
+    except Exception as e:  # a closed pair refuses at once
+        raise WireError(f"sending to rank {sending.peer} failed: {_first_line(e)}") from e
+    sending.keep.append(t)
+    counts.sent_messages += 1
+    counts.sent_bytes += t.numel() * t.element_size()
+
+
+def pieces(views: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
+    """The payload messages of files ``views``: (file index, at most :data:`CHUNK` bytes)."""
+    return [(i, v[off : off + CHUNK]) for i, v in enumerate(views) for off in range(0, len(v), CHUNK)]
+
+
+def count_pieces(sizes: Sequence[int]) -> int:
+    return sum(-(-n // CHUNK) for n in sizes)
+
+
+def tensors(views: Sequence[memoryview]) -> list[torch.Tensor]:
+    """uint8 tensors over the :func:`pieces` of ``views`` (no copy)."""
+    return [torch.frombuffer(v, dtype=torch.uint8) for _, v in pieces(views)]
+
+
+def trailer(crcs: Sequence[int]) -> torch.Tensor:
+    """A frame's last message: how many files, then each one's CRC-32C (never empty)."""
+    return torch.tensor([len(crcs), *crcs], dtype=torch.int64)
+
+
+class Receiving:
+    """A frame's payload and trailer being received from ``peer`` into ``views`` (the files'
+    memory): every message posted at once; :meth:`finish` waits for each piece in turn and
+    adds it to its file's CRC while the next arrives."""
+
+    def __init__(self, group: Any, peer: int, views: Sequence[memoryview], counts: Counts) -> None:
+        self.peer, self.counts = peer, counts
+        self.pieces = pieces(views)
+        self.targets = [torch.frombuffer(v, dtype=torch.uint8) for _, v in self.pieces]
+        self.trailer = torch.empty(len(views) + 1, dtype=torch.int64)
+        self.works = [_irecv(t, group, peer) for t in [*self.targets, self.trailer]]
+        self.crcs = [0] * len(views)
+
+    def finish(self, by: Deadline) -> tuple[list[int], list[int]]:
+        """The CRC-32C of each file as received, and as the sender computed it."""
+        what = f"receiving from rank {self.peer}"
+        for (i, view), w in zip(self.pieces, self.works, strict=False):
+            _wait(w, by, what)
+            self.counts.recv_messages += 1
+            self.counts.recv_bytes += len(view)
+            self.crcs[i] = crc32c(view, self.crcs[i])
+        _wait(self.works[-1], by, what)
+        self.counts.recv_messages += 1
+        self.counts.recv_bytes += self.trailer.numel() * 8
+        count, *crcs = self.trailer.tolist()
+        if count != len(self.crcs):
+            raise WireError(f"rank {self.peer} sent a trailer of {count} files, not {len(self.crcs)}")
+        sent = [int(x) & 0xFFFFFFFF for x in crcs]
+        self.targets, self.works, self.pieces = [], [], []
+        return self.crcs, sent
+
+
 def finish(sending: Sending, by: Deadline) -> None:
     """Wait until ``sending``'s messages left (``WireError`` past ``by`` or on a failed pair)."""
     try:
@@ -110,16 +178,6 @@ def recv_desc(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int,
     except ValueError as e:
         raise WireError(f"rank {peer} sent an unreadable description ({e})") from None
     return kind, desc, n
-
-
-def recv_into(group: Any, peer: int, targets: Sequence[torch.Tensor], by: Deadline, counts: Counts) -> None:
-    """Receive the frame's payload messages from ``peer`` into ``targets`` (uint8, the sizes
-    the description gave: gloo fails a message of another size)."""
-    works = [_irecv(t, group, peer) for t in targets]
-    for w, t in zip(works, targets, strict=True):
-        _wait(w, by, f"receiving from rank {peer}")
-        counts.recv_messages += 1
-        counts.recv_bytes += t.numel()
 
 
 def _irecv(t: torch.Tensor, group: Any, peer: int) -> Any:
