@@ -11,7 +11,9 @@ tier's tmpfs). Alternating, ``--repeats`` times after a warm-up of each:
   the bytes needs: the page faults that ``raw`` leaves out);
 * ``push``: ``Replicas.push`` of the file: read into one tensor, CRC-32C, sent with its
   description, received, checked, written into the receiver's directory, committed (fsync,
-  rename), retention, and the closing store agreement.
+  rename), retention, and the closing store agreement;
+* ``fetch``: every rank gets its files of that push back from its buddy (``Replicas.fetch``,
+  ``need=True`` everywhere): the recovery of a replaced node, from the peer's memory.
 
 Each figure is the slowest rank's, from a barrier to its end. Prints a table (medians, and
 raw/push: the issue's ratio, target >= 0.8; fresh/push beside it) and writes ``results.json`` under ``--out``.
@@ -77,7 +79,7 @@ def rank_main(args: argparse.Namespace) -> None:
         with open(path, "rb", buffering=0) as f:
             f.readinto(memoryview(mine.numpy()))
         theirs = torch.empty(size, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"raw": [], "raw-fresh": [], "push": []}
+        times: dict[str, list[float]] = {"raw": [], "raw-fresh": [], "push": [], "fetch": []}
         counts: dict[str, int] = {}
 
         def raw(mine: torch.Tensor = mine, theirs: torch.Tensor | None = theirs) -> None:
@@ -89,17 +91,21 @@ def rank_main(args: argparse.Namespace) -> None:
             r.wait()
 
         for i in range(args.repeats + 1):
-            for name in ("raw", "raw-fresh", "push"):
+            for name in ("raw", "raw-fresh", "push", "fetch"):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "raw":
                     raw()
                 elif name == "raw-fresh":
                     raw(theirs=None)
-                else:
+                elif name == "push":
                     before = rep.counts.as_json()
                     rep.push(i, f"bench-{size}", {f"rank{rank:05d}.data": path})
                     counts = {k: v - before[k] for k, v in rep.counts.as_json().items()}
+                else:
+                    got = rep.fetch(i, f"bench-{size}", need=True)
+                    assert got is not None and len(got[f"rank{rank:05d}.data"]) == size
+                    del got
                 took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if i:  # the first round of each is the warm-up
@@ -152,16 +158,17 @@ def main() -> None:
     with open(result) as f:
         got = json.load(f)
     rows = []
-    head = f"{'size':>8} {'raw s':>7} {'fresh s':>8} {'push s':>7} {'push GB/s':>10} {'raw/push':>9} {'fresh/push':>11}"
+    head = (f"{'size':>8} {'raw s':>7} {'fresh s':>8} {'push s':>7} {'push GB/s':>10} {'raw/push':>9} "
+            f"{'fresh/push':>11} {'fetch s':>8}")  # fmt: skip
     print(f"{head}  messages, bytes besides the files a rank sends")
     for size in sizes:
         t = got[str(size)]["times"]
-        raw, fresh, push = _median(t["raw"]), _median(t["raw-fresh"]), _median(t["push"])
+        raw, fresh, push, fetch = _median(t["raw"]), _median(t["raw-fresh"]), _median(t["push"]), _median(t["fetch"])
         c = got[str(size)]["counts"]
         rows.append({"size": size, "raw_s": raw, "raw_fresh_s": fresh, "push_s": push, "raw_over_push": raw / push,
-                     "fresh_over_push": fresh / push, "counts": c, "samples": t})  # fmt: skip
+                     "fresh_over_push": fresh / push, "fetch_s": fetch, "counts": c, "samples": t})  # fmt: skip
         print(f"{size >> 20:>7}M {raw:>7.3f} {fresh:>8.3f} {push:>7.3f} {size / push / 1e9:>10.2f} {raw / push:>9.2f} "
-              f"{fresh / push:>11.2f}  {c['sent_messages']}, {c['sent_bytes'] - size}")  # fmt: skip
+              f"{fresh / push:>11.2f} {fetch:>8.3f}  {c['sent_messages']}, {c['sent_bytes'] - size}")  # fmt: skip
     doc = {"host": platform.node(), "cpus": os.cpu_count(), "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
            "keep": args.keep,
            "scratch": args.scratch, "repeats": args.repeats, "rows": rows}  # fmt: skip
