@@ -9,8 +9,9 @@ called in the same order everywhere:
   the outcome, so a push that failed anywhere fails on every rank, with the same
   :class:`ReplicaPushError` naming the ranks.
 - :meth:`Replicas.fetch`: the ranks agree which of them need their files (each names the step
-  and attempt); each buddy of a needer reads its replica (CRC-checked) and sends it, or sends
-  why it cannot; the needer checks it again; a second agreement names every failure. A needer
+  and attempt); each buddy of a needer sends its replica from the mapped files with the CRCs it
+  was pushed with, or why it cannot; the needer checks every piece as it lands; a second
+  agreement names every failure. A needer
   that got nothing and its buddy raise the same typed error (missing, corrupt, transport);
   the other ranks go on. The caller falls back to the next tier for those ranks.
 
