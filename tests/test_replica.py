@@ -316,3 +316,18 @@ def test_a_buddy_that_dies_before_a_fetch_fails_it_on_every_survivor_within_the_
         assert first["error"]["failed"] == {"3": "did not answer"} and first["error"]["broken"]
         assert first["s"] < 4 + 1.5, first
         assert second["error"]["type"] == "ReplicaTransportError" and "broken" in second["error"]["msg"]
+
+
+def test_a_full_tmpfs_on_the_receiver_fails_the_push_everywhere_and_the_group_stays_usable(tmp_path: Path) -> None:
+    """Rank 2's tmpfs has no room at step 2 (fallocate: ENOSPC): it drains rank 0's frame (the
+    pair stays in step), every rank raises ``ReplicaPushError``, not broken; nothing of step 2
+    is visible on rank 2; step 3 pushes fine."""
+    res = _run(tmp_path, "full", ["A", "A", "B", "B"], PUSH="1,2,3", FULL_RANK="2", FULL_STEP="2", KEEP="3")
+    for r, got in res.items():
+        one, two, three = got["pushes"]
+        assert one["error"] is None and three["error"] is None and three["held"]
+        assert two["error"]["type"] == "ReplicaPushError" and not two["error"]["broken"], two
+        assert list(two["error"]["failed"]) == ["2"] and "No space left" in two["error"]["failed"]["2"]
+        assert two["held"] == (r != 2)
+    assert sorted(os.listdir(tmp_path / "nodes" / "B" / "replicas" / "peer-rank00000")) == [
+        "step_00000001", "step_00000003"]  # fmt: skip

@@ -8,7 +8,8 @@ replicas under ``base/<node>/replicas``. ``PUSH``: steps to push (comma-separate
 ``DIE_RANK`` dies by SIGKILL at ``DIE_AT``: ``before`` (its push) or ``mid`` (after sending the
 header of a 8 MiB frame to its buddy, none of the bytes) or ``hang`` (alive and silent for
 ``HANG_S``) or ``fetch`` (before the first fetch round). ``BAD_RANK`` pushes a file that is not
-there at ``BAD_STEP``; ``NO_FILES_RANK`` pushes no files at all. Writes ``out.<rank>.json``.
+there at ``BAD_STEP``; ``FULL_RANK`` finds its tmpfs full at ``FULL_STEP``; ``NO_FILES_RANK``
+pushes no files at all. Writes ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
     result.update(buddy=rep.buddy, sources=list(rep.sources), node=node, pushes=[], fetches=[])
     attempt = os.environ.get("ATTEMPT", "a")
     die = os.environ.get("DIE_RANK") == str(rank)
+    full: dict[str, Any] = {}
     for step in [int(s) for s in os.environ.get("PUSH", "").split(",") if s]:
         files = files_for(rank, step, attempt)
         disk = os.path.join(base, node, f"own-{rank}-{step}")  # one file from this node's disk
@@ -69,6 +71,21 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         given: dict[str, Any] = {**files, f"rank{rank:05d}.data": disk}
         if os.environ.get("NO_FILES_RANK") == str(rank):  # a rank with nothing to keep
             given = {}
+        if os.environ.get("FULL_RANK") == str(rank):  # the OS call: this node's tmpfs is full at FULL_STEP
+            import ctypes
+            import errno
+
+            from asyncckpt.roots.posix import _fileio
+
+            real = full.setdefault("real", _fileio._FALLOCATE)
+
+            def fallocate(fd: int, mode: int, offset: int, n: int, step: int = step, real: Any = real) -> int:
+                if str(step) == os.environ.get("FULL_STEP"):
+                    ctypes.set_errno(errno.ENOSPC)
+                    return -1
+                return int(real(fd, mode, offset, n))
+
+            _fileio._FALLOCATE = fallocate
         if die and os.environ.get("DIE_AT") == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         if die and os.environ.get("DIE_AT") == "hang":  # alive, connected, silent: a stuck process
