@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import cli, private_copy, saved_steps
 from safetensors.torch import load_file
 
 from asyncckpt import Checkpointer, find_latest, load
-from asyncckpt.cli import main
 from asyncckpt.cli._print import Progress, human_age, human_bytes
 
 STEPS = (1, 2, 3)
@@ -41,25 +41,13 @@ def make_state(step: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pristine") / "ck"
-    with Checkpointer(root) as ck:
-        for step in STEPS:
-            ck.save(step, make_state(step)).result(timeout=60)
-    return root
+    return saved_steps(tmp_path_factory.mktemp("pristine") / "ck", {step: make_state(step) for step in STEPS})
 
 
 @pytest.fixture
 def root(pristine: Path, tmp_path: Path) -> Path:
     """A private copy of three complete checkpoints (steps 1, 2, 3) that a test may damage."""
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return dst
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return private_copy(pristine, tmp_path)
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from _cli_util import REPO, run_cli, strict_json
+from _cli_util import REPO, cli, private_copy, run_cli, saved_steps, strict_json
 
 from asyncckpt import Checkpointer, find_latest
-from asyncckpt.cli import main
 from asyncckpt.cli._print import Progress
 from asyncckpt.roots._badmarks import bad_mark
 from asyncckpt.roots.posix._discovery import read_manifest
@@ -39,24 +38,12 @@ def state(step: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("consistency") / "ck"
-    with Checkpointer(root) as ck:
-        for step in (1, 2, 3):
-            ck.save(step, state(step)).result(timeout=60)
-    return root
+    return saved_steps(tmp_path_factory.mktemp("consistency") / "ck", {step: state(step) for step in (1, 2, 3)})
 
 
 @pytest.fixture
 def root(pristine: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return dst
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return private_copy(pristine, tmp_path)
 
 
 def test_ls_and_verify_count_the_same_files(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

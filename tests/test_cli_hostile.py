@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _cli_util import reseal, run_cli, strict_json
-
-from asyncckpt import Checkpointer
+from _cli_util import private_copy, reseal, run_cli, saved_steps, strict_json
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile") / "ck"
-    with Checkpointer(root) as ck:
-        for step in (1, 2, 3):
-            ck.save(step, {"w": torch.randn(8), "epoch": step}).result(timeout=60)
-    return root
+    states = {step: {"w": torch.randn(8), "epoch": step} for step in (1, 2, 3)}
+    return saved_steps(tmp_path_factory.mktemp("hostile") / "ck", states)
 
 
 @pytest.fixture
 def root(pristine: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "ck"
-    shutil.copytree(pristine, dst)
-    return dst
+    return private_copy(pristine, tmp_path)
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -26,8 +26,6 @@ manifest is reported and left alone (``left_alone``), never removed.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -36,10 +34,10 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import cli_doc, option_args
 from s3fixtures import get, opts, put, require_s3, shared_server
 
 from asyncckpt import Checkpointer, remote
-from asyncckpt.cli import main as cli_main
 
 require_s3()
 
@@ -78,18 +76,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
         data[-3] ^= 0x10
         local.write_bytes(bytes(data))
         put(server.endpoint, URL, key, bytes(data))
-        flags = [f"--storage-option={k}={v}" for k, v in so.items()]
+        flags = option_args(so)
         for where, extra in ((root, []), (URL, flags)):
-            assert cli("verify", where, "--step", BAD, *extra)[0] == 1
+            assert cli_doc("verify", where, "--step", BAD, *extra)[0] == 1
         yield root, flags
-
-
-def cli(*argv: Any) -> tuple[int, Any]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main([str(a) for a in argv])
-    text = out.getvalue()
-    return code, json.loads(text) if "--json" in argv and text else err.getvalue()
 
 
 #: Fields that are times of the medium (module docstring).
@@ -119,9 +109,9 @@ def normalised(doc: Any, where: str) -> Any:
 def both(root: Path, flags: list[str], *argv: Any) -> tuple[Any, Any]:
     """The JSON of ``asyncckpt ARGV[0] WHERE ARGV[1:] --json`` for the root and the URL,
     normalised, and the same exit status from both."""
-    code_l, near = cli(argv[0], root, *argv[1:], "--json")
-    code_r, far = cli(argv[0], URL, *argv[1:], "--json", *flags)
-    assert code_l == code_r, (argv, code_l, code_r, near, far)
+    code_l, near, err_l = cli_doc(argv[0], root, *argv[1:], "--json")
+    code_r, far, err_r = cli_doc(argv[0], URL, *argv[1:], "--json", *flags)
+    assert code_l == code_r, (argv, code_l, code_r, near, far, err_l, err_r)
     return normalised(near, str(root)), normalised(far, URL)
 
 
@@ -170,8 +160,8 @@ def test_export(pair: tuple[Path, list[str]], tmp_path: Path, name: str, extra: 
     for side, where, more in (("near", root, []), ("far", URL, flags)):
         dest = tmp_path / side / name
         dest.parent.mkdir()
-        code, doc = cli("export", where, "--to", dest, *extra, "--json", *more)
-        assert code == 0 and doc.pop("path") == str(dest), doc
+        code, doc, err = cli_doc("export", where, "--to", dest, *extra, "--json", *more)
+        assert code == 0 and doc.pop("path") == str(dest), (doc, err)
         outs.append((doc, dest))
     (near, a), (far, b) = outs
     assert near["step"] == (3 if "--step" in extra else 4)

@@ -18,15 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _cli_util import cli
 
 from asyncckpt import Checkpointer
-from asyncckpt.cli import main
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

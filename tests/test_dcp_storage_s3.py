@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from _cli_util import option_args
 from _ranks import free_port, log_tail, run_ranks
 from s3fixtures import data_keys, get, opts, put, require_s3, server_fixture
 from s3proxy import FaultProxy, Rule
@@ -58,10 +59,6 @@ def url() -> str:
     return f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:10]}"
 
 
-def _so(o: dict[str, str]) -> list[str]:
-    return [f"--storage-option={k}={v}" for k, v in o.items()]
-
-
 def test_round_trip_on_a_store_is_a_normal_step(s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]) -> None:
     o = opts(s3.endpoint)
     src = _state()
@@ -89,9 +86,9 @@ def test_round_trip_on_a_store_is_a_normal_step(s3: S3Server, url: str, capsys: 
     with asyncckpt.Checkpointer(url, storage_options=o) as ck:
         ck.load(4, into=into)
     assert _same(into["model"], src["model"]) and _same(into["ints"], src["ints"])
-    assert cli_main(["verify", url, "--all", *_so(o)]) == 0
+    assert cli_main(["verify", url, "--all", *option_args(o)]) == 0
     assert "3 of 3 checkpoints ok" in capsys.readouterr().out
-    assert cli_main(["ls", url, *_so(o)]) == 0
+    assert cli_main(["ls", url, *option_args(o)]) == 0
     listed = capsys.readouterr().out
     assert all(f"{s}" in listed for s in (3, 4, 5)) and "step_00000005" in listed, listed
     # a step is never overwritten: refused before anything is uploaded
@@ -116,7 +113,7 @@ def test_a_flipped_byte_in_an_object_makes_dcp_load_raise(s3: S3Server, url: str
     err = _only_failure(ei.value)
     assert isinstance(err, CheckpointCorruptError) and "checksum mismatch" in str(err), err
     assert err.path == f"{url}/{key}"
-    assert cli_main(["verify", url, "--step", "1", *_so(o)]) == 1
+    assert cli_main(["verify", url, "--step", "1", *option_args(o)]) == 1
 
 
 def test_the_commit_is_refused_while_another_job_holds_the_prefix(s3: S3Server, url: str) -> None:

@@ -1,10 +1,11 @@
 """One deadline for a node-local root's collective calls, through real gloo ranks (one node, two
 ranks: ``support/_deadline_worker.py``): the construction (a leader slow to start) and
-``load()`` (a rank late, then slow to read) end by the timeout on every rank, with the same
-``AgreeTimeout``, and leave the root as it was; a rank whose read of its own node's disk
-never returns fails its load by the timeout with ``CheckpointReadError`` naming it and the
-file. Each test failed on the code before its fix (the deadline audit's open findings; the
-rest: ``test_deadline_audit.py``).
+``load()`` (a rank late, then slow to read) end by the timeout on every rank, the others
+with ``AgreeTimeout`` naming the late rank, and leave the root as it was; a rank whose call
+to its own node's disk never returns (a read at load, a look or the leader's start at
+construction) fails by the timeout with ``CheckpointReadError`` naming it and the file.
+Each test failed on the code before its fix (the deadline audit's open findings; the rest:
+``test_deadline_audit.py``).
 """
 
 from __future__ import annotations
@@ -73,10 +74,14 @@ def test_a_leader_slow_to_start_fails_a_node_local_construction_on_every_rank_by
     # leader 1.5 timeouts late, every rank waited past its timeout and then went on as if in time
     timeout = 2.0
     res = _ranks(tmp_path, "slow_start", str(tmp_path / "ck"), CK_TIMEOUT=str(timeout), SLOW_S=str(1.5 * timeout))
-    for r, got in res.items():
-        assert got.get("ctor_error", {}).get("type") == "AgreeTimeout", (r, got)
-        assert got["ctor_error"]["missing"] == [0], (r, got)  # the leader is the one named
-    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # the follower: by its timeout
+    # the follower times out naming the leader; the leader's own start ends by the timeout too
+    # (a thread of its own since a start that never returns held it forever), naming it and the root
+    assert res[1].get("ctor_error", {}).get("type") == "AgreeTimeout", res[1]
+    assert res[1]["ctor_error"]["missing"] == [0], res[1]  # the leader is the one named
+    err = res[0].get("ctor_error", {})
+    assert err.get("type") == "CheckpointReadError" and "rank 0" in err["msg"] and err["filename"] == str(
+        tmp_path / "ck"), res[0]  # fmt: skip
+    assert res[0]["ctor_s"] < timeout + 1.0 and res[1]["ctor_s"] < timeout + 1.0, res  # by the timeout
     assert res[0]["after"] == [] and res[1]["after"] == []  # the root was left free: the next job starts
 
 
@@ -153,21 +158,38 @@ def test_a_rank_whose_read_of_its_own_node_disk_never_returns_fails_its_node_loc
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
 
 
+#: (the file system's rule for the call it holds: op, glob; the rank whose call it is, by pid),
+#: each rule with an id of its own (the events last as long as the module's file system)
+HELD = {
+    # before any read, each rank looks at which steps its node's disk holds for it (the stat of
+    # its files: roots._nodeparts.parts), unbounded as the read was: rank 1's stat of its shard
+    # (rank 1's calls only: rank 0, the node's leader, looks at every file)
+    "look": ("getattr", "*/step_00000001/rank00001.safetensors", 1),
+    # the node's leader starts on its disk (make the root, take it: roots._rootstart.node_start)
+    # with no bound of its own either: its open of the root's lock file
+    "leader-start": ("open", "*/held-leader-start/.asyncckpt/owner.lock", 0),
+    # then it places a token on its disk (which ranks see it: check_node_disks), unbounded too
+    "leader-token": ("create", "*/held-leader-token/.asyncckpt-shared-*", 0),
+}
+
+
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(200)
-def test_a_rank_whose_look_at_its_own_node_disk_never_returns_fails_a_node_local_construction_by_the_timeout(
-    faulty: FaultFS, tmp_path: Path
+@pytest.mark.parametrize("held", list(HELD))
+def test_a_rank_whose_call_to_its_own_node_disk_never_returns_fails_a_node_local_construction_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path, held: str
 ) -> None:
-    # before any read, each rank looks at which steps its node's disk holds for it (the stat of
-    # its files: roots._nodeparts.parts), unbounded as the read was: the file system holds rank
-    # 1's stat of its shard. That rank's construction must end by the timeout with a typed
-    # error naming it and the root; rank 0 times out naming rank 1
+    # the file system holds one rank's call at construction (HELD): that rank's construction
+    # must end by the timeout with a typed error naming it and the root; the other times out
+    # naming it; once let go, the call leaves the root free and nothing is lost
     import threading
 
     timeout = 2.0
-    root = faulty.path("stuckscan")
-    out = tmp_path / "stuck_scan-result"
+    op, glob, stuck = HELD[held]
+    other_rank = 1 - stuck
+    root = faulty.path(f"held-{held}")
+    out = tmp_path / "held_construction-result"
 
     def release() -> None:  # once both ranks said how their construction ended (or after 30 s)
         end = time.monotonic() + 30
@@ -176,23 +198,22 @@ def test_a_rank_whose_look_at_its_own_node_disk_never_returns_fails_a_node_local
         faulty.clear()
         Path(f"{out}.go2").touch()
 
-    def on_saved() -> None:  # rank 1's calls only: rank 0, the node's leader, looks at every file
-        pid = int(Path(f"{out}.pid.1").read_text())
-        faulty.set_rules([rule("getattr", glob="*/step_00000001/rank00001.safetensors", pid=pid, hold_s=60, count=1,
-                               id="held-stat")])  # fmt: skip
+    def on_saved() -> None:
+        pid = int(Path(f"{out}.pid.{stuck}").read_text())
+        faulty.set_rules([rule(op, glob=glob, pid=pid, hold_s=60, count=1, id=f"held-{held}")])
         threading.Thread(target=release, daemon=True).start()
 
     try:
-        res = _ranks(tmp_path, "stuck_scan", root, on_saved, CK_TIMEOUT=str(timeout))
-        assert faulty.fired("held-stat") == 1
+        res = _ranks(tmp_path, "held_construction", root, on_saved, CK_TIMEOUT=str(timeout))
+        assert faulty.fired(f"held-{held}") == 1
     finally:
         faulty.clear()
-    err, other = res[1].get("ctor_error", {}), res[0].get("ctor_error", {})
-    print(f"\nrank 1 (its stat held): {err.get('type')} after {res[1]['ctor_s']:.2f} s; rank 0: {other.get('type')} "
-          f"after {res[0]['ctor_s']:.2f} s (timeout {timeout} s)")
-    assert err.get("type") == "CheckpointReadError", res[1]  # was: the stat waited 30 s, for the test
-    assert "rank 1" in err["msg"] and err.get("filename") == root, err
-    assert res[1]["ctor_s"] < timeout + 1.0, res[1]  # by the construction's deadline, not the file system's
-    assert other.get("type") == "AgreeTimeout" and other["missing"] == [1], res[0]
-    assert res[0]["ctor_s"] < timeout + 1.0, res[0]
+    err, other = res[stuck].get("ctor_error", {}), res[other_rank].get("ctor_error", {})
+    print(f"\nrank {stuck} (its {op} held): {err.get('type')} after {res[stuck]['ctor_s']:.2f} s; rank {other_rank}: "
+          f"{other.get('type')} after {res[other_rank]['ctor_s']:.2f} s (timeout {timeout} s)")
+    assert err.get("type") == "CheckpointReadError", res[stuck]  # was: the call waited 30 s, for the test
+    assert f"rank {stuck}" in err["msg"] and err.get("filename") == root, err
+    assert res[stuck]["ctor_s"] < timeout + 1.0, res[stuck]  # by the construction's deadline, not the file system's
+    assert other.get("type") == "AgreeTimeout" and other["missing"] == [stuck], res[other_rank]
+    assert res[other_rank]["ctor_s"] < timeout + 1.0, res[other_rank]
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import cli, so
 from s3fixtures import get, opts, proxy_fixture, put, require_s3, server_fixture
 from s3proxy import FaultProxy, Rule
 
 from asyncckpt import Checkpointer, remote
-from asyncckpt.cli import main as cli_main
 from asyncckpt.roots import _memory, open_root
 from asyncckpt.roots._transfer import copy_step
 
@@ -39,18 +39,8 @@ s3 = server_fixture(BUCKET)
 proxy = proxy_fixture()
 
 
-def so(endpoint: str) -> list[str]:
-    return [f"--storage-option={k}={v}" for k, v in opts(endpoint).items()]
-
-
 def fresh_url() -> str:
     return f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli_main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 @pytest.fixture(scope="module")

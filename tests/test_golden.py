@@ -13,8 +13,6 @@ format's own rule, recomputed here independently) is recomputed.
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import re
 import shutil
@@ -27,6 +25,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from _cli_util import cli_doc, option_args
 from _golden_worker import (
     STEP,
     Net,
@@ -43,7 +42,6 @@ from s3fixtures import data_keys, get, opts, put, require_s3, shared_server
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointError, remote
-from asyncckpt.cli import main as cli_main
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 WORKER = str(Path(__file__).parent / "support" / "_golden_worker.py")
@@ -255,26 +253,18 @@ def test_on_four_ranks_fsdp_tp_resaves_to_the_same_bytes(tmp_path: Path) -> None
 # ------------------------------------------------------------------ the CLI
 
 
-def cli(*argv: str | Path) -> tuple[int, Any, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main([str(a) for a in argv])
-    text = out.getvalue()
-    return code, json.loads(text) if "--json" in argv and text else text, err.getvalue()
-
-
 @pytest.mark.parametrize("name", LOCAL)
 def test_cli_verify_ls_info_on_each_golden(copy: Any, name: str) -> None:
     root = copy(name)
     world = json.loads((root / STEP_DIR / "manifest.json").read_bytes())["world_size"]
-    code, doc, err = cli("verify", root, "--json")
+    code, doc, err = cli_doc("verify", root, "--json")
     assert code == 0 and doc["ok"] == 1 and doc["steps"][0]["status"] == "ok", (doc, err)
-    code, rows, err = cli("ls", root, "--json")
+    code, rows, err = cli_doc("ls", root, "--json")
     assert code == 0 and [(r["step"], r["status"], r["ranks"]) for r in rows] == [(STEP, "complete", world)], err
     for rank in range(world):
-        code, doc, err = cli("info", root, "--rank", rank, "--json")
+        code, doc, err = cli_doc("info", root, "--rank", rank, "--json")
         assert code == 0 and doc["step"] == STEP and doc["rank"] == rank, err
-    code, text, err = cli("info", root)
+    code, text, err = cli_doc("info", root)
     assert code == 0 and text.startswith(f"step {STEP}  "), err
 
 
@@ -321,15 +311,15 @@ def test_a_push_of_the_local_goldens_gives_the_golden_objects(store: tuple[str, 
 
 def test_cli_verify_ls_info_through_s3(store: tuple[str, dict[str, str]], copy: Any) -> None:
     _, so = store
-    flags = [f"--storage-option={k}={v}" for k, v in so.items()]
+    flags = option_args(so)
     for name in PUSHED:
         url = f"s3://{BUCKET}/{name}"
-        code, doc, err = cli("verify", url, "--json", *flags)
+        code, doc, err = cli_doc("verify", url, "--json", *flags)
         assert code == 0 and doc["ok"] == 1, (doc, err)
-        code, rows, err = cli("ls", url, "--json", *flags)
+        code, rows, err = cli_doc("ls", url, "--json", *flags)
         assert code == 0 and [(r["step"], r["status"]) for r in rows] == [(STEP, "complete")], err
-        code, far, err = cli("info", url, "--json", *flags)
+        code, far, err = cli_doc("info", url, "--json", *flags)
         assert code == 0, err
-        code, near, err = cli("info", copy(name), "--json")
+        code, near, err = cli_doc("info", copy(name), "--json")
         assert far.pop("path") == f"{url}/{STEP_DIR}" and near.pop("path").endswith(STEP_DIR)
         assert far == near

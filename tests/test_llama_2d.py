@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import free_port, log_tail, run_ranks
+from _ranks import free_port, results, run_ranks
 
 import asyncckpt
 from asyncckpt import reading
@@ -29,16 +29,7 @@ def spawn(tmp: Path, scenario: str, world: int, root: Path, out: Path, dead: tup
     argv = [str(world), str(free_port()), str(root), str(out)]
     hung = run_ranks(lambda r: [WORKER, scenario, str(r), *argv], world, logs, 150.0)
     assert not hung, f"ranks {hung} still running at the deadline"
-    res = {}
-    for r in range(world):
-        if r in dead:
-            continue
-        f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
-        res[r] = json.loads(f.read_text())
-        f.unlink()
-        assert "crash" not in res[r], res[r]["crash"]
-    return res
+    return results(out, world, logs, dead)
 
 
 def verify(root: Path, step: int) -> list[str]:

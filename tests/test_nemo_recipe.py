@@ -120,7 +120,10 @@ def _check_dir(ckpt_dir: Path, nemo_folders: tuple[str, ...] = ()) -> dict[str, 
     return found
 
 
-@pytest.mark.slow  # two recipe runs in its own venv (~1 min); test_nemo_stale_mkdir.py, test_nemo_folders.py stay
+@pytest.mark.slow  # three recipe runs in its own venv (~1 min); test_nemo_stale_mkdir.py, test_nemo_folders.py stay
+# each run is bounded by _run's deadline; the test's own bound covers three of them under load
+# (make test-slow beside 3 other workers took 120 s here)
+@pytest.mark.timeout(480)
 def test_killed_recipe_resumes_bit_exactly(nemo_python: str, tmp_path: Path) -> None:
     # the uninterrupted run
     ref_dir = tmp_path / "ref"
@@ -166,6 +169,7 @@ def test_killed_recipe_resumes_bit_exactly(nemo_python: str, tmp_path: Path) -> 
 
 
 @pytest.mark.slow  # three more runs of the recipe (~40 s on a quiet 2-core machine)
+@pytest.mark.timeout(480)
 def test_switch_from_nemo_checkpoints_and_fall_back_over_a_corrupt_step(nemo_python: str, tmp_path: Path) -> None:
     args = ("--max-steps", "8", "--ckpt-every", "2")
     ckpt_dir = tmp_path / "ckpt"

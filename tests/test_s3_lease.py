@@ -24,6 +24,7 @@ from conftest import assert_same
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from _cli_util import option_args
 from _s3_worker import state_for
 from s3fixtures import (
     SECRET,
@@ -304,7 +305,7 @@ def test_gc_of_a_url_removes_dead_leftovers_under_the_lease_and_is_refused_while
     s3: S3Server, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     o = opts(s3.endpoint)
-    so = [f"--storage-option={k}={v}" for k, v in o.items()]
+    so = option_args(o)
     with Checkpointer(url, storage_options=o, lease_ttl=TTL) as ck:
         for s in (1, 2, 3):
             ck.save(s, state_for(s)).result(timeout=60)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from _cli_util import run_cli, strict_json
+from _cli_util import run_cli, so, strict_json
 from s3fixtures import data_keys, get, keys, opts, put, require_s3, shared_server
 from s3server import S3Server
 
@@ -62,10 +62,6 @@ def corrupt(endpoint: str, url: str, step: int) -> str:
     data[-5] ^= 0x01
     put(endpoint, url, key, bytes(data))
     return key
-
-
-def so(endpoint: str) -> list[str]:
-    return [f"--storage-option={k}={v}" for k, v in opts(endpoint).items()]
 
 
 def manifests(endpoint: str, url: str) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import free_port, log_tail, run_ranks
+from _ranks import free_port, results, run_ranks
 
 import asyncckpt
 from asyncckpt import CheckpointCorruptError, CheckpointError
@@ -50,16 +50,7 @@ def spawn(
 
     hung = run_ranks(args, world, logs, 120.0, warm=warm)
     assert not hung, f"ranks {hung} still running at the deadline"
-    res = {}
-    for r in range(world):
-        if r in dead:
-            continue
-        f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
-        res[r] = json.loads(f.read_text())
-        f.unlink()
-        assert "crash" not in res[r], res[r]["crash"]
-    return res
+    return results(out, world, logs, dead)
 
 
 @pytest.fixture(scope="module")

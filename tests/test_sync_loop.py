@@ -77,6 +77,46 @@ def test_the_remote_loaders_blocking_reads_run_on_it() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_cancel_scope_ends_its_calls_once_they_stopped_and_refuses_later_ones() -> None:
+    # an interrupted export's reads: a GET that never answers is cancelled, and its waiter
+    # wakes only once the coroutine stopped (it would write into the waiter's buffer after)
+    scope = _sync.CancelScope()
+    started, stopped = threading.Event(), threading.Event()
+    outside: list[str] = []
+
+    async def held() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.2)  # the coroutine's own clean-up, before the waiter may go on
+            stopped.set()
+
+    def waiter(fn: object) -> BaseException | None:
+        with scope.entered():
+            try:
+                _sync.run_sync(fn)  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - what the test looks at
+                return e
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(waiter, held)
+        assert started.wait(10)
+        t0 = time.monotonic()
+        scope.cancel()
+        err = first.result(timeout=10)
+        assert isinstance(err, concurrent.futures.CancelledError), err
+        assert stopped.is_set() and time.monotonic() - t0 < 5
+
+        async def later() -> None:
+            outside.append("ran")
+
+        assert isinstance(pool.submit(waiter, later).result(timeout=10), concurrent.futures.CancelledError)
+    assert outside == []  # refused before it started
+    assert _sync.run_sync(_where) is not threading.current_thread()  # outside the scope: unaffected
+
+
 def test_a_forked_child_starts_its_own_loop() -> None:
     parent = _sync.run_sync(_where)
     code = textwrap.dedent("""

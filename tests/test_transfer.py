@@ -7,8 +7,6 @@ leaves the destination without a committed step and a re-run completes."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import tracemalloc
 import uuid
@@ -18,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli_util import run_cli, so
 from s3fixtures import data_keys, kill_when_held, only_committed, opts, proxy_fixture, put, require_s3, server_fixture
 from s3proxy import Rule
 
@@ -336,14 +335,11 @@ def test_the_command_line_push_and_pull_are_the_copy(tmp_path: Path, s3: Any, ur
     import json
 
     local = saved(tmp_path / "src", [1, 2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    so = [a for k, v in opts(s3.endpoint).items() for a in ("--storage-option", f"{k}={v}")]
 
     def cli(*argv: str) -> Any:
-        r = subprocess.run([sys.executable, "-m", "asyncckpt", *argv, "--json", *so], capture_output=True, text=True,
-                           timeout=90, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout)
+        r = run_cli(*argv, "--json", *so(s3.endpoint), timeout=90)
+        assert r.code == 0, r.err[-2000:]
+        return json.loads(r.out)
 
     rows = cli("push", str(local), url)
     assert [(r["step"], r["status"], r["url"]) for r in rows] == [

@@ -460,8 +460,8 @@ class Checkpointer:
         the file) is raised, for an explicit step and for ``step=None`` alike: the step is
         not marked bad and no older step is loaded instead. A key of ``into`` the checkpoint
         lacks raises ``CheckpointError`` (also a ``KeyError``), a shape mismatch ``ValueError``;
-        found in the step's structure before anything is read (a step without a global
-        index), they leave every target as it was.
+        found before any target is written (in the step's structure; a step with a global
+        index: its index and values), they leave every target as it was.
 
         With many ranks this is collective: rank 0 picks the step, each rank loads its own
         shard and reports, and every rank takes the same decision, so if any rank's shard

@@ -153,19 +153,31 @@ class RootSession:
         assert self.dist is not None and self.nodes is not None
         opts = self.opts
 
+        late = _LateStart(self.ownership)
+        late_memory = _LateStart(self.memory_ownership)  # the memory tier's root, taken in the same start
+
         def start() -> None:  # its directory wait gets what is left of the construction's deadline
-            _rootstart.node_start(self.root, opts.os_ops, self.ownership, by.remaining(), self.ranks, self.dead)
-            if opts.memory is not None:
-                _memtier.start_memory(opts.memory, self.memory_ownership, self.ranks)
+            try:
+                _rootstart.node_start(self.root, opts.os_ops, self.ownership, by.remaining(), self.ranks, self.dead)
+                if opts.memory is not None:
+                    _memtier.start_memory(opts.memory, self.memory_ownership, self.ranks)
+            finally:
+                late.ended()
+                late_memory.ended()
 
         def listed() -> list[list[Any]]:
             assert opts.mirror is not None
             return _nodeparts.store_steps(opts.mirror, opts.mirror_options, by.sub(min(self.timeout / 2, SURVEY_S))
                                           .remaining())  # fmt: skip
 
-        failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, by,
-                                                    None if opts.mirror is None else listed,
-                                                    opts.memory)  # fmt: skip
+        try:
+            failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, by,
+                                                        None if opts.mirror is None else listed,
+                                                        opts.memory)  # fmt: skip
+        except BaseException:
+            late.given_up()
+            late_memory.given_up()
+            raise
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
         return failure, [int(a[0]) for a in agreed]
 
@@ -311,3 +323,26 @@ def global_ranks(process_group: Any, world_size: int) -> tuple[int, ...]:
     if process_group is None or process_group is dist.group.WORLD:
         return tuple(range(world_size))
     return tuple(dist.get_process_group_ranks(process_group))
+
+
+class _LateStart:
+    """A node leader's start runs on a thread of its own, bounded by the construction's
+    deadline (``_nodelocal.start_on_nodes``): one that ends after the construction gave up
+    (a disk that answered late) releases the ownership it took then, which the construction's
+    :meth:`RootSession.abandon` released before it was taken."""
+
+    def __init__(self, ownership: Ownership | None) -> None:
+        self.ownership = ownership
+        self.lock = threading.Lock()
+        self.gone = False
+
+    def ended(self) -> None:
+        """The start returned or raised (on its thread)."""
+        with self.lock:
+            if self.gone and self.ownership is not None:
+                self.ownership.release()
+
+    def given_up(self) -> None:
+        """The construction failed: a start still running lets go of what it takes."""
+        with self.lock:
+            self.gone = True

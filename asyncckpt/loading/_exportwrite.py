@@ -47,6 +47,7 @@ from ..format._reshard import Box, SavedChunk, intersect
 from ..format._safetensors import ST_TO_DTYPE
 from ..roots._root import StepReader
 from ..roots.posix._fileio import write_all
+from ..threads._sync import CancelScope
 from ._readinto import byte_view
 
 #: The size of one piece in flight (there are two: see the module docstring).
@@ -136,10 +137,20 @@ class StreamWriter:
         self.band = torch.empty(BAND, dtype=torch.uint8)
         self.bounce = torch.empty(BAND, dtype=torch.uint8)
         self._pool = ThreadPoolExecutor(SHARES_IN_FLIGHT, thread_name_prefix="asyncckpt-export")
+        #: every read runs in it: a failed or interrupted write ends the reads in flight at once
+        #: (a store's GET that never answers would otherwise be waited for until its deadline)
+        self._scope = CancelScope()
 
     def close(self) -> None:
-        """Stop the read threads (none is reading once a method of this writer returned)."""
-        self._pool.shutdown(wait=True)
+        """Stop the read threads: after a :meth:`write` that failed or was interrupted (Ctrl-C),
+        the reads still in flight are cancelled, and waited for until they stopped."""
+        self._scope.cancel()  # (none in flight after a write that returned)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, file: str, offset: int, views: list[memoryview]) -> None:
+        """``reader.readv`` on a read thread, in this writer's scope (ended by :meth:`close`)."""
+        with self._scope.entered():
+            self.reader.readv(file, offset, views)
 
     def write(self, tensors: Sequence[tuple[str, Source]], where: dict[str, int], wholes: dict[str, Whole]) -> None:
         """Write every ``(output name, source)`` at output byte ``where[name]``."""
@@ -224,7 +235,7 @@ class StreamWriter:
 
         def fetch(i: int) -> Future[None]:
             off, n = spans[i]
-            return self._pool.submit(self.reader.readv, file, off, [bufs[i % 2][:n]])
+            return self._pool.submit(self._read, file, off, [bufs[i % 2][:n]])
 
         try:
             if spans:
@@ -238,6 +249,7 @@ class StreamWriter:
                 yield off, bufs[i % 2][:n]
         finally:
             if pending is not None:  # the caller failed: no read may outlive it into a buffer
+                self._scope.cancel()
                 wait([pending])
 
     # -- a DTensor, band by band
@@ -339,12 +351,15 @@ class StreamWriter:
             area.view(*g.shape, item)[index].copy_(self.bounce[at : at + n].view(*chunk.box.sizes, item))
 
     def _read_all(self, reads: list[tuple[str, int, memoryview]]) -> None:
-        """Fill every ``(file, offset, view)`` at once; the first error is raised once all ended."""
-        if len(reads) == 1:
-            self.reader.readv(reads[0][0], reads[0][1], [reads[0][2]])
-            return
-        futures = [self._pool.submit(self.reader.readv, f, off, [view]) for f, off, view in reads]
-        wait(futures)
+        """Fill every ``(file, offset, view)`` at once; the first error is raised once all ended
+        (interrupted: once the reads in flight were cancelled and stopped)."""
+        futures = [self._pool.submit(self._read, f, off, [view]) for f, off, view in reads]
+        try:
+            wait(futures)
+        except BaseException:
+            self._scope.cancel()
+            wait(futures)
+            raise
         for f in futures:
             f.result()
 

@@ -23,6 +23,11 @@ only once every rank has verified its part (``Reader.finish`` after the ranks ag
 rank writes a target for a step another rank rejects. ``verify=False`` reads only the bytes
 needed, in one pass. Extra memory: the I/O threads' bounce buffers, plus the fresh tensors.
 
+A target that does not fit the step (a key the step lacks, a tensor or DTensor of another
+shape, a DTensor of another dtype) is refused before the first byte is read into any target
+(``_targets.check_fit`` on the state the plan will fill), with the errors of a step without
+an index: every target keeps its bytes.
+
 Everything else in a rank's state (plain tensors, values) is *per rank*: it loads from the
 reader's own rank when the world size matches, from the rank named by ``rank=``, or, across a
 change of world size, only when every saved rank holds the same values (compared by content:
@@ -53,6 +58,7 @@ from ._load import check_tree_size
 from ._readinto import byte_view
 from ._shard import read_shard_fd
 from ._stepfiles import NoSuchShard, StepFiles
+from ._targets import UnfitValueError, check_fit
 
 PerRank = Literal["error", "rank0"]
 PER_RANK = ("error", "rank0")
@@ -259,9 +265,12 @@ def _load(files: StepFiles, manifest: Manifest, reader: Reader, verify: bool, pl
     for name in dict.fromkeys(names):  # a tied DTensor is named twice: read once
         tensors[name] = _dtensor(files, name, index["tensors"][name], reader.targets.get(name), verify, plan)
     try:
-        return unflatten(tree, tensors)
+        state = unflatten(tree, tensors)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", files.path(tree_name(first))) from None
+    if reader.into is not None:  # what restore_into would refuse, before any target is written
+        check_fit(reader.into, state)
+    return state
 
 
 def _tree(files: StepFiles, rank: int, verify: bool) -> Any:
@@ -316,7 +325,7 @@ def _dtensor(files: StepFiles, name: str, meta: dict[str, Any], target: Any, ver
     if target is not None:
         info, dt = target
         if tuple(info.global_shape) != tuple(shape) or info.dtype != dtype:
-            raise ValueError(
+            raise UnfitValueError(  # (planned only: no target written yet)
                 f"{name}: {dtype}{list(shape)} in checkpoint, {info.dtype}{list(info.global_shape)} in target"
             )
         box = info.box if info.box is not None else Box((0,) * len(shape), (0,) * len(shape))

@@ -197,6 +197,7 @@ def load_files_as(
     except BaseException:
         files.close()
         raise
+    was_touched = reader is not None and reader.touched
     if reader is not None and reader.into is not None and not reader.verify_first:
         reader.touched = True  # one pass: the targets are written as the bytes land
     try:
@@ -208,7 +209,9 @@ def load_files_as(
         finally:
             files.close()
     except BaseException as e:
-        if reader is not None and reader.touched and not isinstance(e, Unfit):
+        if reader is not None and isinstance(e, Unfit):
+            reader.touched = was_touched  # refused before any read: this attempt wrote nothing
+        elif reader is not None and reader.touched:
             reader.dirty = True  # bytes of a failed read may be in the targets
         raise
 

@@ -135,9 +135,10 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
     for a key of a dict of ``target`` the checkpoint lacks, ``ValueError`` for a tensor of
     another shape or a container of another kind or length (both :class:`Unfit`). Run
     before the first byte is read, so such a load leaves every target as it was (not only
-    the tensors before the mismatch). What the skeleton cannot tell (a saved array or generator: its stand-in) and
-    what is not ours to judge (a module's or an object's ``load_state_dict``) is left to
-    ``restore_into``."""
+    the tensors before the mismatch). ``skeleton`` may also be an indexed step's state, its
+    tensors not read yet (``_load_global``): compared by shape alike. What the skeleton
+    cannot tell (a saved array or generator: its stand-in) and what is not ours to judge (a
+    module's or an object's ``load_state_dict``) is left to ``restore_into``."""
     if type(target) is dict and isinstance(skeleton, Mapping):  # the common container: its tensors inline
         for key, value in target.items():
             got = skeleton.get(key, _ABSENT)
@@ -151,11 +152,11 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
         return
     where = path or "<root>"
     if isinstance(target, torch.Tensor):
-        if type(skeleton) is TensorSlot:
+        if type(skeleton) is TensorSlot or isinstance(skeleton, torch.Tensor):  # (a tensor: an indexed step's)
             if tuple(target.shape) != tuple(skeleton.shape):
                 shape, want = tuple(skeleton.shape), tuple(target.shape)
                 raise UnfitValueError(f"{where}: shape {shape} in checkpoint, {want} in target")
-        elif not isinstance(skeleton, torch.Tensor):
+        else:
             raise UnfitValueError(f"{where}: checkpoint holds {type(skeleton).__name__}, target is a tensor")
         return
     if isinstance(target, (np.ndarray, torch.Generator, torch.nn.Module)) or callable(
@@ -306,8 +307,8 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
     of a compiled or wrapped model loads into a plain one and the other way round. Raises
     :class:`MissingKeyError` (a ``CheckpointError``, also a ``KeyError``) when ``target``
     holds a key the checkpoint lacks, ``ValueError`` on a type or
-    shape mismatch (a step without a global index raised those of :func:`check_fit` before
-    any target was written; any other leaves the targets partly overwritten: tensors read
+    shape mismatch (the load raised those of :func:`check_fit` before any target was
+    written, with a global index or without; any other leaves the targets partly overwritten: tensors read
     in place by :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
     loaded tensor (read in place) is left as it is.
     """

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -47,7 +48,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from .._errors import CheckpointCorruptError, CheckpointError
+from .._errors import CheckpointCorruptError, CheckpointError, CheckpointReadError
 from ..format import _manifest
 from ..format._layout import deleting_dir_name, step_dir_name
 from ..ranks._agree import agree
@@ -58,7 +59,7 @@ from ..ranks._sharedroot import check_node_disks, place_token, remove_token
 from ..roots._backend import PhaseTimeout, PosixBackend, StepJob, check_deadline, dir_timeout, landed_late
 from ..roots._nodeparts import agree_parts, part_state, parts
 from ..roots.posix._storage import Storage
-from ..threads._deadline import Deadline
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._cleanup import in_background
 from ._savejob import SaveJob
 
@@ -251,6 +252,13 @@ class NodeLocalBackend(PosixBackend):
                            job.dead, job.retention_lock, self._floor())  # fmt: skip
 
 
+def _late(rank: int, root: str, what: str) -> CheckpointReadError:
+    """The error of a node leader whose call to its disk at construction (``what``) did not
+    end by the deadline (the others time out on the agreement naming it)."""
+    return CheckpointReadError(errno.ETIMEDOUT, f"rank {rank}: {what} on this node's disk did not finish within "
+                               "the construction's deadline", root)  # fmt: skip
+
+
 def start_on_nodes(
     dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, by: Deadline,
     store_steps: Callable[[], list[list[Any]]] | None = None, memory: str | None = None,
@@ -263,16 +271,25 @@ def start_on_nodes(
 
     Everything by one deadline, ``by`` (the construction's, counted from its call): the
     leaders' start and each agreement after it get what is left of it, so a leader slow to
-    start fails the construction with ``AgreeTimeout`` on every rank by then, never later."""
+    start fails the construction by then, never later: the others with ``AgreeTimeout``
+    naming it, the leader itself with ``CheckpointReadError`` (``ETIMEDOUT``) naming it and
+    the root (its start and its token, each on a thread of its own, are left to end on their
+    own: ``start`` must let go of what it took once the construction gave up; a token placed
+    that late stays, a dot file nothing reads)."""
     failure: BaseException | None = None
     token: str | None = None
     if dist.rank in nodes.leaders:
+        # each call on a thread of its own: a call the disk never answers has no deadline of its own
         try:
-            start()
+            call_by(start, by, f"asyncckpt-nodestart-r{dist.rank}")
+        except CallTimeout:
+            raise _late(dist.rank, root, "starting") from None
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
         try:  # which ranks see this disk (check_node_disks); also after a failed start, if it can
-            token = place_token(root)
+            token = call_by(lambda: place_token(root), by, f"asyncckpt-nodetoken-r{dist.rank}")
+        except CallTimeout:
+            raise _late(dist.rank, root, "placing a token") from None
         except OSError as e:
             failure = failure or e
     mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}", "token": token}

@@ -20,15 +20,21 @@ coroutine from a plain call runs it here: a remote ``find_latest``, ``push``, ``
   cancels what is left and the thread is joined, bounded; later calls raise ``RuntimeError``.
 
 Every coroutine run here carries its own deadline (object-store calls have one each), so a
-wait on its future ends.
+wait on its future ends. A deadline can be long (an export's GETs: an hour), so the calls
+made inside :meth:`CancelScope.entered` can also be ended early, together: a
+:class:`CancelScope` cancels those running and refuses those that start later, and a wait
+on one ends once its coroutine has really stopped (no write into a caller's buffer after).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
+import contextvars
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -79,12 +85,69 @@ def submit(coro: Coroutine[Any, Any, T]) -> Future[T]:
 
 def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     """``await fn()`` on the shared loop and return its result (its exception, type kept, is
-    raised here). ``fn`` is called on the loop, so whatever it creates belongs to that loop."""
+    raised here). ``fn`` is called on the loop, so whatever it creates belongs to that loop.
+    Inside a :class:`CancelScope` (:meth:`CancelScope.entered`) the call ends with
+    ``concurrent.futures.CancelledError`` once the scope is cancelled."""
+    scope = _scope.get()
 
     async def go() -> T:
-        return await fn()
+        if scope is None:
+            return await fn()
+        task = asyncio.current_task()
+        assert task is not None
+        if not scope._enter(task):
+            raise asyncio.CancelledError  # cancelled before it started: no call made
+        try:
+            return await fn()
+        finally:
+            scope._leave(task)
 
     return submit(go()).result()
+
+
+class CancelScope:
+    """The :func:`run_sync` calls made inside :meth:`entered` (on any thread), ended together
+    by :meth:`cancel` (from any thread): each running one's coroutine is cancelled, and each
+    later one ends before it starts. A caller waiting on such a call (``run_sync``'s result)
+    wakes only once its coroutine has stopped, so no buffer it was filling is written after.
+    For work whose own deadline is far off that its caller gives up on (an interrupted export)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cancelled = False
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """The calls of :func:`run_sync` in this block (this thread's) belong to this scope."""
+        token = _scope.set(self)
+        try:
+            yield
+        finally:
+            _scope.reset(token)
+
+    def cancel(self) -> None:
+        """Cancel every call running in the scope and every later one (idempotent)."""
+        with self._lock:
+            self._cancelled = True
+            tasks = list(self._tasks)
+        for task in tasks:
+            with contextlib.suppress(RuntimeError):  # its loop already closed (at exit): nothing runs
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def _enter(self, task: asyncio.Task[Any]) -> bool:
+        with self._lock:
+            if self._cancelled:
+                return False
+            self._tasks.add(task)
+            return True
+
+    def _leave(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+
+
+_scope: contextvars.ContextVar[CancelScope | None] = contextvars.ContextVar("asyncckpt_cancel_scope", default=None)
 
 
 def _after_fork_in_child() -> None:

@@ -24,7 +24,9 @@ Utilities:
 * ``_ranks.py``: launch the ranks of a multi-process test as subprocesses, with a hard deadline.
 * ``_warm.py``: a server that imported torch once and forks rank workers (``run_ranks(warm=True)``).
 * ``_ckcheck.py``: an independent check of a committed step directory (plain ``json``/``os``).
-* ``_cli_util.py``: real checkpoints, the real CLI in a subprocess, resealing files.
+* ``_cli_util.py``: real checkpoints (saved, privately copied), the real CLI in a subprocess
+  (``run_cli``) or in the test process (``cli``, ``cli_doc``), its ``--storage-option``
+  arguments (``so``, ``option_args``), resealing files.
 * ``_nosigbus.py``: what the no-signal-death tests share (FUSE and tmpfs mounts, the checks).
 * ``_export_rss.py``: runs an export in its own process and prints its peak extra memory.
 * ``_nemo.py``: NeMo Automodel's own directory functions (the real package) and the patch.

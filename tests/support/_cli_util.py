@@ -1,19 +1,28 @@
-"""Helpers for the CLI tests: real checkpoints, the real command in a subprocess, resealing files."""
+"""Helpers for the CLI tests: real checkpoints, the real command in a subprocess or in this
+process (:func:`cli`, :func:`cli_doc`), its ``--storage-option`` arguments (:func:`so`),
+resealing files."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.format._manifest import MANIFEST, FileEntry, encode
 from asyncckpt.roots.posix._discovery import read_manifest
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +43,57 @@ def run_cli(*argv: str | Path, importtime: bool = False, timeout: float = 60, **
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, errors="surrogateescape", **popen)
     return Run(r.returncode, r.stdout, r.stderr, time.monotonic() - t0)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    """``asyncckpt ARGV`` run in this process (``asyncckpt.cli.main``): its exit code, and its
+    stdout and stderr as ``capsys`` captured them."""
+    from asyncckpt.cli import main
+
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def cli_doc(*argv: str | Path) -> tuple[int, Any, str]:
+    """``asyncckpt ARGV`` run in this process, its output captured here (no fixture): its exit
+    code, its stdout (parsed, for ``--json`` with output) and its stderr."""
+    from asyncckpt.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    text = out.getvalue()
+    return code, json.loads(text) if "--json" in argv and text else text, err.getvalue()
+
+
+def option_args(options: Mapping[str, str]) -> list[str]:
+    """The CLI's ``--storage-option`` arguments for ``options``."""
+    return [f"--storage-option={k}={v}" for k, v in options.items()]
+
+
+def so(endpoint: str) -> list[str]:
+    """The CLI's ``--storage-option`` arguments for the test S3 server at ``endpoint``."""
+    from s3fixtures import opts
+
+    return option_args(opts(endpoint))
+
+
+def saved_steps(root: Path, states: Mapping[int, Any]) -> Path:
+    """``root`` with a checkpoint of each ``states[step]`` saved by a real Checkpointer."""
+    from asyncckpt import Checkpointer
+
+    with Checkpointer(root) as ck:
+        for step, state in states.items():
+            ck.save(step, state).result(timeout=60)
+    return root
+
+
+def private_copy(pristine: Path, tmp_path: Path) -> Path:
+    """A copy of the root ``pristine`` in ``tmp_path`` that a test may damage."""
+    dst = tmp_path / "ck"
+    shutil.copytree(pristine, dst)
+    return dst
 
 
 def imported_modules(importtime_stderr: str) -> set[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -119,13 +120,14 @@ def scenario_stuck_read(rank: int, root: str, result: dict[str, Any]) -> None:
         result["loaded"] = float(ck.load()["w"][0])
 
 
-def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
+def scenario_held_construction(rank: int, root: str, result: dict[str, Any]) -> None:
     """Save step 1 (each rank its own part), say so (``<OUT>.saved``; each rank's pid in
     ``<OUT>.pid.<rank>``) and wait for the test's go (``<OUT>.go``: its file system now holds
-    rank 1's first look at its shard until the rules change). Both ranks construct (the look
-    at which steps each holds): each says how it ended (``<OUT>.built.<rank>``), and the test
-    lets the held call go once both did, then says ``<OUT>.go2``. Then a construction and a
-    load: every rank loads its part (nothing lost)."""
+    a call until the rules change). Both ranks construct with ``CK_TIMEOUT`` (how it ended:
+    ``ctor_error``, ``ctor_s``), each says so (``<OUT>.built.<rank>``), and the test lets the
+    held call go once both did, then says ``<OUT>.go2``. Then a construction and a load: the
+    root was left free (a call released late lets go of what it took) and every rank loads
+    its part (nothing lost)."""
     import torch.distributed as dist
 
     from asyncckpt import Checkpointer
@@ -142,6 +144,9 @@ def scenario_stuck_scan(rank: int, root: str, result: dict[str, Any]) -> None:
     result["ctor_s"] = time.monotonic() - t0
     open(f"{out}.built.{rank}", "w").close()
     _wait_for(f"{out}.go2")
+    end = time.monotonic() + 10  # a call let go is on its way out: its thread ends once it let go
+    while any(t.name.startswith("asyncckpt-node") for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.02)
     dist.barrier()
     with Checkpointer(root, node_local=True, timeout=60) as ck:
         result["loaded"] = float(ck.load()["w"][0])

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from _cli_util import Run, run_cli
+from _cli_util import Run, run_cli, so
 from faultfs import FaultFS, mounted
-from s3fixtures import data_keys, opts
+from s3fixtures import data_keys
 
 from asyncckpt import Checkpointer
 
@@ -79,10 +79,6 @@ def state(step: int, mib: int = 12) -> dict[str, Any]:
 def save_local(root: Path, step: int) -> None:
     with Checkpointer(root) as ck:
         ck.save(step, state(step)).result(timeout=60)
-
-
-def so(endpoint: str) -> list[str]:
-    return [f"--storage-option={k}={v}" for k, v in opts(endpoint).items()]
 
 
 def pushed(tmp_path: Path, endpoint: str, url: str, step: int = 5) -> None:

@@ -12,7 +12,6 @@ server out).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -75,13 +74,24 @@ def log_tail(log_dir: Path, rank: int, n: int = 3000) -> str:
     return (log_dir / f"rank{rank}.log").read_text(errors="replace")[-n:]
 
 
-def rank_results(out: Path, logs: Path, hung: list[int], world: int) -> dict[int, dict[str, Any]]:
-    """Every rank's ``out.<rank>.json`` after ``run_ranks`` (none hung, none crashed), by rank."""
-    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
+def results(out: str | Path, world: int, log_dir: Path, dead: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
+    """What each rank but ``dead`` wrote to ``OUT.RANK.json`` (read, then removed): a rank that
+    wrote nothing or recorded a crash fails the test with its log's tail."""
+    import json
+
     res = {}
     for r in range(world):
+        if r in dead:
+            continue
         f = Path(f"{out}.{r}.json")
-        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(logs, r)}"
+        assert f.exists(), f"rank {r} wrote no result:\n{log_tail(log_dir, r)}"
         res[r] = json.loads(f.read_text())
+        f.unlink()
         assert "crash" not in res[r], res[r]["crash"]
     return res
+
+
+def rank_results(out: Path, logs: Path, hung: list[int], world: int) -> dict[int, dict[str, Any]]:
+    """:func:`results` after ``run_ranks`` returned ``hung``: none may have hung."""
+    assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
+    return results(out, world, logs)

@@ -1,0 +1,35 @@
+"""The peer replica: each rank's files of a step copied into the memory of a rank on another
+node, and fetched back by a rank that lost its own copy (``docs/design/replica.md``).
+
+:class:`Replicas` (``_replicas``) over a gloo group of its own (:func:`open_group`): who holds
+whose replica (``_buddies``), the replicas a rank holds (``_held``), the frames on the wire
+(``_wire``), the typed failures (``_failures``)."""
+
+from ._buddies import buddy_of, lost_with, sources_of
+from ._failures import (
+    ReplicaCorruptError,
+    ReplicaError,
+    ReplicaMissingError,
+    ReplicaPushError,
+    ReplicaPushTimeout,
+    ReplicaTimeoutError,
+    ReplicaTransportError,
+    SingleNodeError,
+)
+from ._replicas import Replicas, open_group
+
+__all__ = [
+    "ReplicaCorruptError",
+    "ReplicaError",
+    "ReplicaMissingError",
+    "ReplicaPushError",
+    "ReplicaPushTimeout",
+    "ReplicaTimeoutError",
+    "ReplicaTransportError",
+    "Replicas",
+    "SingleNodeError",
+    "buddy_of",
+    "lost_with",
+    "open_group",
+    "sources_of",
+]
