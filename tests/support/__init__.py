@@ -31,6 +31,7 @@ Utilities:
 * ``_export_rss.py``: runs an export in its own process and prints its peak extra memory.
 * ``_nemo.py``: NeMo Automodel's own directory functions (the real package) and the patch.
 * ``_torchtitan.py``: torchtitan 0.3.0, the real package, importable on a CPU machine.
+* ``_crashinfo.py``: what the kernel said when a pytest-xdist worker died (``tests/conftest.py``).
 
 Workers (``_*_worker.py``), each one process of a multi-process test, named for it:
 ``_acceptance_worker`` (test_acceptance), ``_crash_worker`` (test_crash_loop, a fork server),
@@ -46,9 +47,10 @@ test_fuse_faults), ``_global_worker`` (test_sharded_state), ``_golden_worker`` (
 ``_node_worker`` (test_node_tier, test_node_tier_store), ``_nemo_recipe_worker``
 (test_nemo_recipe, in NeMo's own virtualenv), ``_oracle_worker`` (test_dcp_oracle),
 ``_owner_worker`` (test_ownership), ``_placement_worker`` (test_placement), ``_rank_worker``
-(test_node_local, test_stuck_rank), ``_readfault_worker`` (test_read_faults), ``_runs_worker``
+(test_node_local, test_stuck_rank), ``_readfault_worker`` (test_read_faults), ``_replica_worker`` (test_replica), ``_runs_worker``
 (test_runs), ``_s3_worker`` (test_s3_checkpointer, test_s3_lease), ``_shard_worker``
 (test_sharding_layout), ``_sigbus_worker`` (test_no_sigbus), ``_sweep_worker``
 (test_fault_sweep), ``_tied_worker`` (test_tied_sharded), ``_tier_rank_worker`` (test_tier),
-``_torchtitan_worker`` (test_torchtitan, test_torchtitan_2d).
+``_torchtitan_worker`` (test_torchtitan, test_torchtitan_2d), ``_unfit_worker``
+(test_unfit_indexed).
 """
