@@ -374,7 +374,7 @@ def test_a_follower_whose_upload_round_times_out_names_itself_not_rank_0(tmp_pat
     store.set_timeout(timedelta(seconds=30))
     up = PartUploads(str(tmp_path), "s3://bucket/run", {"endpoint": "http://127.0.0.1:9", "access_key_id": "k",
                      "secret_access_key": "s", "region": "us-east-1"}, rank=1, world_size=2,
-                     connect=lambda: store, namespace="t", keep_last_remote=None, timeout=1.0, ranks=[0, 1],
+                     connect=lambda probe=True: store, namespace="t", keep_last_remote=None, timeout=1.0, ranks=[0, 1],
                      lease_ttl=None)  # fmt: skip
     try:
         fut = up.committed(CheckpointInfo(3, tmp_path / "step_00000003", 0)).future
