@@ -47,8 +47,8 @@ test_fuse_faults), ``_global_worker`` (test_sharded_state), ``_golden_worker`` (
 ``_node_worker`` (test_node_tier, test_node_tier_store), ``_nemo_recipe_worker``
 (test_nemo_recipe, in NeMo's own virtualenv), ``_oracle_worker`` (test_dcp_oracle),
 ``_owner_worker`` (test_ownership), ``_placement_worker`` (test_placement), ``_rank_worker``
-(test_node_local, test_stuck_rank), ``_readfault_worker`` (test_read_faults), ``_replica_worker`` (test_replica), ``_runs_worker``
-(test_runs), ``_s3_worker`` (test_s3_checkpointer, test_s3_lease), ``_shard_worker``
+(test_node_local, test_stuck_rank), ``_readfault_worker`` (test_read_faults), ``_replica_worker``
+(test_replica), ``_runs_worker`` (test_runs), ``_s3_worker`` (test_s3_checkpointer, test_s3_lease), ``_shard_worker``
 (test_sharding_layout), ``_sigbus_worker`` (test_no_sigbus), ``_sweep_worker``
 (test_fault_sweep), ``_tied_worker`` (test_tied_sharded), ``_tier_rank_worker`` (test_tier),
 ``_torchtitan_worker`` (test_torchtitan, test_torchtitan_2d), ``_unfit_worker``
