@@ -44,6 +44,6 @@ def test_a_corrupt_replica_falls_back_to_the_same_step_on_the_store(tmp_path: Pa
     _resumed(res, 2)  # bit-exact everywhere, one step
     assert "falling back to the same step from the store" in logs[2], logs[2][-3000:]
     assert "loading step 2 from the store" in logs[2]
-    assert f"loading step 2 {FROM_PEER}" in logs[3] and "from the store" not in logs[3]
+    assert f"loading step 2 {FROM_PEER}" in logs[3] and "loading step 2 from the store" not in logs[3]
     for r in (0, 1):
         assert f"loading step 2 {FROM_MEMORY}" in logs[r]
