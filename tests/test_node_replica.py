@@ -137,6 +137,7 @@ def test_two_nodes_holding_each_others_replicas_lost_never_resume_a_mix_of_steps
 
 
 @pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks: 15.6 s on the shared VM
 @pytest.mark.timeout(200)
 def test_replicate_on_one_node_is_refused_at_construction_on_every_rank(tmp_path: Path, shm: Path) -> None:
     _needs_root()
