@@ -70,3 +70,16 @@ def test_a_rank_reads_its_memory_copy_first_then_its_disk_then_the_store_of_the_
     assert common_steps([{}, {}], [], [mem, mem]) == [[5, "x5", "R", ["memory"] * 2, [["memory"]] * 2]]
     # memory on some ranks only and nothing else: never a mix with another step
     assert common_steps([{}, {}], [], [mem, {}]) == []
+
+
+def test_a_rank_reads_its_buddys_replica_after_its_own_memory_and_before_its_disk() -> None:
+    disk = _p(s5=("x5", "R"))
+    mem = _p(s5=("x5", "R"))
+    peer = {"5": ["x5"]}
+    # node b replaced (ranks 2, 3: no disk, no memory): its ranks read the replicas node a holds
+    got = common_steps([disk, disk, {}, {}], [], [mem, mem, {}, {}], [peer, peer, peer, peer])
+    assert got == [[5, "x5", "R", ["memory", "memory", "peer", "peer"],
+                    [["memory", "peer", "local"], ["memory", "peer", "local"], ["peer"], ["peer"]]]]  # fmt: skip
+    # a replica of another attempt is no place to read this one; a replica alone is no candidate
+    assert common_steps([disk, disk, {}, {}], [], [mem, mem, {}, {}], [{}, {}, {"5": ["y5"]}, peer]) == []
+    assert common_steps([{}, {}], [], [{}, {}], [peer, peer]) == []

@@ -19,7 +19,7 @@ from _replica_worker import digest, files_for
 from asyncckpt.format._checksum import crc32c
 from asyncckpt.ranks._nodes import Nodes
 from asyncckpt.roots.posix import _fileio
-from asyncckpt.roots.replica import buddy_of, lost_with, sources_of
+from asyncckpt.roots.replica import DIRECTORY, buddy_of, holdings, lost_with, sources_of
 from asyncckpt.roots.replica._held import Entry, HeldReplicas, NotHeld, Record, check_name
 
 WORKER = str(Path(__file__).parent / "support" / "_replica_worker.py")
@@ -331,3 +331,16 @@ def test_a_full_tmpfs_on_the_receiver_fails_the_push_everywhere_and_the_group_st
         assert two["held"] == (r != 2)
     assert sorted(os.listdir(tmp_path / "nodes" / "B" / "replicas" / "peer-rank00000")) == [
         "step_00000001", "step_00000003"]  # fmt: skip
+
+
+def test_holdings_report_each_sources_committed_replicas_with_their_attempts_only(tmp_path: Path) -> None:
+    held = HeldReplicas(str(tmp_path / DIRECTORY), keep=2)
+    held.commit(*_record(2, 3, "a3", {"x": b"3" * 100}))
+    held.commit(*_record(2, 4, "a4", {"x": b"4" * 100}))
+    held.commit(*_record(3, 4, "b4", {"x": b"4" * 100}))
+    os.truncate(tmp_path / DIRECTORY / "peer-rank00003" / "step_00000004" / "x", 10)  # cut short: not held
+    (tmp_path / DIRECTORY / "peer-rank00002" / ".incoming-step_00000005-0123").mkdir()  # half received: never
+    assert holdings(str(tmp_path), [2, 3, 7]) == {"2": {"3": "a3", "4": "a4"}}
+    assert held.attempts(2) == {3: "a3", 4: "a4"}
+    assert holdings(str(tmp_path / "nothing"), [2]) == {}  # a look: nothing made
+    assert not (tmp_path / "nothing").exists()

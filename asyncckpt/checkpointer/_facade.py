@@ -120,6 +120,7 @@ class Checkpointer:
         memory_budget: bytes each node's memory tier may hold (its steps and the one being
             copied); the oldest steps go first, a step whose part alone exceeds it is not kept
             in memory. Never fails a save. Default: no budget but ``memory_keep_last``.
+        replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
         memory_every, mirror_every: tier frequencies (``node_local``): every n-th commit of
             the job (the first always) goes to memory, to the store; the disks take every save.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
@@ -167,6 +168,7 @@ class Checkpointer:
         memory_budget: int | None = None,
         memory_every: int | None = None,
         mirror_every: int | None = None,
+        replicate: bool = False,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -177,8 +179,7 @@ class Checkpointer:
             dedupe=dedupe, mirror=mirror, keep_last_remote=keep_last_remote, storage_options=storage_options,
             lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
             memory=memory, memory_keep_last=memory_keep_last, memory_budget=memory_budget, memory_every=memory_every,
-            mirror_every=mirror_every,
-        )  # fmt: skip
+            mirror_every=mirror_every, replicate=replicate)  # fmt: skip
         self.root = opts.root
         self.strip_prefixes = opts.strip_prefixes
         self.keep_last = opts.keep_last

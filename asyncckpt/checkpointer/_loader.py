@@ -6,6 +6,7 @@ collective (``loading._nodeload``)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import os
@@ -135,9 +136,12 @@ class Loader:
             if session.rank == 0:
                 listed = _nodeparts.store_steps(m.url, m.storage_options, by.sub(self.timeout / 2).remaining())
             store = (m.url, m.storage_options, listed)
+        if session.replica is not None and session.memory is not None:
+            # the replica's rounds run in one order on every rank: the memory tier's pushes first
+            concurrent.futures.wait(session.memory.pending(), by.remaining() / 4)
         session.queries += 1
         return _nodeload.load_part(session.dist, f"q/{session.queries}/node-load", self.root, req.step, req.verify,
-                                   by, store, session.opts.memory)[1]  # fmt: skip
+                                   by, store, session.opts.memory, session.replica)[1]  # fmt: skip
 
     def _load_agreed(self, req: LoadRequest) -> Any:
         """The collective part of :meth:`load`: choose, try on every rank, agree, repeat."""

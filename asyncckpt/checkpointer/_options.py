@@ -66,6 +66,8 @@ class Options:
     #: tier frequencies: every n-th commit of the job goes to the memory tier, to the store
     memory_every: int = 1
     mirror_every: int = 1
+    #: the peer replica of the memory tier (``roots.replica``)
+    replicate: bool = False
 
     @classmethod
     def check(
@@ -96,6 +98,7 @@ class Options:
         memory_budget: int | None = None,
         memory_every: int | None = None,
         mirror_every: int | None = None,
+        replicate: bool = False,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -159,6 +162,10 @@ class Options:
             check_apart(mem, resolved)
         every_mem = check_every("memory_every", memory_every, mem, node_local)
         every_mirror = check_every("mirror_every", mirror_every, mirror, node_local)
+        if not isinstance(replicate, bool):
+            raise TypeError(f"replicate must be a bool, not {type(replicate).__name__}")
+        if replicate and mem is None:
+            raise ValueError("replicate=True copies the memory tier to a peer node: it needs memory=...")
         if not isinstance(os_ops, OsOps):
             raise TypeError(f"os_ops must be an asyncckpt.testing.OsOps, not {type(os_ops).__name__}")
         return cls(
@@ -170,7 +177,7 @@ class Options:
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
             huge_pages=huge_pages, os_ops=os_ops, node_local=node_local, memory=mem,
             memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget, memory_every=every_mem,
-            mirror_every=every_mirror,
+            mirror_every=every_mirror, replicate=replicate,
         )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from ..roots._registry import open_root
 from ..roots._root import Root
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
+from ..roots.replica import PeerTier, SingleNodeError, sources_of
 from ..saving import _memtier, _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
 from ..threads._deadline import Deadline
@@ -62,7 +63,19 @@ class RootSession:
         if opts.memory is not None and self.dist is None:
             raise ValueError("memory= needs a process group (one node's ranks and their agreement); a single "
                              "process has no memory tier yet")  # fmt: skip
+        if opts.replicate and opts.process_group not in (None, _world()):
+            raise ValueError("replicate=True needs the default process group (its replica group spans every rank)")
         self.nodes = _nodes.discover(self.dist, self.key, self.timeout) if opts.node_local and self.dist else None
+        #: the peer replica (``replicate=True``): the ranks whose replicas this rank holds, and
+        #: this rank's side (set by claim); every rank sees the same nodes, so all refuse one node
+        self.peer_sources: tuple[int, ...] | None = None
+        self.replica: PeerTier | None = None
+        if opts.replicate:
+            assert self.nodes is not None
+            if len(self.nodes.members) < 2:
+                raise SingleNodeError(f"asyncckpt: replicate=True needs two nodes or more, and every rank is on one "
+                                      f"({self.nodes.describe()}): no other node can hold a replica")  # fmt: skip
+            self.peer_sources = sources_of(self.nodes, self.rank)
         self.memory: _memtier.MemoryCopies | None = None  # the memory tier's rounds (set by claim)
         self.node_run: str | None = None  # the node-local tier: the run of the agreed newest step
         leads = self.rank == 0 or (self.nodes is not None and self.rank in self.nodes.leaders)
@@ -138,10 +151,13 @@ class RootSession:
         self.mirror = rt.mirror
         if opts.memory is not None:  # the memory tier: every rank copies its files of each commit
             assert self.dist is not None and self.nodes is not None
+            if opts.replicate:  # collective: every rank got here (agree_at_start), in the same order
+                self.replica = PeerTier.open(self.dist, self.nodes, opts.memory, opts.memory_keep_last, self.timeout)
             rt.memory = self.memory = _memtier.MemoryCopies(
                 self.root, opts.memory, self.nodes, rank=self.rank, world_size=self.world_size,
                 connect=self.dist.connect, namespace=namespace, keep_last=opts.memory_keep_last,
-                budget=opts.memory_budget, timeout=self.timeout, ownership=self.memory_ownership)  # fmt: skip
+                budget=opts.memory_budget, timeout=self.timeout, ownership=self.memory_ownership,
+                replica=self.replica)  # fmt: skip
         self.start_run(committed)  # the run this job continues (_runs)
         return rt
 
@@ -173,7 +189,7 @@ class RootSession:
         try:
             failure, agreed = _nodelocal.start_on_nodes(self.dist, self.key, self.root, self.nodes, start, by,
                                                         None if opts.mirror is None else listed,
-                                                        opts.memory)  # fmt: skip
+                                                        opts.memory, self.peer_sources)  # fmt: skip
         except BaseException:
             late.given_up()
             late_memory.given_up()
@@ -323,6 +339,12 @@ def global_ranks(process_group: Any, world_size: int) -> tuple[int, ...]:
     if process_group is None or process_group is dist.group.WORLD:
         return tuple(range(world_size))
     return tuple(dist.get_process_group_ranks(process_group))
+
+
+def _world() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD
 
 
 class _LateStart:

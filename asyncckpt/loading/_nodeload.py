@@ -8,8 +8,9 @@ the failed ranks elsewhere). A rank whose node lacks its part
 reads it from the persistent tier (``store``). With a memory tier (``saving._memtier``) a rank
 reads from its node's memory when it holds that very attempt; a read that fails there (a
 corrupt or missing file) goes on to the next tier holding the same attempt (its node's disk,
-then the store): never to another step. No fallback to an older step: a part that no tier of
-the agreed attempt can serve raises.
+then the store): never to another step. With the peer replica, a rank whose buddy holds its
+part fetches it from there after its own memory (``_peerread``: memory, peer, disk, store).
+No fallback to an older step: a part that no tier of the agreed attempt can serve raises.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..format._layout import step_dir_name
@@ -29,7 +30,11 @@ from ..roots._nodeparts import agree_parts, read_part
 from ..roots._registry import open_root
 from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._load import load_rank
+from ._peerread import fetch, read_fetched
 from ._resume import load_step
+
+if TYPE_CHECKING:
+    from ..roots.replica import PeerTier
 
 log = logging.getLogger("asyncckpt")
 
@@ -37,10 +42,13 @@ log = logging.getLogger("asyncckpt")
 def load_part(
     dist: DistContext, key: str, root: str, step: int | None, verify: bool, by: Deadline,
     store: tuple[str, Mapping[str, str] | None, list[list[Any]] | None] | None = None, memory: str | None = None,
+    peer: PeerTier | None = None,
 ) -> tuple[int, Any]:  # fmt: skip
     """This rank's state of the agreed step (``step``: that one, else the newest) and its number.
     ``store``: the persistent tier's URL, storage options and (rank 0) its resumable steps; a
-    rank whose node lacks its part of the agreed step reads it from there.
+    rank whose node lacks its part of the agreed step reads it from there. ``peer``: the peer
+    replica (``replicate=True``): a rank whose buddy holds its part reads it from there before
+    its node's disk (``_peerread``).
 
     One deadline, ``by``, for the whole call: the agreement on the step, the reads (a read
     from the store or from this node's disk ends :func:`outcome_reserve` before it, so the
@@ -52,26 +60,50 @@ def load_part(
     Raises ``CheckpointNotFoundError`` on every rank when no step is complete for every rank
     in some tier (a node's disk empty, wiped, or holding another run's or attempt's files, and
     the step not on the store)."""
-    steps = agree_parts(dist, f"{key}/parts", root, by, step, None if store is None else store[2], memory)
+    steps = agree_parts(dist, f"{key}/parts", root, by, step, None if store is None else store[2], memory,
+                        None if peer is None else peer.sources)  # fmt: skip
     if not steps:
         what = f"step {step}" if step is not None else "a step"
         raise CheckpointNotFoundError(f"no node-local checkpoint under {root}: {what} complete for every rank with "
                                       "one attempt is on no node's disk")  # fmt: skip
-    chosen, attempt, tiers = int(steps[-1][0]), str(steps[-1][1]), list(steps[-1][4][dist.rank])
+    chosen, attempt, every = int(steps[-1][0]), str(steps[-1][1]), [list(t) for t in steps[-1][4]]
+    tiers = every[dist.rank]
     error: BaseException | None = None
     state: Any = None
-    for source in tiers:  # fastest first; the next one on a failed read, same step and attempt
+    done = False
+
+    def read(source: str, how: Callable[[], Any]) -> None:
+        nonlocal state, error, done
         log.info("rank %d: loading step %d from %s", dist.rank, chosen, _WHERE[source])
         try:
-            state = _read_from(source, root, memory, store, chosen, attempt, dist.rank, verify, by)
-            error = None
-            break
+            state, error, done = how(), None, True
         except (CheckpointError, OSError) as e:
             error = e
             if source != tiers[-1]:
                 log.warning("rank %d: step %d could not be read from %s (%s: %s); falling back to the same step "
                             "from %s", dist.rank, chosen, _WHERE[source], type(e).__name__, e,
                             _WHERE[tiers[tiers.index(source) + 1]])  # fmt: skip
+
+    def tier(source: str) -> Callable[[], Any]:
+        return lambda: _read_from(source, root, memory, store, chosen, attempt, dist.rank, verify, by)
+
+    # fastest first; the next one on a failed read, same step and attempt. The peer replica's
+    # fetch is collective: every rank takes part once some rank's tiers name it, in its place
+    k = tiers.index("peer") if "peer" in tiers else len(tiers)
+    for source in tiers[:k]:
+        read(source, tier(source))
+        if done:
+            break
+    if peer is not None and memory is not None and any("peer" in t for t in every):
+        need = not done and k < len(tiers)
+        reads_by = by.before(outcome_reserve(by))
+        got = fetch(peer, chosen, attempt, need, reads_by.remaining() / 2, dist.rank)
+        if need:
+            read("peer", lambda: _from_peer(got, memory, chosen, attempt, dist.rank))
+    for source in tiers[k + 1 :]:
+        if done:
+            break
+        read(source, tier(source))
     mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -86,7 +118,17 @@ def load_part(
     return chosen, state
 
 
-_WHERE = {"memory": "its node's memory tier", "local": "its node's disk", "store": "the store"}
+_WHERE = {"memory": "its node's memory tier", "peer": "its buddy's memory (the peer replica)",
+          "local": "its node's disk", "store": "the store"}  # fmt: skip
+
+
+def _from_peer(got: Any, memory: str, chosen: int, attempt: str, rank: int) -> Any:
+    """A needer's part from what its fetch returned (its files, or the error that says why not)."""
+    if isinstance(got, BaseException):
+        raise got
+    if got is None:
+        raise CheckpointNotFoundError(f"rank {rank}: its buddy sent no replica of step {chosen}")
+    return read_fetched(got, memory, chosen, attempt, rank)
 
 
 def _read_from(

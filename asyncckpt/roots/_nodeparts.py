@@ -11,7 +11,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError
@@ -74,16 +74,18 @@ def parts(root: str, ranks: Collection[int]) -> dict[int, tuple[str, str | None]
 
 def agree_parts(
     dist: DistContext, key: str, root: str, timeout: float | Deadline, step: int | None = None,
-    store_steps: list[list[Any]] | None = None, memory: str | None = None,
+    store_steps: list[list[Any]] | None = None, memory: str | None = None, peer: Sequence[int] | None = None,
 ) -> list[list[Any]]:  # fmt: skip
     """Collective (store only, bounded by ``timeout``): the steps complete for every rank with
     one attempt, ascending, as ``[step, attempt, run, sources, tiers]``; ``sources[r]`` is where
     rank ``r`` reads its part: ``"memory"`` (its node's memory tier, ``memory``), ``"local"``
-    (its node's ``root``) or ``"store"`` (the persistent tier, whose resumable steps rank 0
-    passes as ``store_steps``: ``[step, attempt, run]``); ``tiers[r]`` every place holding rank
-    ``r``'s part of that attempt, fastest first (a failed read goes on to the next). Each rank
-    looks at its own files only; a part is read locally wherever the node holds that very
-    attempt (same manifest, CRC-checked files: provably the same bytes as on the store).
+    (its node's ``root``), ``"peer"`` (its buddy's memory: the peer replica, ``peer`` names the
+    ranks whose replicas this rank holds under ``memory``) or ``"store"`` (the persistent tier,
+    whose resumable steps rank 0 passes as ``store_steps``: ``[step, attempt, run]``);
+    ``tiers[r]`` every place holding rank ``r``'s part of that attempt, fastest first (a failed
+    read goes on to the next). Each rank looks at its own files only; a part is read locally
+    wherever the node holds that very attempt (same manifest, CRC-checked files: provably the
+    same bytes as on the store).
     With ``step``: that step only, or none. The run rule (``roots._runs``): when some step is
     complete on the nodes' disks alone, only steps of its run count; else any run's (a job
     whose disks are all new resumes its run from the store). ``timeout``: seconds, or the
@@ -96,28 +98,47 @@ def agree_parts(
         found = call_by(lambda: parts(root, [dist.rank]), by, f"asyncckpt-nodescan-r{dist.rank}")
         held = {} if memory is None else call_by(lambda: parts(memory, [dist.rank]), by,
                                                  f"asyncckpt-memscan-r{dist.rank}")  # fmt: skip
+        holds = {} if memory is None or not peer else call_by(lambda: _holdings(memory, peer), by,
+                                                              f"asyncckpt-peerscan-r{dist.rank}")  # fmt: skip
     except CallTimeout:
         raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: looking at its parts on this node's disk did "
                                   "not finish within the deadline", root) from None  # fmt: skip
     mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if step is None or s == step},
-                            "memory": {str(s): list(v) for s, v in held.items() if step is None or s == step}}
+                            "memory": {str(s): list(v) for s, v in held.items() if step is None or s == step},
+                            "peer": {r: {s: a for s, a in h.items() if step is None or int(s) == step}
+                                     for r, h in holds.items()}}  # fmt: skip
     if dist.rank == 0:
         mine["store"] = [e for e in store_steps or () if step is None or e[0] == step]
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+        held_for: list[dict[str, list[Any]]] = [{} for _ in outcomes]  # rank -> its parts its buddy holds
+        for o in outcomes:
+            for r, h in o.get("peer", {}).items():
+                if 0 <= int(r) < len(outcomes):
+                    held_for[int(r)].update({s: [a] for s, a in h.items()})
         return {"steps": common_steps([o["parts"] for o in outcomes], outcomes[0].get("store", []),
-                                      [o.get("memory", {}) for o in outcomes])}  # fmt: skip
+                                      [o.get("memory", {}) for o in outcomes], held_for)}  # fmt: skip
 
     return list(agree(dist, key, mine, decide, timeout)["steps"])
 
 
+def _holdings(memory: str, sources: Sequence[int]) -> dict[str, dict[str, str]]:
+    from .replica import holdings  # torch (the replica's transport): imported only where it is used
+
+    return holdings(memory, sources)
+
+
 def common_steps(
-    local: list[dict[str, list[Any]]], store_steps: list[list[Any]], memory: list[dict[str, list[Any]]] | None = None
-) -> list[list[Any]]:
+    local: list[dict[str, list[Any]]], store_steps: list[list[Any]], memory: list[dict[str, list[Any]]] | None = None,
+    peer: list[dict[str, list[Any]]] | None = None,
+) -> list[list[Any]]:  # fmt: skip
     """:func:`agree_parts`'s decision from every rank's parts (on its node's disk, ``local``,
-    and in its node's memory tier, ``memory``) and the store's steps (pure)."""
+    in its node's memory tier, ``memory``, and in its buddy's memory, ``peer``: step ->
+    ``[attempt]``) and the store's steps (pure). A replica is a place to read an attempt found
+    in another tier, never a candidate of its own (its record holds no run)."""
     store = {int(e[0]): (str(e[1]), e[2]) for e in store_steps}
     mem = memory if memory is not None else [{} for _ in local]
+    buddy = peer if peer is not None else [{} for _ in local]
     steps = {int(s) for p in [*local, *mem] for s in p} | set(store)
     out: list[list[Any]] = []
     for s in sorted(steps):
@@ -125,8 +146,8 @@ def common_steps(
         found |= {store[s]} if s in store else set()
         for attempt, run in sorted(found, key=str):
             tiers = []
-            for p, q in zip(local, mem, strict=True):
-                held = [name for name, there in (("memory", q), ("local", p)) if str(s) in there
+            for p, q, b in zip(local, mem, buddy, strict=True):
+                held = [name for name, there in (("memory", q), ("peer", b), ("local", p)) if str(s) in there
                         and there[str(s)][0] == attempt]  # fmt: skip
                 held += ["store"] if s in store and store[s][0] == attempt else []
                 if not held:

@@ -18,6 +18,10 @@ handed to :class:`MemoryCopies` on every rank, one round per committed step, in 
    the disk step's exact manifest bytes: the same attempt, so provably the same bytes) when its
    node's ranks all copied theirs.
 
+With the peer replica (``replicate=True``, ``roots.replica.PeerTier``), a round that committed
+the step in memory on every node (the leaders' words exchanged once more) ends with every rank
+pushing its memory files of the step to its buddy on the next node.
+
 A copy that fails or is skipped never fails a save (the durable tiers committed first): it is
 logged, and the memory tier lacks that step. ``save()`` does not wait for it: the rounds run on
 a thread of their own after the commit (they do compete with the next save for the disk and the
@@ -37,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError
 from ..format import _manifest
@@ -53,6 +57,9 @@ from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
 from ._nodelocal import commit_part
 from ._nodeupload import open_part
+
+if TYPE_CHECKING:
+    from ..roots.replica import PeerTier
 
 log = logging.getLogger("asyncckpt")
 _NO_ROOM = "no room in the memory tier"
@@ -224,8 +231,13 @@ class MemoryCopies:
     def __init__(
         self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[..., Any],
         namespace: str, keep_last: int, budget: int | None, timeout: float, ownership: Ownership | None = None,
+        replica: PeerTier | None = None,
     ) -> None:  # fmt: skip
         self.disk, self.memory, self.nodes, self.rank = disk, memory, nodes, rank
+        self.world_size = world_size
+        #: the peer replica (``replicate=True``): each step committed in memory on every node is
+        #: pushed to the buddies at the end of its round
+        self.replica = replica
         self.node = nodes.node_of(rank)
         self.keep_last, self.budget, self.timeout = keep_last, budget, timeout
         self._ownership = ownership  # a node leader's hold on the memory root: released by stop()
@@ -315,8 +327,21 @@ class MemoryCopies:
         mine, part = await self._copy(seq, step, leader, deadline)
         got = await self._coord.exchange(seq, "copied", mine, deadline)
         ok = all(got[r]["ok"] for r in self._ranks)
-        if not leader:
+        if leader:
+            ok = await self._commit(step, part, ok, got, t0)
+        if self.replica is None or part is None or not all(got[r]["ok"] for r in range(self.world_size)):
             return ok
+        # the peer replica: once every node's leader committed the step in memory, every rank
+        # pushes its files of it to its buddy (collective; a failure is logged, never raised)
+        done = await self._coord.exchange(seq, "in-memory", {"ok": ok}, deadline)
+        if all(done[r]["ok"] for r in self.nodes.leaders):
+            await self._run(self.replica.push, step, part[1])
+        return ok
+
+    async def _commit(self, step: int, part: tuple[str, str, bytes] | None, ok: bool, got: dict[int, Any],
+                      t0: float) -> bool:  # fmt: skip
+        """The leader: commit its node's memory part of ``step`` when its ranks all copied theirs
+        (whether it did; a failure is logged: never raised, every rank waits for its word)."""
         if part is None or not ok:
             if part is not None:
                 await self._run(shutil.rmtree, part[0], True)
@@ -325,7 +350,12 @@ class MemoryCopies:
                 log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory, failed)
             return False
         loc, attempt, raw = part
-        await commit_part(self._storage, self.memory, loc, step, attempt, raw, self._ranks, self._dead)
+        try:
+            await commit_part(self._storage, self.memory, loc, step, attempt, raw, self._ranks, self._dead)
+        except Exception as e:  # noqa: BLE001 - the memory tier never fails a save: logged
+            log.warning("asyncckpt: step %d not committed in the memory tier %s: %s: %s", step, self.memory,
+                        type(e).__name__, e)  # fmt: skip
+            return False
         self.copied.append(step)
         log.info("asyncckpt: node %r: step %d committed in the memory tier %s in %.3fs", self.nodes.names[self.node],
                  step, self.memory, time.monotonic() - t0)  # fmt: skip

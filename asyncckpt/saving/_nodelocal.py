@@ -262,6 +262,7 @@ def _late(rank: int, root: str, what: str) -> CheckpointReadError:
 def start_on_nodes(
     dist: DistContext, key: str, root: str, nodes: Nodes, start: Any, by: Deadline,
     store_steps: Callable[[], list[list[Any]]] | None = None, memory: str | None = None,
+    peer: Sequence[int] | None = None,
 ) -> tuple[BaseException | None, list[list[Any]]]:
     """Construction with ``node_local=True``, on every rank. Each node's leader runs ``start()``
     (make the root on its disk, take it, remove leftovers: ``_rootstart``) and the failures are
@@ -318,4 +319,4 @@ def start_on_nodes(
         return CheckpointError(f"asyncckpt: the node-local root {root} could not be started on rank {r}'s node: "
                                f"{msg}"), []  # fmt: skip
     listed = store_steps() if store_steps is not None and dist.rank == 0 else None
-    return None, agree_parts(dist, f"{key}/parts", root, by, store_steps=listed, memory=memory)
+    return None, agree_parts(dist, f"{key}/parts", root, by, store_steps=listed, memory=memory, peer=peer)

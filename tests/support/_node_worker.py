@@ -3,7 +3,7 @@
 ``NODE_DIRS``: per rank, the directory bind-mounted at ``root`` in this rank's own mount
 namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``;
 ``MEMORY`` (the memory tier's one path) and ``MEMORY_DIRS`` (per rank, its node's directory on
-/dev/shm, bind-mounted there in the same namespace).
+/dev/shm, bind-mounted there in the same namespace); ``REPLICATE``: its peer replica.
 Writes what happened to ``out.<rank>.json``.
 """
 
@@ -74,6 +74,8 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY"):
             if os.environ.get(opt):
                 extra[opt.lower()] = int(os.environ[opt])
+        if os.environ.get("REPLICATE"):  # the peer replica
+            extra["replicate"] = True
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
         if os.environ.get("MIRROR_EVERY"):

@@ -3,7 +3,7 @@ node, and fetched back by a rank that lost its own copy (``docs/design/replica.m
 
 :class:`Replicas` (``_replicas``) over a gloo group of its own (:func:`open_group`): who holds
 whose replica (``_buddies``), the replicas a rank holds (``_held``), the frames on the wire
-(``_wire``), the typed failures (``_failures``)."""
+(``_wire``), the typed failures (``_failures``); the memory tier's use of it (``_tier``)."""
 
 from ._buddies import buddy_of, lost_with, sources_of
 from ._failures import (
@@ -17,8 +17,11 @@ from ._failures import (
     SingleNodeError,
 )
 from ._replicas import Replicas, open_group
+from ._tier import DIRECTORY, PeerTier, holdings
 
 __all__ = [
+    "DIRECTORY",
+    "PeerTier",
     "ReplicaCorruptError",
     "ReplicaError",
     "ReplicaMissingError",
@@ -29,6 +32,7 @@ __all__ = [
     "Replicas",
     "SingleNodeError",
     "buddy_of",
+    "holdings",
     "lost_with",
     "open_group",
     "sources_of",

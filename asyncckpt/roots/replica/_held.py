@@ -94,12 +94,13 @@ def check_name(name: str) -> None:
 class HeldReplicas:
     """The replicas under ``directory``; ``keep``: the newest steps kept per source."""
 
-    def __init__(self, directory: str, keep: int) -> None:
+    def __init__(self, directory: str, keep: int, make: bool = True) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep!r}")
         self.directory = directory
         self.keep = keep
-        os.makedirs(directory, exist_ok=True)
+        if make:  # else a look only (held_attempts)
+            os.makedirs(directory, exist_ok=True)
 
     def source_dir(self, source: int) -> str:
         return os.path.join(self.directory, f"peer-rank{source:05d}")
@@ -206,6 +207,11 @@ class HeldReplicas:
                                          f"not {ent.size}")  # fmt: skip
         return rec
 
+    def attempts(self, source: int) -> dict[int, str]:
+        """Every step of ``source`` held here with the attempt that made it (its record read, every
+        file there with its size; no CRC check: that is the read's)."""
+        return held_attempts(self.directory, source)
+
     def held(self, source: int, step: int, attempt: str) -> bool:
         """Whether :meth:`find` finds it (no CRC check: that is the read's)."""
         try:
@@ -248,6 +254,21 @@ class HeldReplicas:
         for name in _listdir(d):  # replaced replicas of a step
             if name.startswith(_DELETING):
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+
+def held_attempts(directory: str, source: int) -> dict[int, str]:
+    """:meth:`HeldReplicas.attempts` without the object (nothing made or removed: a look)."""
+    look = HeldReplicas(directory, 1, make=False)
+    out = {}
+    for step in look.steps(source):
+        try:
+            with open(os.path.join(look.source_dir(source), step_dir_name(step), RECORD), "rb") as f:
+                attempt = str(json.loads(f.read())["attempt"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if look.held(source, step, attempt):
+            out[step] = attempt
+    return out
 
 
 def verify_views(rec: Record, views: Sequence[memoryview]) -> None:
