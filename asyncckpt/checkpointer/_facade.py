@@ -118,8 +118,7 @@ class Checkpointer:
             agreed step). A directory not on tmpfs fails construction (docs/node-local.md).
         memory_keep_last: steps each node keeps in its memory tier (default 1).
         memory_budget: bytes each node's memory tier may hold (its steps and the one being
-            copied); the oldest steps go first, a step whose part alone exceeds it is not kept
-            in memory. Never fails a save. Default: no budget but ``memory_keep_last``.
+            copied); the oldest go first, a part alone over it is not kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
         memory_every, mirror_every: tier frequencies (``node_local``): every n-th commit of
             the job (the first always) goes to memory, to the store; the disks take every save.
