@@ -120,8 +120,8 @@ class Checkpointer:
         memory_budget: bytes each node's memory tier may hold (its steps and the one being
             copied); the oldest go first, a part alone over it is not kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
-        memory_every, mirror_every: tier frequencies (``node_local``): every n-th commit of
-            the job (the first always) goes to memory, to the store; the disks take every save.
+        memory_every: every n-th commit of the job (the first always) goes to the memory tier.
+        mirror_every: every m-th commit (the first always) goes to the store; disks take every save.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
