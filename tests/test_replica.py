@@ -344,3 +344,17 @@ def test_holdings_report_each_sources_committed_replicas_with_their_attempts_onl
     assert held.attempts(2) == {3: "a3", 4: "a4"}
     assert holdings(str(tmp_path / "nothing"), [2]) == {}  # a look: nothing made
     assert not (tmp_path / "nothing").exists()
+
+
+def test_a_failed_first_receive_leaves_no_trace_of_its_source_and_a_later_one_keeps_the_held(tmp_path: Path) -> None:
+    """A sender that dies mid-frame: the receiver aborts. For a source it held nothing of, not even
+    an empty ``peer-rankRRRRR/`` remains (CI saw one, racing the sender's kill); for one it holds
+    steps of, those stay."""
+    held = HeldReplicas(str(tmp_path), keep=2)
+    rec, _ = _record(1, 1, "a", {"x": b"1" * 100})
+    held.receive(rec).abort()
+    assert os.listdir(tmp_path) == []
+    held.commit(*_record(1, 1, "a", {"x": b"1" * 100}))
+    held.receive(_record(1, 2, "a", {"x": b"2" * 100})[0]).abort()
+    assert sorted(os.listdir(tmp_path / "peer-rank00001")) == ["step_00000001"]
+    assert held.held(1, 1, "a")

@@ -366,6 +366,9 @@ class Incoming:
         if not self._done:
             self._done = True
             shutil.rmtree(self.path, ignore_errors=True)
+            # a source's first replica that failed leaves no (empty) source directory behind
+            with contextlib.suppress(OSError):  # (ENOTEMPTY: other steps of it are held)
+                os.rmdir(os.path.dirname(self.path))
 
     def _close(self) -> None:
         self.views = []
