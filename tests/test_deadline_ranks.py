@@ -65,6 +65,37 @@ def _ranks(
     return res
 
 
+def _held_ranks(
+    faulty: FaultFS, tmp_path: Path, scenario: str, root: str, rules: Callable[[Path], list[Any]], ended: str,
+    rule_id: str, **env: str,
+) -> dict[int, dict[str, Any]]:  # fmt: skip
+    """:func:`_ranks` with a call the file system holds: once the ranks saved, ``rules(out)``
+    (``out``: the scenario's result prefix, where the ranks' pids are) go in; once both ranks
+    said how their call ended (``<out>.<ended>.<rank>``, or after 30 s) the rules go and the
+    ranks hear ``<out>.go2``. The rule ``rule_id`` must have fired once."""
+    import threading
+
+    out = tmp_path / f"{scenario}-result"
+
+    def release() -> None:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.{ended}.{r}") for r in range(2)):
+            time.sleep(0.02)
+        faulty.clear()
+        Path(f"{out}.go2").touch()
+
+    def on_saved() -> None:
+        faulty.set_rules(rules(out))
+        threading.Thread(target=release, daemon=True).start()
+
+    try:
+        res = _ranks(tmp_path, scenario, root, on_saved, **env)
+        assert faulty.fired(rule_id) == 1
+    finally:
+        faulty.clear()
+    return res
+
+
 @pytest.mark.timing
 @pytest.mark.timeout(200)
 def test_a_leader_slow_to_start_fails_a_node_local_construction_on_every_rank_by_the_timeout(
@@ -119,29 +150,11 @@ def test_a_rank_whose_read_of_its_own_node_disk_never_returns_fails_its_node_loc
     # bound: its own node's file system holds the read of its shard (a server that stopped
     # answering). The read must end by the load's deadline with a typed error naming the
     # rank and the file, on that rank; the others fail naming it
-    import threading
-
     timeout = 2.0
     root = faulty.path("stuckread")
-    out = tmp_path / "stuck_read-result"
     stuck = [rule("read", glob="*/step_00000001/rank00001.safetensors", hold_s=60, count=1, id="held-read")]
-
-    def release() -> None:  # once both ranks said how their load ended (or after 30 s): let the read go
-        end = time.monotonic() + 30
-        while time.monotonic() < end and not all(os.path.exists(f"{out}.loaded.{r}") for r in range(2)):
-            time.sleep(0.02)
-        faulty.clear()
-        Path(f"{out}.go2").touch()
-
-    def on_saved() -> None:
-        faulty.set_rules(stuck)
-        threading.Thread(target=release, daemon=True).start()
-
-    try:
-        res = _ranks(tmp_path, "stuck_read", root, on_saved, CK_TIMEOUT=str(timeout))
-        assert faulty.fired("held-read") == 1
-    finally:
-        faulty.clear()
+    res = _held_ranks(faulty, tmp_path, "stuck_read", root, lambda _: stuck, "loaded", "held-read",
+                      CK_TIMEOUT=str(timeout))  # fmt: skip
     err = res[1].get("load_error", {})
     assert err.get("type") == "CheckpointReadError", res[1]  # was: no error, the read waited 30 s for the test
     assert "rank 1" in err["msg"] and str(err.get("filename", "")).endswith("rank00001.safetensors"), err
@@ -170,6 +183,9 @@ HELD = {
     "leader-start": ("open", "*/held-leader-start/.asyncckpt/owner.lock", 0),
     # then it places a token on its disk (which ranks see it: check_node_disks), unbounded too
     "leader-token": ("create", "*/held-leader-token/.asyncckpt-shared-*", 0),
+    # then every rank looks for every leader's token on its own disk (check_node_disks), a
+    # lookup with no bound of its own: rank 1's
+    "token-look": ("getattr", "*/held-token-look/.asyncckpt-shared-*", 1),
 }
 
 
@@ -183,31 +199,17 @@ def test_a_rank_whose_call_to_its_own_node_disk_never_returns_fails_a_node_local
     # the file system holds one rank's call at construction (HELD): that rank's construction
     # must end by the timeout with a typed error naming it and the root; the other times out
     # naming it; once let go, the call leaves the root free and nothing is lost
-    import threading
-
     timeout = 2.0
     op, glob, stuck = HELD[held]
     other_rank = 1 - stuck
-    root = faulty.path(f"held-{held}")
-    out = tmp_path / "held_construction-result"
 
-    def release() -> None:  # once both ranks said how their construction ended (or after 30 s)
-        end = time.monotonic() + 30
-        while time.monotonic() < end and not all(os.path.exists(f"{out}.built.{r}") for r in range(2)):
-            time.sleep(0.02)
-        faulty.clear()
-        Path(f"{out}.go2").touch()
-
-    def on_saved() -> None:
+    def rules(out: Path) -> list[Any]:
         pid = int(Path(f"{out}.pid.{stuck}").read_text())
-        faulty.set_rules([rule(op, glob=glob, pid=pid, hold_s=60, count=1, id=f"held-{held}")])
-        threading.Thread(target=release, daemon=True).start()
+        return [rule(op, glob=glob, pid=pid, hold_s=60, count=1, id=f"held-{held}")]
 
-    try:
-        res = _ranks(tmp_path, "held_construction", root, on_saved, CK_TIMEOUT=str(timeout))
-        assert faulty.fired(f"held-{held}") == 1
-    finally:
-        faulty.clear()
+    res = _held_ranks(faulty, tmp_path, "held_construction", faulty.path(f"held-{held}"), rules, "built",
+                      f"held-{held}", CK_TIMEOUT=str(timeout))  # fmt: skip
+    root = faulty.path(f"held-{held}")
     err, other = res[stuck].get("ctor_error", {}), res[other_rank].get("ctor_error", {})
     print(f"\nrank {stuck} (its {op} held): {err.get('type')} after {res[stuck]['ctor_s']:.2f} s; rank {other_rank}: "
           f"{other.get('type')} after {res[other_rank]['ctor_s']:.2f} s (timeout {timeout} s)")
@@ -217,3 +219,33 @@ def test_a_rank_whose_call_to_its_own_node_disk_never_returns_fails_a_node_local
     assert other.get("type") == "AgreeTimeout" and other["missing"] == [stuck], res[other_rank]
     assert res[other_rank]["ctor_s"] < timeout + 1.0, res[other_rank]
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost: each rank loads its part after
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_rank_whose_look_at_a_shared_root_never_returns_fails_the_construction_of_every_rank_in_time(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # a shared root (node_local=False): rank 0 places a token, rank 1 looks for it in its view
+    # of the root; the file system holds rank 1's lookup (a hung NFS server). Rank 1 must answer
+    # by the check's window, not wait on the file system, and every rank's construction fail,
+    # typed, naming rank 1 (was: rank 1 waited until the call was let go, rank 0 blamed a
+    # different disk); nothing lost
+    timeout = 2.0
+
+    def rules(out: Path) -> list[Any]:
+        pid = int(Path(f"{out}.pid.1").read_text())
+        return [rule("getattr", glob="*/held-shared-look/.asyncckpt-shared-*", pid=pid, hold_s=60, count=1,
+                     id="shared-look")]  # fmt: skip
+
+    res = _held_ranks(faulty, tmp_path, "held_construction", faulty.path("held-shared-look"), rules, "built",
+                      "shared-look", CK_TIMEOUT=str(timeout), CK_NODE_LOCAL="0")  # fmt: skip
+    print(f"\n{res[0]['ctor_error']} after {res[0]['ctor_s']:.2f} s; rank 1: {res[1]['ctor_error']} after "
+          f"{res[1]['ctor_s']:.2f} s")
+    for r in range(2):
+        err = res[r].get("ctor_error", {})
+        assert err.get("type") == "CheckpointReadError", res[r]
+        assert "rank(s) [1]" in err["msg"] and "did not answer" in err["msg"], err
+        assert res[r]["ctor_s"] < timeout + 3.0, res[r]  # the window and a second, not the file system's 60 s
+    assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost

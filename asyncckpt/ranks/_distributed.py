@@ -128,6 +128,8 @@ def _dec_start_failure(d: dict[str, Any]) -> BaseException:
     msg = f"{d.get('message')} (reported by rank 0)"
     if cls is _errors.RootNotWritableError:
         return _errors.RootNotWritableError(d.get("errno") or errno.EACCES, msg, d.get("path"))
+    if cls is _errors.CheckpointReadError and d.get("errno") is not None:
+        return _errors.CheckpointReadError(d["errno"], msg, d.get("path"))
     if isinstance(cls, type) and issubclass(cls, _errors.CheckpointError) and cls.__init__ is Exception.__init__:
         return cls(msg)
     if d.get("errno") is not None:

@@ -23,8 +23,8 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from .._errors import CheckpointError, CoordinationLost, describe_ranks
-from ..threads._deadline import Deadline
+from .._errors import CheckpointError, CheckpointReadError, CoordinationLost, describe_ranks
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._coordination import CALL_S, is_store_timeout, lost_message
 from ._distributed import DistContext
 
@@ -90,13 +90,23 @@ def check(dist: DistContext, key: str, root: str, start_failed: bool, wait_s: fl
     answer: it may not have started);
     ``None`` when every rank shares the root; it raises ``OSError`` when it cannot place
     the token (after telling the others). Other ranks always return ``None``: they hear
-    rank 0's verdict with the rest of its start-up (``DistContext.agree_at_start``).
+    rank 0's verdict with the rest of its start-up (``DistContext.agree_at_start``). A rank
+    whose look the file system holds (a hung NFS server) answers once ``window_s`` and a
+    second have passed, the look left blocked on a thread of its own: rank 0 then returns
+    ``CheckpointReadError`` (``ETIMEDOUT``) naming it.
     """
     base = f"{key}/shared"
     if dist.rank != 0:
         doc = dist.wait_get(base, wait_s)
-        seen = False if doc.get("skip") else sees_token(root, str(doc["token"]), time.monotonic() + window_s)
-        _set(dist, f"{base}/r{dist.rank}", {"seen": seen, "skipped": bool(doc.get("skip"))})
+        seen, stuck = False, False
+        if not doc.get("skip"):
+            end = time.monotonic() + window_s
+            try:  # a lookup has no deadline of its own: one the file system holds is not waited out
+                seen = call_by(lambda: sees_token(root, str(doc["token"]), end), Deadline.at_monotonic(end + 1.0),
+                               f"asyncckpt-sharedlook-r{dist.rank}")  # fmt: skip
+            except CallTimeout:
+                stuck = True
+        _set(dist, f"{base}/r{dist.rank}", {"seen": seen, "skipped": bool(doc.get("skip")), "stuck": stuck})
         return None
     if start_failed:
         _set(dist, base, {"skip": True})
@@ -111,16 +121,23 @@ def check(dist: DistContext, key: str, root: str, start_failed: bool, wait_s: fl
         answers = _collect(dist, base, time.monotonic() + wait_s + window_s + _ANSWER_GRACE_S)
     finally:
         remove_token(root, nonce)
-    blind = [r for r, a in answers.items() if a is not None and not a.get("seen")]
+    held = [r for r, a in answers.items() if a is not None and a.get("stuck")]
+    blind = [r for r, a in answers.items() if a is not None and not a.get("seen") and r not in held]
     silent = [r for r, a in answers.items() if a is None]
-    if not blind and not silent:
+    if not blind and not silent and not held:
         return None
+    if held and not blind and not silent:  # a file system that stopped answering, not a different disk
+        return CheckpointReadError(errno.ETIMEDOUT, f"asyncckpt: rank(s) {describe_ranks(held, ranks)}: looking "
+                                   f"for a file rank 0 created in the root did not finish within {window_s:.0f}s "
+                                   "(the file system did not answer); nothing was written", root)  # fmt: skip
     parts = []
     if blind:
         parts.append(f"rank(s) {describe_ranks(blind, ranks)} did not see a file rank 0 created in it "
                      f"within {window_s:.0f}s")
     if silent:
         parts.append(f"rank(s) {describe_ranks(silent, ranks)} did not answer in time (not started?)")
+    if held:
+        parts.append(f"rank(s) {describe_ranks(held, ranks)}: the file system did not answer the look")
     return CheckpointError(
         f"asyncckpt: the ranks do not share the checkpoint root {root}: {'; '.join(parts)}. The same path "
         "on different disks (node-local storage) needs node_local=True (each node keeps its own ranks' "
@@ -170,15 +187,29 @@ def check_node_disks(
     every token, and must see exactly its own node's (``node_of[rank]``; ``names[k]`` node
     ``k``'s name). The error every rank raises when a rank's node name does not match its disk
     (``ASYNCCKPT_NODE`` set wrong, or two nodes on one disk), ``None`` when all match. No
-    polling: a node-local disk shows a file at once; the caller removes the tokens after."""
+    polling: a node-local disk shows a file at once; the caller removes the tokens after.
+
+    The look is bounded by ``timeout`` like the agreement: a rank whose disk never answers it
+    raises ``CheckpointReadError`` (``ETIMEDOUT``) naming itself and ``root`` by then (its
+    lookup is left blocked on a thread of its own), the others ``AgreeTimeout`` naming it."""
     from ._agree import agree
 
+    by = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
     mine_node = node_of[dist.rank]
-    wrong = []
-    for leader, nonce in sorted(tokens.items()):
-        seen = os.path.lexists(os.path.join(root, TOKEN_PREFIX + nonce))
-        if seen != (node_of[leader] == mine_node):
-            wrong.append([node_of[leader], seen])
+
+    def look() -> list[list[Any]]:
+        wrong = []
+        for leader, nonce in sorted(tokens.items()):
+            seen = os.path.lexists(os.path.join(root, TOKEN_PREFIX + nonce))
+            if seen != (node_of[leader] == mine_node):
+                wrong.append([node_of[leader], seen])
+        return wrong
+
+    try:  # a lookup has no deadline of its own (a disk that stopped answering holds it)
+        wrong = call_by(look, by, f"asyncckpt-nodelook-r{dist.rank}")
+    except CallTimeout:
+        raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: looking for the nodes' tokens on this "
+                                  "node's disk did not finish within the construction's deadline", root) from None
 
     def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         problems = []
@@ -188,7 +219,7 @@ def check_node_disks(
                 problems.append(f"rank {r} (node {names[node_of[r]]!r}) {what} {names[k]!r}")
         return {"problems": problems}
 
-    problems = agree(dist, f"{key}/node-disks", {"wrong": wrong}, decide, timeout)["problems"]
+    problems = agree(dist, f"{key}/node-disks", {"wrong": wrong}, decide, by)["problems"]
     if not problems:
         return None
     shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")

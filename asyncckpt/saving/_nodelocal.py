@@ -310,8 +310,10 @@ def start_on_nodes(
         if mismatch is not None:
             return mismatch, []
     finally:
-        if token is not None:
-            remove_token(root, token)
+        if token is not None:  # bounded too (a disk that stopped answering): a token left behind is a dot file
+            with contextlib.suppress(CallTimeout):
+                call_by(lambda: remove_token(root, token), Deadline.after(max(by.remaining(), 0.0) + 1.0),
+                        f"asyncckpt-nodetoken-r{dist.rank}")  # fmt: skip
     if bad:
         if failure is not None:
             return failure, []

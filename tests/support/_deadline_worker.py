@@ -138,7 +138,8 @@ def scenario_held_construction(rank: int, root: str, result: dict[str, Any]) -> 
     _save_then_wait_for_go(rank, root, out)
     t0 = time.monotonic()
     try:
-        Checkpointer(root, node_local=True, timeout=float(os.environ["CK_TIMEOUT"])).close()
+        node_local = os.environ.get("CK_NODE_LOCAL", "1") == "1"  # "0": the shared root's check
+        Checkpointer(root, node_local=node_local, timeout=float(os.environ["CK_TIMEOUT"])).close()
     except Exception as e:  # noqa: BLE001 - what the test looks at
         result["ctor_error"] = _describe(e)
     result["ctor_s"] = time.monotonic() - t0
