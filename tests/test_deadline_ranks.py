@@ -249,3 +249,43 @@ def test_a_rank_whose_look_at_a_shared_root_never_returns_fails_the_construction
         assert "rank(s) [1]" in err["msg"] and "did not answer" in err["msg"], err
         assert res[r]["ctor_s"] < timeout + 3.0, res[r]  # the window and a second, not the file system's 60 s
     assert res[0]["loaded"] == 1.0 and res[1]["loaded"] == 2.0  # nothing lost
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_single_process_whose_open_of_the_root_lock_never_returns_fails_its_construction_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    # the file system holds the creation of the root's lock file (taking ownership): the
+    # construction must end by its timeout, typed, naming the root (was: it waited on the file
+    # system); once let go, the late take lets go of the root: the next Checkpointer starts
+    import subprocess
+    import sys
+
+    timeout = 2.0
+    root = faulty.path("held-single-take")
+    Path(root).mkdir()
+    code = (
+        "import sys, time\nfrom asyncckpt import Checkpointer\nt = time.monotonic()\n"
+        "try:\n    Checkpointer(sys.argv[1], timeout=float(sys.argv[2])).close()\n    print('built', flush=True)\n"
+        "except Exception as e:\n    print(type(e).__name__, time.monotonic() - t, getattr(e, 'filename', None),"
+        " flush=True)\n"
+    )
+    faulty.set_rules([rule("create", glob="*/held-single-take/.asyncckpt/owner.lock", hold_s=60, count=1,
+                           id="single-take")])  # fmt: skip
+    with subprocess.Popen([sys.executable, "-c", code, root, str(timeout)], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().split()  # by the timeout, not the file system's 60 s (the test's 200 s)
+        finally:
+            faulty.clear()
+            proc.wait(30)
+    assert faulty.fired("single-take") == 1
+    print(f"\nheld open of the root's lock: {line}")
+    assert line[0] == "CheckpointReadError" and line[2] == root, line
+    assert float(line[1]) < timeout + 1.0, line
+    from asyncckpt import Checkpointer
+
+    Checkpointer(root, timeout=10).close()  # the root was left free

@@ -113,7 +113,8 @@ class RootSession:
             failure, committed = self.start_on_nodes(Deadline.at_monotonic(t_start + self.timeout))
         elif self.store is None:
             failure, committed = _rootstart.start_on_root(
-                self.root, opts.os_ops, self.ownership, self.dist, self.key, self.timeout, self.ranks, self.dead
+                self.root, opts.os_ops, self.ownership, self.dist, self.key, self.timeout, self.ranks, self.dead,
+                Deadline.at_monotonic(t_start + min(self.timeout, _rootstart.START_S)),
             )
         namespace = ""
         if self.dist is not None:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointReadError
 from ..ranks import _sharedroot
 from ..ranks._distributed import DistContext
+from ..threads._deadline import CallTimeout, Deadline, call_by
 from ..threads._sync import run_sync
 from .posix import _discovery, _ownership
 from .posix._ensure_dir import ensure_dir
@@ -45,6 +47,7 @@ def start_on_root(
     timeout: float,
     ranks: Sequence[int],
     dead: set[str],
+    by: Deadline,
 ) -> tuple[BaseException | None, list[int]]:
     """Construction on a file-system root, on every rank of the group (``own``: rank 0's
     ownership to fill in; ``key``: the construction's store key, ``DistContext.start_key``).
@@ -52,6 +55,7 @@ def start_on_root(
     Returns rank 0's start-up failure (``None`` on the others: rank 0 shares its own, with
     ``DistContext.agree_at_start``) and the committed steps (rank 0's). The names of the
     leftovers it removed go into ``dead`` (a retry of their step may remove what remains).
+    Rank 0's take of the root ends by ``by`` (:func:`take_root_by`).
     """
     failure: BaseException | None = None
     if own is not None:
@@ -70,9 +74,39 @@ def start_on_root(
     if own is None or failure is not None:
         return failure, []
     try:
-        return None, take_root(root, ranks, own, dead, ops)
+        return None, take_root_by(root, ranks, own, dead, ops, by)
     except (CheckpointError, OSError, ValueError) as e:
         return e, []
+
+
+def take_root_by(
+    root: str, ranks: Sequence[int], own: Ownership, dead: set[str], ops: OsOps, by: Deadline
+) -> list[int]:
+    """:func:`take_root`, ended by ``by``: it runs on a thread of its own (a lock file, a
+    listing or a removal a file system never answers has no deadline of its own), and one
+    that did not return by then raises ``CheckpointReadError`` (``ETIMEDOUT``) naming the
+    root. A take that ends after its caller gave up (the deadline, an interrupt) releases
+    the ownership it took: the caller's own release may have run before it was taken."""
+    lock = threading.Lock()
+    gone = [False]
+
+    def take() -> list[int]:
+        try:
+            return take_root(root, ranks, own, dead, ops)
+        finally:
+            with lock:
+                if gone[0]:
+                    own.release()
+
+    try:
+        return call_by(take, by, "asyncckpt-rootstart")
+    except BaseException as e:
+        with lock:
+            gone[0] = True
+        if isinstance(e, CallTimeout):
+            raise CheckpointReadError(errno.ETIMEDOUT, "taking the root (its lock, leftovers and steps) did not "
+                                      "finish within the construction's deadline", root) from None  # fmt: skip
+        raise
 
 
 def node_start(
