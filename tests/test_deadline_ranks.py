@@ -254,26 +254,29 @@ def test_a_rank_whose_look_at_a_shared_root_never_returns_fails_the_construction
 @pytest.mark.needs_root
 @pytest.mark.timing
 @pytest.mark.timeout(200)
-def test_a_single_process_whose_open_of_the_root_lock_never_returns_fails_its_construction_by_the_timeout(
-    faulty: FaultFS, tmp_path: Path
+@pytest.mark.parametrize("held", ["mkdir", "create"])
+def test_a_single_process_whose_call_to_make_or_take_its_root_never_returns_fails_its_construction_by_the_timeout(
+    faulty: FaultFS, tmp_path: Path, held: str
 ) -> None:
-    # the file system holds the creation of the root's lock file (taking ownership): the
-    # construction must end by its timeout, typed, naming the root (was: it waited on the file
-    # system); once let go, the late take lets go of the root: the next Checkpointer starts
+    # the file system holds the root's mkdir, or the creation of its lock file (taking
+    # ownership): the construction must end by its timeout, typed, naming the root (was: it
+    # waited on the file system); once let go, a late take lets go of the root: the next
+    # Checkpointer starts
     import subprocess
     import sys
 
     timeout = 2.0
-    root = faulty.path("held-single-take")
-    Path(root).mkdir()
+    root = faulty.path(f"held-single-{held}")
+    glob = f"*/held-single-{held}" if held == "mkdir" else f"*/held-single-{held}/.asyncckpt/owner.lock"
+    if held == "create":
+        Path(root).mkdir()
     code = (
         "import sys, time\nfrom asyncckpt import Checkpointer\nt = time.monotonic()\n"
         "try:\n    Checkpointer(sys.argv[1], timeout=float(sys.argv[2])).close()\n    print('built', flush=True)\n"
         "except Exception as e:\n    print(type(e).__name__, time.monotonic() - t, getattr(e, 'filename', None),"
         " flush=True)\n"
     )
-    faulty.set_rules([rule("create", glob="*/held-single-take/.asyncckpt/owner.lock", hold_s=60, count=1,
-                           id="single-take")])  # fmt: skip
+    faulty.set_rules([rule(held, glob=glob, hold_s=60, count=1, id=f"single-{held}")])
     with subprocess.Popen([sys.executable, "-c", code, root, str(timeout)], stdout=subprocess.PIPE, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}) as proc:  # fmt: skip
         try:
@@ -282,8 +285,8 @@ def test_a_single_process_whose_open_of_the_root_lock_never_returns_fails_its_co
         finally:
             faulty.clear()
             proc.wait(30)
-    assert faulty.fired("single-take") == 1
-    print(f"\nheld open of the root's lock: {line}")
+    assert faulty.fired(f"single-{held}") == 1
+    print(f"\nheld {held}: {line}")
     assert line[0] == "CheckpointReadError" and line[2] == root, line
     assert float(line[1]) < timeout + 1.0, line
     from asyncckpt import Checkpointer

@@ -55,12 +55,15 @@ def start_on_root(
     Returns rank 0's start-up failure (``None`` on the others: rank 0 shares its own, with
     ``DistContext.agree_at_start``) and the committed steps (rank 0's). The names of the
     leftovers it removed go into ``dead`` (a retry of their step may remove what remains).
-    Rank 0's take of the root ends by ``by`` (:func:`take_root_by`).
+    Rank 0's making and taking of the root end by ``by`` (:func:`take_root_by`).
     """
     failure: BaseException | None = None
     if own is not None:
-        try:
-            make_root(root, timeout, ops)
+        try:  # on a thread of its own: a mkdir the file system never answers has no deadline of its own
+            call_by(lambda: make_root(root, timeout, ops), by, "asyncckpt-rootmake")
+        except CallTimeout:
+            failure = CheckpointReadError(errno.ETIMEDOUT, "making the root did not finish within the "
+                                          "construction's deadline", root)  # fmt: skip
         except (CheckpointError, OSError, ValueError) as e:
             failure = e
     if dist is not None:
