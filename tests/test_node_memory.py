@@ -70,6 +70,20 @@ class Cluster:
         assert os.listdir(self.mount) == [] and os.listdir(self.mem) == []  # the mounts stayed in the namespaces
         return res, [(logs / f"rank{r}.log").read_text(errors="replace") for r in range(4)]
 
+    def save(self, tag: str, steps: list[int], **env: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
+        """:meth:`run` saving ``steps``: every rank must have saved them all and flushed."""
+        res, logs = self.run(tag, STEPS=",".join(map(str, steps)), **env)
+        for r, got in res.items():
+            assert got["saved"] == steps and got.get("flush_error") is None, (r, got)
+        return res, logs
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, shm: Path) -> Cluster:
+    """A :class:`Cluster` for a test of 4 real ranks (needs root: mount namespaces)."""
+    _needs_root()
+    return Cluster(tmp_path, shm)
+
 
 def _steps(d: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit())
@@ -89,13 +103,10 @@ def _resumed(res: dict[int, dict[str, Any]], step: int) -> None:
 @pytest.mark.slow  # four runs of 4 ranks
 @pytest.mark.timeout(600)
 def test_killed_nodes_resume_from_memory_and_a_corrupt_or_wiped_memory_copy_falls_back_to_the_same_step(
-    tmp_path: Path, shm: Path
+    tmp_path: Path, cluster: Cluster
 ) -> None:
-    _needs_root()
-    c = Cluster(tmp_path, shm)
-    res, _ = c.run("first", STEPS="1,2,3", KEEP_LAST="2", KILL_AFTER_FLUSH="1")
-    for got in res.values():
-        assert got["saved"] == [1, 2, 3] and got.get("flush_error") is None, got
+    c = cluster
+    c.save("first", [1, 2, 3], KEEP_LAST="2", KILL_AFTER_FLUSH="1")
     # each node's memory tier: the newest step only (memory_keep_last=1), its own ranks' files,
     # the disk step's very manifest (one attempt in both tiers)
     assert _steps(c.ma) == [3] and _steps(c.mb) == [3]
@@ -137,13 +148,10 @@ def test_killed_nodes_resume_from_memory_and_a_corrupt_or_wiped_memory_copy_fall
 @pytest.mark.needs_root
 @pytest.mark.slow  # two runs of 4 ranks
 @pytest.mark.timeout(300)
-def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(tmp_path: Path, shm: Path) -> None:
-    _needs_root()
-    c = Cluster(tmp_path, shm)
+def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(cluster: Cluster) -> None:
+    c = cluster
     # a node's part of a step is ~33 KB: 50 KB holds one step although memory_keep_last is 3
-    res, logs = c.run("fits-one", STEPS="1,2,3", MEMORY_KEEP_LAST="3", MEMORY_BUDGET="50000")
-    for got in res.values():
-        assert got["saved"] == [1, 2, 3] and got.get("flush_error") is None, got
+    c.save("fits-one", [1, 2, 3], MEMORY_KEEP_LAST="3", MEMORY_BUDGET="50000")
     assert _steps(c.ma) == [3] and _steps(c.mb) == [3]
     assert sum(p.stat().st_size for p in (c.ma / "step_00000003").iterdir()) <= 50000
     # 10 KB holds no step at all: every save commits on the disks, the memory tier stays empty
@@ -151,10 +159,9 @@ def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(tmp_path: Path, shm
     shutil.rmtree(c.mb)
     c.ma.mkdir()
     c.mb.mkdir()
-    res, logs = c.run("fits-none", STEPS="4,5", MEMORY_BUDGET="10000")
+    res, logs = c.save("fits-none", [4, 5], MEMORY_BUDGET="10000")
     for got in res.values():
         assert got["loaded"] == 3 and got["equal"], got  # from the disks: no memory copy is there
-        assert got["saved"] == [4, 5] and got.get("flush_error") is None, got
     assert _steps(c.ma) == [] and _steps(c.mb) == []
     assert _steps(c.a)[-1] == 5 and _steps(c.b)[-1] == 5
     assert "exceeds memory_budget=10000" in logs[0] and "exceeds memory_budget=10000" in logs[2]
@@ -163,12 +170,9 @@ def test_the_budget_keeps_fewer_steps_and_never_fails_a_save(tmp_path: Path, shm
 @pytest.mark.needs_root
 @pytest.mark.slow  # one run of 4 ranks
 @pytest.mark.timeout(300)
-def test_memory_every_copies_every_nth_commit_and_the_disks_take_every_save(tmp_path: Path, shm: Path) -> None:
-    _needs_root()
-    c = Cluster(tmp_path, shm)
-    res, _ = c.run("every-2", STEPS="1,2,3,4,5", MEMORY_EVERY="2", MEMORY_KEEP_LAST="5", KEEP_LAST="5")
-    for got in res.values():
-        assert got["saved"] == [1, 2, 3, 4, 5] and got.get("flush_error") is None, got
+def test_memory_every_copies_every_nth_commit_and_the_disks_take_every_save(cluster: Cluster) -> None:
+    c = cluster
+    c.save("every-2", [1, 2, 3, 4, 5], MEMORY_EVERY="2", MEMORY_KEEP_LAST="5", KEEP_LAST="5")
     assert _steps(c.ma) == [1, 3, 5] and _steps(c.mb) == [1, 3, 5]  # the 1st, 3rd and 5th commits
     assert _steps(c.a) == [1, 2, 3, 4, 5]
 
@@ -236,15 +240,12 @@ def test_a_memory_tier_not_on_tmpfs_is_refused_and_leftovers_on_tmpfs_are_remove
 @pytest.mark.needs_root
 @pytest.mark.slow  # two runs of 4 ranks
 @pytest.mark.timeout(300)
-def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_disks(tmp_path: Path, shm: Path) -> None:
-    _needs_root()
-    c = Cluster(tmp_path, shm)
+def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_disks(cluster: Cluster) -> None:
+    c = cluster
     # node b's memory is a tmpfs of its own too small for its part (~33 KB): a real ENOSPC
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20k", "tmpfs", str(c.mb)], check=True)
     try:
-        res, logs = c.run("full", STEPS="1,2", KEEP_LAST="2")
-        for got in res.values():
-            assert got["saved"] == [1, 2] and got.get("flush_error") is None, got
+        res, logs = c.save("full", [1, 2], KEEP_LAST="2")
         assert "No space left on device" in logs[2], logs[2][-3000:]  # named by node b's leader
         assert _steps(c.ma) == [2] and _steps(c.mb) == []  # node a's memory holds its part, node b's none
         assert not [p for p in c.mb.iterdir() if ".tmp-" in p.name]  # the failed attempt is removed

@@ -10,6 +10,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _ranks import free_port
@@ -38,6 +39,19 @@ def _log(tmp_path: Path, tag: str, rank: int) -> str:
     return (tmp_path / tag / f"rank{rank}.log").read_text(errors="replace")
 
 
+def _tier(endpoint: str, timeout: int, **more: str) -> tuple[str, dict[str, str]]:
+    """A fresh prefix of the bucket and the ranks' environment for a store at ``endpoint``."""
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    return url, {"MIRROR": url, "S3OPTS": json.dumps(opts(endpoint)), "CK_TIMEOUT": str(timeout), **more}
+
+
+def _saved(res: dict[int, dict[str, Any]], steps: list[int]) -> dict[int, dict[str, Any]]:
+    """``res`` of a run in which every rank saved ``steps`` and flushed without an error."""
+    for r, got in res.items():
+        assert got["saved"] == steps and got.get("flush_error") is None, (r, got)
+    return res
+
+
 @pytest.mark.needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -45,11 +59,8 @@ def test_a_wiped_node_resumes_its_ranks_from_the_store_and_the_others_from_their
     tmp_path: Path, s3: S3Server
 ) -> None:
     a, b = _nodes(tmp_path)
-    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30"}
-    res = _run(tmp_path, "first", (a, b), STEPS="1,2", KEEP_LAST="1", **env)
-    for got in res.values():
-        assert got["saved"] == [1, 2] and "flush_error" not in got, got
+    url, env = _tier(s3.endpoint, 30)
+    _saved(_run(tmp_path, "first", (a, b), STEPS="1,2", KEEP_LAST="1", **env), [1, 2])
     stored = keys(s3.endpoint, url)
     assert "step_00000002/manifest.json" in stored, stored
     for r in range(4):  # every rank's files landed, under the committed attempt
@@ -71,8 +82,7 @@ def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_sav
     tmp_path: Path, s3: S3Server
 ) -> None:
     a, b = _nodes(tmp_path)
-    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-    down = {"MIRROR": url, "S3OPTS": json.dumps(opts(f"http://127.0.0.1:{free_port()}")), "CK_TIMEOUT": "20"}
+    url, down = _tier(f"http://127.0.0.1:{free_port()}", 20)
     res = _run(tmp_path, "outage", (a, b), STEPS="1,2,3", KEEP_LAST="1", **down)
     for r, got in res.items():
         assert got["saved"] == [1, 2, 3], got  # the node-local commits went on
@@ -81,11 +91,9 @@ def test_a_store_outage_during_uploads_fails_them_on_every_rank_and_loses_no_sav
         assert f"upload to {url} failed" in err["msg"], (r, err)
     # no step left the disks before it was on the store: keep_last=1 kept all three
     assert _steps(a) == [1, 2, 3] and _steps(b) == [1, 2, 3]
-    up = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30"}
-    res = _run(tmp_path, "back", (a, b), STEPS="4", KEEP_LAST="1", **up)
-    for got in res.values():
+    up = {**down, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30"}
+    for got in _saved(_run(tmp_path, "back", (a, b), STEPS="4", KEEP_LAST="1", **up), [4]).values():
         assert got["loaded"] == 3 and got["equal"], got
-        assert got["saved"] == [4] and "flush_error" not in got, got
     assert "step_00000004/manifest.json" in keys(s3.endpoint, url)
 
 
@@ -103,9 +111,8 @@ def test_a_store_that_stops_answering_uploads_fails_the_round_naming_every_ranks
     # client's retries stop when another try cannot fit), so the exchange of outcomes still hears
     # every rank's own timeout, not "a rank did not take part" (passed before: a regression guard)
     a, b = _nodes(tmp_path)
-    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    url, env = _tier(proxy.endpoint, 8)
     proxy.add(Rule("hang", method="PUT", path_regex=r"rank\d+\.(safetensors|json)$", times=1000))
-    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(proxy.endpoint)), "CK_TIMEOUT": "8"}
     res = _run(tmp_path, "hung", (a, b), STEPS="1", **env)
     for r, got in res.items():
         assert got["saved"] == [1], got  # the node-local commit went on
@@ -130,15 +137,11 @@ def test_a_slow_remote_retention_never_fails_the_upload_round_on_the_other_ranks
     # a store slow to delete (25 s, 20 s deadline), the others failed step 2's upload that rank 0
     # committed; and while rank 0 was still retiring, the others' round of step 3 ran out
     a, b = _nodes(tmp_path)
-    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    url, env = _tier(proxy.endpoint, 20, KEEP_LAST_REMOTE="1")
     proxy.add(Rule("delay", method="PUT", path_regex=r"rank\d+\.(safetensors|json)$", delay=6.0, times=1000))
     proxy.add(Rule("delay", query_has=("delete",), body_regex=rb"step_00000001/", delay=25.0, times=1000))
     proxy.add(Rule("delay", method="DELETE", path_contains="step_00000001", delay=25.0, times=1000))
-    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(proxy.endpoint)), "CK_TIMEOUT": "20", "KEEP_LAST_REMOTE": "1"}
-    res = _run(tmp_path, "slow", (a, b), STEPS="1,2,3", **env)
-    for r, got in res.items():
-        assert got["saved"] == [1, 2, 3], got
-        assert "flush_error" not in got, (r, got["flush_error"])
+    _saved(_run(tmp_path, "slow", (a, b), STEPS="1,2,3", **env), [1, 2, 3])
     assert "step_00000003/manifest.json" in keys(s3.endpoint, url)
 
 
@@ -149,11 +152,8 @@ def test_mirror_every_uploads_every_nth_commit_and_the_disks_keep_the_steps_not_
     tmp_path: Path, s3: S3Server
 ) -> None:
     a, b = _nodes(tmp_path)
-    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-    env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30", "MIRROR_EVERY": "2"}
-    res = _run(tmp_path, "every-2", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", **env)
-    for got in res.values():
-        assert got["saved"] == [1, 2, 3, 4] and "flush_error" not in got, got
+    url, env = _tier(s3.endpoint, 30, MIRROR_EVERY="2")
+    _saved(_run(tmp_path, "every-2", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", **env), [1, 2, 3, 4])
     stored = keys(s3.endpoint, url)
     assert sorted(k for k in stored if k.endswith("/manifest.json")) == [
         "step_00000001/manifest.json", "step_00000003/manifest.json"]  # the 1st and 3rd commits  # fmt: skip
@@ -173,11 +173,8 @@ def test_a_corrupt_memory_copy_on_a_wiped_disk_falls_back_to_the_store_of_the_sa
     shm.mkdir()
     try:
         c = Cluster(tmp_path, shm)
-        url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-        env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "CK_TIMEOUT": "30", "KILL_AFTER_FLUSH": "1"}
-        res, _ = c.run("first", STEPS="1,2", **env)
-        for got in res.values():
-            assert got["saved"] == [1, 2] and got.get("flush_error") is None, got
+        url, env = _tier(s3.endpoint, 30, KILL_AFTER_FLUSH="1")
+        c.save("first", [1, 2], **env)
         assert "step_00000002/manifest.json" in keys(s3.endpoint, url)
         shutil.rmtree(c.b)  # node b's disk replaced, its memory kept (the processes restarted)
         c.b.mkdir()

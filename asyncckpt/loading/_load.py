@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,11 +50,9 @@ import torch
 from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._bounds import check_structure_size, parse_structure
 from ..format._gcpause import paused_gc
-from ..format._manifest import MANIFEST, Manifest, shard_name, tree_name
+from ..format._manifest import shard_name, tree_name
 from ..format._structure_decode import UnknownTensorError, compact_node, resolving_node, unflatten
-from ..roots._readfault import read_error
-from ..roots.posix._discovery import read_regular_file
-from ._shard import ShardHeader, map_shard, noted, read_shard, read_shard_fd, shard_header, unreadable
+from ._shard import ShardHeader, map_shard, noted, read_shard_fd, shard_header, unreadable
 from ._shard import read_header as read_header  # (``_export``'s)
 from ._stepfiles import StepFiles
 from ._targets import plan_targets, unflatten_named
@@ -63,16 +60,6 @@ from ._targets import plan_targets, unflatten_named
 
 def check_tree_size(path: str, size: int) -> None:
     check_structure_size(size, path)  # (the bound every reader shares)
-
-
-def read_tree(path: str, size: int, expected_crc: int | None) -> Any:
-    """Read and parse one rank's structure file (bounded: see ``_bounds``)."""
-    check_tree_size(path, size)
-    try:
-        raw = read_regular_file(path, size)
-    except OSError as e:
-        raise read_error(e, "cannot read structure", path) from None
-    return parse_structure(raw, path, size, expected_crc)
 
 
 def _rebuild(
@@ -109,31 +96,6 @@ def _rebuild(
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     except MemoryError:
         raise CheckpointError(f"not enough memory to rebuild the state: {tree_path}") from None
-
-
-def _listed(step_dir: str, manifest: Manifest, name: str) -> tuple[str, int, int]:
-    try:
-        f = manifest.file(name)
-    except CheckpointCorruptError:
-        raise CheckpointCorruptError(f"manifest does not list {name}", os.path.join(step_dir, MANIFEST)) from None
-    return f.name, f.size, f.crc32c
-
-
-def load_rank(step_dir: str, manifest: Manifest, rank: int, verify: bool,
-              reading: Callable[[str], None] | None = None) -> Any:  # fmt: skip
-    """Rebuild rank ``rank``'s saved state from a complete step directory (by path);
-    ``reading(path)`` is told of each file before it is read."""
-    tree_name_, tree_size, tree_crc = _listed(step_dir, manifest, tree_name(rank))
-    shard_name_, shard_size, shard_crc = _listed(step_dir, manifest, shard_name(rank))
-    tree_path = os.path.join(step_dir, tree_name_)
-    shard_path = os.path.join(step_dir, shard_name_)
-    if reading is not None:
-        reading(tree_path)
-    tree = read_tree(tree_path, tree_size, tree_crc if verify else None)
-    if reading is not None:
-        reading(shard_path)
-    tensors, _ = read_shard(shard_path, shard_size, shard_crc if verify else None)
-    return _rebuild(tree, tensors, tree_path, shard_path)
 
 
 def load_files(

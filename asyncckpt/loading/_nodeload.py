@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
-from ..format._layout import step_dir_name
-from ..format._manifest import MANIFEST
+from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
-from ..roots._nodeparts import agree_parts, read_part
+from ..roots._nodeparts import NodePart, agree_parts
 from ..roots._registry import open_root
 from ..threads._deadline import CallTimeout, Deadline, call_by
-from ._load import load_rank
 from ._peerread import fetch, read_fetched
 from ._resume import load_step
 
@@ -154,20 +150,17 @@ def outcome_reserve(by: Deadline) -> float:
 
 def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool, by: Deadline) -> Any:
     """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified,
-    by ``by``: a read the node's file system never answers (a hung server, a dead disk) raises
+    by ``by`` (``_resume.load_step`` through the node's part, ``roots._nodeparts.NodePart``): a
+    read the node's file system never answers (a hung server, a dead disk) raises
     ``CheckpointReadError`` (``ETIMEDOUT``) naming the rank and the file it was reading, in time
     for the agreement on the outcome (the read itself is left blocked on its own thread)."""
-    step_dir = os.path.join(root, step_dir_name(chosen))
-    at = [os.path.join(step_dir, MANIFEST)]  # the file being read, for the error
+    part = NodePart(root, [rank])
 
     def read() -> Any:
-        m = read_part(root, chosen)
-        if m.attempt != attempt:
-            raise CheckpointCorruptError(f"holds attempt {m.attempt}, not the agreed {attempt}", step_dir)
-        return load_rank(step_dir, m, rank, verify, reading=lambda path: at.__setitem__(0, path))
+        return load_step(part, chosen, rank=rank, verify=verify, expect=attempt, deadline=by.monotonic)
 
     try:
         return call_by(read, by, f"asyncckpt-nodeload-r{rank}")
     except CallTimeout:
         raise CheckpointReadError(errno.ETIMEDOUT, f"rank {rank}: reading its part of step {chosen} from this "
-                                  "node's disk did not finish within the load's deadline", at[0]) from None
+                                  "node's disk did not finish within the load's deadline", part.at) from None

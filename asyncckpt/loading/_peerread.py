@@ -4,9 +4,10 @@ In ``load()`` on a node-local root with ``replicate=True`` (``_nodeload``): when
 agreed tiers include ``"peer"``, every rank calls :func:`fetch` (collective: the ranks agree
 who needs what; a buddy sends what it holds). A needer's files come back as bytes (the step's
 manifest, its shard and its tree, each CRC-checked against what was pushed as it landed);
-:func:`read_fetched` checks the manifest is the agreed step and attempt, writes them into a
-scratch directory on the memory tier and reads them as any node-local part (``load_rank``,
-every file's CRC-32C checked against the manifest whatever ``verify`` says). A failure of
+:func:`read_fetched` writes them into a scratch root on the memory tier, checks the manifest
+is the agreed step and attempt and reads them as any node-local part (``_resume.load_step``
+through a ``roots._nodeparts.NodePart``, every file's CRC-32C checked against the manifest
+whatever ``verify`` says). A failure of
 either is one more failed tier: the caller goes on to the next tier of the same step and
 attempt.
 """
@@ -20,10 +21,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointCorruptError
+from ..format._layout import step_dir_name
 from ..format._manifest import MANIFEST, shard_name, tree_name
+from ..roots._nodeparts import NodePart
 from ..roots.posix._discovery import read_manifest
 from ..roots.replica import DIRECTORY, ReplicaError
-from ._load import load_rank
+from ._resume import load_step
 
 if TYPE_CHECKING:
     from ..roots.replica import PeerTier
@@ -57,15 +60,17 @@ def read_fetched(files: Mapping[str, memoryview], memory: str, step: int, attemp
                                      f"{sorted(expected)}")  # fmt: skip
     scratch = os.path.join(memory, DIRECTORY, f".fetched-rank{rank:05d}")
     shutil.rmtree(scratch, ignore_errors=True)  # a killed load's
+    step_dir = os.path.join(scratch, step_dir_name(step))
     os.makedirs(scratch, mode=0o700)
+    os.mkdir(step_dir, mode=0o700)
     try:
         for name, view in files.items():
-            with open(os.path.join(scratch, name), "wb") as f:
+            with open(os.path.join(step_dir, name), "wb") as f:
                 f.write(view)
-        m = read_manifest(scratch)
+        m = read_manifest(step_dir)
         if m.step != step or m.attempt != attempt:
             raise CheckpointCorruptError(f"rank {rank}'s replica holds step {m.step} of attempt {m.attempt}, not "
-                                         f"step {step} of {attempt}", scratch)  # fmt: skip
-        return load_rank(scratch, m, rank, True)
+                                         f"step {step} of {attempt}", step_dir)  # fmt: skip
+        return load_step(NodePart(scratch, [rank]), step, rank=rank, verify=True, expect=attempt)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,5 +1,7 @@
 """Which checkpoint a load reads, and the read itself, written once for every root (a POSIX
-directory, an object store, memory: :class:`~asyncckpt.roots._root.Root`).
+directory, an object store, memory: :class:`~asyncckpt.roots._root.Root`) and for a node's
+part of a step on the node-local tiers (``roots._nodeparts.NodePart``, read by
+``_nodeload`` and ``_peerread``).
 
 ``load(step=N)`` reads exactly step N: a checkpoint retired while it is read is "not found"
 (never "corrupt"), damage raises ``CheckpointCorruptError``. ``load(step=None)`` reads the
@@ -37,7 +39,7 @@ from .._errors import (
 from ..format._manifest import Manifest, shard_name, tree_name
 from ..roots._readfault import fault_of, retrying, store_fault
 from ..roots._registry import open_root
-from ..roots._root import Root, StepReader
+from ..roots._root import Readable, Root, StepReader
 from ..roots._runs import check_choice
 from ..roots.posix._discovery import Vanished
 from ._load import load_files
@@ -64,7 +66,7 @@ def _check_shape(manifest: Manifest, step: int, rank: int, world_size: int | Non
 
 
 @contextlib.contextmanager
-def rooted(root: Root | str | os.PathLike[str]) -> Iterator[Root]:
+def rooted(root: Readable | str | os.PathLike[str]) -> Iterator[Readable]:
     """``root`` itself, or the root at a path or ``memory://`` URL (``open_root``), closed after."""
     if not isinstance(root, (str, os.PathLike)):
         yield root
@@ -89,7 +91,7 @@ def typed(fn: Callable[[], T]) -> T:
 
 
 def attempt(
-    root: Root | str | os.PathLike[str],
+    root: Readable | str | os.PathLike[str],
     step: int,
     rank: int,
     verify: bool,
@@ -102,7 +104,8 @@ def attempt(
     expect: str | None = None,
     drop_stale_mark: bool = True,
 ) -> Any:
-    """Load rank ``rank``'s state of ``step`` of ``root`` (a :class:`Root`, or a local path);
+    """Load rank ``rank``'s state of ``step`` of ``root`` (a :class:`Root`, a node's part of a
+    step: ``roots._nodeparts.NodePart``, or a local path);
     raises ``Vanished`` if it was retired meanwhile.
 
     ``expect``: the manifest attempt rank 0 chose for a collective load; a step here that
@@ -134,7 +137,7 @@ def attempt(
 
 
 def _attempt(
-    root: Root, step: int, rank: int, verify: bool, world_size: int | None, into: Any,
+    root: Readable, step: int, rank: int, verify: bool, world_size: int | None, into: Any,
     strip_prefixes: Sequence[str], reader: Reader | None, mmap: bool, report: dict[str, Any] | None,
     expect: str | None, drop_stale_mark: bool,
 ) -> Any:  # fmt: skip
@@ -216,7 +219,7 @@ def load_files_as(
         raise
 
 
-def judge(root: Root, reader: StepReader, err: BaseException) -> None:
+def judge(root: Readable, reader: StepReader, err: BaseException) -> None:
     """What ``err``, raised reading the step ``reader`` holds, means (every reader of a held
     step, a load's and an export's, decides it here): a defect or an I/O fault on a step no
     longer there (retired, replaced) raises ``Vanished``, neither damage nor the storage; a
@@ -230,7 +233,7 @@ def judge(root: Root, reader: StepReader, err: BaseException) -> None:
         mark(root, reader.manifest.step, reader.manifest.attempt, err)
 
 
-def mark(root: Root, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:
+def mark(root: Readable, step: int, attempt_id: str, err: CheckpointCorruptError) -> None:
     """Remember that ``step`` failed verification (never raises: readers may be read-only)."""
     try:
         root.mark_bad(step, attempt_id, err.path or "", str(err))
@@ -238,7 +241,7 @@ def mark(root: Root, step: int, attempt_id: str, err: CheckpointCorruptError) ->
         log.debug("asyncckpt: could not record the bad mark of step %d under %s", step, root.url, exc_info=True)
 
 
-def unmark(root: Root, step: int, attempt_id: str) -> None:
+def unmark(root: Readable, step: int, attempt_id: str) -> None:
     """Forget a mark of ``step`` that judged this very attempt: every file of it just verified
     (never raises: readers may be read-only)."""
     try:
@@ -249,7 +252,7 @@ def unmark(root: Root, step: int, attempt_id: str) -> None:
 
 
 def load_step(
-    root: Root,
+    root: Readable,
     step: int,
     *,
     rank: int,

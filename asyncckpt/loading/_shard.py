@@ -28,21 +28,10 @@ from ..format._checksum import crc32c, crc32c_combine
 from ..format._gcpause import paused_gc
 from ..format._header import TensorSlot, declared_length, parse_slots
 from ..format._safetensors import ST_TO_DTYPE
-from ..roots._readfault import read_error, regular_file
+from ..roots._readfault import read_error
 from . import _pread, _readinto
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def open_regular(path: str, size: int) -> int:
-    """Open ``path`` for reading, refusing symlinks, FIFOs and anything but a regular file of
-    exactly ``size`` bytes (``CheckpointCorruptError`` naming the path; an I/O fault is
-    ``CheckpointReadError``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise read_error(e, "cannot open", path) from None
-    return regular_file(fd, size, path)
 
 
 def read_header(fd: _pread.Source, path: str, size: int) -> tuple[bytes, int, list[TensorSlot], dict[str, Any]]:
@@ -62,18 +51,6 @@ def read_header(fd: _pread.Source, path: str, size: int) -> tuple[bytes, int, li
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointCorruptError(f"bad safetensors header ({e})", path) from None
     return head, data_start, slots, header
-
-
-def read_shard(path: str, size: int, expected_crc: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a safetensors shard of ``size`` bytes; return its tensors and header metadata.
-
-    Verifies the CRC-32C of the whole file when ``expected_crc`` is given.
-    """
-    fd = open_regular(path, size)
-    try:
-        return read_shard_fd(fd, path, size, expected_crc)
-    finally:
-        os.close(fd)
 
 
 def _allocate(slots: list[TensorSlot], need: int, path: str) -> dict[str, torch.Tensor]:
@@ -144,7 +121,7 @@ def read_shard_fd(
     verify_first: bool = False,
     take: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """:func:`read_shard` on an open file (the caller closes it).
+    """A safetensors shard of ``size`` bytes read from an open file (the caller closes it).
 
     ``targets`` (from :func:`plan_targets`; the dict is taken: it may become the result's)
     names tensors to read straight into instead of fresh ones; they come back in the

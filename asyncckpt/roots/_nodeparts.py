@@ -1,7 +1,8 @@
 """A node's parts of steps on a node-local root, and the agreement on which step every rank holds.
 
 On a node-local root (``saving._nodelocal``) a node's ``step_N/`` holds the whole step's
-manifest but only that node's ranks' files. Torch-free; store calls only (``ranks._agree``).
+manifest but only that node's ranks' files; a load reads its part through :class:`NodePart`.
+Torch-free; store calls only (``ranks._agree``).
 """
 
 from __future__ import annotations
@@ -21,17 +22,67 @@ from ..format._stepstates import same_run
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
 from ..threads._deadline import CallTimeout, Deadline, call_by
+from ._root import StepReader
 from .posix._discovery import read_manifest
+from .posix._root import CAPS, PosixStepReader
 
 log = logging.getLogger("asyncckpt")
 _STEP_DIR = re.compile(r"step_(\d{8,})$")
 
 
+class NodePart:
+    """This node's parts of steps under ``path`` (its disk or its memory tier) as a load reads
+    them: a :class:`~asyncckpt.roots._root.Readable` for ``loading._resume.load_step``. A node's
+    part is no committed step of a :class:`~asyncckpt.roots.Root` (the whole step's manifest,
+    only its node's ranks' files): :meth:`open_reader` holds ``ranks``' files of a step open,
+    checked against that manifest, and refuses a read of another rank's file
+    (``CheckpointNotFoundError``). No bad marks: a damaged part is no verdict on the step, whose
+    same attempt the caller reads from its next tier. :attr:`at` is the file its reads are in
+    now (the manifest before a step is open): a caller that gives up waiting names it."""
+
+    caps = CAPS
+
+    def __init__(self, path: str, ranks: Collection[int]) -> None:
+        self.path, self.url = path, os.path.abspath(path)
+        self.names = frozenset(n for r in ranks for n in (_manifest.shard_name(r), _manifest.tree_name(r)))
+        self.at = self.url
+
+    def open_reader(self, step: int) -> StepReader:
+        """This node's part of ``step`` held open (errors as ``PosixRoot.open_reader``'s)."""
+        self.at = os.path.join(self.url, step_dir_name(step), _manifest.MANIFEST)
+        return _PartReader(self, step)
+
+    def mark_bad(self, step: int, attempt: str, path: str, reason: str) -> bool:
+        """Keeps no mark (class docstring): False."""
+        return False
+
+    def clear_bad(self, step: int, attempt: str) -> bool:
+        """Holds no mark: False."""
+        return False
+
+
+class _PartReader(PosixStepReader):
+    """A :class:`NodePart`'s step, telling its part which file it reads (a ranged read's, else
+    the file whose descriptor it last gave out: the caller reads that one itself)."""
+
+    def __init__(self, part: NodePart, step: int) -> None:
+        super().__init__(part.path, step, part.names)
+        self._part = part
+
+    def fileno(self, name: str) -> int:
+        self._part.at = self.locate(name)
+        return super().fileno(name)
+
+    def _fill(self, entry: _manifest.FileEntry, offset: int, out: memoryview) -> None:
+        before, self._part.at = self._part.at, self.locate(entry.name)
+        super()._fill(entry, offset, out)
+        self._part.at = before
+
+
 def read_part(root: str, step: int) -> _manifest.Manifest:
-    """The manifest of ``step`` on this node's ``root`` (the node tier's one manifest read: a
-    node's part is no committed step of a :class:`~asyncckpt.roots.Root`, its other nodes'
-    files are elsewhere). ``CheckpointNotFoundError`` (no manifest), ``CheckpointCorruptError``
-    (one that does not decode), ``CheckpointReadError`` (the disk could not serve it)."""
+    """The manifest of ``step`` on this node's ``root`` (whichever ranks' files it holds).
+    ``CheckpointNotFoundError`` (no manifest), ``CheckpointCorruptError`` (one that does not
+    decode), ``CheckpointReadError`` (the disk could not serve it)."""
     return read_manifest(os.path.join(root, step_dir_name(step)))
 
 

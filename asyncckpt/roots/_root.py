@@ -177,7 +177,27 @@ class Attempt(Protocol):
         ...
 
 
-class Root(Protocol):
+class Readable(Protocol):
+    """What a load reads a step through (``loading._resume``): every :class:`Root`, and a
+    node's part of a step (``roots._nodeparts.NodePart``: it holds no step of its own whole)."""
+
+    url: str
+    caps: Capabilities
+
+    def open_reader(self, step: int) -> StepReader:
+        """``step`` held open for reading (as :meth:`Root.open_reader`)."""
+        ...
+
+    def mark_bad(self, step: int, attempt: str, path: str, reason: str) -> bool:
+        """Remember that ``attempt`` of ``step`` is damaged (as :meth:`Root.mark_bad`)."""
+        ...
+
+    def clear_bad(self, step: int, attempt: str) -> bool:
+        """Forget a bad mark (as :meth:`Root.clear_bad`)."""
+        ...
+
+
+class Root(Readable, Protocol):
     """Where checkpoints live (module docstring); one per root and process."""
 
     url: str

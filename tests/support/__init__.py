@@ -21,7 +21,8 @@ Real systems the tests run against (a mock only for a fault nothing real produce
 
 Utilities:
 
-* ``_ranks.py``: launch the ranks of a multi-process test as subprocesses, with a hard deadline.
+* ``_ranks.py``: launch the ranks of a multi-process test as subprocesses, with a hard deadline;
+  a worker rank's life once it parsed its arguments (``run_scenario``: its result or crash as JSON).
 * ``_warm.py``: a server that imported torch once and forks rank workers (``run_ranks(warm=True)``).
 * ``_ckcheck.py``: an independent check of a committed step directory (plain ``json``/``os``).
 * ``_cli_util.py``: real checkpoints (saved, privately copied), the real CLI in a subprocess

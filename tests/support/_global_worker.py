@@ -7,16 +7,14 @@ Run as ``python _global_worker.py SCENARIO RANK WORLD PORT ROOT OUT [SAVED_WORLD
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import run_scenario
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -434,11 +432,8 @@ def _leaves(obj: Any) -> list[Any]:
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
     saved = int(sys.argv[7]) if len(sys.argv) > 7 else world
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    res: dict[str, Any] = {"rank": rank}
-    try:
+
+    def run(res: dict[str, Any]) -> None:
         if scenario == "save":
             save(rank, world, root, out, res)
         elif scenario == "savekill":
@@ -455,11 +450,8 @@ def main() -> None:
             hsdp(rank, world, root, out, res)
         else:
             load(rank, world, saved, root, out, res)
-    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
-        res["crash"] = "".join(traceback.format_exception(e))
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+
+    run_scenario(rank, world, port, out, run)
 
 
 if __name__ == "__main__":

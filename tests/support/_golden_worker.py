@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
-import os
 import pathlib
 import random
 import sys
-import traceback
 import zoneinfo
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+from _ranks import run_scenario
 from torch import nn
 
 #: The seeds of the golden states (a new seed means new golden files: see make_golden.py).
@@ -360,15 +357,10 @@ def load_fsdp_tp(world: int, root: str, res: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    import torch.distributed as dist
-
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     root, out = sys.argv[5], sys.argv[-1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
-    res: dict[str, Any] = {"rank": rank}
-    try:
+
+    def run(res: dict[str, Any]) -> None:
         if scenario == "ddp":
             save_ddp(rank, root)
         elif scenario == "fsdp_tp":
@@ -379,11 +371,8 @@ def main() -> None:
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
         res["ok"] = True
-    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
-        res["crash"] = "".join(traceback.format_exception(e))
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+
+    run_scenario(rank, world, port, out, run, timeout_s=90)
 
 
 if __name__ == "__main__":

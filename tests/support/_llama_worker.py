@@ -9,16 +9,14 @@ Run as ``python _llama_worker.py SCENARIO RANK WORLD PORT ROOT OUT``; writes ``O
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import run_scenario
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -200,17 +198,7 @@ SCENARIOS = {"save2d": save2d, "savekill": savekill, "resume": resume}
 
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    res: dict[str, Any] = {"rank": rank}
-    try:
-        SCENARIOS[scenario](rank, root, out, res)
-    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
-        res["crash"] = "".join(traceback.format_exception(e))
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+    run_scenario(rank, world, port, out, lambda res: SCENARIOS[scenario](rank, root, out, res))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ starting a fresh interpreter each; for workers that do not test how an interpret
 tests of the parallel phase only (not ``slow``, not ``timing``, no deadline of a few seconds).
 ``TESTS_WARM_RANKS=0`` in the environment starts every rank fresh (to compare, or to rule the
 server out).
+
+The worker's side: :func:`run_scenario` is a rank's life once it has parsed its arguments
+(the gloo group, the scenario, its result or crash in ``OUT.RANK.json`` for :func:`results`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import _warm
 
@@ -95,3 +98,30 @@ def rank_results(out: Path, logs: Path, hung: list[int], world: int) -> dict[int
     """:func:`results` after ``run_ranks`` returned ``hung``: none may have hung."""
     assert not hung, f"ranks {hung} hung:\n" + "\n".join(log_tail(logs, r) for r in hung)
     return results(out, world, logs)
+
+
+def run_scenario(
+    rank: int, world: int, port: str | int, out: str, scenario: Callable[[dict[str, Any]], object],
+    timeout_s: float = 60.0,
+) -> NoReturn:  # fmt: skip
+    """A worker rank's life once it has parsed its arguments: join the gloo group on
+    ``127.0.0.1:port`` (``timeout_s``), run ``scenario(res)``, write ``res`` (with ``"rank"``,
+    and ``"crash"``: the traceback of whatever it raised) to ``OUT.RANK.json`` for
+    :func:`results`, and end the process at once (``os._exit(0)``: no interpreter teardown)."""
+    import json
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    res: dict[str, Any] = {"rank": rank}
+    try:
+        scenario(res)
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
+        res["crash"] = "".join(traceback.format_exception(e))
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(res, f)
+    os._exit(0)

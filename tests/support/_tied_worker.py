@@ -7,11 +7,8 @@ and, for ``save`` on rank 0, ``OUT.ref.pt`` (the full tensors saved).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _global_worker import full, same
+from _ranks import run_scenario
 
 from asyncckpt import Checkpointer
 
@@ -85,17 +83,8 @@ def load(rank: int, world: int, root: str, out: str, res: dict[str, Any]) -> Non
 
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    res: dict[str, Any] = {"rank": rank}
-    try:
-        (save if scenario == "save" else load)(rank, world, root, out, res)
-    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
-        res["crash"] = "".join(traceback.format_exception(e))
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+    run = save if scenario == "save" else load
+    run_scenario(rank, world, port, out, lambda res: run(rank, world, root, out, res))
 
 
 if __name__ == "__main__":

@@ -14,17 +14,14 @@ Run as ``python _unfit_worker.py SCENARIO RANK WORLD PORT ROOT OUT``; writes ``O
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _global_worker import snapshot
+from _ranks import run_scenario
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -124,20 +121,9 @@ def load(rank: int, world: int, root: str, res: dict[str, Any]) -> None:
 
 def main() -> None:
     scenario, rank, world, port, root, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    res: dict[str, Any] = {"rank": rank}
-    try:
-        if scenario == "save":
-            save(rank, world, root)
-        else:
-            load(rank, world, root, res)
-    except BaseException as e:  # noqa: BLE001 - the test reads what happened from the file
-        res["crash"] = "".join(traceback.format_exception(e))
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+    if scenario == "save":
+        run_scenario(rank, world, port, out, lambda res: save(rank, world, root))
+    run_scenario(rank, world, port, out, lambda res: load(rank, world, root, res))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import functools
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import TypeVar
 
@@ -226,17 +226,19 @@ class PinnedStep:
         self.manifest_raw = raw
         return manifest
 
-    def _check_files(self, manifest: Manifest) -> None:
+    def _check_files(self, manifest: Manifest, names: Collection[str] | None = None) -> None:
+        """The manifest's files (``names`` given: only those of them) are here with their sizes."""
         try:
             present = set(os.listdir(self.fd))
         except OSError as e:
             raise read_error(e, "cannot list checkpoint", self.path) from None
         expected = {f.name for f in manifest.files} | {MANIFEST}
-        lacking = expected - present
+        checked = [f for f in manifest.files if names is None or f.name in names]
+        lacking = ({f.name for f in checked} | {MANIFEST}) - present
         if lacking and not self.still_there():
             raise self.gone("its files were being checked")
         self.unlisted = sorted(present - expected)
-        for f in manifest.files:
+        for f in checked:
             path = os.path.join(self.path, f.name)
             try:
                 st = os.stat(f.name, dir_fd=self.fd, follow_symlinks=False)
@@ -254,8 +256,10 @@ def _lstat_at(name: str, dir_fd: int) -> os.stat_result:
     return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
 
-def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
-    """Open ``step``'s directory and check it is complete; the caller closes the result.
+def pin_step(root: str | os.PathLike[str], step: int, names: Collection[str] | None = None) -> PinnedStep:
+    """Open ``step``'s directory and check it is complete (``names`` given: that it holds those
+    of its manifest's files, a node's part of a step: ``roots._nodeparts``); the caller closes
+    the result.
 
     Raises ``CheckpointNotFoundError`` (no such directory, a symlink, no marker),
     :class:`Vanished` (retired while being checked), ``CheckpointCorruptError`` or
@@ -276,7 +280,7 @@ def pin_step(root: str | os.PathLike[str], step: int) -> PinnedStep:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {root_s}")
         manifest = pinned._load_manifest()
-        pinned._check_files(manifest)
+        pinned._check_files(manifest, names)
         pinned.manifest = manifest
     except BaseException:
         pinned.close()

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..._errors import CheckpointCorruptError, CheckpointNotFoundError
 from ...format._layout import deleting_dir_name, parse_step_dir, step_dir_name
@@ -61,10 +61,13 @@ class PosixStepReader(StepReader):
     descriptors, opened on first read (a regular file of exactly the listed size, never
     through a link): at most :data:`MAX_OPEN` of them, the least recently used one not being
     read closed first (a step of thousands of ranks opens no more); one that failed on I/O is
-    opened afresh by the next read (a retry). Reads are ``preadv`` into the caller's buffer."""
+    opened afresh by the next read (a retry). Reads are ``preadv`` into the caller's buffer.
+    ``names``: hold only those of the manifest's files (a node's part of a step,
+    ``roots._nodeparts``); a read of another raises ``CheckpointNotFoundError``."""
 
-    def __init__(self, root: str, step: int) -> None:
-        pinned = pin_step(root, step)
+    def __init__(self, root: str, step: int, names: Collection[str] | None = None) -> None:
+        pinned = pin_step(root, step, names)
+        self._names = None if names is None else frozenset(names)
         assert pinned.manifest is not None
         self._pinned: PinnedStep = pinned
         self.manifest = pinned.manifest
@@ -80,6 +83,9 @@ class PosixStepReader(StepReader):
 
     def _take(self, entry: FileEntry) -> int:
         """The descriptor of ``entry``'s file, counted as in use until :meth:`_give`."""
+        if self._names is not None and entry.name not in self._names:
+            raise CheckpointNotFoundError(f"{entry.name} is not in this part of step {self.manifest.step}",
+                                          self.locate(entry.name))  # fmt: skip
         with self._lock:
             if self._pinned.fd < 0:
                 raise ValueError("read of a closed step reader")

@@ -94,16 +94,15 @@ def check_name(name: str) -> None:
 class HeldReplicas:
     """The replicas under ``directory``; ``keep``: the newest steps kept per source."""
 
-    def __init__(self, directory: str, keep: int, make: bool = True) -> None:
+    def __init__(self, directory: str, keep: int) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep!r}")
         self.directory = directory
         self.keep = keep
-        if make:  # else a look only (held_attempts)
-            os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
 
     def source_dir(self, source: int) -> str:
-        return os.path.join(self.directory, f"peer-rank{source:05d}")
+        return source_dir(self.directory, source)
 
     def clean(self, sources: Sequence[int]) -> None:
         """Remove what a crash left under the ``sources``' directories (half-received replicas,
@@ -116,11 +115,7 @@ class HeldReplicas:
 
     def steps(self, source: int) -> list[int]:
         """The committed steps of ``source``, ascending."""
-        out = []
-        for name in _listdir(self.source_dir(source)):
-            if name.startswith("step_") and name[5:].isdigit():
-                out.append(int(name[5:]))
-        return sorted(out)
+        return held_steps(self.directory, source)
 
     def commit(self, record: Record, payload: memoryview) -> None:
         """Commit ``payload`` (the files' bytes back to back, in ``record.files`` order) as
@@ -179,33 +174,8 @@ class HeldReplicas:
         return True
 
     def find(self, source: int, step: int, attempt: str) -> Record:
-        """The record of ``source``'s committed replica of ``step`` made by ``attempt``, every file
-        there with its size; ``NotHeld("missing")`` otherwise (none, another attempt's, a file
-        gone or cut short; ``"corrupt"`` for an unreadable record)."""
-        path = os.path.join(self.source_dir(source), step_dir_name(step))
-        try:
-            with open(os.path.join(path, RECORD), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            raise NotHeld("missing", f"no replica of rank {source}'s step {step} in {self.directory}") from None
-        try:
-            rec = Record.from_json(json.loads(raw))
-        except (ValueError, KeyError, TypeError, AssertionError) as e:
-            raise NotHeld("corrupt", f"the record of rank {source}'s step {step} is unreadable ({e})") from None
-        if (rec.source, rec.step) != (source, step):
-            raise NotHeld("corrupt", f"{path} holds rank {rec.source}'s step {rec.step}")
-        if rec.attempt != attempt:
-            raise NotHeld("missing", f"the replica of rank {source}'s step {step} is of attempt "
-                                     f"{rec.attempt!r}, not {attempt!r}")  # fmt: skip
-        for ent in rec.files:
-            try:
-                size = os.stat(os.path.join(path, ent.name)).st_size
-            except FileNotFoundError:
-                raise NotHeld("missing", f"{ent.name} of rank {source}'s step {step} is gone") from None
-            if size != ent.size:
-                raise NotHeld("corrupt", f"{ent.name} of rank {source}'s step {step} has {size} bytes, "
-                                         f"not {ent.size}")  # fmt: skip
-        return rec
+        """:func:`find_held` here."""
+        return find_held(self.directory, source, step, attempt)
 
     def attempts(self, source: int) -> dict[int, str]:
         """Every step of ``source`` held here with the attempt that made it (its record read, every
@@ -214,11 +184,7 @@ class HeldReplicas:
 
     def held(self, source: int, step: int, attempt: str) -> bool:
         """Whether :meth:`find` finds it (no CRC check: that is the read's)."""
-        try:
-            self.find(source, step, attempt)
-        except NotHeld:
-            return False
-        return True
+        return _held(self.directory, source, step, attempt)
 
     def map(self, rec: Record, check: bool = True) -> list[memoryview]:
         """``rec``'s files, each mapped copy-on-write (no copy; writable for the transport, never
@@ -256,17 +222,68 @@ class HeldReplicas:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
 
+def source_dir(directory: str, source: int) -> str:
+    """Where the replicas of rank ``source`` held under ``directory`` are."""
+    return os.path.join(directory, f"peer-rank{source:05d}")
+
+
+def held_steps(directory: str, source: int) -> list[int]:
+    """The committed steps of ``source`` under ``directory``, ascending."""
+    out = []
+    for name in _listdir(source_dir(directory, source)):
+        if name.startswith("step_") and name[5:].isdigit():
+            out.append(int(name[5:]))
+    return sorted(out)
+
+
+def find_held(directory: str, source: int, step: int, attempt: str) -> Record:
+    """The record of ``source``'s committed replica of ``step`` made by ``attempt``, every file
+    there with its size; ``NotHeld("missing")`` otherwise (none, another attempt's, a file
+    gone or cut short; ``"corrupt"`` for an unreadable record)."""
+    path = os.path.join(source_dir(directory, source), step_dir_name(step))
+    try:
+        with open(os.path.join(path, RECORD), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise NotHeld("missing", f"no replica of rank {source}'s step {step} in {directory}") from None
+    try:
+        rec = Record.from_json(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise NotHeld("corrupt", f"the record of rank {source}'s step {step} is unreadable ({e})") from None
+    if (rec.source, rec.step) != (source, step):
+        raise NotHeld("corrupt", f"{path} holds rank {rec.source}'s step {rec.step}")
+    if rec.attempt != attempt:
+        raise NotHeld("missing", f"the replica of rank {source}'s step {step} is of attempt "
+                                 f"{rec.attempt!r}, not {attempt!r}")  # fmt: skip
+    for ent in rec.files:
+        try:
+            size = os.stat(os.path.join(path, ent.name)).st_size
+        except FileNotFoundError:
+            raise NotHeld("missing", f"{ent.name} of rank {source}'s step {step} is gone") from None
+        if size != ent.size:
+            raise NotHeld("corrupt", f"{ent.name} of rank {source}'s step {step} has {size} bytes, "
+                                     f"not {ent.size}")  # fmt: skip
+    return rec
+
+
+def _held(directory: str, source: int, step: int, attempt: str) -> bool:
+    try:
+        find_held(directory, source, step, attempt)
+    except NotHeld:
+        return False
+    return True
+
+
 def held_attempts(directory: str, source: int) -> dict[int, str]:
     """:meth:`HeldReplicas.attempts` without the object (nothing made or removed: a look)."""
-    look = HeldReplicas(directory, 1, make=False)
     out = {}
-    for step in look.steps(source):
+    for step in held_steps(directory, source):
         try:
-            with open(os.path.join(look.source_dir(source), step_dir_name(step), RECORD), "rb") as f:
+            with open(os.path.join(source_dir(directory, source), step_dir_name(step), RECORD), "rb") as f:
                 attempt = str(json.loads(f.read())["attempt"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if look.held(source, step, attempt):
+        if _held(directory, source, step, attempt):
             out[step] = attempt
     return out
 
