@@ -257,3 +257,40 @@ def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_di
             assert f"loading step 2 {FROM_DISK}" in logs[r]
     finally:
         subprocess.run(["umount", str(c.mb)], check=False)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # two runs of 4 ranks
+@pytest.mark.timeout(400)
+def test_a_tensor_every_rank_holds_resumes_bit_exact_from_each_nodes_own_tiers(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    # DDP's model: a tensor equal on every rank. Dedupe (on by default) writes it once, by one
+    # rank: on a node-local root that rank's node alone would hold it, and the other node could
+    # not load the step it committed from its own disk or memory
+    c = cluster
+    c.save("first", [1], SHARED="1", KILL_AFTER_FLUSH="1")
+    res, _ = c.run("from-memory", SHARED="1")
+    _resumed(res, 1)
+    for d in (c.ma, c.mb):  # the memory tiers gone: each node's disk alone
+        shutil.rmtree(d)
+        d.mkdir()
+    res, _ = c.run("from-disk", SHARED="1")
+    _resumed(res, 1)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # a run of 4 ranks
+@pytest.mark.timeout(300)
+def test_a_dtensor_state_on_a_node_local_root_is_refused_at_save_on_every_rank_and_nothing_commits(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    # its global index (rank 0's node) and replicated boxes would span nodes: a node could not
+    # load the step it committed. Refused at the call, typed, on every rank; nothing committed
+    c = cluster
+    res, _ = c.run("dtensor", STEPS="1", DTENSOR="1")
+    for r, got in res.items():
+        err = got.get("save_error") or {}
+        assert err.get("type") == "ValueError" and "node_local=True does not save DTensors" in err["msg"], (r, got)
+    for d in (c.a, c.b, c.ma, c.mb):
+        assert _steps(d) == [], d

@@ -74,9 +74,9 @@ class Checkpointer:
             never by key name (values that differ per rank, such as RNG states, stay per
             rank); replicated DTensor boxes (``Replicate``, HSDP's replica dim) are likewise
             spread over their replicas. Such checkpoints carry the global index (format
-            ``asyncckpt/2``). A no-op for one process. ``False`` writes every rank's plain
-            tensors in full and each replicated DTensor box from its lowest rank (the layout
-            of earlier versions).
+            ``asyncckpt/2``). A no-op for one process and with ``node_local``. ``False`` writes
+            every rank's plain tensors in full and each replicated DTensor box from its lowest
+            rank (the layout of earlier versions).
         mirror: tier mode: an ``s3://bucket/prefix`` URL every committed step is uploaded to
             in the background (the local save is unchanged; see README "Tier mode"). At most
             one upload runs, a newer commit supersedes a waiting older one; ``flush()`` and

@@ -173,7 +173,9 @@ class Options:
             store_options=dict(storage_options) if store is not None and storage_options else None,
             ttl=ttl, keep_last=keep_last, timeout=float(timeout), max_pending=max_pending, on_error=on_error,
             direct_io=direct_io, verify=verify, io_threads=io_threads, process_group=process_group,
-            on_commit=on_commit, strip_prefixes=prefixes, allow_earlier_steps=allow_earlier_steps, dedupe=dedupe,
+            on_commit=on_commit, strip_prefixes=prefixes, allow_earlier_steps=allow_earlier_steps,
+            # node-local: a node's part must hold every byte its ranks load, so no rank writes for another
+            dedupe=dedupe and not node_local,
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
             huge_pages=huge_pages, os_ops=os_ops, node_local=node_local, memory=mem,
             memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget, memory_every=every_mem,

@@ -99,6 +99,10 @@ class SavePipeline:
                     state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
                     compact=True,
                 )  # fmt: skip
+                if found and self.session.nodes is not None:  # a node's part could not load: never commit it
+                    raise ValueError("node_local=True does not save DTensors yet: their global index and "
+                                     "replicated boxes would span nodes, so a node could not load its part; "
+                                     "use a shared or an s3:// root for a DTensor state")  # fmt: skip
                 if found and self.opts.dedupe and self.session.world_size > 1:
                     found, refs = spread_replica_writes(found, list(map(TensorRef, names, tensors)))
                     names, tensors = [r.name for r in refs], [r.tensor for r in refs]

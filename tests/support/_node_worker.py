@@ -22,10 +22,20 @@ from _rank_worker import state_for as small_state
 
 
 def state_for(rank: int, step: int) -> dict[str, Any]:
-    """``_rank_worker.state_for``, plus ``STATE_MB`` MiB of float32 when set (measurements)."""
+    """``_rank_worker.state_for``, plus ``STATE_MB`` MiB of float32 when set (measurements), plus
+    a tensor equal on every rank when ``SHARED`` is set, a DTensor when ``DTENSOR`` is."""
     import torch
 
     state = small_state(rank, step)
+    if os.environ.get("SHARED"):  # a tensor every rank holds the same (DDP's model): dedupe spreads its writers
+        state["model"]["shared"] = torch.arange(1 << 16, dtype=torch.float32) + step
+    if os.environ.get("DTENSOR"):  # FSDP's sharded parameters: a DTensor over every rank
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state["model"]["sharded"] = distribute_tensor(torch.arange(64, dtype=torch.float32) + step, mesh, [Shard(0)])
     if os.environ.get("STATE_MB"):
         g = torch.Generator().manual_seed(7919 * step + rank)
         state["model"]["big"] = torch.rand(int(os.environ["STATE_MB"]) << 18, generator=g)
