@@ -173,6 +173,27 @@ def test_memory_every_copies_every_nth_commit_and_the_disks_take_every_save(tmp_
     assert _steps(c.a) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
+@pytest.mark.timeout(300)
+def test_the_memory_tier_is_filled_from_the_saves_bytes_not_from_the_disk(tmp_path: Path, shm: Path) -> None:
+    """Every read of a rank file on a node's disk is refused (an audit hook) once the job saves:
+    the memory tier still gets every step, byte for byte the disk's, and nobody read the disk."""
+    _needs_root()
+    c = Cluster(tmp_path, shm)
+    res, _ = c.run("no-reads", STEPS="1,2", NO_DISK_READS="1", MEMORY_KEEP_LAST="2")
+    assert {r: (got["saved"], got.get("flush_error"), got["disk_reads"]) for r, got in res.items()} == {
+        r: ([1, 2], None, []) for r in range(4)
+    }
+    assert _steps(c.ma) == [1, 2] and _steps(c.mb) == [1, 2]
+    for disk, mem, step in [(d, m, s) for d, m in ((c.a, c.ma), (c.b, c.mb)) for s in (1, 2)]:
+        assert _files(mem, step) == _files(disk, step)
+        assert all(
+            (mem / f"step_{step:08d}" / n).read_bytes() == (disk / f"step_{step:08d}" / n).read_bytes()
+            for n in _files(disk, step)
+        )
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [
