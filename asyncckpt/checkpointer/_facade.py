@@ -111,8 +111,8 @@ class Checkpointer:
             the ``ASYNCCKPT_NODE`` environment variable where it is set. With ``mirror``, every
             rank uploads its own files of each committed step and rank 0 commits on the store.
         memory: with ``node_local``, a directory on tmpfs (``/dev/shm/run1``, the same path on
-            every node): the memory tier. Each step committed on the disks is also copied, in
-            the background, into each node's memory tier (same commit discipline); it survives
+            every node): the memory tier. Each save also writes its files there from the bytes
+            it holds, committed after the disks (same commit discipline); the tier survives
             a restart of the training processes on the node (not a reboot), and ``load()``
             reads each rank's part from it first (then its disk, then the store: always the
             agreed step). A directory not on tmpfs fails construction (docs/node-local.md).

@@ -325,7 +325,7 @@ class MemoryCopies:
         # pushes its files of it to its buddy (collective; a failure is logged, never raised)
         done = await self._coord.exchange(seq, "in-memory", {"ok": ok}, deadline)
         if all(done[r]["ok"] for r in self.nodes.leaders):
-            await self._run(self.replica.push, step, write.attempt)
+            await self._run(self.replica.push, step, write.attempt, write.crcs)
         return ok
 
     async def _commit(self, step: int, write: MemoryWrite, ok: bool, got: dict[int, Any], t0: float) -> bool:

@@ -71,6 +71,8 @@ class MemoryWrite:
         self.error: str | None = None
         #: each file's size, as the save wrote it to the disk
         self.sizes: dict[str, int] = {}
+        #: each file's CRC-32C, as the save computed it while writing (the peer replica sends it)
+        self.crcs: dict[str, int] = {}
         self._tasks: dict[str, asyncio.Future[None]] = {}
 
     @property

@@ -202,6 +202,8 @@ async def write_files(
         {"name": shard_name, "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
+    if mem is not None:  # the same bytes: the peer replica sends these sums, never computes them again
+        mem.crcs = {shard_name: shard.crc32c, _manifest.tree_name(rank): tree.crc32c}
     return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
 
 
