@@ -7,7 +7,7 @@ The second form measures saves only, one JSON line: steps 1-N saved with the mem
 without it (alternating which goes first is the caller's: run it under each code base in turn),
 each save's ``save()`` blocking per rank (steps 2-N: the first pays the arena's allocation), its
 staging copy (rank 0's log: "staging"), the disk commit's duration, and, per node, how long after
-the disk commit the memory tier committed the step (the leaders' logs' timestamps).
+the disk commit node a's memory tier committed the step (rank 0's log's timestamps).
 
 Saves steps 1-4 with ``memory=`` on /dev/shm, every process killed after ``flush()``; resumes
 from the memory tier (page cache dropped first: tmpfs pages stay), from the disks with a warm
@@ -70,15 +70,9 @@ def saves() -> None:
             if tier == "memory":
                 row["rounds_s"] = [float(x) for x in re.findall(r"committed in the memory tier \S+ in ([0-9.]+)s",
                                                                  logs[0] + logs[2])]  # fmt: skip
-                # node a's leader (rank 0) logs both; node b's memory commit against rank 0's disk
-                # commit: the processes started within a few ms of each other (same launcher)
-                row["to_memory_s"] = [
-                    (mem[s] - disk[s]) / 1e3
-                    for log in (logs[0], logs[2])
-                    for mem in [_stamps(log, r"step (\d+) committed in the memory tier")]
-                    for s in sorted(mem)
-                    if s in disk
-                ]
+                # node a's leader (rank 0) logs both (the other processes' clocks start elsewhere)
+                mem = _stamps(logs[0], r"step (\d+) committed in the memory tier")
+                row["to_memory_s"] = [(mem[s] - disk[s]) / 1e3 for s in sorted(mem) if s in disk and s > 1]
             out[tier] = row
     finally:
         shutil.rmtree(shm, ignore_errors=True)
