@@ -1,6 +1,13 @@
 """The memory tier of node-local roots, measured: 2 simulated nodes x 2 ranks (root, mount namespaces).
 
     sudo python benchmarks/memtier.py [MiB per rank: 256] [seconds between saves: 2] [direct_io: auto]
+    sudo python benchmarks/memtier.py saves [MiB per rank: 256] [seconds between saves: 0] [steps: 6]
+
+The second form measures saves only, one JSON line: steps 1-N saved with the memory tier and
+without it (alternating which goes first is the caller's: run it under each code base in turn),
+each save's ``save()`` blocking per rank (steps 2-N: the first pays the arena's allocation), its
+staging copy (rank 0's log: "staging"), the disk commit's duration, and, per node, how long after
+the disk commit node a's memory tier committed the step (rank 0's log's timestamps).
 
 Saves steps 1-4 with ``memory=`` on /dev/shm, every process killed after ``flush()``; resumes
 from the memory tier (page cache dropped first: tmpfs pages stay), from the disks with a warm
@@ -12,6 +19,7 @@ simulated cluster (``tests/test_node_memory.Cluster``); drops the page cache (ne
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import statistics
@@ -29,6 +37,47 @@ from test_node_memory import Cluster  # noqa: E402 - after the tests' paths
 def drop_caches() -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("1\n")
+
+
+def _stamps(log: str, pattern: str) -> dict[int, float]:
+    """Step -> the log line's time (ms since the process started) for the lines matching ``pattern``."""
+    return {int(m.group(2)): float(m.group(1)) for m in re.finditer(r"^(\d+) .*?" + pattern, log, re.M)}
+
+
+def saves() -> None:
+    """The ``saves`` form (module docstring): one JSON line on stdout."""
+    mib = sys.argv[2] if len(sys.argv) > 2 else "256"
+    gap = sys.argv[3] if len(sys.argv) > 3 else "0"
+    steps = ",".join(str(s) for s in range(1, 1 + int(sys.argv[4] if len(sys.argv) > 4 else "6")))
+    tmp = Path(tempfile.mkdtemp(prefix="memtier-bench-"))
+    shm = Path("/dev/shm") / f"memtier-bench-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    out: dict[str, object] = {"mib": int(mib), "gap_s": float(gap), "steps": steps}
+    try:
+        for tier in ("memory", "none"):
+            (tmp / tier).mkdir()
+            (shm / tier).mkdir()
+            c = Cluster(tmp / tier, shm / tier)
+            env = {"STATE_MB": mib, "CK_TIMEOUT": "120", "SAVE_GAP_S": gap, "MEMORY_KEEP_LAST": "2"}
+            res, logs = c.run(f"saves-{tier}", STEPS=steps, **env, **({} if tier == "memory" else {"MEMORY": ""}))
+            assert all(r.get("save_error") is None and r.get("flush_error") is None for r in res.values()), res
+            disk = _stamps(logs[0], r"committed step (\d+): ")
+            row: dict[str, object] = {
+                "block_s": [b for r in res.values() for b in r["block_s"][1:]],
+                "staging_s": [float(x) for x in re.findall(r"committed step \d+: .*staging ([0-9.]+)s", logs[0])][1:],
+                "commit_s": [float(x) for x in re.findall(r"committed step \d+: .* in ([0-9.]+)s", logs[0])][1:],
+            }
+            if tier == "memory":
+                row["rounds_s"] = [float(x) for x in re.findall(r"committed in the memory tier \S+ in ([0-9.]+)s",
+                                                                 logs[0] + logs[2])]  # fmt: skip
+                # node a's leader (rank 0) logs both (the other processes' clocks start elsewhere)
+                mem = _stamps(logs[0], r"step (\d+) committed in the memory tier")
+                row["to_memory_s"] = [(mem[s] - disk[s]) / 1e3 for s in sorted(mem) if s in disk and s > 1]
+            out[tier] = row
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -82,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    saves() if sys.argv[1:2] == ["saves"] else main()

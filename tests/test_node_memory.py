@@ -8,9 +8,11 @@ process with ``os._exit`` after ``flush()``: no close. Needs root (mount namespa
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from _ranks import free_port, log_tail, rank_results, run_ranks
 from asyncckpt import Checkpointer, CheckpointError, RootInUseError
 from asyncckpt.roots.posix._ownership import Ownership
 from asyncckpt.saving._memtier import fs_type, start_memory
+from asyncckpt.saving._memwrite import MemoryWrite
 
 WORKER = str(Path(__file__).parent / "support" / "_node_worker.py")
 FROM_MEMORY = "from its node's memory tier"
@@ -177,6 +180,27 @@ def test_memory_every_copies_every_nth_commit_and_the_disks_take_every_save(clus
     assert _steps(c.a) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
+@pytest.mark.timeout(300)
+def test_the_memory_tier_is_filled_from_the_saves_bytes_not_from_the_disk(tmp_path: Path, shm: Path) -> None:
+    """Every read of a rank file on a node's disk is refused (an audit hook) once the job saves:
+    the memory tier still gets every step, byte for byte the disk's, and nobody read the disk."""
+    _needs_root()
+    c = Cluster(tmp_path, shm)
+    res, _ = c.run("no-reads", STEPS="1,2", NO_DISK_READS="1", MEMORY_KEEP_LAST="2")
+    assert {r: (got["saved"], got.get("flush_error"), got["disk_reads"]) for r, got in res.items()} == {
+        r: ([1, 2], None, []) for r in range(4)
+    }
+    assert _steps(c.ma) == [1, 2] and _steps(c.mb) == [1, 2]
+    for disk, mem, step in [(d, m, s) for d, m in ((c.a, c.ma), (c.b, c.mb)) for s in (1, 2)]:
+        assert _files(mem, step) == _files(disk, step)
+        assert all(
+            (mem / f"step_{step:08d}" / n).read_bytes() == (disk / f"step_{step:08d}" / n).read_bytes()
+            for n in _files(disk, step)
+        )
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [
@@ -212,6 +236,40 @@ def test_the_memory_tier_and_the_root_must_be_apart_and_need_a_process_group(tmp
         Checkpointer(shm / "ck", node_local=True, memory=shm / "ck" / "mem")
     with pytest.raises(ValueError, match="needs a process group"):
         Checkpointer(tmp_path / "ck", node_local=True, memory=shm / "mem")
+
+
+def _write(memory: Path, budget: int | None, files: dict[str, bytes]) -> MemoryWrite:
+    """A due save's memory write of ``files`` (from buffers larger than the files), ended."""
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def go() -> MemoryWrite:
+        w = MemoryWrite(str(memory), 7, budget, run)
+        w.begin("a1b2")
+        for name, data in files.items():
+            w.write(name, memoryview(data + b"not this"), len(data), None, time.monotonic() + 30)
+        await w.settle()
+        return w
+
+    return asyncio.run(go())
+
+
+def test_a_memory_write_holds_the_buffers_bytes_and_a_failed_save_removes_it(shm: Path) -> None:
+    files = {"rank00003.safetensors": os.urandom(3 << 20), "rank00003.json": b'{"tree": 1}'}
+    w = _write(shm, None, files)
+    assert w.outcome() == {"ok": True, "bytes": (3 << 20) + 11}
+    assert {n: (shm / "step_00000007.tmp-a1b2" / n).read_bytes() for n in files} == files
+    w.discard()  # the save failed: its files leave the memory tier
+    assert os.listdir(shm) == []
+    # a file over the budget is not written: the round drops the step (never the save)
+    w = _write(shm, 1000, files)
+    assert w.outcome() == {
+        "ok": False,
+        "bytes": (3 << 20) + 11,
+        "error": f"OSError: rank00003.safetensors ({3 << 20} bytes) exceeds memory_budget=1000",
+    }
+    assert not (shm / "step_00000007.tmp-a1b2" / "rank00003.safetensors").exists()
 
 
 def test_a_memory_tier_not_on_tmpfs_is_refused_and_leftovers_on_tmpfs_are_removed(tmp_path: Path, shm: Path) -> None:

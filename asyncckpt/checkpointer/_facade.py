@@ -111,16 +111,16 @@ class Checkpointer:
             the ``ASYNCCKPT_NODE`` environment variable where it is set. With ``mirror``, every
             rank uploads its own files of each committed step and rank 0 commits on the store.
         memory: with ``node_local``, a directory on tmpfs (``/dev/shm/run1``, the same path on
-            every node): the memory tier. Each step committed on the disks is also copied, in
-            the background, into each node's memory tier (same commit discipline); it survives
+            every node): the memory tier. Each save also writes its files there from the bytes
+            it holds, committed after the disks (same commit discipline); the tier survives
             a restart of the training processes on the node (not a reboot), and ``load()``
             reads each rank's part from it first (then its disk, then the store: always the
             agreed step). A directory not on tmpfs fails construction (docs/node-local.md).
         memory_keep_last: steps each node keeps in its memory tier (default 1).
-        memory_budget: bytes each node's memory tier may hold (its steps and the one being
-            copied); the oldest go first, a part alone over it is not kept. Never fails a save.
+        memory_budget: bytes each node's memory tier keeps (a due save's files come on top until
+            its round); the oldest go first, a part alone over it is not kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
-        memory_every: every n-th commit of the job (the first always) goes to the memory tier.
+        memory_every: every n-th save() of the job (the first always) goes to the memory tier.
         mirror_every: every m-th commit (the first always) goes to the store; disks take every save.
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,

@@ -24,6 +24,7 @@ from ..saving._arena import Arena
 from ..saving._commit import run_save
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._memtier import due
+from ..saving._memwrite import MemoryWrite
 from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
 from ..saving._verdict import LEADER_SILENT_UNKNOWN
@@ -314,6 +315,9 @@ class SavePipeline:
         with self.books.lock:
             self.books.seq += 1
             seq = self.books.seq
+        memory = self.session.memory
+        # due for the memory tier: decided now, the same on every rank (every rank counts the same saves)
+        written = memory.writer(step) if memory is not None and due(seq, self.opts.memory_every) else None
         job = SaveJob(
             step=step,
             seq=seq,
@@ -344,6 +348,7 @@ class SavePipeline:
             plan_hint=self.planner.plan_hint,
             plan_key=plan_key,
             run=self.session.run_id,
+            memory=written,
         )
         holder: list[SaveRecord] = []
 
@@ -375,7 +380,7 @@ class SavePipeline:
             record.state = SaveState.COMMITTED if ok else SaveState.FAILED
             owner = me()
             if owner is not None:
-                owner.settle(record, ok)
+                owner.settle(record, ok, written)
 
         def make() -> Any:
             return guarded(run_save(job, rt.storage, rt.coord, on_state, rt.backend), job, rt.coord.rank, ranks)
@@ -407,10 +412,16 @@ class SavePipeline:
             raise
         return SaveHandle(record)
 
-    def settle(self, record: SaveRecord, ok: bool) -> None:
+    def settle(self, record: SaveRecord, ok: bool, written: MemoryWrite | None = None) -> None:
         """A save's future resolved (on the writer thread): book it, hand a commit to the
-        mirror (tier mode, rank 0) and to ``on_commit``."""
+        mirror (tier mode, rank 0), to the memory tier (``written``: its files there, if due)
+        and to ``on_commit``."""
         info = record.future.result() if ok else None
+        if written is not None and self.session.memory is not None:
+            if info is not None:  # the memory tier: its round commits the files the save wrote there
+                self.session.memory.committed(info.step, written)
+            else:
+                self.session.memory.failed(written)
         nth = 0  # this commit's number in the job (every rank counts the same commits: tier frequencies)
         with self.books.lock:
             if self.books.reserved.get(record.step) is record:
@@ -428,8 +439,6 @@ class SavePipeline:
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
-        if info is not None and self.session.memory is not None and due(nth, self.opts.memory_every):
-            self.session.memory.committed(info.step)  # the memory tier: copied in the background
         if info is not None and self.session.uploads_here() and due(nth, self.opts.mirror_every):
             self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
         if info is not None and self.opts.on_commit is not None:

@@ -150,12 +150,12 @@ class RootSession:
                                timeout=self.timeout, retire_local=self.local_retention(rt),
                                uploads=self.rank == 0, ranks=self.ranks, lease_ttl=opts.lease_ttl)
         self.mirror = rt.mirror
-        if opts.memory is not None:  # the memory tier: every rank copies its files of each commit
+        if opts.memory is not None:  # the memory tier: every rank writes its files of each due save
             assert self.dist is not None and self.nodes is not None
             if opts.replicate:  # collective: every rank got here (agree_at_start), in the same order
                 self.replica = PeerTier.open(self.dist, self.nodes, opts.memory, opts.memory_keep_last, self.timeout)
             rt.memory = self.memory = _memtier.MemoryCopies(
-                self.root, opts.memory, self.nodes, rank=self.rank, world_size=self.world_size,
+                opts.memory, self.nodes, rank=self.rank, world_size=self.world_size,
                 connect=self.dist.connect, namespace=namespace, keep_last=opts.memory_keep_last,
                 budget=opts.memory_budget, timeout=self.timeout, ownership=self.memory_ownership,
                 replica=self.replica)  # fmt: skip

@@ -182,6 +182,8 @@ async def _write_own_files(
     if start.failure is None and job.prefailed is not None:
         mine = Report(rank=book.rank, failure=book.failed(job.prefailed))
     elif start.failure is None:
+        if job.memory is not None:
+            job.memory.begin(start.attempt)
         try:
             book.step_to(SaveEvent.START_WRITE)
             mine = await _within(

@@ -3,29 +3,35 @@
 ``Checkpointer(root, node_local=True, memory="/dev/shm/run1", memory_keep_last=1,
 memory_budget=...)``. The memory tier is one more node-local POSIX root (``_nodelocal``'s
 layout and commit discipline) whose path is on tmpfs, so it outlives the training process (not
-a reboot). Theory of operation (docs/design/tiers.md): each step the nodes' disks committed is
-handed to :class:`MemoryCopies` on every rank, one round per committed step, in commit order
-(every rank sees the same commits, so the rounds stay aligned without another agreement):
+a reboot). Theory of operation (docs/design/tiers.md):
 
-1. each node's leader makes room: it removes its node's memory steps beyond
-   ``memory_keep_last - 1`` and, oldest first, until they and this step's part of the node fit
-   ``memory_budget``, then posts the go for its node (a part larger than the whole budget is
-   not copied);
-2. every rank copies its own files of the step from its node's disk into
-   ``step_N.tmp-<attempt>/`` under the memory root and checks their sizes;
-3. the ranks exchange their outcomes through the c10d store (their own namespace, bounded by
-   ``timeout``); each node's leader commits its node's part (``_nodelocal.commit_part``, with
-   the disk step's exact manifest bytes: the same attempt, so provably the same bytes) when its
-   node's ranks all copied theirs.
+1. a save due for the memory tier (the first of the job, then every ``memory_every``-th
+   ``save()``: decided when it is called, the same on every rank) carries a
+   :class:`~asyncckpt.saving._memwrite.MemoryWrite`: every rank writes its files of the step
+   into ``step_N.tmp-<attempt>/`` under the memory root *from the bytes the save holds* (its
+   staging arena, piece by piece as staged, beside the disk write; its tree), never from a
+   re-read of the disk; the write ends before the save settles (its staging slot is reused
+   then). A file larger than ``memory_budget``, or a tmpfs without room (reserved first:
+   ``ENOSPC``), fails the write, never the save;
+2. once the disks committed the step, the step's round (one per committed due save, in commit
+   order on every rank, so the rounds stay aligned without another agreement): the ranks
+   exchange their writes' outcomes and sizes through the c10d store (their own namespace,
+   bounded by ``timeout``);
+3. each node's leader commits its node's part (``_nodelocal.commit_part``) with the manifest
+   bytes its node's disk commit wrote (the same attempt, so provably the same bytes) when its
+   node's ranks all wrote theirs and the part fits ``memory_budget``, then makes room: it
+   removes its node's oldest other memory steps beyond ``memory_keep_last`` and until they fit
+   ``memory_budget``. So the budget bounds what the tier keeps between rounds; while a due save
+   runs, its attempt's files are on tmpfs on top of it (size the tmpfs for one step more).
 
 With the peer replica (``replicate=True``, ``roots.replica.PeerTier``), a round that committed
 the step in memory on every node (the leaders' words exchanged once more) ends with every rank
 pushing its memory files of the step to its buddy on the next node.
 
-A copy that fails or is skipped never fails a save (the durable tiers committed first): it is
-logged, and the memory tier lacks that step. ``save()`` does not wait for it: the rounds run on
-a thread of their own after the commit (they do compete with the next save for the disk and the
-CPU: the copy re-reads the step from the disk; docs/design/tiers.md, "Measured").
+A write that fails never fails a save (the durable tiers committed first): it is logged, and
+the memory tier lacks that step; a due save that fails removes its files from the memory tier.
+Neither the write nor the round re-reads the disk, so they neither compete with the next save
+for the disk nor add to ``save()``'s blocking (docs/design/tiers.md, "Measured").
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import errno
 import logging
 import os
 import shutil
@@ -44,8 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError
-from ..format import _manifest
-from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
+from ..format._layout import deleting_dir_name, step_dir_name
 from ..ranks._coordination import StoreCoordinator
 from ..ranks._nodes import Nodes
 from ..roots._nodeparts import parts
@@ -55,14 +59,13 @@ from ..roots.posix._retention import remove_leftovers
 from ..roots.posix._storage import Storage
 from ..threads._iopool import IOPool
 from ..threads._writer import WriterThread
+from ._memwrite import MemoryWrite
 from ._nodelocal import commit_part
-from ._nodeupload import open_part
 
 if TYPE_CHECKING:
     from ..roots.replica import PeerTier
 
 log = logging.getLogger("asyncckpt")
-_NO_ROOM = "no room in the memory tier"
 
 #: The file systems a memory tier may live on (``/proc/self/mountinfo``'s type field).
 MEMORY_FS = ("tmpfs", "ramfs")
@@ -98,9 +101,10 @@ def check_options(memory: object, keep_last: object, budget: object, node_local:
 
 
 def check_every(name: str, every: object, tier: object, node_local: bool) -> int:
-    """A tier's save frequency (``memory_every``, ``mirror_every``): every ``every``-th commit
-    of the job goes to that tier (the first one always). ``TypeError``/``ValueError`` at the
-    call; ``tier`` is the tier's option (``None``: no such tier, so no frequency for it)."""
+    """A tier's save frequency: every ``every``-th ``save()`` (``memory_every``: decided at the
+    call) or commit (``mirror_every``) of the job goes to that tier (the first one always).
+    ``TypeError``/``ValueError`` at the call; ``tier`` is the tier's option (``None``: no such
+    tier, so no frequency for it)."""
     if every is None:
         return 1
     if not isinstance(every, int) or isinstance(every, bool):
@@ -115,7 +119,7 @@ def check_every(name: str, every: object, tier: object, node_local: bool) -> int
 
 
 def due(nth: int, every: int) -> bool:
-    """Whether the ``nth`` commit of the job (1 for the first) goes to a tier of frequency ``every``."""
+    """Whether the ``nth`` save or commit of the job (1 for the first) goes to a tier of frequency ``every``."""
     return (nth - 1) % every == 0
 
 
@@ -173,67 +177,34 @@ def _remove(memory: str, step: int) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def make_room(memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, need: int) -> list[int]:
-    """Remove this node's oldest memory steps until at most ``keep_last - 1`` are left and
-    they with ``need`` bytes more fit ``budget``; return the removed steps."""
-    have = sorted(parts(memory, ranks))
-    sizes = {s: _tree_bytes(os.path.join(memory, step_dir_name(s))) for s in have}
+def make_room(memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, newest: int) -> list[int]:
+    """After ``newest`` was committed: remove this node's oldest other memory steps until at
+    most ``keep_last`` are left with it and they fit ``budget``; return the removed steps."""
+    have = [s for s in sorted(parts(memory, ranks)) if s != newest]
+    sizes = {s: _tree_bytes(os.path.join(memory, step_dir_name(s))) for s in [*have, newest]}
     gone = []
-    while have and (len(have) > keep_last - 1 or (budget is not None and sum(sizes[s] for s in have) + need > budget)):
+
+    def over() -> bool:
+        return len(have) + 1 > keep_last or (
+            budget is not None and sum(sizes[s] for s in have) + sizes[newest] > budget
+        )
+
+    while have and over():
         s = have.pop(0)
         _remove(memory, s)
         gone.append(s)
     return gone
 
 
-_NO_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
-
-
-def _copy_range(src: int, dst: int, count: int, offset: int) -> int:
-    return os.copy_file_range(src, dst, count, offset, offset)
-
-
-def _send(src: int, dst: int, count: int, offset: int) -> int:
-    os.lseek(dst, offset, os.SEEK_SET)
-    return os.sendfile(dst, src, offset, count)
-
-
-def copy_files(opened: dict[str, int], loc: str) -> None:
-    """Copy this rank's opened files into the attempt directory ``loc``, durable, sizes checked."""
-    os.makedirs(loc, mode=0o700, exist_ok=True)
-    for name, fd in opened.items():
-        size = os.fstat(fd).st_size
-        dst = os.path.join(loc, name)
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            done, copy = 0, _copy_range
-            while done < size:
-                try:
-                    n = copy(fd, out, size - done, done)
-                except OSError as e:  # copy_file_range across file systems (EXDEV on older kernels)
-                    if copy is _send or e.errno not in _NO_RANGE:
-                        raise
-                    copy = _send
-                    continue
-                if n == 0:
-                    raise OSError(f"{dst}: the source ended at {done} of {size} bytes")
-                done += n
-            os.fsync(out)
-        finally:
-            os.close(out)
-        if os.stat(dst).st_size != size:
-            raise OSError(f"{dst}: copied {os.stat(dst).st_size} bytes of {size}")
-
-
 class MemoryCopies:
     """The rounds that copy committed steps into the memory tier, on every rank (module docstring)."""
 
     def __init__(
-        self, disk: str, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[..., Any],
+        self, memory: str, nodes: Nodes, *, rank: int, world_size: int, connect: Callable[..., Any],
         namespace: str, keep_last: int, budget: int | None, timeout: float, ownership: Ownership | None = None,
         replica: PeerTier | None = None,
     ) -> None:  # fmt: skip
-        self.disk, self.memory, self.nodes, self.rank = disk, memory, nodes, rank
+        self.memory, self.nodes, self.rank = memory, nodes, rank
         self.world_size = world_size
         #: the peer replica (``replicate=True``): each step committed in memory on every node is
         #: pushed to the buddies at the end of its round
@@ -242,7 +213,7 @@ class MemoryCopies:
         self.keep_last, self.budget, self.timeout = keep_last, budget, timeout
         self._ownership = ownership  # a node leader's hold on the memory root: released by stop()
         self._lock = threading.Lock()
-        self._queue: collections.deque[tuple[int, concurrent.futures.Future[bool]]] = collections.deque()
+        self._queue: collections.deque[tuple[int, MemoryWrite, concurrent.futures.Future[bool]]] = collections.deque()
         self._pending: set[concurrent.futures.Future[bool]] = set()
         self._pumping = False
         self._stopped = False
@@ -252,6 +223,8 @@ class MemoryCopies:
         self.copied: list[int] = []
         self._pool = IOPool(2, "asyncckpt-memtier-io")
         self._storage = Storage(self._pool, direct_io="off")
+        # the saves' writes into the memory tier (``_memwrite``): a thread of their own
+        self._write_pool = IOPool(1, "asyncckpt-memtier-write")
         # one thread, so one store client: a round's store calls are sequential
         self._coord_pool = IOPool(1, "asyncckpt-memtier-coord")
         # connected now, at construction, with no probe (the store is up): a client connecting
@@ -269,13 +242,22 @@ class MemoryCopies:
     def _ranks(self) -> tuple[int, ...]:
         return self.nodes.members[self.node]
 
-    def committed(self, step: int) -> None:
-        """Queue committed ``step`` for its round; never blocks (the save's writer thread calls it)."""
+    def writer(self, step: int) -> MemoryWrite:
+        """The memory write of a save of ``step`` due for the memory tier (``save()`` calls it:
+        the save's file writer fills it from the bytes it holds; ``_memwrite``)."""
+        return MemoryWrite(self.memory, step, self.budget, self._run_write)
+
+    async def _run_write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._write_pool, fn, *args)
+
+    def committed(self, step: int, write: MemoryWrite) -> None:
+        """Queue committed ``step`` (whose files ``write`` put in the memory tier) for its round;
+        never blocks (the save's writer thread calls it)."""
         fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
                 return
-            self._queue.append((step, fut))
+            self._queue.append((step, write, fut))
             self._pending.add(fut)
             start, self._pumping = not self._pumping, True
         if start:
@@ -284,6 +266,14 @@ class MemoryCopies:
             except RuntimeError:
                 with self._lock:
                     self._pumping = False
+
+    def failed(self, write: MemoryWrite) -> None:
+        """A due save failed: its files leave the memory tier (on a thread of the memory tier;
+        once it stopped, the next start removes them)."""
+        try:
+            self._pool.submit(write.discard)
+        except RuntimeError:
+            pass
 
     def pending(self) -> list[concurrent.futures.Future[bool]]:
         """The rounds not finished yet (``flush()`` waits for them); each settles ``True`` when
@@ -303,14 +293,14 @@ class MemoryCopies:
                 if not self._queue or self._stopped:
                     self._pumping = False
                     return
-                step, fut = self._queue.popleft()
+                step, write, fut = self._queue.popleft()
                 self._rounds += 1
                 seq = self._rounds
             ok = False
             try:
-                ok = await self._round(seq, step)
+                ok = await self._round(seq, step, write)
             except Exception as e:  # noqa: BLE001 - the memory tier never fails a save: logged
-                log.warning("asyncckpt: rank %d: step %d was not copied to the memory tier %s: %s: %s", self.rank,
+                log.warning("asyncckpt: rank %d: step %d was not committed in the memory tier %s: %s: %s", self.rank,
                             step, self.memory, type(e).__name__, e)  # fmt: skip
             finally:
                 self._done(fut, ok)
@@ -318,40 +308,46 @@ class MemoryCopies:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _round(self, seq: int, step: int) -> bool:
+    async def _round(self, seq: int, step: int, write: MemoryWrite) -> bool:
         """One round (module docstring); whether this node committed ``step`` in memory. A rank
-        that cannot read or copy its part still takes part: its failure is in the exchange."""
+        whose write failed still takes part: its failure is in the exchange."""
         deadline = time.monotonic() + self.timeout
         leader = self.rank == self.nodes.leader(self.node)
         t0 = time.monotonic()
-        mine, part = await self._copy(seq, step, leader, deadline)
-        got = await self._coord.exchange(seq, "copied", mine, deadline)
+        mine = await self._run(write.outcome)
+        got = await self._coord.exchange(seq, "written", mine, deadline)
         ok = all(got[r]["ok"] for r in self._ranks)
         if leader:
-            ok = await self._commit(step, part, ok, got, t0)
-        if self.replica is None or part is None or not all(got[r]["ok"] for r in range(self.world_size)):
+            ok = await self._commit(step, write, ok, got, t0)
+        if self.replica is None or not all(got[r]["ok"] for r in range(self.world_size)):
             return ok
         # the peer replica: once every node's leader committed the step in memory, every rank
         # pushes its files of it to its buddy (collective; a failure is logged, never raised)
         done = await self._coord.exchange(seq, "in-memory", {"ok": ok}, deadline)
         if all(done[r]["ok"] for r in self.nodes.leaders):
-            await self._run(self.replica.push, step, part[1])
+            await self._run(self.replica.push, step, write.attempt, write.crcs)
         return ok
 
-    async def _commit(self, step: int, part: tuple[str, str, bytes] | None, ok: bool, got: dict[int, Any],
-                      t0: float) -> bool:  # fmt: skip
-        """The leader: commit its node's memory part of ``step`` when its ranks all copied theirs
-        (whether it did; a failure is logged: never raised, every rank waits for its word)."""
-        if part is None or not ok:
-            if part is not None:
-                await self._run(shutil.rmtree, part[0], True)
-            failed = {r: got[r].get("error") for r in self._ranks if not got[r]["ok"]}
-            if any(e != _NO_ROOM for e in failed.values()):
-                log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory, failed)
+    async def _commit(self, step: int, write: MemoryWrite, ok: bool, got: dict[int, Any], t0: float) -> bool:
+        """The leader: commit its node's memory part of ``step`` when its ranks all wrote theirs
+        and it fits the budget, then make room (whether it committed; a failure is logged:
+        never raised, every rank waits for its word)."""
+        need = sum(got[r]["bytes"] for r in self._ranks)
+        if self.budget is not None and need > self.budget:
+            await self._run(shutil.rmtree, write.loc, True)
+            log.warning("asyncckpt: step %d's part of node %r (%d bytes) exceeds memory_budget=%d: not kept in "
+                        "memory", step, self.nodes.names[self.node], need, self.budget)  # fmt: skip
             return False
-        loc, attempt, raw = part
+        if not ok or write.manifest is None:
+            await self._run(shutil.rmtree, write.loc, True)
+            failed = {r: got[r].get("error") for r in self._ranks if not got[r]["ok"]}
+            log.warning("asyncckpt: step %d not committed in the memory tier %s: %s", step, self.memory,
+                        failed or "no manifest from the disk commit")  # fmt: skip
+            return False
+        assert write.attempt is not None
         try:
-            await commit_part(self._storage, self.memory, loc, step, attempt, raw, self._ranks, self._dead)
+            await commit_part(self._storage, self.memory, write.loc, step, write.attempt, write.manifest, self._ranks,
+                              self._dead)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the memory tier never fails a save: logged
             log.warning("asyncckpt: step %d not committed in the memory tier %s: %s: %s", step, self.memory,
                         type(e).__name__, e)  # fmt: skip
@@ -359,56 +355,13 @@ class MemoryCopies:
         self.copied.append(step)
         log.info("asyncckpt: node %r: step %d committed in the memory tier %s in %.3fs", self.nodes.names[self.node],
                  step, self.memory, time.monotonic() - t0)  # fmt: skip
-        return True
-
-    async def _copy(
-        self, seq: int, step: int, leader: bool, deadline: float
-    ) -> tuple[dict[str, Any], tuple[str, str, bytes] | None]:
-        """This rank's part of a round up to the exchange: its outcome, and (once its files were
-        opened) the attempt directory, the attempt and the manifest's bytes."""
         try:
-            _, m, raw, opened = await self._run(open_part, self.disk, step, self.rank)
-        except (OSError, CheckpointError, ValueError) as e:  # retired from the disk already, unreadable
-            if leader:
-                await self._post_room(seq, False)
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
-        part = (os.path.join(self.memory, tmp_dir_name(step, m.attempt)), m.attempt, raw)
-        try:
-            if leader:  # always posts: the node's ranks wait for its word
-                await self._post_room(seq, await self._make_room(step, m))
-            go = await self._coord.wait_for(seq, f"room/{self.node}/{self.nodes.leader(self.node)}", deadline)
-            if go is None or not go["ok"]:
-                return {"ok": False, "error": _NO_ROOM}, part
-            await self._run(copy_files, opened, part[0])
-            return {"ok": True}, part
-        except OSError as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, part
-        finally:
-            for fd in opened.values():
-                os.close(fd)
-
-    async def _post_room(self, seq: int, ok: bool) -> None:
-        """The leader: its node's go for the copies (a plain set: only the leader writes it)."""
-        await self._coord.exchange(seq, f"room/{self.node}", {"ok": ok}, 0.0, wait=False)
-
-    async def _make_room(self, step: int, m: _manifest.Manifest) -> bool:
-        """The leader: make room for its node's part of ``step`` (whether there is room now)."""
-        try:
-            need = sum(m.file(n).size for r in self._ranks for n in (_manifest.shard_name(r), _manifest.tree_name(r)))
-        except CheckpointError as e:  # a manifest without this node's files: nothing to keep
-            log.warning("asyncckpt: step %d is not copied to the memory tier: %s", step, e)
-            return False
-        if self.budget is not None and need > self.budget:
-            log.warning("asyncckpt: step %d's part of node %r (%d bytes) exceeds memory_budget=%d: not kept in "
-                        "memory", step, self.nodes.names[self.node], need, self.budget)  # fmt: skip
-            return False
-        try:
-            gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, need)
+            gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, step)
         except OSError as e:
             log.warning("asyncckpt: memory tier %s: could not make room: %s", self.memory, e)
-            return False
-        if gone:
-            log.info("asyncckpt: memory tier %s: removed steps %s", self.memory, gone)
+        else:
+            if gone:
+                log.info("asyncckpt: memory tier %s: removed steps %s", self.memory, gone)
         return True
 
     def stop(self, timeout: float) -> None:
@@ -418,12 +371,13 @@ class MemoryCopies:
             self._stopped = True
             queued = list(self._queue)
             self._queue.clear()
-        for _, fut in queued:
+        for _, _, fut in queued:
             self._done(fut, False)
         self._thread.stop(timeout=timeout)
         self._coord.shutdown()
         self._coord_pool.shutdown(wait=True, timeout=timeout)
         self._pool.shutdown(wait=True, timeout=timeout)
+        self._write_pool.shutdown(wait=True, timeout=timeout)
         for fut in self.pending():
             self._done(fut, False)
         if self._ownership is not None:

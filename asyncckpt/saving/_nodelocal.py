@@ -162,6 +162,13 @@ async def _retire(
     return gone
 
 
+def _keep_manifest(job: StepJob, manifest: bytes) -> None:
+    """A node's leader: a save due for the memory tier commits its memory part with the very
+    manifest bytes of its disk commit (the memory round reads nothing from the disk)."""
+    if isinstance(job, SaveJob) and job.memory is not None:
+        job.memory.manifest = manifest
+
+
 class NodeLocalBackend(PosixBackend):
     """The node-local tier's storage half (module docstring): a POSIX backend on this node's
     disk whose commit is one per node. ``coord`` is the save's store coordinator; ``rank``
@@ -196,6 +203,7 @@ class NodeLocalBackend(PosixBackend):
         if stood != go:  # only rank 0 posts the word: cannot happen, but never commit on a stale one
             raise NodeCommitError(f"step {job.step}: the go word was already {stood!r}")
         check_deadline(job)
+        _keep_manifest(job, manifest)
         await commit_part(self.storage, job.root, loc, job.step, attempt, manifest, self._mine, job.dead)
         try:
             await self._acknowledged(job)
@@ -231,9 +239,10 @@ class NodeLocalBackend(PosixBackend):
         if go is None or "manifest" not in go or go.get("attempt") != attempt:
             return  # rank 0 aborted or is silent: the verdict (or its absence) says so
         ack: dict[str, Any] = {"ok": True}
+        manifest = go["manifest"].encode()
+        _keep_manifest(job, manifest)
         try:
-            await commit_part(self.storage, job.root, loc, job.step, attempt, go["manifest"].encode(), self._mine,
-                              job.dead)  # fmt: skip
+            await commit_part(self.storage, job.root, loc, job.step, attempt, manifest, self._mine, job.dead)
         except Exception as e:  # noqa: BLE001 - reaches every rank through rank 0's verdict
             ack = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self.coord.post_once(_seq(job), f"node-ack/{self.node}", ack)

@@ -135,9 +135,14 @@ async def write_files(
     )
     shard_name = _manifest.shard_name(rank)
     write_s = 0.0
+    # a save due for the memory tier: the same bytes into it, as staged, beside the disk write
+    mem = job.memory
     try:
         if fill is not None:  # let it reach the pool first: the write's pieces wait for it there
             await asyncio.sleep(0)
+        if mem is not None:
+            mem.write(shard_name, buffer, layout.file_size, staged, job.deadline)
+            mem.write(_manifest.tree_name(rank), memoryview(job.tree), len(job.tree), None, job.deadline)
         shard = await backend.write_shard(job, loc, shard_name, buffer, layout.file_size, staged)
         tree = await backend.write_small(job, loc, _manifest.tree_name(rank), job.tree)
         t0 = time.perf_counter()
@@ -165,6 +170,8 @@ async def write_files(
                 buffer, layout = await storage.run(_dedupe.image, job.arena.buffer, job.layout, keep, job.arena)
                 write_s += shard.write_s
                 await backend.discard(job, loc, shard_name)
+                if mem is not None:
+                    mem.write(shard_name, buffer, layout.file_size, None, job.deadline)
                 shard = await backend.write_shard(job, loc, shard_name, buffer, layout.file_size, None)
                 t0 = time.perf_counter()
                 await backend.seal(job, loc)
@@ -186,6 +193,8 @@ async def write_files(
         if early is not None and dedupe_round is not None:
             # not cancelled: the other ranks wait in the round for this rank's value
             dedupe_round.add_done_callback(consume)
+        if mem is not None:  # before the save settles: its staging slot is reused then
+            await mem.settle()
     job.times["write"] = write_s + shard.write_s + tree.write_s
     job.times["fsync"] = shard.fsync_s + tree.fsync_s + seal_s
     job.direct = shard.direct
@@ -193,6 +202,8 @@ async def write_files(
         {"name": shard_name, "size": shard.size, "crc32c": shard.crc32c, "rank": rank},
         {"name": _manifest.tree_name(rank), "size": tree.size, "crc32c": tree.crc32c, "rank": rank},
     ]
+    if mem is not None:  # the same bytes: the peer replica sends these sums, never computes them again
+        mem.crcs = {shard_name: shard.crc32c, _manifest.tree_name(rank): tree.crc32c}
     return Report(rank=rank, files=files, nbytes=layout.data_len, index=part, needs_v2=job.tied)
 
 

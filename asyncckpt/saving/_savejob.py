@@ -16,6 +16,7 @@ from ..format._safetensors import ShardLayout
 from ..threads._cpumeter import CpuMeter
 from . import _dedupe
 from ._arena import Arena
+from ._memwrite import MemoryWrite
 from ._stageprogress import StageProgress
 
 
@@ -78,6 +79,9 @@ class SaveJob:
     plan_key: Any = None
     # the run the step belongs to (``_runs``), recorded in the manifest; None: none recorded
     run: str | None = None
+    # a save due for the memory tier: this rank's files go there too, from the bytes it holds
+    # (``_memwrite``); None: not due, or no memory tier
+    memory: MemoryWrite | None = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)

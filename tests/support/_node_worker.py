@@ -42,6 +42,26 @@ def state_for(rank: int, step: int) -> dict[str, Any]:
     return state
 
 
+def _refuse_disk_reads(root: str) -> list[str]:
+    """Refuse (``PermissionError``, through an audit hook) every open for reading of a rank's
+    file under ``root`` from now on; return the list the refused paths are appended to."""
+    refused: list[str] = []
+    prefix = root.rstrip("/") + "/"
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event != "open" or not args or not isinstance(args[0], (str, bytes)):
+            return
+        path, mode = os.fsdecode(args[0]), args[1]
+        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        reading = ("r" in mode and "+" not in mode) if isinstance(mode, str) else flags & os.O_ACCMODE == os.O_RDONLY
+        if reading and path.startswith(prefix) and os.path.basename(path).startswith("rank"):
+            refused.append(path)
+            raise PermissionError(errno.EACCES, "a rank file on the disk read back (refused by the test)", path)
+
+    sys.addaudithook(hook)
+    return refused
+
+
 def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
     """Resume (``load()``: the step and whether it is bit-exact, or the error), then save the
     steps in ``STEPS`` (comma-separated); ``DIE_BEFORE``: this node's ranks ``_exit`` before
@@ -112,6 +132,8 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             "extra"
         ] == want["extra"] and set(loaded["model"]) == set(want["model"])
     result["saved"] = []
+    if os.environ.get("NO_DISK_READS"):  # from here on, a read of a rank file on this node's disk is refused
+        result["disk_reads"] = _refuse_disk_reads(root)
     for s in [int(x) for x in os.environ.get("STEPS", "").split(",") if x]:
         if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
             json.dump(result, open(f"{out}.{rank}.json", "w"))

@@ -112,11 +112,14 @@ class Replicas:
         self._broken: str | None = None
 
     # ----------------------------------------------------------------------------------- push
-    def push(self, step: int, attempt: str, files: Mapping[str, Source]) -> None:
+    def push(self, step: int, attempt: str, files: Mapping[str, Source], crcs: Mapping[str, int] | None = None) -> None:
         """Collective: this rank's ``files`` (name to path or bytes) to its buddy; its sources'
-        files into this rank's directory. Returns when every rank's replica is committed on its
-        buddy; else raises :class:`ReplicaPushError` (:class:`ReplicaPushTimeout` when a rank
-        did not answer) on every rank, within ``timeout``."""
+        files into this rank's directory. ``crcs``: the CRC-32C of some of the files, known
+        already (their writer computed it): sent as is, so the buddy checks the bytes it got
+        against the bytes first written; the others' are computed here. Returns when every
+        rank's replica is committed on its buddy; else raises :class:`ReplicaPushError`
+        (:class:`ReplicaPushTimeout` when a rank did not answer) on every rank, within
+        ``timeout``."""
         self._check()
         by = Deadline.after(self.timeout)
         moving = by.before(min(_AGREE_S, self.timeout / 2))
@@ -145,7 +148,8 @@ class Replicas:
                 transport |= self._problem(s, e, problems)
         if sending is not None and views is not None:
             try:  # while the pieces travel
-                send_more(sending, self.group, trailer([crc32c(v) for v in views]), self.counts)
+                sums = [crcs[n] if crcs and n in crcs else crc32c(v) for n, v in zip(names, views, strict=True)]
+                send_more(sending, self.group, trailer(sums), self.counts)
             except WireError as e:
                 transport = True
                 problems.append(str(e))

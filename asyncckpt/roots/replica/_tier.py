@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...format._layout import step_dir_name
@@ -77,9 +77,10 @@ class PeerTier:
     def sources(self) -> tuple[int, ...]:
         return self.replicas.sources
 
-    def push(self, step: int, attempt: str) -> bool:
+    def push(self, step: int, attempt: str, crcs: Mapping[str, int] | None = None) -> bool:
         """Collective: this rank's memory files of ``step`` (made by ``attempt``) to its buddy;
-        whether every rank's landed. Never raises: a failure is logged (the memory tier's
+        whether every rank's landed. ``crcs``: the files' CRC-32C the save computed (not
+        computed again: :meth:`Replicas.push`). Never raises: a failure is logged (the memory tier's
         replica lacks that step). A broken group (a dead or silent peer) is given up for the
         rest of the job, on every rank (each saw the same verdict)."""
         if self._gave_up:
@@ -89,7 +90,7 @@ class PeerTier:
         files = {n: os.path.join(step_dir, n) for n in (MANIFEST, shard_name(rank), tree_name(rank))}
         try:
             with self.lock:
-                self.replicas.push(step, attempt, files)
+                self.replicas.push(step, attempt, files, crcs)
         except ReplicaError as e:
             log.warning("asyncckpt: rank %d: step %d was not replicated to the buddies' memory: %s: %s", rank, step,
                         type(e).__name__, e)  # fmt: skip
