@@ -9,7 +9,7 @@ a reboot). Theory of operation (docs/design/tiers.md):
    ``save()``: decided when it is called, the same on every rank) carries a
    :class:`~asyncckpt.saving._memwrite.MemoryWrite`: every rank writes its files of the step
    into ``step_N.tmp-<attempt>/`` under the memory root *from the bytes the save holds* (its
-   staging arena, piece by piece as staged, beside the disk write; its tree), never from a
+   staging arena once it is all staged, beside the disk write; its tree), never from a
    re-read of the disk; the write ends before the save settles (its staging slot is reused
    then). A file larger than ``memory_budget``, or a tmpfs without room (reserved first:
    ``ENOSPC``), fails the write, never the save;

@@ -2,8 +2,9 @@
 
 A save due for the memory tier (``memory_every``) carries a :class:`MemoryWrite`: while this
 rank's file writer streams its shard from the staging arena (or the deduplicated image) to the
-disk, the same bytes go, as they are staged, into ``<memory>/step_N.tmp-<attempt>/`` on tmpfs
-(its tree too); the write ends before the save settles, so the staging slot goes back to the
+disk, the same bytes go, once the whole shard is staged (``save()`` has returned: the write
+never competes with the copy the caller waits for), into ``<memory>/step_N.tmp-<attempt>/`` on
+tmpfs (its tree too); the write ends before the save settles, so the staging slot goes back to the
 pool only once nothing reads it any more. Each file's room is reserved first
 (``posix_fallocate``): a full tmpfs is ``ENOSPC`` before a byte is copied (the files are written
 with ``pwrite``, never mapped: no ``SIGBUS``). No fsync: tmpfs has no disk to make it durable on.
@@ -24,7 +25,7 @@ from typing import Any
 from ..format._layout import tmp_dir_name
 from ..roots._filewrite import Staged, until_staged
 
-#: How much of a shard one ``pwrite`` call copies: the write follows the staging copy piece by piece.
+#: How much of a shard one ``pwrite`` call copies.
 PIECE = 32 << 20
 
 
@@ -106,10 +107,13 @@ class MemoryWrite:
             path = os.path.join(self.loc, name)
             fd = await self._run(_open_reserved, path, size)
             try:
+                # once the whole file is staged, not piece by piece beside the staging copy: that
+                # competed with the copy save() waits for (cores, memory bandwidth), and the memory
+                # commit waits for the disk's anyway
+                await until_staged(staged, size, deadline)
                 done = 0
                 while done < size:
                     end = min(size, done + PIECE)
-                    await until_staged(staged, end, deadline)
                     await self._run(_pwrite_all, fd, buf[done:end], done)
                     done = end
             finally:
