@@ -92,6 +92,7 @@ class SavePipeline:
         arena: Arena | None = None
         try:
             try:
+                c0, t0 = time.thread_time(), time.perf_counter()  # (SaveStatistics.prepare_s)
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
@@ -111,6 +112,7 @@ class SavePipeline:
                 plan_key, file = layout, None
                 if self.opts.dedupe and self.session.world_size > 1:
                     layout, file, perm = self.planner.expected_file(layout, perm, dtensors)
+                prepared = (time.perf_counter() - t0, time.thread_time() - c0)
             except (TypeError, ValueError) as e:
                 if self.session.dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -123,18 +125,19 @@ class SavePipeline:
             if deferred:
                 return self._stage_deferred(step, t_call, arena, layout, tree_bytes, sources, waited, deferred,
                                             [names[i] for i in perm], dtensors=dtensors, tied=tied,
-                                            handed=handed, file=file, plan_key=plan_key)  # fmt: skip
+                                            handed=handed, file=file, plan_key=plan_key,
+                                            prepared=prepared)  # fmt: skip
             del names  # (the layout keeps its own: these died with the tree, but for this list)
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
-                                             plan_key=plan_key)  # fmt: skip
+                                             plan_key=plan_key, prepared=prepared)  # fmt: skip
             events = self.rt.copier.stage(arena, layout, sources, all_cpu=False)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
                 step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
-                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key,
+                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key, prepared=prepared,
             )  # fmt: skip
         finally:
             if not handed[0] and arena is not None:
@@ -168,6 +171,7 @@ class SavePipeline:
         handed: list[bool],
         file: ShardLayout | None,
         plan_key: ShardLayout,
+        prepared: tuple[float, float],
     ) -> SaveHandle:
         """Hand the save to the writer first, then copy: the writer streams the staged prefix
         of the arena while the rest is copied. Returns once everything is staged.
@@ -183,7 +187,7 @@ class SavePipeline:
             handle = self._submit(
                 step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
                 dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
-                file=file, plan_key=plan_key,
+                file=file, plan_key=plan_key, prepared=prepared,
             )  # fmt: skip
             self.books.staging_record = got[0]
             self.rt.copier.stage(arena, layout, sources, progress, all_cpu=True)
@@ -300,12 +304,14 @@ class SavePipeline:
         record_out: list[SaveRecord] | None = None,
         file: ShardLayout | None = None,
         plan_key: ShardLayout | None = None,
+        prepared: tuple[float, float] = (0.0, 0.0),
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles.
 
         ``handed[0]`` turns True the moment the save's record owns the arena and the step.
         With ``progress``, the copy is still running and the writer waits on it;
-        ``record_out`` receives the save's record as soon as it exists.
+        ``record_out`` receives the save's record as soon as it exists. ``prepared``: the
+        walk's, plan's and tree JSON's wall and CPU seconds (``SaveStatistics.prepare_s``).
         """
         with self.books.lock:
             self.books.seq += 1
@@ -340,6 +346,7 @@ class SavePipeline:
             plan_hint=self.planner.plan_hint,
             plan_key=plan_key,
             run=self.session.run_id,
+            prepared=prepared,
         )
         holder: list[SaveRecord] = []
 

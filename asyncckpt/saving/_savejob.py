@@ -78,6 +78,8 @@ class SaveJob:
     plan_key: Any = None
     # the run the step belongs to (``_runs``), recorded in the manifest; None: none recorded
     run: str | None = None
+    # save()'s walk, plan and tree JSON: wall and caller-thread CPU seconds (SaveStatistics.prepare_s)
+    prepared: tuple[float, float] = (0.0, 0.0)
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)
