@@ -17,6 +17,7 @@ from ..format._layout import check_step
 from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
 from ..format._structure_encode import TensorRef, flatten, flatten_parts, tree_json
+from ..format._structure_names import TensorFacts
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
@@ -96,17 +97,19 @@ class SavePipeline:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
+                facts: TensorFacts | None = TensorFacts()  # (read by the walk: no pass of the plan's own)
                 tree, names, tensors = flatten_parts(
                     state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
-                    compact=True,
+                    compact=True, facts=facts,
                 )  # fmt: skip
                 if found and self.opts.dedupe and self.session.world_size > 1:
                     found, refs = spread_replica_writes(found, list(map(TensorRef, names, tensors)))
-                    names, tensors = [r.name for r in refs], [r.tensor for r in refs]
+                    names, tensors, facts = [r.name for r in refs], [r.tensor for r in refs], None
                     del refs
                 tree_bytes = tree_json(tree)
                 del tree
-                layout, perm, all_cpu = self.planner.plan_parts(names, tensors)
+                layout, perm, all_cpu = self.planner.plan_parts(names, tensors, facts)
+                del facts
                 dtensors = _load_global.describe_for_index(found, aliases, self.session.world_size) if found else None
                 tied = n_tied[0] > 0
                 plan_key, file = layout, None
