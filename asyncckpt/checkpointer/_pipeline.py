@@ -97,7 +97,7 @@ class SavePipeline:
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
-                facts: TensorFacts | None = TensorFacts()  # (read by the walk: no pass of the plan's own)
+                facts: TensorFacts | None = TensorFacts(self.planner.shapes)  # (read by the walk: no pass of its own)
                 tree, names, tensors = flatten_parts(
                     state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
                     compact=True, facts=facts,

@@ -45,6 +45,11 @@ class Planner:
         tensors = [r.tensor for r in refs]
         return self.plan_parts(names, tensors)
 
+    @property
+    def shapes(self) -> Sequence[tuple[int, ...]]:
+        """The shapes of the structure planned last, in flatten's order (``TensorFacts.expect``)."""
+        return self.layout_key[2] if self.layout_key is not None else ()
+
     def plan_parts(
         self, names: list[str], tensors: list[Any], facts: TensorFacts | None = None
     ) -> tuple[ShardLayout, Sequence[int], bool]:

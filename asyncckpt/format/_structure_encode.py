@@ -188,13 +188,13 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
     tensors: list[torch.Tensor] = []
     add_name, add_tensor = names.append, tensors.append
     add_dtype, add_shape = seen_facts.dtypes.append, seen_facts.shapes.append
+    expect = iter(seen_facts.expect)  # (an equal shape is kept as the last plan's object: no Size a tensor)
 
-    def add(name: str, t: torch.Tensor) -> None:
-        """A tensor of the general path (the common one is added inline: items_of)."""
+    def add(name: str, t: torch.Tensor) -> None:  # a tensor of the general path (the common one: items_of)
         add_name(name)
         add_tensor(t)
         add_dtype(t.dtype)
-        add_shape(t.shape)
+        add_shape(exp if (exp := next(expect, None)) == (shape := t.shape) else shape)
         if not t.is_cpu:
             seen_facts.all_cpu = False
 
@@ -315,7 +315,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
                         # detached only where autograd would track the copy (state_dict() values are not)
                         add_tensor(v.detach() if v.requires_grad else v)
                         add_dtype(dtype)  # (TensorFacts: read while v is in cache)
-                        add_shape(v.shape)
+                        add_shape(exp if (exp := next(expect, None)) == (shape := v.shape) else shape)
                         if not v.is_cpu:
                             seen_facts.all_cpu = False
                         # the entry as its JSON text where orjson would write it as it is: printable
