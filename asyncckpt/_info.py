@@ -14,6 +14,9 @@ class SaveStatistics:
     ``wait_s``: ``save()`` waiting for a free staging slot (backpressure).
     ``staging_s``: everything else ``save()`` did (flatten, layout, the buffer allocation of
     the first save, the copy); so ``blocking_s`` is the whole time the caller was stopped.
+    ``prepare_s`` / ``prepare_cpu_s``: the part of ``staging_s`` that grows with the number of
+    tensors rather than their bytes: the walk of the state, the layout plan and the structure's
+    JSON, before the copy; wall seconds, and the CPU seconds of the caller's thread in them.
     ``write_s`` / ``fsync_s``: this rank's shard writes and their fsyncs.
     ``commit_s``: the manifest, the renames and the directory fsyncs.
     ``total_s``: from the call to ``save()`` until the outcome was known.
@@ -40,6 +43,8 @@ class SaveStatistics:
     direct_io: bool = False
     writer_cpu_s: float = 0.0
     device_copy_s: float = 0.0
+    prepare_s: float = 0.0
+    prepare_cpu_s: float = 0.0
 
     @property
     def blocking_s(self) -> float:

@@ -5,6 +5,7 @@
     python benchmarks/growth.py --report-only DIR/results.json      # re-render results.md/png
     python benchmarks/growth.py --soak --soak-args="--saves 300"    # + benchmarks/s3_soak.py
     python benchmarks/growth.py --quick                             # smoke run, tiny states, ~10 s
+    python benchmarks/growth.py --sizes none --asyncckpt /base/checkout   # another checkout's asyncckpt (A/B)
 
 Two sweeps, each point next to its limit measured in the same run:
 
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak", action="store_true", help="also run benchmarks/s3_soak.py into OUT/soak/")
     p.add_argument("--soak-args", default="", help="arguments for s3_soak.py (e.g. '--saves 300')")
     p.add_argument("--soak-json", default=None, metavar="JSON", help="fold in an earlier s3_soak.py results.json")
+    p.add_argument("--asyncckpt", default=None, metavar="CHECKOUT",
+                   help="import asyncckpt from this checkout (default: this one); run twice for an A/B")  # fmt: skip
     p.add_argument("--report-only", default=None, metavar="JSON", help="re-render results.md/png from a results.json")
     p.add_argument(
         "--quick",
@@ -141,7 +144,8 @@ def run_subprocess(spec: StateSpec, args: argparse.Namespace, scratch: str) -> d
         job, res = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job, "w") as f:
             sizes = {"image": parse_size(args.image), "copy": parse_size(args.copy)}
-            json.dump({"spec": spec.to_json(), "scratch": scratch, "repeats": args.repeats, **sizes, "result": res}, f)
+            json.dump({"spec": spec.to_json(), "scratch": scratch, "repeats": args.repeats, **sizes, "result": res,
+                       "asyncckpt": args.asyncckpt}, f)  # fmt: skip
         rc: int | str
         try:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", job]
@@ -170,6 +174,8 @@ def worker_main(job_path: str) -> int:
         pass
     with open(job_path) as f:
         job = json.load(f)
+    if job.get("asyncckpt"):  # before anything imports asyncckpt
+        sys.path.insert(0, os.path.abspath(job["asyncckpt"]))
     spec = StateSpec.from_json(job["spec"])
     try:
         res = run_case(spec, job["scratch"], job["repeats"], job["image"], job["copy"])
@@ -276,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from run import environment
 
+    if args.asyncckpt and args.quick:
+        sys.path.insert(0, os.path.abspath(args.asyncckpt))
     own = args.scratch is None
     scratch = (
         tempfile.mkdtemp(prefix="asyncckpt-growth-") if own else os.path.join(args.scratch, f"growth-{os.getpid()}")
@@ -289,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "noise": [],
     }
     data["meta"]["mem_available_bytes"] = mem_available()
+    if args.asyncckpt:  # the commit environment() names is this checkout's: name the one measured
+        data["meta"]["asyncckpt_checkout"] = os.path.abspath(args.asyncckpt)
     log(f"{len(specs)} states: {', '.join(s.name for s in specs)}; scratch {scratch} ({data['meta']['scratch_fs']})")
     t0 = time.perf_counter()
     try:

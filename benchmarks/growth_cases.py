@@ -82,6 +82,7 @@ def run_state(
     root = os.path.join(scratch, "root")
     state = build_state(spec)
     out["state_info"] = describe(state)
+    out["asyncckpt_file"] = asyncckpt.__file__  # (growth.py --asyncckpt: which checkout ran)
     log(f"{spec.name}: checksums, limit buffers")
     ref = checksums(state)
     info = out["state_info"]
@@ -103,19 +104,21 @@ def run_state(
         def one_save() -> dict[str, Any]:
             nonlocal step
             step += 1
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             handle = ck.save(step, state)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             info = handle.result(timeout=timeout)
             t2 = time.perf_counter()
             st = info.statistics
             stats = None
             if st is not None:
-                keys = ("staging_s", "wait_s", "write_s", "fsync_s", "commit_s", "total_s", "writer_cpu_s", "direct_io")
-                stats = {k: getattr(st, k) for k in keys}
+                keys = ("staging_s", "wait_s", "write_s", "fsync_s", "commit_s", "total_s", "writer_cpu_s", "direct_io",
+                        "prepare_s", "prepare_cpu_s")  # fmt: skip
+                stats = {k: getattr(st, k, None) for k in keys}  # (prepare_*: None from an asyncckpt without them)
             return {
                 "step": step,
                 "blocking_s": t1 - t0,
+                "blocking_cpu_s": c1 - c0,
                 "durable_s": t2 - t0,
                 "stats": stats,
                 "gc_save": gcp.window(t0, t1),
@@ -156,6 +159,10 @@ def run_state(
         out["durable"] = summary(s["durable_s"] for s in saves)
         out["staging"] = summary(s["stats"]["staging_s"] for s in saves if s["stats"])
         out["write_phase"] = summary(s["stats"]["write_s"] for s in saves if s["stats"])
+        out["blocking_cpu"] = summary(s["blocking_cpu_s"] for s in saves)
+        for k in ("prepare_s", "prepare_cpu_s"):  # the walk, plan and tree JSON, measured inside save()
+            got = [s["stats"][k] for s in saves if s["stats"] and s["stats"].get(k) is not None]
+            out[k.removesuffix("_s")] = summary(got) if got else None
         out["direct_io"] = all(s["stats"] and s["stats"]["direct_io"] for s in saves)
         out["gc_save"] = _gc_summary([s["gc_save"] for s in saves])
         out["gc_to_durable"] = _gc_summary([s["gc_to_durable"] for s in saves])

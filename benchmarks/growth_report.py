@@ -5,7 +5,9 @@ the asyncckpt median against the limit's median. Per-tensor figures (the tensor-
 sweep):
 
 * save fixed work = (``save()`` blocking - the memcpy of the same tensors) / tensors: the
-  walk, the layout plan, the tree's JSON and the per-tensor bookkeeping of the copy;
+  walk, the layout plan, the tree's JSON and the per-tensor bookkeeping of the copy; and the
+  same three measured inside ``save()`` (``SaveStatistics.prepare_s``, wall and the caller
+  thread's CPU, ``prepare_cpu_s``) / tensors, no difference of two noisy wall times;
 * load above the raw read = (cold ``load(into=)`` - raw cold read) / tensors, and the marginal
   cost, (load_k - load_j) / (n_k - n_j) between neighbouring counts: what one more tensor costs
   (the fixed cost of a load, manifest and header, cancels out), constant if loads are linear;
@@ -26,6 +28,7 @@ MiB = 1 << 20
 TARGETS = (
     ("durable", "durable ≤ 1.2× raw O_DIRECT write + fsync, at every size"),
     ("save_fixed", "save: fixed work ≤ 5 µs per tensor (at the largest count)"),
+    ("save_prepare", "save: walk + plan + tree JSON ≤ 5 µs per tensor, timed inside `save()` (at the largest count)"),
     ("save_memory", "save: ≤ 1 KiB per tensor above the staging buffer (at the largest count)"),
     ("save_gc", "save: no collector pass in `save()` (at every count)"),
     ("load_marginal", "load: ≤ 20 µs per extra tensor, between every two counts (linear)"),
@@ -79,6 +82,9 @@ def figures_of(c: Case) -> dict[str, Any]:
     f["load_cold_x"] = _ratio(f["load_cold"], f["read_cold"])
     f["load_warm_x"] = _ratio(f["load_warm"], f["read_warm"])
     f["save_fixed_us"] = (f["blocking"] - f["memcpy"]) / n * 1e6
+    prep, prep_cpu = _med(c, "prepare"), _med(c, "prepare_cpu")  # (None: an asyncckpt without prepare_s)
+    f["save_prepare_us"] = prep / n * 1e6 if prep is not None else None
+    f["save_prepare_cpu_us"] = prep_cpu / n * 1e6 if prep_cpu is not None else None
     f["load_us"] = f["load_cold"] / n * 1e6
     f["load_above_us"] = (f["load_cold"] - f["read_cold"]) / n * 1e6
     # the same from the fastest repeat of each: on a shared machine, the closest to an unloaded one
@@ -90,6 +96,7 @@ def figures_of(c: Case) -> dict[str, Any]:
         "load_cold_x": _ratio(b["load_cold"], b["read_cold"]),
         "load_warm_x": _ratio(b["load_warm"], b["read_warm"]),
         "save_fixed_us": (b["blocking"] - b["memcpy"]) / n * 1e6,
+        "save_prepare_us": _min(c, "prepare") / n * 1e6 if prep is not None else None,
         "load_above_us": (b["load_cold"] - b["read_cold"]) / n * 1e6,
         "load_cold": b["load_cold"],
     }
@@ -140,6 +147,8 @@ def evaluate(data: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]
             f["best"]["save_kib_per_tensor"] = f["save_kib_per_tensor"]
             f["best"]["load_kib_per_tensor"] = f["load_kib_per_tensor"]
         t.append(verdict("save_fixed", [last], "save_fixed_us", 5, "{:.1f} µs", by_count))
+        if last.get("save_prepare_us") is not None:
+            t.append(verdict("save_prepare", [last], "save_prepare_us", 5, "{:.2f} µs", by_count))
         t.append(verdict("save_memory", [last], "save_kib_per_tensor", 1, "{:.2f} KiB", by_count))
         t.append(verdict("save_gc", counts, "gc_save_passes", 0, "{:.0f} passes", by_count))
         marg = [f for f in counts if "load_marginal_us" in f]
@@ -188,6 +197,13 @@ def _x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}×"
 
 
+def _prep(f: dict[str, Any]) -> str:
+    """The walk, plan and tree JSON per tensor, wall (caller CPU), or "-" when not measured."""
+    if f.get("save_prepare_us") is None:
+        return "-"
+    return f"{f['save_prepare_us']:.2f} ({f['save_prepare_cpu_us']:.2f})"
+
+
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MiB:.1f}"
 
@@ -200,7 +216,9 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"{meta.get('date', '?')}, {meta.get('cpu', '?')}, {meta.get('cpus', '?')} CPUs, "
         f"{(meta.get('mem_bytes') or 0) / (1 << 30):.0f} GiB RAM, scratch {meta.get('scratch_fs', '?')}; "
-        f"torch {meta.get('torch', '?')}, asyncckpt {meta.get('asyncckpt_commit', '?')}; load average at the start "
+        f"torch {meta.get('torch', '?')}, "
+        f"asyncckpt {meta.get('asyncckpt_checkout') or meta.get('asyncckpt_commit', '?')}; "
+        "load average at the start "
         f"{meta.get('loadavg', '?').split(' ')[:3]}, at the end {str(meta.get('loadavg_end', '?')).split(' ')[:3]}; "
         f"wall {meta.get('wall_s', 0) / 60:.0f} min.",
         "",
@@ -257,21 +275,23 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [
             "## Tensor counts (the same bytes in more tensors)",
             "",
-            "| tensors | size | blocking s (× memcpy) | memcpy s | save fixed µs/tensor | durable s (× raw) "
+            "| tensors | size | blocking s (× memcpy) | memcpy s | save fixed µs/tensor "
+            "| save walk+plan+JSON µs/tensor: wall (CPU) | durable s (× raw) "
             "| cold load s (× raw) | raw cold read s | load µs/tensor (above raw) "
             "| marginal µs/extra tensor: load, save "
             "| save B/tensor above staging | load B/tensor | GC in `save()`: passes, s (longest) "
             "| GC in cold load: passes, s (longest) | bit-exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for f in figs["counts"]:
             if not f["ok"]:
-                lines.append(f"| {f['n_tensors']:,} | {_size(f['size'])} | {f['why']} |" + " |" * 12)
+                lines.append(f"| {f['n_tensors']:,} | {_size(f['size'])} | {f['why']} |" + " |" * 13)
                 continue
             marg = f"{f['load_marginal_us']:.1f}, {f['save_marginal_us']:.1f}" if "load_marginal_us" in f else "-"
             lines.append(
                 f"| {f['n_tensors']:,} | {_size(f['size'])} | {_s(f['blocking'])} ({_x(f['blocking_x'])}) | "
-                f"{_s(f['memcpy'])} | {f['save_fixed_us']:.1f} | {_s(f['durable'])} ({_x(f['durable_x'])}) | "
+                f"{_s(f['memcpy'])} | {f['save_fixed_us']:.1f} | {_prep(f)} | "
+                f"{_s(f['durable'])} ({_x(f['durable_x'])}) | "
                 f"{_s(f['load_cold'])} ({_x(f['load_cold_x'])}) | {_s(f['read_cold'])} | {f['load_us']:.1f} "
                 f"({f['load_above_us']:.1f}) | {marg} | {f['save_bytes_per_tensor']:,.0f} | "
                 f"{f['load_bytes_per_tensor']:,.0f} | {f['gc_save_passes']:.0f}, {f['gc_save_s']:.3f} "
@@ -442,6 +462,8 @@ def _p_fixed(ax: Any, _s: Any, counts: list[dict[str, Any]], *_: Any) -> None:
     x = [f["n_tensors"] for f in counts]
     ax.plot(x, [f["save_fixed_us"] for f in counts], "o-", label="save() fixed work (blocking - memcpy) / tensors")
     ax.plot(x, [f["gc_save_s"] / f["n_tensors"] * 1e6 for f in counts], "^-", label="of it: GC passes / tensors")
+    if all(f.get("save_prepare_us") is not None for f in counts):
+        ax.plot(x, [f["save_prepare_us"] for f in counts], "s-", label="walk + plan + tree JSON, timed in save()")
     ax.axhline(5, color="r", ls=":", label="target: 5 µs")
     _count_axes(ax, "save(): fixed work per tensor (limit 0: the memcpy is taken out)", "µs per tensor", x, logy=False)
     ax.set_ylim(bottom=0)

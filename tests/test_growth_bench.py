@@ -34,9 +34,11 @@ def test_growth_run_tiny(tmp_path: Path) -> None:
         for key in ("blocking_x", "durable_x", "load_cold_x", "load_warm_x", "save_fixed_us", "load_above_us"):
             assert isinstance(f[key], float), key
         assert f["staging_bytes"] > 0 and f["save_rss"] > 0
+    for f in counts:  # the walk, plan and tree JSON timed inside save() (SaveStatistics.prepare_s)
+        assert 0 < f["save_prepare_us"] and 0 <= f["save_prepare_cpu_us"], f
     assert "load_marginal_us" in counts[1]
     assert {t["key"] for t in data["targets"]} == {
-        "durable", "save_fixed", "save_memory", "save_gc", "load_marginal", "load_memory",
+        "durable", "save_fixed", "save_prepare", "save_memory", "save_gc", "load_marginal", "load_memory",
     }  # fmt: skip
     md = (tmp_path / "out" / "results.md").read_text()
     assert "## Sizes" in md and "## Tensor counts" in md and "## Targets" in md

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same
@@ -15,6 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from asyncckpt import Checkpointer, load
+from asyncckpt.format._structure_encode import flatten_parts
+from asyncckpt.format._structure_names import TensorFacts
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8,
@@ -235,6 +238,38 @@ def test_a_tensor_keyed_like_the_header_metadata_round_trips(tmp_path: Path) -> 
     out = load(tmp_path)
     assert torch.equal(out["__metadata__"], torch.ones(3)) and torch.equal(out["__metadata__~2"], torch.zeros(2))
     assert out["m"] == {"__metadata__": 1}
+
+
+def _t(i: int) -> torch.Tensor:
+    return torch.full((2,), float(i))
+
+
+@pytest.mark.parametrize(
+    ("state", "names"),
+    [
+        ({"a.b": _t(0), "a": {"b": _t(1)}}, ["a.b", "a.b~2"]),
+        ({"a": {"b": _t(1)}, "a.b": _t(0)}, ["a.b", "a.b~2"]),
+        ({1: _t(0), "1": _t(1)}, ["1", "1~2"]),
+        ({"__metadata__": _t(0)}, ["__metadata__~2"]),
+        ({"w": {"p": np.zeros(2, dtype=np.float32)}, "w.p": _t(0)}, ["w.p", "w.p~2"]),
+        ({"x": torch.nn.Parameter(_t(0)), "y": {"x~2": _t(1)}, "x~2": _t(2)}, ["x", "y.x~2", "x~2"]),
+        ({"m": {"x": _t(0)}, "m.x": _t(1), "m.x~2": _t(2)}, ["m.x", "m.x~2", "m.x~2~2"]),
+        ({"e": _t(5), "f": _t(6)[:1]}, ["e", "f"]),
+    ],
+)
+def test_a_name_made_twice_gets_the_suffix_of_a_walk_that_checks_each_name(
+    tmp_path: Path, state: dict[Any, Any], names: list[str]
+) -> None:
+    # the walk checks its plain tensors' names for repeats only at its end (issue 32): where one
+    # repeats, the state is walked again, checking each name: the names are what they always were
+    facts = TensorFacts()
+    _, got, tensors = flatten_parts(state, facts=facts)
+    assert got == names
+    assert facts.dtypes == [t.dtype for t in tensors] and facts.shapes == [t.shape for t in tensors]
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state).result(timeout=60)
+    _, again, back = flatten_parts(load(tmp_path))
+    assert again == names and all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
 
 
 def test_a_tensor_of_more_dimensions_than_a_reader_takes_is_refused_at_save(tmp_path: Path) -> None:

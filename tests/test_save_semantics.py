@@ -201,6 +201,8 @@ def test_handle_api_and_statistics(tmp_path: Path) -> None:
         assert info.path == tmp_path / "step_00000005"
         st = h.statistics
         assert st is not None and st.nbytes == info.nbytes and st.total_s >= st.staging_s > 0
+        # the walk, plan and tree JSON: a part of staging, measured (wall and the caller's CPU)
+        assert st.staging_s >= st.prepare_s > 0 and st.prepare_cpu_s >= 0
         assert find_latest(tmp_path) == CheckpointInfo(5, info.path, info.nbytes, 1, info.created)
         assert ck.latest() == find_latest(tmp_path)
 

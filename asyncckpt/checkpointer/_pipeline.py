@@ -17,6 +17,7 @@ from ..format._layout import check_step
 from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
 from ..format._structure_encode import TensorRef, flatten, flatten_parts, tree_json
+from ..format._structure_names import TensorFacts
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
@@ -25,6 +26,7 @@ from ..saving._commit import run_save
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._memtier import due
 from ..saving._memwrite import MemoryWrite
+from ..saving._nodelocal import refuse_dtensors
 from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
 from ..saving._verdict import LEADER_SILENT_UNKNOWN
@@ -93,29 +95,30 @@ class SavePipeline:
         arena: Arena | None = None
         try:
             try:
+                c0, t0 = time.thread_time(), time.perf_counter()  # (SaveStatistics.prepare_s)
                 found: list[tuple[str, Any, Any]] = []
                 n_tied: list[int] = []
                 aliases: dict[str, str] = {}
+                facts: TensorFacts | None = TensorFacts(self.planner.shapes)  # (read by the walk: no pass of its own)
                 tree, names, tensors = flatten_parts(
                     state, self.opts.strip_prefixes, dtensors=found, tied_out=n_tied, dtensor_aliases=aliases,
-                    compact=True,
+                    compact=True, facts=facts,
                 )  # fmt: skip
-                if found and self.session.nodes is not None:  # a node's part could not load: never commit it
-                    raise ValueError("node_local=True does not save DTensors yet: their global index and "
-                                     "replicated boxes would span nodes, so a node could not load its part; "
-                                     "use a shared or an s3:// root for a DTensor state")  # fmt: skip
+                refuse_dtensors(bool(found), self.session.nodes is not None)  # a part that could not load
                 if found and self.opts.dedupe and self.session.world_size > 1:
                     found, refs = spread_replica_writes(found, list(map(TensorRef, names, tensors)))
-                    names, tensors = [r.name for r in refs], [r.tensor for r in refs]
+                    names, tensors, facts = [r.name for r in refs], [r.tensor for r in refs], None
                     del refs
                 tree_bytes = tree_json(tree)
                 del tree
-                layout, perm, all_cpu = self.planner.plan_parts(names, tensors)
+                layout, perm, all_cpu = self.planner.plan_parts(names, tensors, facts)
+                del facts
                 dtensors = _load_global.describe_for_index(found, aliases, self.session.world_size) if found else None
                 tied = n_tied[0] > 0
                 plan_key, file = layout, None
                 if self.opts.dedupe and self.session.world_size > 1:
                     layout, file, perm = self.planner.expected_file(layout, perm, dtensors)
+                prepared = (time.perf_counter() - t0, time.thread_time() - c0)
             except (TypeError, ValueError) as e:
                 if self.session.dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
@@ -128,18 +131,18 @@ class SavePipeline:
             if deferred:
                 return self._stage_deferred(step, t_call, arena, layout, tree_bytes, sources, waited, deferred,
                                             [names[i] for i in perm], dtensors=dtensors, tied=tied,
-                                            handed=handed, file=file, plan_key=plan_key)  # fmt: skip
+                                            handed=handed, file=file, plan_key=plan_key, prepared=prepared)  # fmt: skip
             del names  # (the layout keeps its own: these died with the tree, but for this list)
             if all_cpu:
                 return self._stage_streaming(step, t_call, arena, layout, tree_bytes, sources, waited,
                                              dtensors=dtensors, tied=tied, handed=handed, file=file,
-                                             plan_key=plan_key)  # fmt: skip
+                                             plan_key=plan_key, prepared=prepared)  # fmt: skip
             events = self.rt.copier.stage(arena, layout, sources, all_cpu=False)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
             return self._submit(
                 step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
-                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key,
+                dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key, prepared=prepared,
             )  # fmt: skip
         finally:
             if not handed[0] and arena is not None:
@@ -173,6 +176,7 @@ class SavePipeline:
         handed: list[bool],
         file: ShardLayout | None,
         plan_key: ShardLayout,
+        prepared: tuple[float, float],
     ) -> SaveHandle:
         """Hand the save to the writer first, then copy: the writer streams the staged prefix
         of the arena while the rest is copied. Returns once everything is staged.
@@ -188,7 +192,7 @@ class SavePipeline:
             handle = self._submit(
                 step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
                 dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
-                file=file, plan_key=plan_key,
+                file=file, plan_key=plan_key, prepared=prepared,
             )  # fmt: skip
             self.books.staging_record = got[0]
             self.rt.copier.stage(arena, layout, sources, progress, all_cpu=True)
@@ -305,12 +309,14 @@ class SavePipeline:
         record_out: list[SaveRecord] | None = None,
         file: ShardLayout | None = None,
         plan_key: ShardLayout | None = None,
+        prepared: tuple[float, float] = (0.0, 0.0),
     ) -> SaveHandle:
         """Hand a staged save to the writer; the arena goes back to the pool when it settles.
 
         ``handed[0]`` turns True the moment the save's record owns the arena and the step.
         With ``progress``, the copy is still running and the writer waits on it;
-        ``record_out`` receives the save's record as soon as it exists.
+        ``record_out`` receives the save's record as soon as it exists. ``prepared``: the
+        walk's, plan's and tree JSON's wall and CPU seconds (``SaveStatistics.prepare_s``).
         """
         with self.books.lock:
             self.books.seq += 1
@@ -349,6 +355,7 @@ class SavePipeline:
             plan_key=plan_key,
             run=self.session.run_id,
             memory=written,
+            prepared=prepared,
         )
         holder: list[SaveRecord] = []
 

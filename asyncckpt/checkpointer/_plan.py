@@ -10,6 +10,7 @@ from typing import Any
 from ..format._header import round_up
 from ..format._safetensors import ST_TO_DTYPE, ShardLayout, plan_order, plan_split_layout
 from ..format._structure_encode import TensorRef
+from ..format._structure_names import TensorFacts
 from ..saving import _dedupe
 
 _META = {"format": "pt", "writer": "asyncckpt"}
@@ -44,19 +45,33 @@ class Planner:
         tensors = [r.tensor for r in refs]
         return self.plan_parts(names, tensors)
 
-    def plan_parts(self, names: list[str], tensors: list[Any]) -> tuple[ShardLayout, Sequence[int], bool]:
+    @property
+    def shapes(self) -> Sequence[tuple[int, ...]]:
+        """The shapes of the structure planned last, in flatten's order (``TensorFacts.expect``)."""
+        return self.layout_key[2] if self.layout_key is not None else ()
+
+    def plan_parts(
+        self, names: list[str], tensors: list[Any], facts: TensorFacts | None = None
+    ) -> tuple[ShardLayout, Sequence[int], bool]:
         """:meth:`plan` of ``flatten_parts``' parallel lists of names and tensors. The
-        structure is compared list by list, each list made and compared at C speed."""
-        all_cpu = all(map(_IS_CPU, tensors))
+        structure is compared list by list, each list made and compared at C speed.
+        ``facts``: the walk's dtypes and shapes of ``tensors`` (the same tensors, in order),
+        compared as they are instead of being read from the tensors again."""
         key = self.layout_key
-        # each attribute compared as it is read (no list of torch.Size: ~80 bytes a tensor)
-        if (
-            key is None or self.layout is None or key[0] != names or len(key[1]) != len(tensors)
-            or not all(map(operator.is_, map(_DTYPE, tensors), key[1]))
-            or not all(map(operator.eq, map(_SHAPE, tensors), key[2]))
-        ):  # fmt: skip
-            dtypes = list(map(_DTYPE, tensors))
-            shapes = list(map(_SHAPE, tensors))
+        if facts is not None:
+            all_cpu = facts.all_cpu
+            same = key is not None and key[0] == names and key[1] == facts.dtypes and key[2] == facts.shapes
+        else:
+            all_cpu = all(map(_IS_CPU, tensors))
+            # each attribute compared as it is read (no list of torch.Size: ~80 bytes a tensor)
+            same = (
+                key is not None and key[0] == names and len(key[1]) == len(tensors)
+                and all(map(operator.is_, map(_DTYPE, tensors), key[1]))
+                and all(map(operator.eq, map(_SHAPE, tensors), key[2]))
+            )  # fmt: skip
+        if not same or self.layout is None:
+            dtypes = list(map(_DTYPE, tensors)) if facts is None else facts.dtypes
+            shapes = list(map(_SHAPE, tensors)) if facts is None else facts.shapes
             layout, perm = plan_order(list(zip(names, dtypes, shapes, strict=True)), _META)
             # the key keeps the layout's own strings and tuples, in flatten's order
             at = [0] * len(perm)

@@ -150,6 +150,7 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
             raise ValueError("malformed mapping items")
         out = []
         inner = depth + 1
+        get = tensors.get
         if consume:  # taken from the end, in order: each item is freed once decoded
             val.reverse()
             pop = val.pop
@@ -170,7 +171,8 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
                 out.append((k, v))
             elif type(v) is tuple and len(v) == 1 and inner <= MAX_DEPTH:  # (compact_node's)
                 name = v[0]
-                out.append((k, tensor(name)))
+                t = get(name) if type(name) is str else None  # (tensor(name), inline)
+                out.append((k, t if t is not None else tensor(name)))
                 if note is not None:
                     note(name)
             elif type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:

@@ -20,6 +20,7 @@ import torch
 from ._bounds import MAX_DEPTH, recursion_room
 from ._safetensors import DTYPE_TO_ST, PLAIN_TENSORS
 from ._state_prefixes import strip_state_dict_prefixes
+from ._structure_names import TensorFacts, distinct_names
 from ._structure_nodes import FACTORIES, NP_STORAGE, PATH_TYPES, spent_closure
 from ._structure_refusals import check_int_digits, check_tensor, check_utf8, describe_path, refusal, too_deep
 
@@ -104,13 +105,9 @@ def _array_source(a: np.ndarray[Any, Any], where: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def flatten(
-    state: Any,
-    strip_prefixes: Iterable[str] = (),
-    dtensors: list[tuple[str, Any, Any]] | None = None,
-    tied_out: list[int] | None = None,
-    dtensor_aliases: dict[str, str] | None = None,
-) -> tuple[Any, list[TensorRef]]:
+def flatten(state: Any, strip_prefixes: Iterable[str] = (), dtensors: list[tuple[str, Any, Any]] | None = None,
+            tied_out: list[int] | None = None, dtensor_aliases: dict[str, str] | None = None,
+            ) -> tuple[Any, list[TensorRef]]:  # fmt: skip
     """:func:`flatten_parts` with its names and tensors paired as :class:`TensorRef`."""
     tree, names, tensors = flatten_parts(state, strip_prefixes, dtensors, tied_out, dtensor_aliases)
     return tree, list(map(TensorRef, names, tensors))
@@ -129,6 +126,7 @@ def flatten_parts(
     tied_out: list[int] | None = None,
     dtensor_aliases: dict[str, str] | None = None,
     compact: bool = False,
+    facts: TensorFacts | None = None,
 ) -> tuple[Any, list[str], list[torch.Tensor]]:
     """Encode ``state`` as a JSON tree plus its tensors, in deterministic order: the tree,
     the tensors' unique names and the tensors (two parallel lists: no object per tensor).
@@ -152,13 +150,54 @@ def flatten_parts(
     ``compact``: a dict entry holding a plain tensor may be one ``orjson.Fragment`` of its
     JSON (``["key",{"$tensor":"name"}]``, ~110 bytes a tensor less than a pair and a dict;
     issue 32) where key and name need no escape: a tree only :func:`tree_json` reads.
+    ``facts``: filled with the dtype and shape of every returned tensor and whether all are
+    on the CPU (:class:`TensorFacts`), read as the walk meets each tensor.
+
+    The names of plain tensors in dicts are checked for repeats after the walk, by hash (issue
+    32: a set of 300,000 names cost ~1 us a tensor); where one repeats (keys ``"a.b"`` and ``"a"``
+    then ``"b"``, ``1`` and ``"1"``) the state is walked again, each name checked as it is made
+    (``state_dict()`` called again), to the same names as always.
     """
     prefixes = tuple(strip_prefixes)
+    for strict in (False, True):
+        found: list[tuple[str, Any, Any]] | None = None if dtensors is None else []
+        aliases: dict[str, str] | None = None if dtensor_aliases is None else {}
+        got = facts if facts is not None else TensorFacts()
+        got.dtypes, got.shapes, got.all_cpu = [], [], True
+        tree, names, tensors, n_tied = _walk(state, prefixes, found, aliases, compact, got, strict)
+        if strict or distinct_names(names):
+            break
+    if dtensors is not None:
+        dtensors += found or []
+    if dtensor_aliases is not None:
+        dtensor_aliases.update(aliases or {})
+    if tied_out is not None:
+        tied_out.append(n_tied)
+    return tree, names, tensors
+
+
+def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, Any]] | None,
+          dtensor_aliases: dict[str, str] | None, compact: bool, seen_facts: TensorFacts,
+          strict: bool) -> tuple[Any, list[str], list[torch.Tensor], int]:  # fmt: skip
+    """:func:`flatten_parts`' walk: the tree, names, tensors and the count of tied nodes.
+    ``strict``: each name checked against the earlier ones as it is made; else a plain
+    tensor's in a dict is not (the caller checks them all after the walk)."""
     fragment = _FRAGMENT if compact else None
     n_tied = 0
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     add_name, add_tensor = names.append, tensors.append
+    add_dtype, add_shape = seen_facts.dtypes.append, seen_facts.shapes.append
+    expect = iter(seen_facts.expect)  # (an equal shape is kept as the last plan's object: no Size a tensor)
+
+    def add(name: str, t: torch.Tensor) -> None:  # a tensor of the general path (the common one: items_of)
+        add_name(name)
+        add_tensor(t)
+        add_dtype(t.dtype)
+        add_shape(exp if (exp := next(expect, None)) == (shape := t.shape) else shape)
+        if not t.is_cpu:
+            seen_facts.all_cpu = False
+
     # "__metadata__" is the safetensors header's own entry: a tensor saved under that key path
     # is named "__metadata__~2" (the tree maps the key to whatever name its tensor got)
     used: set[str] = {"__metadata__"}
@@ -218,8 +257,7 @@ def flatten_parts(
                 if key is not None:
                     dties[key] = name
                 if info.writer:
-                    add_name(name)
-                    add_tensor(info.local.detach())
+                    add(name, info.local.detach())
                 return {"$dtensor": name}
         check_tensor(t, path)
         ptr = t.data_ptr()
@@ -237,8 +275,7 @@ def flatten_parts(
         if seen is None:
             at_ptr[ptr] = name
         # detached only where autograd would track the copy (state_dict() values are not)
-        add_name(name)
-        add_tensor(t.detach() if t.requires_grad else t)
+        add(name, t.detach() if t.requires_grad else t)
         if seen is not None and tied is not None:
             seen[tied] = name
         return {"$tensor": name}
@@ -265,16 +302,22 @@ def flatten_parts(
             # a plain tensor, the common value of a state dict: tensor_node's common case
             # inline (issue 32: ~1 us a tensor less). A meta tensor's address is 0, as is an
             # empty one's: both take tensor_node, as does a tie or a name to make unique
-            if v.dtype in DTYPE_TO_ST and v.layout is _STRIDED and not v.is_nested:
+            dtype = v.dtype
+            if dtype in DTYPE_TO_ST and v.layout is _STRIDED and not v.is_nested:
                 ptr = v.data_ptr()
                 if ptr and ptr not in at_ptr:
                     name = prefix + key
-                    if name not in used and name.isascii():
-                        used.add(name)
+                    if name.isascii() and (not strict or name not in used):
+                        if strict:
+                            used.add(name)
                         at_ptr[ptr] = name
                         add_name(name)
                         # detached only where autograd would track the copy (state_dict() values are not)
                         add_tensor(v.detach() if v.requires_grad else v)
+                        add_dtype(dtype)  # (TensorFacts: read while v is in cache)
+                        add_shape(exp if (exp := next(expect, None)) == (shape := v.shape) else shape)
+                        if not v.is_cpu:
+                            seen_facts.all_cpu = False
                         # the entry as its JSON text where orjson would write it as it is: printable
                         # ASCII without quote or backslash (and a key within orjson's ints)
                         if fragment is not None and name.isprintable() and '"' not in name and "\\" not in name:
@@ -326,8 +369,7 @@ def flatten_parts(
         if t is np.ndarray:
             src = _array_source(obj, describe_path(path))
             name = unique(path)
-            add_name(name)
-            add_tensor(src)
+            add(name, src)
             return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
         if isinstance(obj, np.generic) and obj.dtype.name in NP_STORAGE and obj.dtype.isnative:
             if len(path) >= MAX_DEPTH:
@@ -417,9 +459,7 @@ def flatten_parts(
         # the walkers call each other through their closures: a reference cycle that would
         # keep every name, address and TensorRef of the walk alive until a collection ran
         enc = items_of = elements = enc_odict = spent_closure
-    if tied_out is not None:
-        tied_out.append(n_tied)
-    return tree, names, tensors
+    return tree, names, tensors, n_tied
 
 
 def tree_json(tree: Any) -> bytes:

@@ -1,10 +1,44 @@
 """The tensor names a structure tree references (to cross-check a shard's header or the
-global index), and the renaming of tied DTensors' aliases in a tree read back."""
+global index), the renaming of tied DTensors' aliases in a tree read back, and what the
+encoder's walk gathers of the tensors it names (:class:`TensorFacts`, :func:`distinct_names`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+import torch
+
+#: The safetensors header's own entry: never a tensor's name.
+_HEADER_ENTRY = "__metadata__"
+
+
+class TensorFacts:
+    """What ``flatten_parts`` read of each tensor it returned, while the tensor was in the
+    CPU's cache: the dtypes and shapes, parallel to the tensors, and whether every one is on
+    the CPU (issue 32: a pass of its own over 300,000 tensors costs ~0.3 us a tensor a figure).
+    ``expect``: the shapes the last plan had, in the walk's order; a shape equal to its
+    counterpart there is recorded as that object (~80 bytes a tensor less than a ``torch.Size``)."""
+
+    __slots__ = ("all_cpu", "dtypes", "expect", "shapes")
+
+    def __init__(self, expect: Sequence[tuple[int, ...]] = ()) -> None:
+        self.dtypes: list[torch.dtype] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.all_cpu = True
+        self.expect = expect
+
+
+def distinct_names(names: list[str]) -> bool:
+    """Whether no two of ``names`` are equal and none is ``"__metadata__"``. Decided by their
+    hashes, sorted at C speed; two different names of equal hash (~1e-9 for 300,000 names)
+    read as a repeat: False, never a wrong True."""
+    hashes = np.fromiter(itertools.chain(map(hash, names), (hash(_HEADER_ENTRY),)), dtype=np.int64,
+                         count=len(names) + 1)  # fmt: skip
+    hashes.sort()
+    return not bool((hashes[1:] == hashes[:-1]).any())
 
 
 def _containers(node: list[Any]) -> bool:

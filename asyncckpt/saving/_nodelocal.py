@@ -261,6 +261,15 @@ class NodeLocalBackend(PosixBackend):
                            job.dead, job.retention_lock, self._floor())  # fmt: skip
 
 
+def refuse_dtensors(has_dtensors: bool, node_local: bool) -> None:
+    """``ValueError`` for a state holding DTensors saved on a node-local root: their global
+    index and replicated boxes would span nodes, so a node could not load the part it committed."""
+    if has_dtensors and node_local:
+        raise ValueError("node_local=True does not save DTensors yet: their global index and replicated boxes "
+                         "would span nodes, so a node could not load its part; use a shared or an s3:// root "
+                         "for a DTensor state")  # fmt: skip
+
+
 def _late(rank: int, root: str, what: str) -> CheckpointReadError:
     """The error of a node leader whose call to its disk at construction (``what``) did not
     end by the deadline (the others time out on the agreement naming it)."""

@@ -82,6 +82,8 @@ class SaveJob:
     # a save due for the memory tier: this rank's files go there too, from the bytes it holds
     # (``_memwrite``); None: not due, or no memory tier
     memory: MemoryWrite | None = None
+    # save()'s walk, plan and tree JSON: wall and caller-thread CPU seconds (SaveStatistics.prepare_s)
+    prepared: tuple[float, float] = (0.0, 0.0)
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)

@@ -31,6 +31,8 @@ def save_statistics(job: SaveJob, nbytes: int, loop_cpu0: float) -> SaveStatisti
         direct_io=job.direct,
         writer_cpu_s=job.meter.seconds + (thread_cpu() - loop_cpu0),
         device_copy_s=job.times.get("device_copy", 0.0),
+        prepare_s=job.prepared[0],
+        prepare_cpu_s=job.prepared[1],
     )
 
 
