@@ -121,7 +121,6 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
             _rootstart.start_on_root,
             _rootstart.make_root,
             _rootstart.take_root,
-            _rootstart.take_root_by,
             RootSession.start_run,
             Runtime.__init__,
             _ownership.acquire,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -55,7 +54,7 @@ def start_on_root(
     Returns rank 0's start-up failure (``None`` on the others: rank 0 shares its own, with
     ``DistContext.agree_at_start``) and the committed steps (rank 0's). The names of the
     leftovers it removed go into ``dead`` (a retry of their step may remove what remains).
-    Rank 0's making and taking of the root end by ``by`` (:func:`take_root_by`).
+    Rank 0's mkdir of the root ends by ``by``.
     """
     failure: BaseException | None = None
     if own is not None:
@@ -77,39 +76,11 @@ def start_on_root(
     if own is None or failure is not None:
         return failure, []
     try:
-        return None, take_root_by(root, ranks, own, dead, ops, by)
+        # not on a thread of its own (unlike the mkdir): a take that outlived a construction which
+        # gave up would remove the leftovers of the next owner's saves once it released the root
+        return None, take_root(root, ranks, own, dead, ops)
     except (CheckpointError, OSError, ValueError) as e:
         return e, []
-
-
-def take_root_by(
-    root: str, ranks: Sequence[int], own: Ownership, dead: set[str], ops: OsOps, by: Deadline
-) -> list[int]:
-    """:func:`take_root`, ended by ``by``: it runs on a thread of its own (a lock file, a
-    listing or a removal a file system never answers has no deadline of its own), and one
-    that did not return by then raises ``CheckpointReadError`` (``ETIMEDOUT``) naming the
-    root. A take that ends after its caller gave up (the deadline, an interrupt) releases
-    the ownership it took: the caller's own release may have run before it was taken."""
-    lock = threading.Lock()
-    gone = [False]
-
-    def take() -> list[int]:
-        try:
-            return take_root(root, ranks, own, dead, ops)
-        finally:
-            with lock:
-                if gone[0]:
-                    own.release()
-
-    try:
-        return call_by(take, by, "asyncckpt-rootstart")
-    except BaseException as e:
-        with lock:
-            gone[0] = True
-        if isinstance(e, CallTimeout):
-            raise CheckpointReadError(errno.ETIMEDOUT, "taking the root (its lock, leftovers and steps) did not "
-                                      "finish within the construction's deadline", root) from None  # fmt: skip
-        raise
 
 
 def node_start(
