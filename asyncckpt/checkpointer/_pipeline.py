@@ -368,7 +368,7 @@ class SavePipeline:
         # in here leaves the save either tracked to its end or never run; the slot goes back
         # exactly once, by whoever gets to it first (this call's caller or the settling)
         fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
-        record = SaveRecord(step, fut)
+        record = SaveRecord(step, fut, reported=prefailed is not None)  # save() raised a prefailed one's error
         holder.append(record)
         me = weakref.ref(self)
         gate = StartGate()

@@ -15,11 +15,11 @@ from ..format._lifecycle import SaveState
 class SaveRecord:
     """Shared bookkeeping of one save: its future, state, and who has seen its failure."""
 
-    def __init__(self, step: int, future: concurrent.futures.Future[CheckpointInfo]) -> None:
+    def __init__(self, step: int, future: concurrent.futures.Future[CheckpointInfo], reported: bool = False) -> None:
         self.step = step
         self.future = future
         self.state = SaveState.STAGED
-        self.reported = False  # the failure reached the caller through some API call
+        self.reported = reported  # the failure reached the caller through some API call
         self.silent = False  # its copy failed inside save(), which raised that instead
         # deferred staging: the save's guard, run by a wait on the thread that saved (else the
         # wait could only end at the save's deadline: the guard is what lets it commit)
