@@ -235,9 +235,16 @@ def available_memory() -> int | None:
     return min(rooms) if rooms else None
 
 
+SMALL_NEED = 1 << 20
+
+
 def check_memory(need: int, what: str, path: str, room: int | None = None) -> None:
     """Raise ``CheckpointError`` naming ``path`` if ``need`` bytes cannot be allocated now
-    (``room``: :func:`available_memory`, when the caller has it already)."""
+    (``room``: :func:`available_memory`, when the caller has it already). A need under
+    :data:`SMALL_NEED` is not looked up: reading /proc and the cgroup files costs more than a
+    small load, and a process that cannot allocate a MiB fails with ``MemoryError`` anyway."""
+    if room is None and need < SMALL_NEED:
+        return
     room = available_memory() if room is None else room
     if room is not None and need > room:
         raise CheckpointError(
@@ -251,6 +258,8 @@ def check_json_memory(text: bytes, what: str, path: str) -> None:
     available now (:func:`json_memory`; the items outside strings are counted only when the
     quick count does not fit)."""
     need = json_memory(len(text), json_items(text))
+    if need < SMALL_NEED:
+        return
     room = available_memory()
     # the closer count copies the text without its strings, in pieces: only where that fits
     if room is not None and need > room and len(text) + 40 * text.count(b'"') < room:

@@ -320,6 +320,8 @@ def _cut_tiles(d: Tiles, step: int) -> list[Dest]:
 def _split(dests: list[Dest], parts: int) -> list[list[Dest]]:
     """``dests`` (sorted, contiguous) cut into ``parts`` runs of about equal bytes."""
     total = sum(d.nbytes for d in dests)
+    # a part under a sixteenth of a bounce buffer (256 KiB) costs less to read than a thread's start
+    parts = min(parts, -(-total // max(1, BOUNCE // 16)))
     if parts <= 1 or total == 0:
         return [dests] if dests else []
     # cut large direct views and skips so a single big tensor is still read by every thread
