@@ -51,6 +51,7 @@ def _median(xs: list[float]) -> float:
 
 
 def rank_main(args: argparse.Namespace) -> None:
+    import crc32c
     import torch
     import torch.distributed as dist
 
@@ -79,7 +80,8 @@ def rank_main(args: argparse.Namespace) -> None:
         with open(path, "rb", buffering=0) as f:
             f.readinto(memoryview(mine.numpy()))
         theirs = torch.empty(size, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"raw": [], "raw-fresh": [], "push": [], "fetch": []}
+        crc = crc32c.crc32c(memoryview(mine.numpy()))  # what a save's writer computed already
+        times: dict[str, list[float]] = {"raw": [], "raw-fresh": [], "push": [], "push-crc": [], "fetch": []}
         counts: dict[str, int] = {}
 
         def raw(mine: torch.Tensor = mine, theirs: torch.Tensor | None = theirs) -> None:
@@ -91,7 +93,7 @@ def rank_main(args: argparse.Namespace) -> None:
             r.wait()
 
         for i in range(args.repeats + 1):
-            for name in ("raw", "raw-fresh", "push", "fetch"):
+            for name in ("raw", "raw-fresh", "push", "push-crc", "fetch"):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "raw":
@@ -102,8 +104,10 @@ def rank_main(args: argparse.Namespace) -> None:
                     before = rep.counts.as_json()
                     rep.push(i, f"bench-{size}", {f"rank{rank:05d}.data": path})
                     counts = {k: v - before[k] for k, v in rep.counts.as_json().items()}
+                elif name == "push-crc":  # as a save pushes: its files' CRCs known from their writing
+                    rep.push(i, f"bench-crc-{size}", {f"rank{rank:05d}.data": path}, {f"rank{rank:05d}.data": crc})
                 else:
-                    got = rep.fetch(i, f"bench-{size}", need=True)
+                    got = rep.fetch(i, f"bench-crc-{size}", need=True)
                     assert got is not None and len(got[f"rank{rank:05d}.data"]) == size
                     del got
                 took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -164,11 +168,15 @@ def main() -> None:
     for size in sizes:
         t = got[str(size)]["times"]
         raw, fresh, push, fetch = _median(t["raw"]), _median(t["raw-fresh"]), _median(t["push"]), _median(t["fetch"])
+        pcrc = _median(t["push-crc"])
         c = got[str(size)]["counts"]
         rows.append({"size": size, "raw_s": raw, "raw_fresh_s": fresh, "push_s": push, "raw_over_push": raw / push,
-                     "fresh_over_push": fresh / push, "fetch_s": fetch, "counts": c, "samples": t})  # fmt: skip
+                     "fresh_over_push": fresh / push, "push_crc_s": pcrc, "raw_over_push_crc": raw / pcrc,
+                     "fresh_over_push_crc": fresh / pcrc, "fetch_s": fetch, "counts": c, "samples": t})  # fmt: skip
         print(f"{size >> 20:>7}M {raw:>7.3f} {fresh:>8.3f} {push:>7.3f} {size / push / 1e9:>10.2f} {raw / push:>9.2f} "
               f"{fresh / push:>11.2f} {fetch:>8.3f}  {c['sent_messages']}, {c['sent_bytes'] - size}")  # fmt: skip
+        print(f"{'':>8} push with the save's CRCs (as a save pushes): {pcrc:.3f} s, raw/push {raw / pcrc:.2f}, "
+              f"fresh/push {fresh / pcrc:.2f}")  # fmt: skip
     doc = {"host": platform.node(), "cpus": os.cpu_count(), "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
            "keep": args.keep,
            "scratch": args.scratch, "repeats": args.repeats, "rows": rows}  # fmt: skip
