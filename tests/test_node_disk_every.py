@@ -6,6 +6,7 @@ private mount namespaces). Needs root for the cluster tests.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from test_node_memory import FROM_DISK, FROM_MEMORY, Cluster, _files, _needs_roo
 from test_node_replica import FROM_PEER, _all_saved, _replica, _wipe, shm_dir
 
 from asyncckpt import Checkpointer
+from asyncckpt.saving._memtier import make_room
 
 
 @pytest.fixture
@@ -123,3 +125,21 @@ def test_bad_disk_every_raises_typed_errors_at_the_constructor(
         Checkpointer(tmp_path / "ck", **kw)
     assert words in str(e.value)
     assert not (tmp_path / "ck").exists()  # nothing made
+
+
+def test_memory_retention_never_removes_a_step_above_the_one_its_round_committed(tmp_path: Path) -> None:
+    """A save not due for the disks commits into the memory tier itself, so a newer step may be
+    there before the previous step's round makes room: that round removes older steps only."""
+    import torch
+
+    with Checkpointer(tmp_path / "ck") as ck:
+        for s in (4, 5, 6):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    for s in (4, 5, 6):
+        shutil.copytree(tmp_path / "ck" / f"step_{s:08d}", mem / f"step_{s:08d}")
+    assert make_room(str(mem), (0,), 1, None, 5) == [4]  # step 5's round, step 6 committed already
+    assert _steps(mem) == [5, 6]
+    assert make_room(str(mem), (0,), 1, None, 6) == [5]
+    assert _steps(mem) == [6]

@@ -192,3 +192,22 @@ def test_a_corrupt_memory_copy_on_a_wiped_disk_falls_back_to_the_store_of_the_sa
             assert "from the store" not in logs[r]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_with_disk_every_mirror_every_counts_the_disk_commits_and_no_memory_only_step_is_uploaded(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    from test_node_memory import Cluster
+    from test_node_replica import shm_dir
+
+    with shm_dir() as shm:
+        c = Cluster(tmp_path, shm)
+        url, env = _tier(s3.endpoint, 30, DISK_EVERY="2", MIRROR_EVERY="2")
+        c.save("first", [1, 2, 3, 4, 5], **env)  # the disks take 1, 3, 5; the store their 1st and 3rd
+        assert _steps(c.a) == [1, 3, 5] and _steps(c.b) == [1, 3, 5]
+        stored = keys(s3.endpoint, url)
+        assert sorted(k for k in stored if k.endswith("/manifest.json")) == [
+            "step_00000001/manifest.json", "step_00000005/manifest.json"], stored  # fmt: skip

@@ -24,6 +24,11 @@ a reboot). Theory of operation (docs/design/tiers.md):
    ``memory_budget``. So the budget bounds what the tier keeps between rounds; while a due save
    runs, its attempt's files are on tmpfs on top of it (size the tmpfs for one step more).
 
+With ``disk_every=k`` a save not due for the disks commits into the memory tier itself (the
+node-local commit on a backend rooted here, ``Runtime.memory_backend``); its round only makes
+room (steps below it: never a newer one, which such a save may have committed meanwhile) and
+pushes it to the buddies (docs/design/tiers.md, "Frequencies").
+
 With the peer replica (``replicate=True``, ``roots.replica.PeerTier``), a round that committed
 the step in memory on every node (the leaders' words exchanged once more) ends with every rank
 pushing its memory files of the step to its buddy on the next node.
