@@ -106,6 +106,21 @@ def test_a_memory_only_save_that_fails_on_one_node_fails_on_every_rank_and_the_n
     assert not [p for p in c.ma.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
+@pytest.mark.timeout(300)
+def test_a_step_committed_in_memory_only_is_not_saved_again(nodes: Cluster) -> None:
+    # the step rule asks rank 0's disk which committed steps are still resumable: a memory-only
+    # step is not there, and was taken for gone (a second save of it committed on the disks,
+    # another attempt of the same step beside the memory one)
+    res, _ = nodes.run("twice", STEPS="1,2,2,3", DISK_EVERY="2", GO_ON="1")
+    for r, got in res.items():
+        assert got["saved"] == [1, 2, 3], (r, got)
+        (err,) = got["save_errors"]
+        assert err["step"] == 2 and err["type"] == "ValueError" and "already committed" in err["msg"], (r, err)
+    assert _steps(nodes.a) == [1, 3] and _steps(nodes.ma) == [3]
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [

@@ -328,6 +328,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ closing
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the writer thread; raises what :meth:`flush` raises. Idempotent.
+        With ``mirror_every``, the newest disk commit it did not upload is uploaded first.
 
         Interrupted (Ctrl-C) while saves are pending, it stops the writer at once, which
         leaves each pending step either committed or not there at all (the previous
@@ -339,8 +340,8 @@ class Checkpointer:
         if self._rt.forked:
             self._waits.closed = True
             return
-        try:
-            self.flush(timeout)
+        try:  # with mirror_every: the last disk commit it skipped is uploaded too
+            self._waits.flush(timeout, final=self._pipeline.upload_skipped)
         except KeyboardInterrupt:
             self._waits.closed = True
             self._waits.abandon_pending("close() was interrupted")
@@ -357,7 +358,7 @@ class Checkpointer:
             self._waits.closed = True
             return
         try:
-            await self.aflush(timeout)
+            await self._waits.aflush(timeout, final=self._pipeline.upload_skipped)
         finally:
             self._waits.closed = True
             await asyncio.to_thread(self._rt.stop, self.timeout)

@@ -52,8 +52,12 @@ class SavePipeline:
         # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
         self.grace_end: float | None = None
         self.interrupted_save = False
-        #: the saves this job committed (settle, on the writer thread): the tiers' frequencies count them
+        #: the saves this job committed to the disks (settle, on the writer thread): mirror_every counts them
         self.tier_commits = 0
+        #: the steps committed to the memory tier only (``disk_every``): found at start, or this job's
+        self.memory_only = set(session.committed) - set(session.on_disks) if session.nodes is not None else set()
+        #: the newest disk commit ``mirror_every`` did not upload (``close()`` uploads it: :meth:`upload_skipped`)
+        self.skipped: CheckpointInfo | None = None
 
     def track_upload(self, info: CheckpointInfo) -> None:
         """Hand committed ``info`` to the mirror and track its upload like a save."""
@@ -256,8 +260,10 @@ class SavePipeline:
             generation = self.books.commits
         if self.session.mirror is not None and not self.session.store_known:
             self.session.look_at_store_again()
-        if blockers:
-            gone = self.session.not_resumable(blockers)
+        # a step in the memory tier only (disk_every) is not on the disk rank 0 looks at: it blocks
+        looked = [s for s in blockers if s not in self.memory_only]
+        if looked:  # (collective: every rank has the same books, so every rank asks, or none)
+            gone = self.session.not_resumable(looked)
             with self.books.lock:
                 if self.books.commits == generation:  # else a save committed meanwhile (of that very step?): keep all
                     self.books.committed.difference_update(gone)
@@ -419,6 +425,14 @@ class SavePipeline:
             raise
         return SaveHandle(record)
 
+    def upload_skipped(self) -> None:
+        """``close()``, once the saves settled: upload the newest disk commit that ``mirror_every``
+        skipped, so a run's last disk step reaches the store (every rank counts the same commits,
+        so every rank hands the same step: the upload rounds stay aligned)."""
+        info, self.skipped = self.skipped, None
+        if info is not None:
+            self.track_upload(info)
+
     def settle(self, record: SaveRecord, ok: bool, written: MemoryWrite | None = None, disk: bool = True) -> None:
         """A save's future resolved (on the writer thread): book it, hand a commit to the
         mirror (tier mode, rank 0), to the memory tier (``written``: its files there, if due)
@@ -443,13 +457,19 @@ class SavePipeline:
                 if disk:
                     self.tier_commits += 1
                     nth = self.tier_commits
+                else:
+                    self.memory_only.add(record.step)
                 if record in self.books.records:
                     self.books.records.remove(record)
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
-        if info is not None and nth and self.session.uploads_here() and due(nth, self.opts.mirror_every):
-            self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
+        if info is not None and nth and self.session.uploads_here():
+            if due(nth, self.opts.mirror_every):
+                self.skipped = None
+                self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
+            else:
+                self.skipped = info
         if info is not None and self.opts.on_commit is not None:
             try:
                 self.opts.on_commit(info)
