@@ -146,6 +146,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             handle = ck.save(s, state)
             result.setdefault("block_s", []).append(time.monotonic() - t_call)  # save()'s blocking
             info = handle.result(timeout + 30)
+            result.setdefault("commit_s", []).append(time.monotonic() - t_call)  # save() to its commit
             result["saved"].append(s)
             result.setdefault("tiers", []).append([info.tier, str(info.path)])  # where each save is durable
         except Exception as e:  # noqa: BLE001
