@@ -121,6 +121,25 @@ def test_a_step_committed_in_memory_only_is_not_saved_again(nodes: Cluster) -> N
     assert _steps(nodes.a) == [1, 3] and _steps(nodes.ma) == [3]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # three runs of 4 ranks
+@pytest.mark.timeout(400)
+def test_disk_retention_at_a_restart_counts_only_the_steps_on_every_disk(nodes: Cluster) -> None:
+    # step 2 is in memory only; the restart's first save (3, to the disks, keep_last=1) fails on
+    # rank 0's node after node b committed it. Had node b's retention counted step 2 as a step
+    # every node holds, it would have removed step 1, the last step on every disk
+    c = nodes
+    c.save("first", [1, 2], DISK_EVERY="2", KEEP_LAST="1", KILL_AFTER_FLUSH="1")
+    assert _steps(c.a) == [1] and _steps(c.ma) == [2]
+    res, _ = c.run("failed", STEPS="3", DISK_EVERY="2", KEEP_LAST="1", FAIL_RENAME_RANK="0", FAIL_RENAME_STEP="3")
+    for r, got in res.items():
+        assert got["loaded"] == 2 and (got.get("save_error") or {}).get("type") == "SaveError", (r, got)
+    assert _steps(c.a) == [1] and 1 in _steps(c.b)
+    _wipe(c.ma, c.mb)  # both nodes rebooted: the disks alone
+    res, _ = c.run("rebooted", KILL_AFTER_FLUSH="1")
+    _resumed(res, 1)
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [
