@@ -71,7 +71,11 @@ class CheckpointInfo:
     root (``Checkpointer("s3://...")``) ``url`` is the step's ``s3://`` prefix and ``path``
     the step's name relative to the root; ``url`` is ``None`` on a file system. ``run``: the
     id of the run the step belongs to (``None`` for a step written before run ids, and in
-    the info a save returns on a root that records none).
+    the info a save returns on a root that records none). ``tier``: on a node-local root, in
+    the info a save returns, where the step is durable: ``"local"`` (every node's disk) or
+    ``"memory"`` (every node's memory tier only, ``disk_every``: it survives a crash of the
+    training processes, not a reboot; with ``replicate=True`` also one node's loss), and
+    ``path`` is the step's directory in that tier; ``None`` elsewhere.
     """
 
     step: int
@@ -82,6 +86,7 @@ class CheckpointInfo:
     statistics: SaveStatistics | None = None
     url: str | None = None
     run: str | None = field(default=None, compare=False)  # compared as before runs were recorded
+    tier: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

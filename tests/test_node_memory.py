@@ -9,6 +9,7 @@ process with ``os._exit`` after ``flush()``: no close. Needs root (mount namespa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -79,6 +80,16 @@ class Cluster:
         for r, got in res.items():
             assert got["saved"] == steps and got.get("flush_error") is None, (r, got)
         return res, logs
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "20k") -> Iterator[None]:
+    """A tmpfs of ``size`` mounted on ``path`` while the block runs (a node's memory that fills up)."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
 
 
 @pytest.fixture
@@ -300,9 +311,7 @@ def test_a_memory_tier_not_on_tmpfs_is_refused_and_leftovers_on_tmpfs_are_remove
 @pytest.mark.timeout(300)
 def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_disks(cluster: Cluster) -> None:
     c = cluster
-    # node b's memory is a tmpfs of its own too small for its part (~33 KB): a real ENOSPC
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20k", "tmpfs", str(c.mb)], check=True)
-    try:
+    with small_tmpfs(c.mb):  # node b's memory too small for its part (~33 KB): a real ENOSPC
         res, logs = c.save("full", [1, 2], KEEP_LAST="2")
         assert "No space left on device" in logs[2], logs[2][-3000:]  # named by node b's leader
         assert _steps(c.ma) == [2] and _steps(c.mb) == []  # node a's memory holds its part, node b's none
@@ -313,8 +322,6 @@ def test_a_full_tmpfs_fails_the_copies_never_a_save_and_the_restart_reads_the_di
             assert f"loading step 2 {FROM_MEMORY}" in logs[r]
         for r in (2, 3):
             assert f"loading step 2 {FROM_DISK}" in logs[r]
-    finally:
-        subprocess.run(["umount", str(c.mb)], check=False)
 
 
 @pytest.mark.needs_root

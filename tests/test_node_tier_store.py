@@ -153,12 +153,22 @@ def test_mirror_every_uploads_every_nth_commit_and_the_disks_keep_the_steps_not_
 ) -> None:
     a, b = _nodes(tmp_path)
     url, env = _tier(s3.endpoint, 30, MIRROR_EVERY="2")
-    _saved(_run(tmp_path, "every-2", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", **env), [1, 2, 3, 4])
-    stored = keys(s3.endpoint, url)
-    assert sorted(k for k in stored if k.endswith("/manifest.json")) == [
-        "step_00000001/manifest.json", "step_00000003/manifest.json"]  # the 1st and 3rd commits  # fmt: skip
+    # killed after flush() (no close()): the 1st and 3rd commits only
+    _saved(_run(tmp_path, "every-2", (a, b), STEPS="1,2,3,4", KEEP_LAST="1", KILL_AFTER_FLUSH="1", **env),
+           [1, 2, 3, 4])  # fmt: skip
+    assert _stored(s3, url) == [1, 3]
     # keep_last=1, but step 4 is on no store: the disks keep it (retention runs at the next commit)
     assert {3, 4} <= set(_steps(a)) and {3, 4} <= set(_steps(b))
+    # close() uploads the newest commit mirror_every skipped: a run's last step reaches the store
+    # (a prefix of its own: the killed job's lease on the first one is not expired yet)
+    url, env = _tier(s3.endpoint, 30, MIRROR_EVERY="2")
+    _saved(_run(tmp_path, "closed", (a, b), STEPS="5,6", KEEP_LAST="1", **env), [5, 6])
+    assert _stored(s3, url) == [5, 6]
+
+
+def _stored(s3: S3Server, url: str) -> list[int]:
+    """The steps committed on the store under ``url``."""
+    return sorted(int(k[5:13]) for k in keys(s3.endpoint, url) if k.endswith("/manifest.json"))
 
 
 @pytest.mark.needs_root
@@ -192,3 +202,20 @@ def test_a_corrupt_memory_copy_on_a_wiped_disk_falls_back_to_the_store_of_the_sa
             assert "from the store" not in logs[r]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_with_disk_every_mirror_every_counts_the_disk_commits_and_no_memory_only_step_is_uploaded(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    from test_node_memory import Cluster
+    from test_node_replica import shm_dir
+
+    with shm_dir() as shm:
+        c = Cluster(tmp_path, shm)
+        url, env = _tier(s3.endpoint, 30, DISK_EVERY="2", MIRROR_EVERY="2")
+        c.save("first", [1, 2, 3, 4, 5], **env)  # the disks take 1, 3, 5; the store their 1st and 3rd
+        assert _steps(c.a) == [1, 3, 5] and _steps(c.b) == [1, 3, 5]
+        assert _stored(s3, url) == [1, 5]

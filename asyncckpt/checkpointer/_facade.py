@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -29,7 +28,6 @@ from ._books import Books
 from ._loader import Loader, LoadRequest, check_load_args, load
 from ._options import DirectIO, OnError, Options
 from ._pipeline import SavePipeline
-from ._runtime import MARGIN_S
 from ._session import RootSession
 from ._waits import Waits
 
@@ -121,7 +119,9 @@ class Checkpointer:
             its round); the oldest go first, a part alone over it is not kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
         memory_every: every n-th save() of the job (the first always) goes to the memory tier.
-        mirror_every: every m-th commit (the first always) goes to the store; disks take every save.
+        mirror_every: every m-th commit to the disks (the first always) goes to the store.
+        disk_every: with ``memory``, every n-th save() of the job (the first always) goes to the
+            node disks, the others commit to the memory tier only (``CheckpointInfo.tier``).
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
@@ -168,6 +168,7 @@ class Checkpointer:
         memory_every: int | None = None,
         mirror_every: int | None = None,
         replicate: bool = False,
+        disk_every: int | None = None,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call
@@ -178,7 +179,7 @@ class Checkpointer:
             dedupe=dedupe, mirror=mirror, keep_last_remote=keep_last_remote, storage_options=storage_options,
             lease_ttl=lease_ttl, huge_pages=huge_pages, os_ops=os_ops, node_local=node_local,
             memory=memory, memory_keep_last=memory_keep_last, memory_budget=memory_budget, memory_every=memory_every,
-            mirror_every=mirror_every, replicate=replicate)  # fmt: skip
+            mirror_every=mirror_every, replicate=replicate, disk_every=disk_every)  # fmt: skip
         self.root = opts.root
         self.strip_prefixes = opts.strip_prefixes
         self.keep_last = opts.keep_last
@@ -327,6 +328,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ closing
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the writer thread; raises what :meth:`flush` raises. Idempotent.
+        With ``mirror_every``, the newest disk commit it did not upload is uploaded first.
 
         Interrupted (Ctrl-C) while saves are pending, it stops the writer at once, which
         leaves each pending step either committed or not there at all (the previous
@@ -338,8 +340,8 @@ class Checkpointer:
         if self._rt.forked:
             self._waits.closed = True
             return
-        try:
-            self.flush(timeout)
+        try:  # with mirror_every: the last disk commit it skipped is uploaded too
+            self._waits.flush(timeout, final=self._pipeline.upload_skipped)
         except KeyboardInterrupt:
             self._waits.closed = True
             self._waits.abandon_pending("close() was interrupted")
@@ -356,7 +358,7 @@ class Checkpointer:
             self._waits.closed = True
             return
         try:
-            await self.aflush(timeout)
+            await self._waits.aflush(timeout, final=self._pipeline.upload_skipped)
         finally:
             self._waits.closed = True
             await asyncio.to_thread(self._rt.stop, self.timeout)
@@ -394,22 +396,7 @@ class Checkpointer:
             ev.add_note(f"asyncckpt aclose() also failed: {e}")
 
     def __del__(self) -> None:
-        rt = getattr(self, "_rt", None)
-        waits = getattr(self, "_waits", None)
-        if rt is None or waits is None or waits.closed or rt.stopped or rt.forked:
-            return
-        # no lock: a collection may run this on a thread that holds it (or while another does)
-        pending = [r.future for r in list(self._books.records) if not r.future.done()]
-        if pending:
-            warnings.warn(
-                f"asyncckpt Checkpointer({self.root!r}) garbage-collected with {len(pending)} "
-                "pending save(s): they finish in the background, then its root is released; "
-                "call flush()/close() before dropping it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        # nothing pending: stopped (and the root released) before the drop returns
-        rt.stop_when_idle(pending, self.timeout + MARGIN_S)
+        _runtime.dropped(self)
 
     # ------------------------------------------------------------------ reading
     def latest(self) -> CheckpointInfo | RemoteCheckpointInfo | None:

@@ -12,7 +12,7 @@ from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._osops import OsOps
 from ..roots.posix._root import step_dir_hint
-from ..saving._memtier import check_apart, check_every
+from ..saving._memtier import check_apart, check_disk_every, check_every
 from ..saving._memtier import check_options as check_memory
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
@@ -66,6 +66,8 @@ class Options:
     #: tier frequencies: every n-th commit of the job goes to the memory tier, to the store
     memory_every: int = 1
     mirror_every: int = 1
+    #: every n-th save() of the job goes to the node disks, the others to the memory tier only
+    disk_every: int = 1
     #: the peer replica of the memory tier (``roots.replica``)
     replicate: bool = False
 
@@ -99,6 +101,7 @@ class Options:
         memory_every: int | None = None,
         mirror_every: int | None = None,
         replicate: bool = False,
+        disk_every: int | None = None,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -162,6 +165,7 @@ class Options:
             check_apart(mem, resolved)
         every_mem = check_every("memory_every", memory_every, mem, node_local)
         every_mirror = check_every("mirror_every", mirror_every, mirror, node_local)
+        every_disk = check_disk_every(disk_every, mem, every_mem, node_local)
         if not isinstance(replicate, bool):
             raise TypeError(f"replicate must be a bool, not {type(replicate).__name__}")
         if replicate and mem is None:
@@ -179,7 +183,7 @@ class Options:
             mirror=mirror, keep_last_remote=keep_last_remote, mirror_options=storage_options, lease_ttl=lease_ttl,
             huge_pages=huge_pages, os_ops=os_ops, node_local=node_local, memory=mem,
             memory_keep_last=memory_keep_last or 1, memory_budget=memory_budget, memory_every=every_mem,
-            mirror_every=every_mirror, replicate=replicate,
+            mirror_every=every_mirror, replicate=replicate, disk_every=every_disk,
         )  # fmt: skip
 
 

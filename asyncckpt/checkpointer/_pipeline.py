@@ -3,15 +3,12 @@ copy (streaming to the writer while the copy runs), hand the job to the writer, 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
-from .._errors import RankFailure, SaveError, SaveTimeoutError, with_global_ranks
 from .._info import CheckpointInfo
 from ..format._layout import check_step
 from ..format._lifecycle import SaveState
@@ -29,16 +26,14 @@ from ..saving._memwrite import MemoryWrite
 from ..saving._nodelocal import refuse_dtensors
 from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
-from ..saving._verdict import LEADER_SILENT_UNKNOWN
 from ..threads._writer import StartGate
 from ._books import Books
+from ._guard import guarded
 from ._options import Options
 from ._plan import Planner, spread_replica_writes
 from ._runtime import MARGIN_S, Runtime
 from ._session import RootSession
 
-#: Past the save deadline, when a save that is still running is given up (``guarded``).
-GUARD_S = 2.5
 log = logging.getLogger("asyncckpt")
 
 
@@ -57,8 +52,12 @@ class SavePipeline:
         # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
         self.grace_end: float | None = None
         self.interrupted_save = False
-        #: the saves this job committed (settle, on the writer thread): the tiers' frequencies count them
+        #: the saves this job committed to the disks (settle, on the writer thread): mirror_every counts them
         self.tier_commits = 0
+        #: the steps committed to the memory tier only (``disk_every``): found at start, or this job's
+        self.memory_only = set(session.committed) - set(session.on_disks) if session.nodes is not None else set()
+        #: the newest disk commit ``mirror_every`` did not upload (``close()`` uploads it: :meth:`upload_skipped`)
+        self.skipped: CheckpointInfo | None = None
 
     def track_upload(self, info: CheckpointInfo) -> None:
         """Hand committed ``info`` to the mirror and track its upload like a save."""
@@ -261,8 +260,10 @@ class SavePipeline:
             generation = self.books.commits
         if self.session.mirror is not None and not self.session.store_known:
             self.session.look_at_store_again()
-        if blockers:
-            gone = self.session.not_resumable(blockers)
+        # a step in the memory tier only (disk_every) is not on the disk rank 0 looks at: it blocks
+        looked = [s for s in blockers if s not in self.memory_only]
+        if looked:  # (collective: every rank has the same books, so every rank asks, or none)
+            gone = self.session.not_resumable(looked)
             with self.books.lock:
                 if self.books.commits == generation:  # else a save committed meanwhile (of that very step?): keep all
                     self.books.committed.difference_update(gone)
@@ -321,13 +322,18 @@ class SavePipeline:
         with self.books.lock:
             self.books.seq += 1
             seq = self.books.seq
-        memory = self.session.memory
-        # due for the memory tier: decided now, the same on every rank (every rank counts the same saves)
-        written = memory.writer(step) if memory is not None and due(seq, self.opts.memory_every) else None
+        memory, rt = self.session.memory, self.rt
+        # due for the disks, for the memory tier: decided now, the same on every rank (every rank
+        # counts the same saves); a save not due for the disks (disk_every) commits into the memory tier
+        to_disk = rt.memory_backend is None or due(seq, self.opts.disk_every)
+        backend = rt.backend if to_disk else rt.memory_backend
+        written = None
+        if memory is not None and (not to_disk or due(seq, self.opts.memory_every)):
+            written = memory.writer(step, in_save=not to_disk)
         job = SaveJob(
             step=step,
             seq=seq,
-            root=self.opts.root,
+            root=self.opts.root if to_disk else str(self.opts.memory),
             arena=arena,
             layout=layout,
             tree=tree_bytes,
@@ -337,7 +343,8 @@ class SavePipeline:
             started=t_call,
             wait_s=waited,
             staging_s=staging_s,
-            keep_last=self.opts.keep_last if self.session.mirror is None else None,  # tier mode: the mirror retires
+            # tier mode: the mirror retires; the memory tier: its rounds (MemoryCopies)
+            keep_last=self.opts.keep_last if self.session.mirror is None and to_disk else None,
             timeout=self.opts.timeout,
             prefailed=prefailed,
             failed_commits=self.books.failed_commits,
@@ -363,7 +370,6 @@ class SavePipeline:
             if holder:
                 holder[0].state = state
 
-        rt = self.rt
         # the record and its callback exist before the job can start, so an interrupt anywhere
         # in here leaves the save either tracked to its end or never run; the slot goes back
         # exactly once, by whoever gets to it first (this call's caller or the settling)
@@ -387,10 +393,10 @@ class SavePipeline:
             record.state = SaveState.COMMITTED if ok else SaveState.FAILED
             owner = me()
             if owner is not None:
-                owner.settle(record, ok, written)
+                owner.settle(record, ok, written, to_disk)
 
         def make() -> Any:
-            return guarded(run_save(job, rt.storage, rt.coord, on_state, rt.backend), job, rt.coord.rank, ranks)
+            return guarded(run_save(job, rt.storage, rt.coord, on_state, backend), job, rt.coord.rank, ranks)
 
         try:
             if handed is not None:
@@ -419,10 +425,19 @@ class SavePipeline:
             raise
         return SaveHandle(record)
 
-    def settle(self, record: SaveRecord, ok: bool, written: MemoryWrite | None = None) -> None:
+    def upload_skipped(self) -> None:
+        """``close()``, once the saves settled: upload the newest disk commit that ``mirror_every``
+        skipped, so a run's last disk step reaches the store (every rank counts the same commits,
+        so every rank hands the same step: the upload rounds stay aligned)."""
+        info, self.skipped = self.skipped, None
+        if info is not None:
+            self.track_upload(info)
+
+    def settle(self, record: SaveRecord, ok: bool, written: MemoryWrite | None = None, disk: bool = True) -> None:
         """A save's future resolved (on the writer thread): book it, hand a commit to the
         mirror (tier mode, rank 0), to the memory tier (``written``: its files there, if due)
-        and to ``on_commit``."""
+        and to ``on_commit``. ``disk``: the save went to the disks (``disk_every``); only
+        those count for ``mirror_every`` and are uploaded (the upload reads the disk)."""
         info = record.future.result() if ok else None
         if written is not None and self.session.memory is not None:
             if info is not None:  # the memory tier: its round commits the files the save wrote there
@@ -439,15 +454,22 @@ class SavePipeline:
             if ok:
                 self.books.committed.add(record.step)
                 self.books.commits += 1
-                self.tier_commits += 1
-                nth = self.tier_commits
+                if disk:
+                    self.tier_commits += 1
+                    nth = self.tier_commits
+                else:
+                    self.memory_only.add(record.step)
                 if record in self.books.records:
                     self.books.records.remove(record)
             else:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
-        if info is not None and self.session.uploads_here() and due(nth, self.opts.mirror_every):
-            self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
+        if info is not None and nth and self.session.uploads_here():
+            if due(nth, self.opts.mirror_every):
+                self.skipped = None
+                self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
+            else:
+                self.skipped = info
         if info is not None and self.opts.on_commit is not None:
             try:
                 self.opts.on_commit(info)
@@ -469,32 +491,3 @@ class SavePipeline:
                 return self.rt.staging.spare(nbytes), 0.0
         left = max(0.0, grace_end - time.monotonic())
         return self.rt.staging.acquire(nbytes, min(self.opts.timeout + MARGIN_S, left))
-
-
-
-async def guarded(coro: Any, job: SaveJob, rank: int, ranks: Sequence[int] = ()) -> CheckpointInfo:
-    """Bound the whole save by its deadline and turn any escape into a ``SaveError``.
-
-    Every phase of a save is bounded by its deadline (``_commit``), so this is a backstop
-    for a rank whose own calls overran it. A follower still waiting here past the deadline
-    is waiting on rank 0: the coordinator, which usually also hosts the c10d store (a
-    stopped rank 0 freezes the store, so no store call of ours can complete). It names rank
-    0, within timeout + 2.5 s. Rank 0 past its deadline here names itself: no wait of its
-    own is for another rank beyond the deadline.
-    """
-    follower = rank != 0
-    remaining = job.deadline - time.monotonic() + GUARD_S
-    try:
-        result: CheckpointInfo = await asyncio.wait_for(coro, remaining)
-        return result
-    except SaveError:
-        raise
-    except TimeoutError as e:
-        if follower:
-            failure = RankFailure(0, "TimeoutError", "rank 0 (the coordinator and store host) did not answer in time")
-            failures = with_global_ranks({0: failure}, ranks)
-            raise SaveTimeoutError(job.step, failures, missing=(0,), detail=LEADER_SILENT_UNKNOWN) from e
-        failure = RankFailure(rank, "TimeoutError", f"the save did not finish within its {job.timeout:.1f}s deadline")
-        raise SaveTimeoutError(job.step, with_global_ranks({rank: failure}, ranks)) from e
-    except Exception as e:
-        raise SaveError(job.step, with_global_ranks({rank: RankFailure.from_exception(rank, e)}, ranks)) from e

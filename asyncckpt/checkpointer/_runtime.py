@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -51,6 +52,8 @@ class Runtime:
         self.mirror: Mirror | None = None  # tier mode (mirror=): stopped before the writer
         self.memory: MemoryCopies | None = None  # the memory tier's rounds: stopped before the writer
         self.backend: Backend | None = None  # where saves go (POSIX root or object store)
+        #: node-local with ``disk_every``: where the saves not due for the disks commit (the memory tier)
+        self.memory_backend: Backend | None = None
         # one per writer loop: overlapping saves apply retention one at a time
         self.retention_lock = asyncio.Lock()
         # retired checkpoints whose files are still being removed (tasks on the writer loop)
@@ -273,3 +276,26 @@ def exit_hook() -> None:
 
 
 atexit.register(exit_hook)
+
+
+def dropped(ck: Any) -> None:
+    """A Checkpointer ``ck`` garbage-collected (``__del__``) before ``close()``, or whose
+    construction failed part way: warn when saves are pending (they finish in the background,
+    then its root is released); nothing pending: its runtime is stopped (and the root
+    released) before the drop returns."""
+    rt: Runtime | None = getattr(ck, "_rt", None)
+    waits = getattr(ck, "_waits", None)
+    if rt is None or waits is None or waits.closed or rt.stopped or rt.forked:
+        return
+    root, timeout = ck.root, ck.timeout
+    # no lock: a collection may run this on a thread that holds it (or while another does)
+    pending = [r.future for r in list(ck._books.records) if not r.future.done()]
+    if pending:
+        warnings.warn(
+            f"asyncckpt Checkpointer({root!r}) garbage-collected with {len(pending)} "
+            "pending save(s): they finish in the background, then its root is released; "
+            "call flush()/close() before dropping it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    rt.stop_when_idle(pending, timeout + MARGIN_S)

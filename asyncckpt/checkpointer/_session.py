@@ -19,6 +19,7 @@ from ..roots._registry import open_root
 from ..roots._root import Root
 from ..roots.posix._ownership import Ownership
 from ..roots.posix._retention import retire
+from ..roots.posix._storage import Storage
 from ..roots.replica import PeerTier, SingleNodeError, sources_of
 from ..saving import _memtier, _nodelocal, _nodeupload
 from ..saving._mirror import Mirror
@@ -78,6 +79,7 @@ class RootSession:
             self.peer_sources = sources_of(self.nodes, self.rank)
         self.memory: _memtier.MemoryCopies | None = None  # the memory tier's rounds (set by claim)
         self.node_run: str | None = None  # the node-local tier: the run of the agreed newest step
+        self.on_disks: list[int] = []  # the node-local tier: the agreed steps the disks' retention counts
         leads = self.rank == 0 or (self.nodes is not None and self.rank in self.nodes.leaders)
         # made before anything is locked: whatever interrupts the rest of construction (an
         # error, Ctrl-C, no thread to start), abandon() releases what was taken
@@ -137,7 +139,13 @@ class RootSession:
             rt.coord = StoreCoordinator(self.dist.connect, self.rank, self.world_size, namespace, rt.run_coordination)
             if self.nodes is not None:  # the node-local tier: one commit per node
                 rt.backend = _nodelocal.NodeLocalBackend(rt.storage, self.root, self.nodes, self.rank, rt.coord,
-                                                         committed)  # fmt: skip
+                                                         self.on_disks)  # fmt: skip
+            if self.nodes is not None and opts.memory is not None and opts.disk_every > 1:
+                # the saves not due for the disks commit into the memory tier by the same protocol
+                # (tmpfs: no O_DIRECT; its fsyncs cost nothing); its retention is the memory tier's
+                memory_storage = Storage(rt.pool, opts.os_ops, "off", rt.compute_pool, rt.digest_pool)
+                rt.memory_backend = _nodelocal.NodeLocalBackend(memory_storage, opts.memory, self.nodes, self.rank,
+                                                                rt.coord, tier="memory")  # fmt: skip
         if opts.mirror is not None and self.nodes is not None:  # the node-local tier: every rank uploads its files
             assert self.dist is not None and isinstance(rt.backend, _nodelocal.NodeLocalBackend)
             rt.mirror = _nodeupload.PartUploads(
@@ -196,6 +204,10 @@ class RootSession:
             late_memory.given_up()
             raise
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
+        if opts.disk_every > 1:  # disk retention counts the steps on every node's disk, not memory-only ones
+            self.on_disks = [int(a[0]) for a in agreed if all("local" in t for t in a[4])]
+        else:
+            self.on_disks = [int(a[0]) for a in agreed]
         return failure, [int(a[0]) for a in agreed]
 
     def abandon(self) -> None:

@@ -57,12 +57,14 @@ class Waits:
 
     # ------------------------------------------------------------------ the flush core
     def flush_steps(
-        self, timeout: float | None, skip: SaveRecord | None = None, local_only: bool = False, removals: bool = True
-    ) -> Generator[Step, Any, None]:
+        self, timeout: float | None, skip: SaveRecord | None = None, local_only: bool = False, removals: bool = True,
+        final: Callable[[], object] | None = None,
+    ) -> Generator[Step, Any, None]:  # fmt: skip
         """``flush()``'s logic, its waits yielded to a driver (:meth:`flush` or :meth:`aflush`):
         the saves, then the removals of the steps their retention retired (unless not
         ``removals``), then (tier mode, unless ``local_only``) the uploads, all within one
-        ``timeout``; then the failures since the last flush are raised."""
+        ``timeout``; then the failures since the last flush are raised. ``final`` (``close()``)
+        runs once the saves settled, before the uploads are waited for (it may hand one more)."""
         self.rt.refuse_in_writer()
         self.rt.refuse_if_forked()
         end = None if timeout is None else time.monotonic() + timeout
@@ -83,6 +85,8 @@ class Waits:
             assert self.session.memory is not None
             if (yield Wait(self.session.memory.pending(), left())):
                 raise TimeoutError(f"copies to the memory tier still running after {timeout}s")
+        if final is not None:
+            yield Call(final)
         if (yield Call(lambda: self.uploads_to_wait_for(local_only))):
             running = yield Wait(self.books.pending_futures(), left())
             if running:

@@ -24,6 +24,11 @@ a reboot). Theory of operation (docs/design/tiers.md):
    ``memory_budget``. So the budget bounds what the tier keeps between rounds; while a due save
    runs, its attempt's files are on tmpfs on top of it (size the tmpfs for one step more).
 
+With ``disk_every=k`` a save not due for the disks commits into the memory tier itself (the
+node-local commit on a backend rooted here, ``Runtime.memory_backend``); its round only makes
+room (steps below it: never a newer one, which such a save may have committed meanwhile) and
+pushes it to the buddies (docs/design/tiers.md, "Frequencies").
+
 With the peer replica (``replicate=True``, ``roots.replica.PeerTier``), a round that committed
 the step in memory on every node (the leaders' words exchanged once more) ends with every rank
 pushing its memory files of the step to its buddy on the next node.
@@ -118,6 +123,19 @@ def check_every(name: str, every: object, tier: object, node_local: bool) -> int
     return every
 
 
+def check_disk_every(every: object, memory: str | None, memory_every: int, node_local: bool) -> int:
+    """``disk_every``: every n-th ``save()`` of the job (the first always) goes to the node
+    disks, every other one to the memory tier only (decided at the call). ``TypeError`` /
+    ``ValueError`` at the call: it needs the memory tier, which must take every save."""
+    n = check_every("disk_every", every, True, node_local)
+    if every is not None and memory is None:
+        raise ValueError("disk_every keeps the saves between two disk saves in the memory tier: it needs memory=...")
+    if n > 1 and memory_every > 1:
+        raise ValueError(f"disk_every={n} needs memory_every=1: a save not due for the disks goes to the memory "
+                         "tier, so every save must be due for it")  # fmt: skip
+    return n
+
+
 def due(nth: int, every: int) -> bool:
     """Whether the ``nth`` save or commit of the job (1 for the first) goes to a tier of frequency ``every``."""
     return (nth - 1) % every == 0
@@ -178,9 +196,11 @@ def _remove(memory: str, step: int) -> None:
 
 
 def make_room(memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, newest: int) -> list[int]:
-    """After ``newest`` was committed: remove this node's oldest other memory steps until at
-    most ``keep_last`` are left with it and they fit ``budget``; return the removed steps."""
-    have = [s for s in sorted(parts(memory, ranks)) if s != newest]
+    """After ``newest`` was committed: remove this node's oldest memory steps below it until at
+    most ``keep_last`` are left with it and they fit ``budget``; return the removed steps. Never
+    a step above ``newest``: a save that commits into the memory tier itself (``disk_every``)
+    may have committed a newer step before this round ran."""
+    have = [s for s in sorted(parts(memory, ranks)) if s < newest]
     sizes = {s: _tree_bytes(os.path.join(memory, step_dir_name(s))) for s in [*have, newest]}
     gone = []
 
@@ -242,10 +262,11 @@ class MemoryCopies:
     def _ranks(self) -> tuple[int, ...]:
         return self.nodes.members[self.node]
 
-    def writer(self, step: int) -> MemoryWrite:
+    def writer(self, step: int, in_save: bool = False) -> MemoryWrite:
         """The memory write of a save of ``step`` due for the memory tier (``save()`` calls it:
-        the save's file writer fills it from the bytes it holds; ``_memwrite``)."""
-        return MemoryWrite(self.memory, step, self.budget, self._run_write)
+        the save's file writer fills it from the bytes it holds; ``_memwrite``). ``in_save``: the
+        save commits into the memory tier itself (not due for the disks: ``disk_every``)."""
+        return MemoryWrite(self.memory, step, self.budget, self._run_write, in_save)
 
     async def _run_write(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._write_pool, fn, *args)
@@ -332,6 +353,8 @@ class MemoryCopies:
         """The leader: commit its node's memory part of ``step`` when its ranks all wrote theirs
         and it fits the budget, then make room (whether it committed; a failure is logged:
         never raised, every rank waits for its word)."""
+        if write.in_save:  # the save committed it here itself (disk_every): the only copy, kept whatever its size
+            return await self._keep(step, t0)
         need = sum(got[r]["bytes"] for r in self._ranks)
         if self.budget is not None and need > self.budget:
             await self._run(shutil.rmtree, write.loc, True)
@@ -352,9 +375,13 @@ class MemoryCopies:
             log.warning("asyncckpt: step %d not committed in the memory tier %s: %s: %s", step, self.memory,
                         type(e).__name__, e)  # fmt: skip
             return False
-        self.copied.append(step)
         log.info("asyncckpt: node %r: step %d committed in the memory tier %s in %.3fs", self.nodes.names[self.node],
                  step, self.memory, time.monotonic() - t0)  # fmt: skip
+        return await self._keep(step, t0)
+
+    async def _keep(self, step: int, t0: float) -> bool:
+        """The leader, ``step`` committed in its node's memory tier: make room (older steps only)."""
+        self.copied.append(step)
         try:
             gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, step)
         except OSError as e:

@@ -13,6 +13,10 @@ A write that fails never fails the save: its error is kept (:attr:`MemoryWrite.e
 memory round after the disk commit (``_memtier``) drops the step from memory. The round reads
 nothing from the disk: the node leaders' manifest bytes are the ones their node's disk commit
 wrote (:attr:`MemoryWrite.manifest`, set by ``_nodelocal``).
+
+A save not due for the disks (``disk_every``) commits into the memory tier itself (its root is
+the memory root): its ``MemoryWrite`` is made with ``in_save=True`` and writes nothing; it
+carries the attempt and the files' CRCs to the memory round (retention, the peer replica).
 """
 
 from __future__ import annotations
@@ -61,9 +65,13 @@ class MemoryWrite:
     (module docstring). ``budget``: the memory tier's budget (a file larger than it is not
     written); ``run`` runs a blocking call on the memory tier's own threads."""
 
-    def __init__(self, memory: str, step: int, budget: int | None, run: Callable[..., Any]) -> None:
+    def __init__(
+        self, memory: str, step: int, budget: int | None, run: Callable[..., Any], in_save: bool = False
+    ) -> None:
         self.memory, self.step, self.budget = memory, step, budget
         self._run = run
+        #: the save itself commits into the memory tier (``disk_every``): nothing to write here
+        self.in_save = in_save
         #: the save's attempt (set once the attempt is open: :meth:`begin`)
         self.attempt: str | None = None
         #: a node leader's: the manifest bytes its node's disk commit wrote (``_nodelocal``)
@@ -88,7 +96,10 @@ class MemoryWrite:
 
     def write(self, name: str, buf: memoryview, size: int, staged: Staged | None, deadline: float) -> None:
         """Start writing ``buf[:size]`` as ``name``, each piece once ``staged`` reached it (on
-        the writer loop; never raises). A second write of ``name`` replaces the first, after it."""
+        the writer loop; never raises). A second write of ``name`` replaces the first, after it.
+        A no-op for a save that commits into the memory tier itself (``in_save``)."""
+        if self.in_save:
+            return
         self.sizes[name] = size
         prev = self._tasks.get(name)
         self._tasks[name] = asyncio.ensure_future(self._write(name, prev, buf, size, staged, deadline))
@@ -147,8 +158,9 @@ class MemoryWrite:
 
     def discard(self) -> None:
         """The save failed: remove this rank's files of it from the memory tier, and the attempt's
-        directory once it is empty (what is left is removed at the next start)."""
-        if self.attempt is None:
+        directory once it is empty (what is left is removed at the next start). A save that
+        wrote into the memory tier itself (``in_save``) removed its own attempt."""
+        if self.attempt is None or self.in_save:
             return
         for name in self.sizes:
             try:

@@ -49,6 +49,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointError, CheckpointReadError
+from .._info import CheckpointInfo
 from ..format import _manifest
 from ..format._layout import deleting_dir_name, step_dir_name
 from ..ranks._agree import agree
@@ -172,13 +173,17 @@ def _keep_manifest(job: StepJob, manifest: bytes) -> None:
 class NodeLocalBackend(PosixBackend):
     """The node-local tier's storage half (module docstring): a POSIX backend on this node's
     disk whose commit is one per node. ``coord`` is the save's store coordinator; ``rank``
-    this process's rank in the group; ``confirmed`` the steps complete on every node."""
+    this process's rank in the group; ``confirmed`` the steps complete on every node.
+    ``tier``: what ``root`` is, named in the infos of its commits: ``"local"`` (the node's
+    disk) or ``"memory"`` (its memory tier: the saves ``disk_every`` does not send to the disks
+    commit there, by this very protocol, on their own instance)."""
 
     def __init__(
         self, storage: Storage, root: str, nodes: Nodes, rank: int, coord: StoreCoordinator,
-        confirmed: Collection[int] = (),
+        confirmed: Collection[int] = (), tier: str = "local",
     ) -> None:  # fmt: skip
         super().__init__(storage, root)
+        self.tier = tier
         self.nodes = nodes
         self.rank = rank
         self.node = nodes.node_of(rank)
@@ -187,6 +192,9 @@ class NodeLocalBackend(PosixBackend):
         #: with the persistent tier (``_nodeupload``): the newest step this rank saw on the store;
         #: retention keeps every step above it (``None``: no persistent tier)
         self.uploaded: Callable[[], int] | None = None
+
+    def info(self, step: int, **fields: Any) -> CheckpointInfo:
+        return super().info(step, tier=self.tier, **fields)
 
     def _floor(self) -> int | None:
         return None if self.uploaded is None else self.uploaded()

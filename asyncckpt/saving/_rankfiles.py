@@ -136,6 +136,7 @@ async def write_files(
     shard_name = _manifest.shard_name(rank)
     write_s = 0.0
     # a save due for the memory tier: the same bytes into it, as staged, beside the disk write
+    # (a no-op for a save that commits into the memory tier itself: MemoryWrite.in_save)
     mem = job.memory
     try:
         if fill is not None:  # let it reach the pool first: the write's pieces wait for it there

@@ -4,7 +4,8 @@
 namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``;
 ``MEMORY`` (the memory tier's one path) and ``MEMORY_DIRS`` (per rank, its node's directory on
 /dev/shm, bind-mounted there in the same namespace); ``REPLICATE``: its peer replica.
-Writes what happened to ``out.<rank>.json``.
+``DISK_EVERY``: the disk tier's frequency; ``GO_ON``: a failed save is recorded (``save_errors``)
+and the next step saved. Writes what happened to ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         extra["direct_io"] = os.environ["DIRECT_IO"]
     if os.environ.get("MEMORY"):  # the memory tier
         extra["memory"] = os.environ["MEMORY"]
-        for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY"):
+        for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY", "DISK_EVERY"):
             if os.environ.get(opt):
                 extra[opt.lower()] = int(os.environ[opt])
         if os.environ.get("REPLICATE"):  # the peer replica
@@ -144,9 +145,15 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             t_call = time.monotonic()
             handle = ck.save(s, state)
             result.setdefault("block_s", []).append(time.monotonic() - t_call)  # save()'s blocking
-            handle.result(timeout + 30)
+            info = handle.result(timeout + 30)
+            result.setdefault("commit_s", []).append(time.monotonic() - t_call)  # save() to its commit
             result["saved"].append(s)
+            result.setdefault("tiers", []).append([info.tier, str(info.path)])  # where each save is durable
         except Exception as e:  # noqa: BLE001
+            if os.environ.get("GO_ON"):  # the job goes on after a failed save: the next save must work
+                result.setdefault("save_errors", []).append({"step": s, "s": time.monotonic() - t_call,
+                                                             **describe(e)})  # fmt: skip
+                continue
             result["save_error"] = describe(e)
             result["failed_step"] = s
             time.sleep(float(os.environ.get("LINGER_S", "0")))  # the job goes on after a failed save
