@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from ._deadline import result_of
 from ._writer import WriterThread
 
 T = TypeVar("T")
@@ -102,7 +103,7 @@ def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
         finally:
             scope._leave(task)
 
-    return submit(go()).result()
+    return result_of(submit(go()))  # in slices: a Ctrl-C taken by another thread is still raised
 
 
 class CancelScope:
