@@ -24,6 +24,8 @@ wait on its future ends. A deadline can be long (an export's GETs: an hour), so 
 made inside :meth:`CancelScope.entered` can also be ended early, together: a
 :class:`CancelScope` cancels those running and refuses those that start later, and a wait
 on one ends once its coroutine has really stopped (no write into a caller's buffer after).
+A caller waits for its call in slices (``_deadline.result_of``): a Ctrl-C that another
+thread of the process took is raised in the main thread's wait at once, not when the call ends.
 """
 
 from __future__ import annotations
