@@ -288,3 +288,122 @@ def test_a_single_process_whose_mkdir_of_its_root_never_returns_fails_its_constr
     from asyncckpt import Checkpointer
 
     Checkpointer(root, timeout=10).close()  # the root was left free
+
+
+#: One process, one rank (a gloo group of one), a node-local root: save step 1, wait for the
+#: test's go (a line on stdin), then a construction with ``argv[3]``'s timeout (the file system
+#: holds its leader's start), then the next owner: a second Checkpointer on the root, which
+#: saves step 2. A second one refused (the root still held) waits for the test to let the held
+#: call go (a second line), then for the start to end, and tries once more. Each outcome: a
+#: JSON line.
+LATE_START = """
+import json, os, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+os.environ["ASYNCCKPT_NODE"] = "one"
+root, out, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=0, world_size=1,
+                        timeout=timedelta(seconds=60))
+from asyncckpt import Checkpointer
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+with Checkpointer(root, node_local=True, timeout=60) as ck:
+    ck.save(1, {"w": torch.ones(4096)}).result(60)
+say(saved=1)
+sys.stdin.readline()
+t = time.monotonic()
+try:
+    Checkpointer(root, node_local=True, timeout=timeout).close()
+    say(first="built")
+except Exception as e:
+    say(first=type(e).__name__, s=time.monotonic() - t)
+def second():
+    with Checkpointer(root, node_local=True, timeout=60) as ck:
+        say(second="built")
+        ck.save(2, {"w": torch.full((4096,), 2.0)}).result(120)
+        return ck.steps()
+try:
+    try:
+        steps = second()
+    except Exception as e:
+        if type(e).__name__ != "RootInUseError":
+            raise
+        say(second=type(e).__name__)
+        sys.stdin.readline()
+        end = time.monotonic() + 30
+        while any(t.name.startswith("asyncckpt-node") for t in threading.enumerate()) and time.monotonic() < end:
+            time.sleep(0.02)
+        steps = second()
+    say(saved2=steps)
+except Exception as e:
+    say(error=f"{type(e).__name__}: {e}")
+os._exit(0)
+"""
+
+
+@pytest.mark.needs_root
+@pytest.mark.timing
+@pytest.mark.timeout(200)
+def test_a_node_leaders_start_that_outlives_its_construction_never_removes_the_next_owners_save(
+    faulty: FaultFS, tmp_path: Path
+) -> None:
+    """The file system holds the node leader's write of its owner record (its start has
+    locked the root): the construction fails by its timeout and releases the root. The start
+    went on when let go (its look for leftovers, their removal) with the root no longer its:
+    the next owner (a second Checkpointer) had taken it and was saving step 2, whose
+    in-progress files the late start removed ("holds no complete part of attempt ...": the
+    save failed). Now the root stays held until the late start ended: the next owner is
+    refused (``RootInUseError``) while the call is held, and once it ended, takes the root
+    and saves."""
+    import json
+    import subprocess
+    import sys
+
+    from asyncckpt.format._layout import parse_leftover
+
+    timeout = 2.0
+    root = faulty.path("late-start")
+    backing = os.path.join(faulty.backing, "late-start")
+    with subprocess.Popen([sys.executable, "-c", LATE_START, root, str(tmp_path / "late"), str(timeout)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}) as proc:  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+
+            def line() -> dict[str, Any]:
+                text = proc.stdout.readline()  # type: ignore[union-attr]
+                assert text, "the process ended early"
+                return dict(json.loads(text))
+
+            def go() -> None:
+                proc.stdin.write("\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
+
+            assert line() == {"saved": 1}
+            slow_save = rule("write", glob="*/late-start/step_00000002.tmp-*", delay_s=3.0, id="late-slow-save")
+            held = rule("write", glob="*/late-start/.asyncckpt/owner.json.*", hold_s=60, count=1, id="late-record")
+            faulty.set_rules([held, slow_save])
+            go()
+            first = line()
+            assert first["first"] == "CheckpointReadError" and first["s"] < timeout + 1.0, first
+            assert faulty.fired("late-record") == 1
+            second = line()
+            if second == {"second": "built"}:  # the root was let go: the next owner saves step 2
+                end = time.monotonic() + 30
+                while not any(parse_leftover(n) == 2 for n in os.listdir(backing)) and time.monotonic() < end:
+                    time.sleep(0.01)
+                assert any(parse_leftover(n) == 2 for n in os.listdir(backing)), "step 2's save never started"
+                faulty.set_rules([slow_save])  # lets the held write go (the save's writes stay slow)
+            else:  # the root stays held while its start is: refused
+                assert second == {"second": "RootInUseError"}, second
+                faulty.clear()
+                go()
+                assert line() == {"second": "built"}
+            last = line()
+        finally:
+            faulty.clear()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+    print(f"\nthe next owner: {second}, then {last}")
+    assert last == {"saved2": [1, 2]}, last  # was: SaveError, its in-progress step 2 removed

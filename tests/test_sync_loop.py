@@ -117,6 +117,36 @@ def test_a_cancel_scope_ends_its_calls_once_they_stopped_and_refuses_later_ones(
     assert _sync.run_sync(_where) is not threading.current_thread()  # outside the scope: unaffected
 
 
+def test_a_sigint_another_thread_took_ends_a_run_sync_wait_at_once() -> None:
+    """The kernel hands a process's signal to any of its threads, and only the main thread
+    runs Python's handler. run_sync's wait was an untimed ``Future.result()``, which such a
+    signal does not wake: the KeyboardInterrupt came only once the call ended (an export's
+    held GET: its deadline, an hour). Its wait is in slices now (``_deadline.result_of``)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        pytest.skip("needs the main thread with Python's own SIGINT handler")
+    scope = _sync.CancelScope()
+
+    def taker() -> None:  # this thread takes the SIGINT (its C handler runs here)
+        time.sleep(0.3)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    t = threading.Thread(target=taker)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        with scope.entered(), pytest.raises(KeyboardInterrupt):
+            _sync.run_sync(lambda: asyncio.sleep(10))
+        took = time.monotonic() - t0
+    finally:
+        scope.cancel()
+        t.join()
+    assert took < 2.0, took  # was: 10 s, the sleep's end
+
+
 def test_a_forked_child_starts_its_own_loop() -> None:
     parent = _sync.run_sync(_where)
     code = textwrap.dedent("""

@@ -86,6 +86,9 @@ class RootSession:
         self.ownership = Ownership(self.root, None) if leads and self.store is None else None
         # the memory tier's root, taken by each node's leader as its disk root is
         self.memory_ownership = Ownership(opts.memory, None) if leads and opts.memory is not None else None
+        #: ownerships a node leader's start still running took with it when the construction
+        #: gave up (:class:`_LateStart`): it releases them when it ends, :meth:`abandon` does not
+        self.left_to_start: list[Ownership] = []
         self.lease: Lease | None = None
         if self.rank == 0 and self.store is not None:
             from ..roots.objstore._lease import Lease  # obstore: only for s3:// roots
@@ -200,8 +203,9 @@ class RootSession:
                                                         None if opts.mirror is None else listed,
                                                         opts.memory, self.peer_sources)  # fmt: skip
         except BaseException:
-            late.given_up()
-            late_memory.given_up()
+            for ls in (late, late_memory):
+                if ls.given_up() and ls.ownership is not None:  # still running: it lets go when it ends
+                    self.left_to_start.append(ls.ownership)
             raise
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
         if opts.disk_every > 1:  # disk retention counts the steps on every node's disk, not memory-only ones
@@ -214,10 +218,11 @@ class RootSession:
         """Release what :meth:`claim` took (a construction that failed or was interrupted)."""
         if self.rt is not None:
             self.rt.stop(5.0, collective=False)  # releases the ownership too
-        if self.ownership is not None:
-            self.ownership.release()
-        if self.memory_ownership is not None:
-            self.memory_ownership.release()
+        for own in (self.ownership, self.memory_ownership):
+            # one a start still running holds is released when it ended: it may still remove
+            # leftovers, which would then be the next owner's in-progress saves
+            if own is not None and not any(own is o for o in self.left_to_start):
+                own.release()
         if self.lease is not None:
             self.lease.release()
 
@@ -362,22 +367,29 @@ def _world() -> Any:
 
 class _LateStart:
     """A node leader's start runs on a thread of its own, bounded by the construction's
-    deadline (``_nodelocal.start_on_nodes``): one that ends after the construction gave up
-    (a disk that answered late) releases the ownership it took then, which the construction's
-    :meth:`RootSession.abandon` released before it was taken."""
+    deadline (``_nodelocal.start_on_nodes``). One still running when the construction gave up
+    (a disk that answered late) keeps the root's ownership until it ended, then releases it:
+    :meth:`RootSession.abandon` leaves it alone. Released at the give-up, the root was taken by
+    the next owner while the start went on to remove the leftovers it then found: the next
+    owner's in-progress save (its files gone, the save failed)."""
 
     def __init__(self, ownership: Ownership | None) -> None:
         self.ownership = ownership
         self.lock = threading.Lock()
         self.gone = False
+        self.done = False
 
     def ended(self) -> None:
-        """The start returned or raised (on its thread)."""
+        """The start returned or raised (on its thread): after a give-up, release the ownership."""
         with self.lock:
-            if self.gone and self.ownership is not None:
-                self.ownership.release()
+            self.done = True
+            release = self.gone
+        if release and self.ownership is not None:
+            self.ownership.release()
 
-    def given_up(self) -> None:
-        """The construction failed: a start still running lets go of what it takes."""
+    def given_up(self) -> bool:
+        """The construction failed; return whether the start still runs (then it releases the
+        ownership when it ends, and the caller must not: the start may still remove files)."""
         with self.lock:
             self.gone = True
+            return not self.done

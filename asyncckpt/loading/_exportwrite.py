@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ from ..format._reshard import Box, SavedChunk, intersect
 from ..format._safetensors import ST_TO_DTYPE
 from ..roots._root import StepReader
 from ..roots.posix._fileio import write_all
+from ..threads._deadline import Deadline, result_of, wait_all
 from ..threads._sync import CancelScope
 from ._readinto import byte_view
 
@@ -56,6 +57,9 @@ BAND = 8 * 1024 * 1024
 GAP = 1024 * 1024
 #: Reads of one band's shares in flight at once (a store's GETs; a disk's preadv).
 SHARES_IN_FLIGHT = 8
+#: How long a failed or interrupted write waits for its cancelled reads to stop (they stop at
+#: once: a read's request is cancelled; a disk's preadv returns): then it goes on without them.
+CANCELLED_READS_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -140,12 +144,24 @@ class StreamWriter:
         #: every read runs in it: a failed or interrupted write ends the reads in flight at once
         #: (a store's GET that never answers would otherwise be waited for until its deadline)
         self._scope = CancelScope()
+        self._reads: list[Future[None]] = []  # submitted, not yet seen done
 
     def close(self) -> None:
         """Stop the read threads: after a :meth:`write` that failed or was interrupted (Ctrl-C),
-        the reads still in flight are cancelled, and waited for until they stopped."""
+        the reads still in flight are cancelled, and waited for until they stopped (at most
+        ``CANCELLED_READS_S``; every wait in slices, so a Ctrl-C is raised at once)."""
         self._scope.cancel()  # (none in flight after a write that returned)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for f in self._reads:
+            f.cancel()  # a read not started never starts
+        stopped = wait_all(self._reads, Deadline.after(CANCELLED_READS_S))
+        self._pool.shutdown(wait=stopped, cancel_futures=True)
+
+    def _submit(self, file: str, offset: int, views: list[memoryview]) -> Future[None]:
+        """:meth:`_read` on a read thread; the future is kept until seen done (:meth:`close`)."""
+        self._reads = [f for f in self._reads if not f.done()]
+        fut = self._pool.submit(self._read, file, offset, views)
+        self._reads.append(fut)
+        return fut
 
     def _read(self, file: str, offset: int, views: list[memoryview]) -> None:
         """``reader.readv`` on a read thread, in this writer's scope (ended by :meth:`close`)."""
@@ -235,7 +251,7 @@ class StreamWriter:
 
         def fetch(i: int) -> Future[None]:
             off, n = spans[i]
-            return self._pool.submit(self._read, file, off, [bufs[i % 2][:n]])
+            return self._submit(file, off, [bufs[i % 2][:n]])
 
         try:
             if spans:
@@ -243,14 +259,14 @@ class StreamWriter:
             for i, (off, n) in enumerate(spans):
                 assert pending is not None
                 done, pending = pending, None
-                done.result()
+                result_of(done)  # in slices: a Ctrl-C that another thread took is raised here too
                 if i + 1 < len(spans):
                     pending = fetch(i + 1)
                 yield off, bufs[i % 2][:n]
         finally:
             if pending is not None:  # the caller failed: no read may outlive it into a buffer
                 self._scope.cancel()
-                wait([pending])
+                wait_all([pending], Deadline.after(CANCELLED_READS_S))
 
     # -- a DTensor, band by band
     def _global(self, src: Global, at: int) -> None:
@@ -353,12 +369,12 @@ class StreamWriter:
     def _read_all(self, reads: list[tuple[str, int, memoryview]]) -> None:
         """Fill every ``(file, offset, view)`` at once; the first error is raised once all ended
         (interrupted: once the reads in flight were cancelled and stopped)."""
-        futures = [self._pool.submit(self._read, f, off, [view]) for f, off, view in reads]
+        futures = [self._submit(f, off, [view]) for f, off, view in reads]
         try:
-            wait(futures)
+            wait_all(futures)  # in slices: a Ctrl-C is raised at once
         except BaseException:
             self._scope.cancel()
-            wait(futures)
+            wait_all(futures, Deadline.after(CANCELLED_READS_S))
             raise
         for f in futures:
             f.result()

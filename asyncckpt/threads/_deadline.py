@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as _FutureTimeout
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -118,8 +118,46 @@ def call_by(fn: Callable[[], T], by: Deadline, name: str) -> T:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     try:
-        return fut.result(timeout=by.remaining())
-    except _FutureTimeout:
+        return result_of(fut, by)  # in slices: a Ctrl-C meanwhile is raised at once
+    except CallTimeout:
         if fut.done():  # it ended just as the wait did: take its outcome
             return fut.result()
         raise CallTimeout(f"{name} did not finish within its deadline") from None
+
+
+#: The longest a wait for a future sleeps at once (:func:`result_of`, :func:`wait_all`) before
+#: it is back in the interpreter, where a signal is handled.
+SIGNAL_SLICE_S = 0.05
+
+
+def result_of(fut: Future[T], by: Deadline | None = None) -> T:
+    """``fut``'s result (its exception raised), waited for in slices of ``SIGNAL_SLICE_S``;
+    :class:`CallTimeout` once ``by`` (if given) passed first.
+
+    Why slices: the kernel hands a process's signal (Ctrl-C's SIGINT) to any of its threads,
+    and only the main thread runs Python's handler. Where another thread took it, a main
+    thread asleep in an untimed ``Future.result()`` is not woken: the ``KeyboardInterrupt``
+    waited for the future (an export's held GET: its hour-long deadline). A slice ends the
+    sleep, and the interpreter then raises the pending interrupt here."""
+    while True:
+        left = SIGNAL_SLICE_S if by is None else min(SIGNAL_SLICE_S, by.remaining())
+        try:
+            return fut.result(timeout=left)
+        except _FutureTimeout:
+            if fut.done():  # it ended just as the slice did: take its outcome
+                return fut.result()
+            if by is not None and by.expired:
+                raise CallTimeout("a wait did not end within its deadline") from None
+
+
+def wait_all(futures: Iterable[Future[Any]], by: Deadline | None = None) -> bool:
+    """Wait, in slices as :func:`result_of` does (a signal is handled meanwhile), until every
+    one of ``futures`` is done or ``by`` (if given) passed; return whether all are done.
+    Their outcomes are left in them."""
+    pending = [f for f in futures if not f.done()]
+    while pending:
+        left = SIGNAL_SLICE_S if by is None else min(SIGNAL_SLICE_S, by.remaining())
+        pending = list(wait(pending, timeout=left).not_done)
+        if pending and by is not None and by.expired:
+            return False
+    return True

@@ -24,6 +24,8 @@ wait on its future ends. A deadline can be long (an export's GETs: an hour), so 
 made inside :meth:`CancelScope.entered` can also be ended early, together: a
 :class:`CancelScope` cancels those running and refuses those that start later, and a wait
 on one ends once its coroutine has really stopped (no write into a caller's buffer after).
+A caller waits for its call in slices (``_deadline.result_of``): a Ctrl-C that another
+thread of the process took is raised in the main thread's wait at once, not when the call ends.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from ._deadline import result_of
 from ._writer import WriterThread
 
 T = TypeVar("T")
@@ -102,7 +105,7 @@ def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
         finally:
             scope._leave(task)
 
-    return submit(go()).result()
+    return result_of(submit(go()))  # in slices: a Ctrl-C taken by another thread is still raised
 
 
 class CancelScope:
