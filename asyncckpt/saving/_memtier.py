@@ -336,18 +336,37 @@ class MemoryCopies:
         leader = self.rank == self.nodes.leader(self.node)
         t0 = time.monotonic()
         mine = await self._run(write.outcome)
-        got = await self._coord.exchange(seq, "written", mine, deadline)
+        # each rank reads its own node's outcomes only: O(ranks) store reads a round, not O(ranks²)
+        got = await self._coord.exchange(seq, "written", mine, deadline, among=self._ranks)
         ok = all(got[r]["ok"] for r in self._ranks)
         if leader:
             ok = await self._commit(step, write, ok, got, t0)
-        if self.replica is None or not all(got[r]["ok"] for r in range(self.world_size)):
+        if self.replica is None:
             return ok
-        # the peer replica: once every node's leader committed the step in memory, every rank
-        # pushes its files of it to its buddy (collective; a failure is logged, never raised)
-        done = await self._coord.exchange(seq, "in-memory", {"ok": ok}, deadline)
-        if all(done[r]["ok"] for r in self.nodes.leaders):
+        # the peer replica: once every node's leader committed the step in memory (which needs
+        # every rank's write), every rank pushes its files of it to its buddy (collective; a
+        # failure is logged, never raised)
+        if await self._every_node_kept(seq, ok if leader else None, deadline):
             await self._run(self.replica.push, step, write.attempt, write.crcs)
         return ok
+
+    async def _every_node_kept(self, seq: int, kept: bool | None, deadline: float) -> bool:
+        """Whether every node's leader committed the round's step in memory, the same answer on
+        every rank: the leaders (``kept``: their word) tell rank 0, which tells every rank
+        (``False`` to all when a leader is silent past ``deadline``)."""
+        if self.rank != 0:
+            if kept is not None:
+                await self._coord.exchange(seq, "in-memory", {"ok": kept}, deadline, wait=False)
+            word = await self._coord.wait_for(seq, "in-memory-all", deadline)
+            return bool(word is not None and word["ok"])
+        every = False
+        try:
+            done = await self._coord.exchange(seq, "in-memory", {"ok": bool(kept)}, deadline,
+                                              among=self.nodes.leaders)  # fmt: skip
+            every = all(v["ok"] for v in done.values())
+        finally:  # a silent leader: every other rank hears "no" now, not at its deadline
+            await self._coord.post_once(seq, "in-memory-all", {"ok": every})
+        return every
 
     async def _commit(self, step: int, write: MemoryWrite, ok: bool, got: dict[int, Any], t0: float) -> bool:
         """The leader: commit its node's memory part of ``step`` when its ranks all wrote theirs

@@ -172,9 +172,13 @@ class PartUploads(Mirror):
                     os.close(fd)
         except Exception as e:  # noqa: BLE001 - every rank hears it in the exchange
             mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        got = await self._coord.exchange(seq, "parts", mine, deadline)  # TimeoutError: a rank did not take part
-        failed = {int(r): str(v["error"]) for r, v in got.items() if not v["ok"]}
+        # rank 0 reads every rank's outcome and tells each the verdict: O(ranks) store reads
         if self.rank == 0:
+            try:
+                got = await self._coord.exchange(seq, "parts", mine, deadline)
+                failed = {int(r): str(v["error"]) for r, v in got.items() if not v["ok"]}
+            except TimeoutError as e:  # a rank did not take part: named in the outcome every rank hears
+                failed = {0: f"{type(e).__name__}: {e}"}
             outcome: dict[str, Any] = {"ok": False, "failed": failed}
             lease = None
             if not failed:
@@ -187,6 +191,7 @@ class PartUploads(Mirror):
             if lease is not None:  # after the outcome, in the background: see _retire_soon
                 self._retire_soon(step, lease)
         else:
+            await self._coord.exchange(seq, "parts", mine, deadline, wait=False)
             heard = await self._coord.wait_for(seq, "done", deadline + _OUTCOME_GRACE_S)
             if heard is None:  # rank 0 is the one that failed: named as such, not this rank
                 silent = RankFailure(0, "TimeoutError", f"did not publish the outcome of step {step}'s upload in time")
