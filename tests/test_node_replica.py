@@ -70,6 +70,18 @@ def flip(path: Path) -> None:
 
 
 @pytest.mark.needs_root
+@pytest.mark.timeout(300)
+def test_the_replicas_a_node_holds_count_toward_its_memory_budget(tmp_path: Path, shm: Path) -> None:
+    # a node part is ~2.1 MiB (2 ranks x 1 MiB): two own steps fit a 5 MiB budget alone, not
+    # with the two steps of replicas the node holds for the other node's ranks (keep 2): the
+    # oldest own step goes (before: [2, 3] were kept, 8.4 MiB of tmpfs under a 5 MiB budget)
+    c = saved(tmp_path, shm, "1,2,3", STATE_MB="1", MEMORY_KEEP_LAST="2", MEMORY_BUDGET=str(5 << 20))
+    for mem, sources in ((c.ma, (2, 3)), (c.mb, (0, 1))):
+        assert _steps(mem) == [3], mem
+        assert all(_steps(_replica(mem, r)) == [2, 3] for r in sources)  # the replicas: memory_keep_last each
+
+
+@pytest.mark.needs_root
 @pytest.mark.slow  # two runs of 4 ranks
 @pytest.mark.timeout(400)
 def test_a_replaced_node_resumes_bit_exact_from_its_buddies_memory_without_a_store(tmp_path: Path, shm: Path) -> None:

@@ -115,8 +115,9 @@ class Checkpointer:
             reads each rank's part from it first (then its disk, then the store: always the
             agreed step). A directory not on tmpfs fails construction (docs/node-local.md).
         memory_keep_last: steps each node keeps in its memory tier (default 1).
-        memory_budget: bytes each node's memory tier keeps (a due save's files come on top until
-            its round); the oldest go first, a part alone over it is not kept. Never fails a save.
+        memory_budget: bytes each node's memory tier keeps, replicas it holds included (a due save's
+            files come on top until its round); the oldest go first, a part alone over it is not
+            kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
         memory_every: every n-th save() of the job (the first always) goes to the memory tier.
         mirror_every: every m-th commit to the disks (the first always) goes to the store.

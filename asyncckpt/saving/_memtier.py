@@ -195,18 +195,22 @@ def _remove(memory: str, step: int) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def make_room(memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, newest: int) -> list[int]:
+def make_room(
+    memory: str, ranks: tuple[int, ...], keep_last: int, budget: int | None, newest: int, held: str | None = None
+) -> list[int]:
     """After ``newest`` was committed: remove this node's oldest memory steps below it until at
-    most ``keep_last`` are left with it and they fit ``budget``; return the removed steps. Never
-    a step above ``newest``: a save that commits into the memory tier itself (``disk_every``)
-    may have committed a newer step before this round ran."""
+    most ``keep_last`` are left with it and they fit ``budget`` together with the files under
+    ``held`` (the peer replicas this node holds for others: they use the same memory); return
+    the removed steps. Never ``newest`` nor a step above it: a save that commits into the
+    memory tier itself (``disk_every``) may have committed a newer step before this round ran."""
     have = [s for s in sorted(parts(memory, ranks)) if s < newest]
     sizes = {s: _tree_bytes(os.path.join(memory, step_dir_name(s))) for s in [*have, newest]}
+    others = _tree_bytes(held) if held is not None and budget is not None else 0
     gone = []
 
     def over() -> bool:
         return len(have) + 1 > keep_last or (
-            budget is not None and sum(sizes[s] for s in have) + sizes[newest] > budget
+            budget is not None and sum(sizes[s] for s in have) + sizes[newest] + others > budget
         )
 
     while have and over():
@@ -402,7 +406,8 @@ class MemoryCopies:
         """The leader, ``step`` committed in its node's memory tier: make room (older steps only)."""
         self.copied.append(step)
         try:
-            gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, step)
+            held = None if self.replica is None else self.replica.directory
+            gone = await self._run(make_room, self.memory, self._ranks, self.keep_last, self.budget, step, held)
         except OSError as e:
             log.warning("asyncckpt: memory tier %s: could not make room: %s", self.memory, e)
         else:

@@ -77,6 +77,12 @@ class PeerTier:
     def sources(self) -> tuple[int, ...]:
         return self.replicas.sources
 
+    @property
+    def directory(self) -> str:
+        """Where this node's ranks keep the replicas they hold (in the memory tier's directory:
+        they count toward its ``memory_budget``)."""
+        return os.path.join(self.memory, DIRECTORY)
+
     def push(self, step: int, attempt: str, crcs: Mapping[str, int] | None = None) -> bool:
         """Collective: this rank's memory files of ``step`` (made by ``attempt``) to its buddy;
         whether every rank's landed. ``crcs``: the files' CRC-32C the save computed (not
