@@ -70,6 +70,7 @@ def flip(path: Path) -> None:
 
 
 @pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
 @pytest.mark.timeout(300)
 def test_the_replicas_a_node_holds_count_toward_its_memory_budget(tmp_path: Path, shm: Path) -> None:
     # a node part is ~2.1 MiB (2 ranks x 1 MiB): two own steps fit a 5 MiB budget alone, not
