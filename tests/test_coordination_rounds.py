@@ -14,7 +14,7 @@ import pytest
 from _ranks import free_port
 from torch.distributed import TCPStore
 
-from asyncckpt.ranks._coordination import StoreCoordinator
+from asyncckpt.ranks._coordination import RoundTimeout, StoreCoordinator
 
 
 class _Counted:
@@ -81,5 +81,6 @@ def test_a_missing_rank_fails_only_the_ranks_that_wait_for_it_and_is_named(world
     t0 = time.monotonic()
     node, everyone = asyncio.run(main())
     assert node == {0: {"ok": True}, 1: {"ok": True}}
-    assert type(everyone) is TimeoutError and "rank(s) [2, 3] did not take part" in str(everyone), everyone
+    assert isinstance(everyone, RoundTimeout) and everyone.missing == (2, 3), everyone
+    assert "rank(s) [2, 3] did not take part" in str(everyone), everyone
     assert time.monotonic() - t0 < 8  # by the deadline, not a store call's own timeout

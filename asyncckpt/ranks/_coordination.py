@@ -29,6 +29,14 @@ from .._errors import CoordinationLost, RankFailure
 log = logging.getLogger("asyncckpt")
 
 
+class RoundTimeout(TimeoutError):
+    """Ranks did not take part in an exchange before its deadline: ``missing`` names them."""
+
+    def __init__(self, message: str, missing: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 @dataclass
 class Report:
     """One rank's outcome of the write phase."""
@@ -93,8 +101,9 @@ class Coordinator(Protocol):
     ) -> dict[int, Any]:
         """Every rank publishes ``value`` (JSON; ``None`` says "I failed") under ``tag`` and,
         with ``wait``, gets the values of the ranks ``among`` (default: every rank's);
-        ``TimeoutError`` if one is missing at ``deadline``. A round where each rank reads only
-        the values it needs costs the store O(world) reads, not O(world²).
+        :class:`RoundTimeout` (a ``TimeoutError`` naming them) if some are missing at ``deadline``.
+        A round where each rank reads only the values it needs costs the store O(world) reads,
+        not O(world²).
         Called between ``begin`` and ``report`` by every rank (dedupe, on the writer thread)."""
         ...
 
@@ -324,7 +333,8 @@ class StoreCoordinator:
         keys = [self._key(seq, tag, r) for r in ranks]
         if keys and not await self._wait_keys(keys, deadline):
             missing = [r for r, key in zip(ranks, keys, strict=True) if not await self._call("check", [key])]
-            raise TimeoutError(f"rank(s) {missing} did not take part in the {tag!r} round before the save's deadline")
+            raise RoundTimeout(f"rank(s) {missing} did not take part in the {tag!r} round before the save's deadline",
+                               tuple(missing))  # fmt: skip
         # one round trip for every value (a get per rank cost as many round trips)
         values = await self._call("multi_get", keys) if keys else []
         return {r: json.loads(v) for r, v in zip(ranks, values, strict=True)}

@@ -40,7 +40,7 @@ from .._info import CheckpointInfo
 from ..format import _manifest
 from ..format._bounds import MAX_MANIFEST_BYTES
 from ..format._layout import manifest_key, step_dir_name
-from ..ranks._coordination import StoreCoordinator
+from ..ranks._coordination import RoundTimeout, StoreCoordinator
 from ..roots.posix._discovery import read_manifest, read_regular_file
 from ..threads._iopool import IOPool
 from ._mirror import Mirror, UploadRecord
@@ -177,8 +177,9 @@ class PartUploads(Mirror):
             try:
                 got = await self._coord.exchange(seq, "parts", mine, deadline)
                 failed = {int(r): str(v["error"]) for r, v in got.items() if not v["ok"]}
-            except TimeoutError as e:  # a rank did not take part: named in the outcome every rank hears
-                failed = {0: f"{type(e).__name__}: {e}"}
+            except RoundTimeout as e:  # ranks that did not take part: named in the outcome every rank hears
+                late = f"TimeoutError: did not take part in step {step}'s upload round in time"
+                failed = {r: late for r in e.missing}
             outcome: dict[str, Any] = {"ok": False, "failed": failed}
             lease = None
             if not failed:
@@ -193,9 +194,13 @@ class PartUploads(Mirror):
         else:
             await self._coord.exchange(seq, "parts", mine, deadline, wait=False)
             heard = await self._coord.wait_for(seq, "done", deadline + _OUTCOME_GRACE_S)
-            if heard is None:  # rank 0 is the one that failed: named as such, not this rank
-                silent = RankFailure(0, "TimeoutError", f"did not publish the outcome of step {step}'s upload in time")
-                raise SaveError(step, {0: silent}, detail=f"upload to {self.url} failed; the node-local step under "
+            if heard is None:  # rank 0 is the one that failed: named as such, with this rank's own failure
+                what = f"did not publish the outcome of step {step}'s upload in time"
+                silent = {0: RankFailure(0, "TimeoutError", what)}
+                if not mine["ok"]:
+                    msg = str(mine["error"])
+                    silent[self.rank] = RankFailure(self.rank, msg.partition(":")[0], msg.partition(": ")[2])
+                raise SaveError(step, silent, detail=f"upload to {self.url} failed; the node-local step under "
                                 f"{self.root} is committed, and the next commit's upload goes on")  # fmt: skip
             outcome = heard
         if not outcome["ok"]:
