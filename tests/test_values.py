@@ -204,6 +204,21 @@ def test_parameter_comes_back_as_parameter(tmp_path: Path) -> None:
     assert [p.requires_grad for p in got] == [True, False]
 
 
+def test_parameters_load_into_parameters_in_place_and_the_step_stays_good(tmp_path: Path) -> None:
+    # load(into=) with Parameter targets (a model's named_parameters()) was refused as "malformed
+    # $param tensor", and the refusal marked the good step bad: a plain load() then failed too
+    model = torch.nn.Linear(3, 2)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": dict(model.named_parameters())}).result(timeout=60)
+    fresh = torch.nn.Linear(3, 2)
+    targets = dict(fresh.named_parameters())
+    got = load(tmp_path / "ck", into={"model": targets})
+    for name, p in model.named_parameters():
+        assert got["model"][name] is targets[name]  # the caller's own Parameter, filled in place
+        assert torch.equal(targets[name].detach(), p.detach()) and targets[name].requires_grad
+    assert torch.equal(load(tmp_path / "ck")["model"]["weight"], model.weight.detach())
+
+
 @pytest.mark.parametrize(
     "value",
     [

@@ -273,6 +273,8 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
         t = dec(val[0], depth + 1)
         if type(t) is TensorSlot:
             return t  # a stand-in's skeleton
+        if isinstance(t, torch.nn.Parameter):
+            return t  # a load(into=) target read in place: the caller's own Parameter
         if type(t) is not torch.Tensor:
             raise ValueError("malformed $param tensor")
         if t.is_meta:
