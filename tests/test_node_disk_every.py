@@ -115,7 +115,7 @@ def test_a_step_committed_in_memory_only_is_not_saved_again(nodes: Cluster) -> N
     # another attempt of the same step beside the memory one)
     res, _ = nodes.run("twice", STEPS="1,2,2,3", DISK_EVERY="2", GO_ON="1")
     for r, got in res.items():
-        assert got["saved"] == [1, 2, 3], (r, got)
+        assert got["saved"] == [1, 2, 3], (r, got.get("save_errors"), got.get("save_error"), _log_tail(nodes, "twice"))
         (err,) = got["save_errors"]
         assert err["step"] == 2 and err["type"] == "ValueError" and "already committed" in err["msg"], (r, err)
     assert _steps(nodes.a) == [1, 3] and _steps(nodes.ma) == [3]
@@ -177,3 +177,8 @@ def test_memory_retention_never_removes_a_step_above_the_one_its_round_committed
     assert _steps(mem) == [5, 6]
     assert make_room(str(mem), (0,), 1, None, 6) == [5]
     assert _steps(mem) == [6]
+
+
+def _log_tail(c: Cluster, tag: str) -> str:
+    """The end of each rank's log of run ``tag`` (for an assertion's message)."""
+    return "\n".join((c.tmp / tag / f"rank{r}.log").read_text(errors="replace")[-1500:] for r in range(4))
