@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._header import TensorSlot
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
 from ..format._state_prefixes import COMPILE_PREFIX, strip_state_dict_prefixes
-from ..format._structure_decode import UnknownTensorError, unflatten
+from ..format._structure_decode import StandInSites, UnknownTensorError, fill_in, unflatten
 from ..format._structure_names import distinct_names
 
 
@@ -40,15 +40,15 @@ class UnfitKeyError(Unfit, MissingKeyError):
 
 
 def unflatten_named(
-    tree: Any, tensors: Mapping[str, Any], shard_path: str, consume: bool = False
+    tree: Any, tensors: Mapping[str, Any], shard_path: str, consume: bool = False, sites: StandInSites | None = None
 ) -> tuple[Any, list[str]]:
-    """``unflatten(tree, tensors, consume=consume)`` and the names the tree references (tied
+    """``unflatten(tree, tensors, consume=consume, sites=sites)`` and the names the tree references (tied
     tensors more than once), in one walk. ``CheckpointCorruptError`` naming ``shard_path`` unless the tree
     references exactly the tensors of ``tensors`` (a name the shard lacks, or a tensor of the
     shard no node names); a malformed node raises ``ValueError`` as ``unflatten`` does."""
     named: list[str] = []
     try:
-        state = unflatten(tree, tensors, named, consume)
+        state = unflatten(tree, tensors, named, consume, sites)
     except UnknownTensorError:
         raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path) from None
     # every name is one of tensors' (else UnknownTensorError): the sets are equal iff as large;
@@ -59,10 +59,28 @@ def unflatten_named(
 
 
 # ---------------------------------------------------------------------- reading into targets
+class Skeleton(NamedTuple):
+    """The state :func:`plan_targets` rebuilt with the saved tensors' slots standing in for
+    them, when :func:`fill_in` can make it the loaded state (its slots all values of its
+    mappings, ``sites``): the load then decodes its tree once."""
+
+    state: Any
+    sites: StandInSites
+
+    def filled(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """The loaded state: every slot replaced by the tensor of ``tensors`` of its name (one
+        for each name of the shard: :func:`plan_targets` checked the tree names them all)."""
+        fill_in(self.sites, tensors)
+        return self.state
+
+
 def plan_targets(
     into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
-) -> dict[str, torch.Tensor]:
-    """The tensors of ``into`` that saved tensors can be read straight into, by saved name.
+) -> tuple[dict[str, torch.Tensor], Skeleton | None]:
+    """The tensors of ``into`` that saved tensors can be read straight into, by saved name,
+    and the skeleton that :meth:`Skeleton.filled` turns into the loaded state once the tensors
+    exist (``None`` when a stand-in sits outside its mappings: the tree is then decoded again
+    over the tensors).
 
     The state is first rebuilt as a skeleton, each saved tensor's slot standing in for it
     (``unflatten``'s stand-ins: every node checked, nothing allocated per tensor), and walked
@@ -76,14 +94,16 @@ def plan_targets(
     mismatch :func:`check_fit` finds is raised here, before any target is.
     """
     slot_of = {s.name: s for s in slots}
+    sites = StandInSites()
     try:
-        skeleton, names = unflatten_named(tree, slot_of, shard_path)
+        skeleton, names = unflatten_named(tree, slot_of, shard_path, sites=sites)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
     found: dict[str, torch.Tensor] = {}
     # a mismatch restore_into would meet is raised here, before any target is written
     _fit_and_pair(into, skeleton, prefixes, found)
-    del skeleton
+    kept = None if sites.elsewhere else Skeleton(skeleton, sites)
+    del skeleton, sites
     # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
     counts = collections.Counter(names) if len(names) != len(slots) else None
     del names
@@ -95,7 +115,7 @@ def plan_targets(
             usable[name] = t
             spans += (t.get_device(), *_span(t))
     del found
-    return _without_overlaps(usable, slot_of, spans)
+    return _without_overlaps(usable, slot_of, spans), kept
 
 
 def _fit_and_pair(target: Any, skeleton: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
