@@ -280,3 +280,39 @@ def _tensors_of(v: Any) -> list[torch.Tensor]:
     """The tensors in ``v``'s dicts, lists and tuples (a module's or generator's: none)."""
     seq = list(v.values()) if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
     return [v] if isinstance(v, torch.Tensor) else [t for x in seq or () for t in _tensors_of(x)]
+
+
+def test_a_run_of_tensors_of_every_kind_lands_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Tiles loop's inline view (numpy dtypes without grad) and byte_view's other cases (bf16, requires_grad,
+    # empty, larger than a bounce buffer), a run split across preadv calls, a Direct and a Skip between runs
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    kinds = [(torch.float32, 10, False), (torch.bfloat16, 7, False), (torch.float32, 3, True), (torch.uint8, 0, False),
+             (torch.float64, 1500, False), (torch.int16, 1, False), (torch.float32, 2000, True)]  # fmt: skip
+    tensors = [torch.zeros(n, dtype=dt, requires_grad=g) for dt, n, g in kinds * 5]
+    sizes = [t.nbytes for t in tensors]
+    data = os.urandom(sum(sizes) + 100)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    dests = _readinto.Destinations()
+    at = 0
+    for i, (t, n) in enumerate(zip(tensors, sizes, strict=True)):
+        if i == 9:
+            dests.other(_readinto.Skip(at, n))
+        elif i == 20:
+            dests.other(_readinto.Direct(at, _readinto.byte_view(t)))
+        else:
+            dests.tensor(at, n, t)
+        at += n
+    dests.tensor(at, 100, last := torch.zeros(100, dtype=torch.uint8))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc = _readinto.read_into(fd, str(path), dests.done(), checksum=True, threads=1)
+    finally:
+        os.close(fd)
+    assert crc == _crc.crc32c(data)
+    at = 0
+    for i, (t, n) in enumerate(zip(tensors, sizes, strict=True)):
+        if i != 9:
+            assert bytes(t.detach().reshape(-1).view(torch.uint8).numpy()) == data[at : at + n], i
+        at += n
+    assert bytes(last.numpy()) == data[at:]

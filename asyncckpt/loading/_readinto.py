@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointCorruptError
-from ..format._checksum import crc32c, crc32c_combine
+from ..format._checksum import crc32c, crc32c_chain, crc32c_combine
 from ._pread import IOV_MAX, Bounce, Source, advise_sequential, bytes_of, parallel, pread_exact
 
 #: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
@@ -213,9 +213,8 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
         nonlocal crc, run, run_bytes
         if run:
             pread_exact(fd, run, run_start, path)
-            if crc is not None:
-                for v in run:  # just landed: still in cache
-                    crc = crc32c(v, crc)
+            if crc is not None:  # just landed: still in cache
+                crc = crc32c_chain(run, crc)
         run, run_bytes = [], 0
 
     def flush_dev() -> None:
@@ -232,7 +231,43 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             bounce.copy_out(i, pairs)
         dev, dev_bytes = [], 0
 
-    for d in _expanded(dests):
+    def add(offset: int, view: memoryview) -> None:
+        """The bytes of ``view`` from the file at ``offset``, in pieces of at most a bounce buffer."""
+        nonlocal run_start, run_bytes
+        n = len(view)
+        for i in range(0, n, BOUNCE):
+            if run and run_start + run_bytes != offset + i:
+                flush()  # not adjacent to the run: a new preadv
+            if not run:
+                run_start = offset + i
+            v = view if n <= BOUNCE else view[i : i + BOUNCE]  # (a small tensor: the view itself)
+            run.append(v)
+            run_bytes += len(v)
+            # (a preadv takes IOV_MAX views at most: a run of more small tensors would only
+            # hold their views longer)
+            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
+                flush()
+
+    for d in dests:
+        if isinstance(d, Tiles):  # a run of contiguous CPU tensors (the common case): each visited once
+            flush_dev()
+            pos = d.offset
+            for t, n in zip(d.tensors, d.sizes, strict=True):
+                if not 0 < n <= BOUNCE or run_start + run_bytes != pos:  # (empty: nothing; large: cut)
+                    if n:
+                        add(pos, byte_view(t))
+                    pos += n
+                    continue
+                # add()'s common case inline: the run goes on (run_start + run_bytes == pos); byte_view's too
+                if not t.requires_grad and t.dtype in _NUMPY_DTYPES:
+                    run.append(memoryview(t.numpy()).cast("B"))  # type: ignore[arg-type]
+                else:
+                    run.append(byte_view(t))
+                run_bytes += n
+                pos += n
+                if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
+                    flush()
+            continue
         if isinstance(d, Device):
             flush()
             for i in range(0, d.nbytes, BOUNCE):
@@ -257,45 +292,10 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             flush()
             crc = _read_skipped(fd, d, bounce, path, crc)
             continue
-        n = d.nbytes
-        if 0 < n <= BOUNCE:  # one piece: the view itself, not a slice of it (a small tensor)
-            if run and run_start + run_bytes != d.offset:
-                flush()
-            if not run:
-                run_start = d.offset
-            run.append(d.view)
-            run_bytes += n
-            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
-                flush()
-            continue
-        for i in range(0, n, BOUNCE):
-            if run and run_start + run_bytes != d.offset + i:
-                flush()  # not adjacent to the run: a new preadv
-            if not run:
-                run_start = d.offset + i
-            v = d.view[i : i + BOUNCE]
-            run.append(v)
-            run_bytes += len(v)
-            # (a preadv takes IOV_MAX views at most: a run of more small tensors would only
-            # hold their views longer)
-            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
-                flush()
+        add(d.offset, d.view)
     flush()
     flush_dev()
     return crc or 0
-
-
-def _expanded(dests: list[Dest]) -> Any:
-    """``dests`` with every tensor of a ``Tiles`` as a ``Direct`` (its byte view made now,
-    by the thread that reads it)."""
-    for d in dests:
-        if isinstance(d, Tiles):
-            offset = d.offset
-            for t, n in zip(d.tensors, d.sizes, strict=True):
-                yield Direct(offset, byte_view(t))
-                offset += n
-        else:
-            yield d
 
 
 def _cut_tiles(d: Tiles, step: int) -> list[Dest]:
