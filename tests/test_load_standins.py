@@ -316,3 +316,24 @@ def test_a_run_of_tensors_of_every_kind_lands_every_byte(tmp_path: Path, monkeyp
             assert bytes(t.detach().reshape(-1).view(torch.uint8).numpy()) == data[at : at + n], i
         at += n
     assert bytes(last.numpy()) == data[at:]
+
+
+def _targets_of_every_kind() -> list[torch.Tensor]:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with torch.inference_mode():
+        inference = torch.zeros(3, 4)
+    return [base, base.clone().requires_grad_(), torch.nn.Parameter(base.clone()), base.t().contiguous(),
+            base.t(), base[:, :2], torch.zeros(1, 4).expand(3, 4), torch.zeros(0, 4), torch.zeros(0, 1).expand(0, 4),
+            torch.zeros(3, 4, dtype=torch.complex64).conj(), torch._neg_view(base), inference, base.double(),
+            torch.zeros(4, 3), base.to_sparse(), torch.zeros(1, 4)[:, None].squeeze(1).expand(3, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(len(_targets_of_every_kind())))
+def test_a_targets_span_in_one_visit_is_what_fits_and_span_give(i: int) -> None:
+    from asyncckpt.loading import _targets
+
+    t = _targets_of_every_kind()[i]
+    for dtype in (torch.float32, torch.complex64):
+        for shape in ((3, 4), tuple(t.shape)):
+            want = (t.get_device(), *_targets._span(t)) if _targets._fits(t, dtype, shape) else None
+            assert _targets._fitting_span(t, dtype, shape) == want
