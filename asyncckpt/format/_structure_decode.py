@@ -193,6 +193,7 @@ def unflatten(
         out = []
         has_tensor = False
         inner = depth + 1
+        shallow = inner <= MAX_DEPTH  # (a tensor node one level down is not too deep)
         get = tensors.get
         if consume:  # taken from the end, in order: each item is freed once decoded
             val.reverse()
@@ -210,16 +211,17 @@ def unflatten(
             elif tk is not int:
                 raise ValueError("malformed mapping key")
             # the common value of a state dict, a plain tensor node, without dec's dispatch
-            if type(v) is torch.Tensor and inner <= MAX_DEPTH:  # (resolving_node's)
-                out.append((k, v))
-            elif type(v) is tuple and len(v) == 1 and inner <= MAX_DEPTH:  # (compact_node's)
+            tv = type(v)
+            if tv is tuple and len(v) == 1 and shallow:  # (compact_node's)
                 name = v[0]
                 t = get(name) if type(name) is str else None  # (tensor(name), inline)
                 out.append((k, t if t is not None else tensor(name)))
                 has_tensor = True
                 if note is not None:
                     note(name)
-            elif type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:
+            elif tv is torch.Tensor and shallow:  # (resolving_node's)
+                out.append((k, v))
+            elif tv is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and shallow:
                 t = get(name)
                 out.append((k, t if t is not None else tensor(name)))
                 has_tensor = True

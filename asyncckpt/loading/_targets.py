@@ -6,6 +6,7 @@ walked the same way so a tensor is read into exactly when the restore would copy
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, NamedTuple
 
@@ -93,7 +94,7 @@ def plan_targets(
     (``restore_into`` then copies or raises exactly as before). Nothing is written here; a
     mismatch :func:`check_fit` finds is raised here, before any target is.
     """
-    slot_of = {s.name: s for s in slots}
+    slot_of = dict(zip(map(_NAME, slots), slots, strict=True))  # {s.name: s}, at C speed
     sites = StandInSites()
     try:
         skeleton, names = unflatten_named(tree, slot_of, shard_path, sites=sites)
@@ -108,15 +109,16 @@ def plan_targets(
     counts = collections.Counter(names) if len(names) != len(slots) else None
     del names
     usable: dict[str, torch.Tensor] = {}
-    spans: list[int] = []  # (device, begin, end) of each usable target, read while it is in cache
+    spans: list[int] = []  # (device, begin, end, file offset) of each usable target, read while it is in cache
     for name, t in found.items():
         s = slot_of[name]
         span = _fitting_span(t, ST_TO_DTYPE[s.dtype], s.shape) if counts is None or counts[name] == 1 else None
         if span is not None:
             usable[name] = t
             spans += span
+            spans.append(s.begin)
     del found
-    return _without_overlaps(usable, slot_of, spans), kept
+    return _without_overlaps(usable, spans), kept
 
 
 def _fit_and_pair(target: Any, skeleton: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
@@ -321,16 +323,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return begin, begin + extent * t.element_size()
 
 
-def _without_overlaps(
-    targets: dict[str, torch.Tensor], slot_of: Mapping[str, TensorSlot], spans: list[int]
-) -> dict[str, torch.Tensor]:
+def _without_overlaps(targets: dict[str, torch.Tensor], spans: list[int]) -> dict[str, torch.Tensor]:
     """``targets`` less every target whose memory overlaps another kept one (tied weights,
     views): in the order of (device, address, end, file offset) the first stays. ``spans``:
-    each target's ``get_device()`` and :func:`_span`, flat, in ``targets``' order. Sorted
-    with numpy: a few integers a target, no tuple per target."""
+    each target's ``get_device()``, :func:`_span` and its saved tensor's offset in the shard,
+    flat, in ``targets``' order. Sorted with numpy: a few integers a target, no tuple per target."""
     n = len(targets)
-    facts = np.array(spans, dtype=np.int64).reshape(n, 3)
-    offset = np.fromiter((slot_of[name].begin for name in targets), dtype=np.int64, count=n)
+    table = np.array(spans, dtype=np.int64).reshape(n, 4)
+    facts, offset = table[:, :3], table[:, 3]
     taken = np.flatnonzero(facts[:, 1] < facts[:, 2])  # (an empty span overlaps nothing)
     f = facts[taken]
     order = taken[np.lexsort((offset[taken], f[:, 2], f[:, 1], f[:, 0]))]
@@ -437,6 +437,8 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
         return
     # a plain value at the top level or inside a tuple: nothing to restore in place
 
+
+_NAME = operator.itemgetter(0)  # (a TensorSlot's name)
 
 #: Plain values, leaves without a look at their type's ABCs (a list of a parameter's ints).
 _SCALARS = frozenset({int, float, str, bool, type(None)})
