@@ -55,7 +55,7 @@ from ..format._structure_decode import UnknownTensorError, compact_node, resolvi
 from ._shard import ShardHeader, map_shard, noted, read_shard_fd, shard_header, unreadable
 from ._shard import read_header as read_header  # (``_export``'s)
 from ._stepfiles import StepFiles
-from ._targets import Skeleton, plan_targets, unflatten_named
+from ._targets import Plan, Skeleton, plan_targets, unflatten_named
 
 
 def check_tree_size(path: str, size: int) -> None:
@@ -179,13 +179,15 @@ def _load_files(
         return pending[0]
 
     rebuilt: list[Any] = []
+    plain = False  # (every target a contiguous CPU tensor)
     skeleton: list[Skeleton] = []  # plan_targets' (the tree then decoded once: it is gone)
     targets: list[dict[str, torch.Tensor]] = []  # (taken by the read)
     if into is not None:
         planned = _plan(into, tree(), header, strip_prefixes, tree_path, shard_path)
-        targets.append(planned[0])
-        if planned[1] is not None:
-            skeleton.append(planned[1])
+        targets.append(planned.targets)
+        plain = planned.plain
+        if planned.skeleton is not None:
+            skeleton.append(planned.skeleton)
             pending.clear()
         del planned
 
@@ -211,6 +213,7 @@ def _load_files(
         header,
         verify_first,
         rebuild if early else None,
+        plain,
     )
     if not early:
         rebuild(tensors)
@@ -219,7 +222,7 @@ def _load_files(
 
 def _plan(
     into: Any, tree: Any, header: ShardHeader, strip_prefixes: Sequence[str], tree_path: str, shard_path: str
-) -> tuple[dict[str, torch.Tensor], Skeleton | None]:
+) -> Plan:
     """:func:`plan_targets` for ``into`` over the header's slots."""
     assert header.slots is not None
     return plan_targets(into, tree, header.slots, tuple(strip_prefixes), tree_path, shard_path)

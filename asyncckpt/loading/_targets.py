@@ -61,27 +61,34 @@ def unflatten_named(
 
 # ---------------------------------------------------------------------- reading into targets
 class Skeleton(NamedTuple):
-    """The state :func:`plan_targets` rebuilt with the saved tensors' slots standing in for
-    them, when :func:`fill_in` can make it the loaded state (its slots all values of its
-    mappings, ``sites``): the load then decodes its tree once."""
+    """The state :func:`plan_targets` rebuilt over the slots, when :func:`fill_in` can make it
+    the loaded state (its slots all values of its mappings, ``sites``): one decode of the tree."""
 
     state: Any
     sites: StandInSites
 
     def filled(self, tensors: Mapping[str, torch.Tensor]) -> Any:
-        """The loaded state: every slot replaced by the tensor of ``tensors`` of its name (one
-        for each name of the shard: :func:`plan_targets` checked the tree names them all)."""
+        """The loaded state: each slot replaced by the tensor of its name (every name's)."""
         fill_in(self.sites, tensors)
         return self.state
 
 
+class Plan(NamedTuple):
+    """:func:`plan_targets`' ``targets`` by saved name, ``skeleton`` (or ``None``), and whether
+    every target is ``plain``: a contiguous CPU tensor, not empty (taken by the read unlooked at)."""
+
+    targets: dict[str, torch.Tensor]
+    skeleton: Skeleton | None
+    plain: bool
+
+
 def plan_targets(
     into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
-) -> tuple[dict[str, torch.Tensor], Skeleton | None]:
+) -> Plan:
     """The tensors of ``into`` that saved tensors can be read straight into, by saved name,
     and the skeleton that :meth:`Skeleton.filled` turns into the loaded state once the tensors
     exist (``None`` when a stand-in sits outside its mappings: the tree is then decoded again
-    over the tensors).
+    over the tensors): a :class:`Plan`.
 
     The state is first rebuilt as a skeleton, each saved tensor's slot standing in for it
     (``unflatten``'s stand-ins: every node checked, nothing allocated per tensor), and walked
@@ -94,7 +101,7 @@ def plan_targets(
     (``restore_into`` then copies or raises exactly as before). Nothing is written here; a
     mismatch :func:`check_fit` finds is raised here, before any target is.
     """
-    slot_of = dict(zip(map(_NAME, slots), slots, strict=True))  # {s.name: s}, at C speed
+    slot_of = dict(zip(map(operator.itemgetter(0), slots), slots, strict=True))  # {s.name: s} at C speed
     sites = StandInSites()
     try:
         skeleton, names = unflatten_named(tree, slot_of, shard_path, sites=sites)
@@ -110,15 +117,21 @@ def plan_targets(
     del names
     usable: dict[str, torch.Tensor] = {}
     spans: list[int] = []  # (device, begin, end, file offset) of each usable target, read while it is in cache
+    plain = True
     for name, t in found.items():
+        if counts is not None and counts[name] != 1:
+            continue
         s = slot_of[name]
-        span = _fitting_span(t, ST_TO_DTYPE[s.dtype], s.shape) if counts is None or counts[name] == 1 else None
-        if span is not None:
-            usable[name] = t
-            spans += span
-            spans.append(s.begin)
+        dtype = ST_TO_DTYPE[s.dtype]
+        span = _plain_span(t, dtype, s.shape)
+        if span is None:  # not plain: it fits or not as _fits says
+            if not _fits(t, dtype, s.shape):
+                continue
+            span, plain = (t.get_device(), *_span(t)), False
+        usable[name] = t
+        spans += (*span, s.begin)
     del found
-    return _without_overlaps(usable, spans), kept
+    return Plan(_without_overlaps(usable, spans), kept, plain)
 
 
 def _fit_and_pair(target: Any, skeleton: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
@@ -284,12 +297,9 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return 0 not in strides or all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
 
 
-def _fitting_span(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-    """``(t.get_device(), *_span(t))`` if :func:`_fits`, else ``None``, in one visit of the
-    common target, a plain contiguous CPU tensor that is not empty: each figure read once
-    (issue 32: each costs ~0.1 us a tensor). Contiguous and not empty, it has no expanded dim
-    (every dim of more than one element has the stride of the elements after it, >= 1); any
-    other tensor takes the two functions as they are."""
+def _plain_span(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(t.get_device(), *_span(t))`` of a plain target that :func:`_fits` (contiguous, on the
+    CPU, not empty: no expanded dim), each figure read once (~0.1 us a tensor each); else ``None``."""
     if (
         type(t) in PLAIN_TENSORS
         and t.dtype == dtype
@@ -305,9 +315,7 @@ def _fitting_span(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
         if nbytes:
             begin = t.data_ptr()
             return -1, begin, begin + nbytes  # (get_device() of a CPU tensor: -1)
-    if not _fits(t, dtype, shape):
-        return None
-    return (t.get_device(), *_span(t))
+    return None
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -324,10 +332,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _without_overlaps(targets: dict[str, torch.Tensor], spans: list[int]) -> dict[str, torch.Tensor]:
-    """``targets`` less every target whose memory overlaps another kept one (tied weights,
-    views): in the order of (device, address, end, file offset) the first stays. ``spans``:
-    each target's ``get_device()``, :func:`_span` and its saved tensor's offset in the shard,
-    flat, in ``targets``' order. Sorted with numpy: a few integers a target, no tuple per target."""
+    """``targets`` less every target whose memory overlaps another kept one (tied weights, views):
+    in the order of (device, address, end, file offset) the first stays. ``spans``: each target's
+    ``get_device()``, :func:`_span` and saved offset, flat, in ``targets``' order (sorted by numpy)."""
     n = len(targets)
     table = np.array(spans, dtype=np.int64).reshape(n, 4)
     facts, offset = table[:, :3], table[:, 3]
@@ -437,8 +444,6 @@ def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Seque
         return
     # a plain value at the top level or inside a tuple: nothing to restore in place
 
-
-_NAME = operator.itemgetter(0)  # (a TensorSlot's name)
 
 #: Plain values, leaves without a look at their type's ABCs (a list of a parameter's ints).
 _SCALARS = frozenset({int, float, str, bool, type(None)})
