@@ -338,3 +338,16 @@ def test_a_plain_targets_span_in_one_visit_is_what_fits_and_span_give(i: int) ->
             want = (t.get_device(), *_targets._span(t)) if _targets._fits(t, dtype, shape) else None
             plain = want is not None and t.is_cpu and t.is_contiguous() and t.nbytes > 0
             assert _targets._plain_span(t, dtype, shape) == (want if plain else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn])
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "requires-grad"])
+def test_a_raw_view_is_the_tensors_own_bytes_writable(dtype: torch.dtype, grad: bool) -> None:
+    for shape in [(), (3,), (2, 5)]:
+        t = torch.zeros(shape, dtype=torch.float32).to(dtype)
+        if grad and dtype.is_floating_point and dtype in (torch.float32, torch.bfloat16):
+            t.requires_grad_()
+        view = _readinto.raw_view(t, t.nbytes)
+        assert len(view) == t.nbytes and not view.readonly and view.format == "B"
+        view[:] = bytes(range(1, t.nbytes + 1))
+        assert bytes(_readinto.byte_view(t)) == bytes(range(1, t.nbytes + 1))

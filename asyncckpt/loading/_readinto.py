@@ -19,6 +19,7 @@ The sources (a file descriptor or a range source), exact reads and bounce buffer
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from typing import Any, NamedTuple
 
@@ -68,6 +69,32 @@ _NUMPY_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
 })  # fmt: skip
+
+
+def _memory_view_maker() -> Any:
+    """CPython's ``PyMemoryView_FromMemory`` (a writable byte view of an address, owning
+    nothing), or ``None`` where ``ctypes.pythonapi`` lacks it."""
+    try:
+        make = ctypes.pythonapi.PyMemoryView_FromMemory
+    except (AttributeError, OSError):
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    return make
+
+
+_FROM_MEMORY = _memory_view_maker()
+_PYBUF_WRITE = 0x200
+
+
+def raw_view(t: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable byte view of the ``nbytes`` bytes of a contiguous CPU tensor (any dtype, with
+    grad or not) at ~half :func:`byte_view`'s cost: made from its address, it does not keep
+    ``t`` alive (the caller holds ``t`` while the view is used: a read's run of tensors)."""
+    if _FROM_MEMORY is None:
+        return byte_view(t)
+    view: memoryview = _FROM_MEMORY(t.data_ptr(), nbytes, _PYBUF_WRITE)
+    return view
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -248,6 +275,7 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
                 flush()
 
+    local = isinstance(fd, int)  # (a range source gets byte_view's views, which own their tensor)
     for d in dests:
         if isinstance(d, Tiles):  # a run of contiguous CPU tensors (the common case): each visited once
             flush_dev()
@@ -258,11 +286,9 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
                         add(pos, byte_view(t))
                     pos += n
                     continue
-                # add()'s common case inline: the run goes on (run_start + run_bytes == pos); byte_view's too
-                if not t.requires_grad and t.dtype in _NUMPY_DTYPES:
-                    run.append(memoryview(t.numpy()).cast("B"))  # type: ignore[arg-type]
-                else:
-                    run.append(byte_view(t))
+                # add()'s common case inline: the run goes on (run_start + run_bytes == pos); the
+                # view made from the tensor's address (d.tensors holds the tensor through the read)
+                run.append(raw_view(t, n) if local else byte_view(t))
                 run_bytes += n
                 pos += n
                 if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
