@@ -183,7 +183,8 @@ def _load_files(
     skeleton: list[Skeleton] = []  # plan_targets' (the tree then decoded once: it is gone)
     targets: list[dict[str, torch.Tensor]] = []  # (taken by the read)
     if into is not None:
-        planned = _plan(into, tree(), header, strip_prefixes, tree_path, shard_path)
+        tree()  # (parsed: pending holds it, the plan empties pending when the skeleton is the state)
+        planned = _plan(into, pending, header, strip_prefixes, tree_path, shard_path)
         targets.append(planned.targets)
         plain = planned.plain
         if planned.skeleton is not None:
@@ -221,11 +222,11 @@ def _load_files(
 
 
 def _plan(
-    into: Any, tree: Any, header: ShardHeader, strip_prefixes: Sequence[str], tree_path: str, shard_path: str
+    into: Any, pending: list[Any], header: ShardHeader, strip_prefixes: Sequence[str], tree_path: str, shard_path: str
 ) -> Plan:
-    """:func:`plan_targets` for ``into`` over the header's slots."""
+    """:func:`plan_targets` for ``into`` over the header's slots, of the tree ``pending`` holds."""
     assert header.slots is not None
-    return plan_targets(into, tree, header.slots, tuple(strip_prefixes), tree_path, shard_path)
+    return plan_targets(into, pending[0], header.slots, tuple(strip_prefixes), tree_path, shard_path, pending)
 
 
 PARTIAL_TARGETS_NOTE = (

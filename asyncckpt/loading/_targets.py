@@ -74,8 +74,7 @@ class Skeleton(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """:func:`plan_targets`' ``targets`` by saved name, ``skeleton`` (or ``None``), and whether
-    every target is ``plain``: a contiguous CPU tensor, not empty (taken by the read unlooked at)."""
+    """:func:`plan_targets`' ``targets`` by name, ``skeleton`` (or ``None``), and whether every target is ``plain``."""
 
     targets: dict[str, torch.Tensor]
     skeleton: Skeleton | None
@@ -83,30 +82,32 @@ class Plan(NamedTuple):
 
 
 def plan_targets(
-    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
-) -> Plan:
-    """The tensors of ``into`` that saved tensors can be read straight into, by saved name,
-    and the skeleton that :meth:`Skeleton.filled` turns into the loaded state once the tensors
-    exist (``None`` when a stand-in sits outside its mappings: the tree is then decoded again
-    over the tensors): a :class:`Plan`.
+    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str,
+    held: list[Any] | None = None) -> Plan:  # fmt: skip
+    """The tensors of ``into`` that saved tensors can be read straight into, by saved name, and the
+    skeleton that :meth:`Skeleton.filled` turns into the loaded state once the tensors exist (``None``
+    when a stand-in sits outside its mappings: the tree is decoded again): a :class:`Plan`.
 
     The state is first rebuilt as a skeleton, each saved tensor's slot standing in for it
     (``unflatten``'s stand-ins: every node checked, nothing allocated per tensor), and walked
     against ``into`` as :func:`restore_into` will walk it (modules through their state dict,
     after the wrapper prefixes are matched; optimizers through the tensors of their state),
-    so a tensor is read into exactly when ``restore_into`` would have copied the saved one
-    into it. Only plain tensors and parameters of the saved dtype and shape qualify, on the
-    CPU or CUDA; a target whose memory overlaps another's (tied weights) and a saved tensor
-    the structure names twice keep the fresh-tensor path, as does everything else
-    (``restore_into`` then copies or raises exactly as before). Nothing is written here; a
-    mismatch :func:`check_fit` finds is raised here, before any target is.
-    """
+    so a tensor is read into exactly when ``restore_into`` would have copied the saved one into it.
+    Only plain tensors and parameters of the saved dtype and shape qualify, on the CPU or CUDA; a
+    target whose memory overlaps another's (tied weights) and a saved tensor the structure names
+    twice keep the fresh-tensor path, as does everything else (``restore_into`` then copies or
+    raises exactly as before). Nothing is written here; a mismatch :func:`check_fit` finds is raised
+    here, before any target is. ``held``: the caller's reference to ``tree`` (a list holding it),
+    emptied once the skeleton is the state."""
     slot_of = dict(zip(map(operator.itemgetter(0), slots), slots, strict=True))  # {s.name: s} at C speed
     sites = StandInSites()
     try:
         skeleton, names = unflatten_named(tree, slot_of, shard_path, sites=sites)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    if held is not None and not sites.elsewhere:
+        held.clear()  # the tree dies now, not after the plan's per-target lists (~80 B a tensor at the peak)
+    del tree
     found: dict[str, torch.Tensor] = {}
     # a mismatch restore_into would meet is raised here, before any target is written
     _fit_and_pair(into, skeleton, prefixes, found)
