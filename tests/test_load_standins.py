@@ -23,7 +23,7 @@ import torch
 
 from asyncckpt.format._header import TensorSlot
 from asyncckpt.format._safetensors import DTYPE_TO_ST
-from asyncckpt.format._structure_decode import compact_node, unflatten
+from asyncckpt.format._structure_decode import StandInSites, compact_node, fill_in, unflatten
 from asyncckpt.format._structure_encode import flatten, tree_json
 from asyncckpt.loading import _readinto
 
@@ -201,3 +201,152 @@ def test_a_tree_that_does_not_name_the_shards_tensors_exactly_is_corrupt(
     target = {"a": torch.empty(2), "b": torch.empty(2)} if into else None
     with pytest.raises(CheckpointCorruptError, match="structure and shard disagree on tensor names"):
         load(tmp_path, 1, verify=False, into=target)
+
+
+def _plain() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(4)
+    od: collections.OrderedDict[str, Any] = collections.OrderedDict(w=torch.rand(2, generator=g), v=3)
+    od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {
+        "model": {f"l{i}.weight": torch.rand(3, generator=g) for i in range(5)},
+        "tied": {"a": None, "b": None},
+        "odict": od,
+        "dd": collections.defaultdict(list, {"a": torch.ones(1), "n": [1, 2]}),
+        "nested": [[{"t": torch.arange(4)}], ("x", 2.5)],
+        "iteration": 12345,
+    }
+
+
+def test_a_skeleton_whose_slots_sit_in_mappings_only_is_filled_into_the_very_state_a_second_decode_builds() -> None:
+    state = _plain()
+    state["tied"]["a"] = state["tied"]["b"] = state["model"]["l0.weight"]
+    tree, tensors = _parsed(state, compact_node)
+    sites = StandInSites()
+    skeleton = unflatten(tree, _slots(tensors), sites=sites)
+    assert not sites.elsewhere and sites.maps
+    fill_in(sites, tensors)
+    _same(skeleton, unflatten(tree, tensors))
+    assert skeleton["tied"]["a"] is skeleton["tied"]["b"] is skeleton["model"]["l0.weight"]
+    assert type(skeleton["odict"]) is collections.OrderedDict and skeleton["odict"]._metadata == {"": {"version": 1}}
+    assert type(skeleton["dd"]) is collections.defaultdict and skeleton["dd"].default_factory is list
+
+
+@pytest.mark.parametrize("key", ["param", "array", "rng", "tuple", "dd"])
+def test_a_slot_outside_a_mapping_is_noted_and_fill_in_refuses(key: str) -> None:
+    # a Parameter, an ndarray, a generator's state, a tensor in a tuple or a list: the skeleton holds
+    # the slot where the state holds something made of the tensor, or in a container not filled in place
+    tree, tensors = _parsed({key: _varied()[key], "plain": torch.ones(1)}, compact_node)
+    sites = StandInSites()
+    unflatten(tree, _slots(tensors), sites=sites)
+    assert sites.elsewhere
+    with pytest.raises(ValueError, match="stand-ins outside"):
+        fill_in(sites, tensors)
+
+
+@pytest.mark.parametrize("key", ["model", "param", "array", "rng", "tuple", "odict", "dd", "nested"])
+def test_load_into_restores_every_kind_of_node_with_the_tree_decoded_once_or_twice(tmp_path: Path, key: str) -> None:
+    from asyncckpt import Checkpointer, load
+    from asyncckpt.loading import _load
+
+    decodes: list[int] = []
+    real = _load._rebuild
+
+    def counted(*a: Any, **k: Any) -> Any:
+        decodes.append(1)
+        return real(*a, **k)
+
+    saved = {key: _varied()[key], "step": torch.tensor(3.0)}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, saved).result()
+    target = {key: _varied()[key], "step": torch.tensor(0.0)}  # a Parameter target too (read in place)
+    for t in (v for v in [target["step"], *_tensors_of(target[key])]):
+        t.data.fill_(7) if t.is_floating_point() else t.data.zero_()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_load, "_rebuild", counted)
+    try:
+        load(tmp_path, 1, into=target)
+    finally:
+        mp.undo()
+    if key == "param":
+        assert torch.equal(target[key], _varied()[key].detach())
+    else:
+        _same(target, {key: _varied()[key], "step": torch.tensor(3.0)})
+    # the tree is decoded a second time only where a tensor sits outside the state's mappings
+    assert len(decodes) == (1 if key in ("param", "array", "rng", "tuple", "dd") else 0)
+
+
+def _tensors_of(v: Any) -> list[torch.Tensor]:
+    """The tensors in ``v``'s dicts, lists and tuples (a module's or generator's: none)."""
+    seq = list(v.values()) if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+    return [v] if isinstance(v, torch.Tensor) else [t for x in seq or () for t in _tensors_of(x)]
+
+
+def test_a_run_of_tensors_of_every_kind_lands_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Tiles loop's inline view (numpy dtypes without grad) and byte_view's other cases (bf16, requires_grad,
+    # empty, larger than a bounce buffer), a run split across preadv calls, a Direct and a Skip between runs
+    monkeypatch.setattr(_readinto, "BOUNCE", 4096)
+    kinds = [(torch.float32, 10, False), (torch.bfloat16, 7, False), (torch.float32, 3, True), (torch.uint8, 0, False),
+             (torch.float64, 1500, False), (torch.int16, 1, False), (torch.float32, 2000, True)]  # fmt: skip
+    tensors = [torch.zeros(n, dtype=dt, requires_grad=g) for dt, n, g in kinds * 5]
+    sizes = [t.nbytes for t in tensors]
+    data = os.urandom(sum(sizes) + 100)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    dests = _readinto.Destinations()
+    at = 0
+    for i, (t, n) in enumerate(zip(tensors, sizes, strict=True)):
+        if i == 9:
+            dests.other(_readinto.Skip(at, n))
+        elif i == 20:
+            dests.other(_readinto.Direct(at, _readinto.byte_view(t)))
+        else:
+            dests.tensor(at, n, t)
+        at += n
+    dests.tensor(at, 100, last := torch.zeros(100, dtype=torch.uint8))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc = _readinto.read_into(fd, str(path), dests.done(), checksum=True, threads=1)
+    finally:
+        os.close(fd)
+    assert crc == _crc.crc32c(data)
+    at = 0
+    for i, (t, n) in enumerate(zip(tensors, sizes, strict=True)):
+        if i != 9:
+            assert bytes(t.detach().reshape(-1).view(torch.uint8).numpy()) == data[at : at + n], i
+        at += n
+    assert bytes(last.numpy()) == data[at:]
+
+
+def _targets_of_every_kind() -> list[torch.Tensor]:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with torch.inference_mode():
+        inference = torch.zeros(3, 4)
+    return [base, base.clone().requires_grad_(), torch.nn.Parameter(base.clone()), base.t().contiguous(),
+            base.t(), base[:, :2], torch.zeros(1, 4).expand(3, 4), torch.zeros(0, 4), torch.zeros(0, 1).expand(0, 4),
+            torch.zeros(3, 4, dtype=torch.complex64).conj(), torch._neg_view(base), inference, base.double(),
+            torch.zeros(4, 3), base.to_sparse(), torch.zeros(1, 4)[:, None].squeeze(1).expand(3, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(len(_targets_of_every_kind())))
+def test_a_plain_targets_span_in_one_visit_is_what_fits_and_span_give(i: int) -> None:
+    from asyncckpt.loading import _targets
+
+    t = _targets_of_every_kind()[i]
+    for dtype in (torch.float32, torch.complex64):
+        for shape in ((3, 4), tuple(t.shape)):
+            want = (t.get_device(), *_targets._span(t)) if _targets._fits(t, dtype, shape) else None
+            plain = want is not None and t.is_cpu and t.is_contiguous() and t.nbytes > 0
+            assert _targets._plain_span(t, dtype, shape) == (want if plain else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn])
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "requires-grad"])
+def test_a_raw_view_is_the_tensors_own_bytes_writable(dtype: torch.dtype, grad: bool) -> None:
+    for shape in [(), (3,), (2, 5)]:
+        t = torch.zeros(shape, dtype=torch.float32).to(dtype)
+        if grad and dtype.is_floating_point and dtype in (torch.float32, torch.bfloat16):
+            t.requires_grad_()
+        view = _readinto.raw_view(t, t.nbytes)
+        assert len(view) == t.nbytes and not view.readonly and view.format == "B"
+        view[:] = bytes(range(1, t.nbytes + 1))
+        assert bytes(_readinto.byte_view(t)) == bytes(range(1, t.nbytes + 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import collections
 import datetime
+import functools
 import math
 import zoneinfo
 from collections.abc import Callable, Mapping
@@ -113,7 +114,43 @@ class UnknownTensorError(ValueError):
     """A tree node names a tensor that the mapping given to :func:`unflatten` lacks."""
 
 
-def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = None, consume: bool = False) -> Any:
+class StandInSites:
+    """Where the stand-ins of a skeleton :func:`unflatten` built sit (its ``sites``
+    argument): ``maps``, each mapping of the skeleton that holds a stand-in as one of its own
+    values, and ``elsewhere``, whether any stand-in sits anywhere else (in a list or a tuple,
+    or taken by a ``$param``, ``$ndarray``, ``$generator`` or ``$dtensor`` node). When
+    ``elsewhere`` is false, :func:`fill_in` makes the skeleton the state itself."""
+
+    __slots__ = ("elsewhere", "maps")
+
+    def __init__(self) -> None:
+        self.maps: list[dict[Any, Any]] = []
+        self.elsewhere = False
+
+
+def fill_in(sites: StandInSites, tensors: Mapping[str, Any]) -> None:
+    """Put in place of each :class:`TensorSlot` stand-in among the values of ``sites.maps``
+    the tensor of ``tensors`` of its name (``KeyError`` for a name it lacks). On a skeleton
+    whose stand-ins sit in those maps only (not ``sites.elsewhere``: refused with
+    ``ValueError``), the skeleton then is exactly the state :func:`unflatten` builds of the
+    same tree over ``tensors``: every other node's value depends on the tree alone. One pass
+    over the maps' values: no second decode of the tree (issue 32)."""
+    if sites.elsewhere:
+        raise ValueError("stand-ins outside the skeleton's mappings: decode the tree over the tensors")
+    for m in sites.maps:
+        # (a value replaced under an existing key: the mapping's size and order stay)
+        for k, v in m.items():
+            if type(v) is TensorSlot:
+                m[k] = tensors[v.name]
+
+
+def unflatten(
+    tree: Any,
+    tensors: Mapping[str, Any],
+    named: list[str] | None = None,
+    consume: bool = False,
+    sites: StandInSites | None = None,
+) -> Any:
     """Rebuild the state encoded by :func:`flatten` from its tree and loaded tensors.
 
     ``tensors`` maps a name to its tensor, or to a *stand-in* for it: its shard slot
@@ -132,9 +169,11 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
     device this machine cannot create. With ``named``, every name the tree references as
     :func:`tensor_names` lists it (``$tensor`` and ``$ndarray`` nodes, not ``$dtensor``) is
     appended to it as it is decoded: a caller that compares the names with a shard's needs
-    no second walk of the tree.
+    no second walk of the tree. ``sites`` (fresh): filled with where the result's tensors sit
+    (:class:`StandInSites`), for :func:`fill_in`.
     """
     note = named.append if named is not None else None
+    held = sites.maps.append if sites is not None else None
     # one str object per distinct key: the state's many dicts of the same keys (an optimizer's
     # "exp_avg" per parameter) share them instead of each holding the copy JSON made
     same_key = dict[str, str]().setdefault
@@ -143,13 +182,18 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
         t = tensors.get(val) if type(val) is str else None
         if t is None:
             raise UnknownTensorError(f"tree names a tensor the shard lacks: {val!r}")
+        if sites is not None:  # (the inline paths of items do not come here: a tensor elsewhere)
+            sites.elsewhere = True
         return t
 
-    def items(val: Any, depth: int) -> list[tuple[Any, Any]]:
+    def items(val: Any, depth: int, make: Callable[[list[tuple[Any, Any]]], Any] = dict) -> Any:
+        """``make`` of the decoded items of ``val`` (noted in ``sites`` if one is a tensor)."""
         if type(val) is not list:
             raise ValueError("malformed mapping items")
         out = []
+        has_tensor = False
         inner = depth + 1
+        shallow = inner <= MAX_DEPTH  # (a tensor node one level down is not too deep)
         get = tensors.get
         if consume:  # taken from the end, in order: each item is freed once decoded
             val.reverse()
@@ -167,21 +211,28 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
             elif tk is not int:
                 raise ValueError("malformed mapping key")
             # the common value of a state dict, a plain tensor node, without dec's dispatch
-            if type(v) is torch.Tensor and inner <= MAX_DEPTH:  # (resolving_node's)
-                out.append((k, v))
-            elif type(v) is tuple and len(v) == 1 and inner <= MAX_DEPTH:  # (compact_node's)
+            tv = type(v)
+            if tv is tuple and len(v) == 1 and shallow:  # (compact_node's)
                 name = v[0]
                 t = get(name) if type(name) is str else None  # (tensor(name), inline)
                 out.append((k, t if t is not None else tensor(name)))
+                has_tensor = True
                 if note is not None:
                     note(name)
-            elif type(v) is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and inner <= MAX_DEPTH:
-                out.append((k, tensor(name)))
+            elif tv is torch.Tensor and shallow:  # (resolving_node's)
+                out.append((k, v))
+            elif tv is dict and len(v) == 1 and type(name := v.get("$tensor")) is str and shallow:
+                t = get(name)
+                out.append((k, t if t is not None else tensor(name)))
+                has_tensor = True
                 if note is not None:
                     note(name)
             else:
                 out.append((k, dec(v, inner)))
-        return out
+        made = make(out)
+        if has_tensor and held is not None:
+            held(made)
+        return made
 
     def listed(val: Any, what: str) -> list[Any]:
         if not isinstance(val, list):
@@ -220,7 +271,7 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
         return decode(val, depth)
 
     def d_dict(val: Any, depth: int) -> Any:
-        return dict(items(val, depth))
+        return items(val, depth)
 
     def d_tuple(val: Any, depth: int) -> Any:
         return tuple(dec(v, depth + 1) for v in listed(val, "$tuple"))
@@ -251,7 +302,7 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
         val = listed(val, "$odict")
         if len(val) != 2:
             raise ValueError("malformed $odict")
-        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(items(val[0], depth))
+        out: collections.OrderedDict[Any, Any] = items(val[0], depth, collections.OrderedDict)
         if val[1] is not None:
             meta = dec(val[1], depth + 1)
             if not isinstance(meta, dict):
@@ -264,7 +315,7 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], named: list[str] | None = N
         if len(val) != 2 or not (val[0] is None or val[0] in FACTORIES):
             raise ValueError("malformed $defaultdict")
         factory: Callable[[], Any] | None = None if val[0] is None else FACTORIES[val[0]]
-        return collections.defaultdict(factory, items(val[1], depth))
+        return items(val[1], depth, functools.partial(collections.defaultdict, factory))
 
     def d_param(val: Any, depth: int) -> Any:
         val = listed(val, "$param")

@@ -55,7 +55,7 @@ from ..format._structure_decode import UnknownTensorError, compact_node, resolvi
 from ._shard import ShardHeader, map_shard, noted, read_shard_fd, shard_header, unreadable
 from ._shard import read_header as read_header  # (``_export``'s)
 from ._stepfiles import StepFiles
-from ._targets import plan_targets, unflatten_named
+from ._targets import Plan, Skeleton, plan_targets, unflatten_named
 
 
 def check_tree_size(path: str, size: int) -> None:
@@ -179,8 +179,23 @@ def _load_files(
         return pending[0]
 
     rebuilt: list[Any] = []
+    plain = False  # (every target a contiguous CPU tensor)
+    skeleton: list[Skeleton] = []  # plan_targets' (the tree then decoded once: it is gone)
+    targets: list[dict[str, torch.Tensor]] = []  # (taken by the read)
+    if into is not None:
+        tree()  # (parsed: pending holds it, the plan empties pending when the skeleton is the state)
+        planned = _plan(into, pending, header, strip_prefixes, tree_path, shard_path)
+        targets.append(planned.targets)
+        plain = planned.plain
+        if planned.skeleton is not None:
+            skeleton.append(planned.skeleton)
+            pending.clear()
+        del planned
 
     def rebuild(tensors: dict[str, torch.Tensor]) -> None:
+        if skeleton:  # the state plan_targets rebuilt over the slots, the tensors put in their place
+            rebuilt.append(skeleton.pop().filled(tensors))
+            return
         if into is not None:  # parsed for plan_targets, which compared the names with the header's
             rebuilt.append(_rebuild(pending.pop(), tensors, tree_path, shard_path, names_checked=True))
             return
@@ -195,10 +210,11 @@ def _load_files(
         shard_path,
         shard_size,
         expected,
-        None if into is None else _plan(into, tree(), header, strip_prefixes, tree_path, shard_path),
+        targets.pop() if targets else None,
         header,
         verify_first,
         rebuild if early else None,
+        plain,
     )
     if not early:
         rebuild(tensors)
@@ -206,11 +222,11 @@ def _load_files(
 
 
 def _plan(
-    into: Any, tree: Any, header: ShardHeader, strip_prefixes: Sequence[str], tree_path: str, shard_path: str
-) -> dict[str, torch.Tensor]:
-    """:func:`plan_targets` for ``into`` over the header's slots."""
+    into: Any, pending: list[Any], header: ShardHeader, strip_prefixes: Sequence[str], tree_path: str, shard_path: str
+) -> Plan:
+    """:func:`plan_targets` for ``into`` over the header's slots, of the tree ``pending`` holds."""
     assert header.slots is not None
-    return plan_targets(into, tree, header.slots, tuple(strip_prefixes), tree_path, shard_path)
+    return plan_targets(into, pending[0], header.slots, tuple(strip_prefixes), tree_path, shard_path, pending)
 
 
 PARTIAL_TARGETS_NOTE = (

@@ -65,7 +65,7 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> N
     i = 0
     while i < len(views):
         batch = views[i : i + IOV_MAX]
-        want = sum(len(v) for v in batch)
+        want = sum(map(len, batch))
         got = os.preadv(fd, batch, offset)
         if got == want:
             offset += got

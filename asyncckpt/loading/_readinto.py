@@ -19,6 +19,7 @@ The sources (a file descriptor or a range source), exact reads and bounce buffer
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointCorruptError
-from ..format._checksum import crc32c, crc32c_combine
+from ..format._checksum import crc32c, crc32c_chain, crc32c_combine
 from ._pread import IOV_MAX, Bounce, Source, advise_sequential, bytes_of, parallel, pread_exact
 
 #: I/O threads of one read (GIL-free ``preadv`` and CRC); more do not help a 2-core machine.
@@ -68,6 +69,32 @@ _NUMPY_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
 })  # fmt: skip
+
+
+def _memory_view_maker() -> Any:
+    """CPython's ``PyMemoryView_FromMemory`` (a writable byte view of an address, owning
+    nothing), or ``None`` where ``ctypes.pythonapi`` lacks it."""
+    try:
+        make = ctypes.pythonapi.PyMemoryView_FromMemory
+    except (AttributeError, OSError):
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    return make
+
+
+_FROM_MEMORY = _memory_view_maker()
+_PYBUF_WRITE = 0x200
+
+
+def raw_view(t: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable byte view of the ``nbytes`` bytes of a contiguous CPU tensor (any dtype, with
+    grad or not) at ~half :func:`byte_view`'s cost: made from its address, it does not keep
+    ``t`` alive (the caller holds ``t`` while the view is used: a read's run of tensors)."""
+    if _FROM_MEMORY is None:
+        return byte_view(t)
+    view: memoryview = _FROM_MEMORY(t.data_ptr(), nbytes, _PYBUF_WRITE)
+    return view
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -213,9 +240,8 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
         nonlocal crc, run, run_bytes
         if run:
             pread_exact(fd, run, run_start, path)
-            if crc is not None:
-                for v in run:  # just landed: still in cache
-                    crc = crc32c(v, crc)
+            if crc is not None:  # just landed: still in cache
+                crc = crc32c_chain(run, crc)
         run, run_bytes = [], 0
 
     def flush_dev() -> None:
@@ -232,7 +258,42 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             bounce.copy_out(i, pairs)
         dev, dev_bytes = [], 0
 
-    for d in _expanded(dests):
+    def add(offset: int, view: memoryview) -> None:
+        """The bytes of ``view`` from the file at ``offset``, in pieces of at most a bounce buffer."""
+        nonlocal run_start, run_bytes
+        n = len(view)
+        for i in range(0, n, BOUNCE):
+            if run and run_start + run_bytes != offset + i:
+                flush()  # not adjacent to the run: a new preadv
+            if not run:
+                run_start = offset + i
+            v = view if n <= BOUNCE else view[i : i + BOUNCE]  # (a small tensor: the view itself)
+            run.append(v)
+            run_bytes += len(v)
+            # (a preadv takes IOV_MAX views at most: a run of more small tensors would only
+            # hold their views longer)
+            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
+                flush()
+
+    local = isinstance(fd, int)  # (a range source gets byte_view's views, which own their tensor)
+    for d in dests:
+        if isinstance(d, Tiles):  # a run of contiguous CPU tensors (the common case): each visited once
+            flush_dev()
+            pos = d.offset
+            for t, n in zip(d.tensors, d.sizes, strict=True):
+                if not 0 < n <= BOUNCE or run_start + run_bytes != pos:  # (empty: nothing; large: cut)
+                    if n:
+                        add(pos, byte_view(t))
+                    pos += n
+                    continue
+                # add()'s common case inline: the run goes on (run_start + run_bytes == pos); the
+                # view made from the tensor's address (d.tensors holds the tensor through the read)
+                run.append(raw_view(t, n) if local else byte_view(t))
+                run_bytes += n
+                pos += n
+                if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
+                    flush()
+            continue
         if isinstance(d, Device):
             flush()
             for i in range(0, d.nbytes, BOUNCE):
@@ -257,45 +318,10 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
             flush()
             crc = _read_skipped(fd, d, bounce, path, crc)
             continue
-        n = d.nbytes
-        if 0 < n <= BOUNCE:  # one piece: the view itself, not a slice of it (a small tensor)
-            if run and run_start + run_bytes != d.offset:
-                flush()
-            if not run:
-                run_start = d.offset
-            run.append(d.view)
-            run_bytes += n
-            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
-                flush()
-            continue
-        for i in range(0, n, BOUNCE):
-            if run and run_start + run_bytes != d.offset + i:
-                flush()  # not adjacent to the run: a new preadv
-            if not run:
-                run_start = d.offset + i
-            v = d.view[i : i + BOUNCE]
-            run.append(v)
-            run_bytes += len(v)
-            # (a preadv takes IOV_MAX views at most: a run of more small tensors would only
-            # hold their views longer)
-            if run_bytes >= BOUNCE or len(run) >= IOV_MAX:
-                flush()
+        add(d.offset, d.view)
     flush()
     flush_dev()
     return crc or 0
-
-
-def _expanded(dests: list[Dest]) -> Any:
-    """``dests`` with every tensor of a ``Tiles`` as a ``Direct`` (its byte view made now,
-    by the thread that reads it)."""
-    for d in dests:
-        if isinstance(d, Tiles):
-            offset = d.offset
-            for t, n in zip(d.tensors, d.sizes, strict=True):
-                yield Direct(offset, byte_view(t))
-                offset += n
-        else:
-            yield d
 
 
 def _cut_tiles(d: Tiles, step: int) -> list[Dest]:

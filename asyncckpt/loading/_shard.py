@@ -120,6 +120,7 @@ def read_shard_fd(
     parsed: ShardHeader | None = None,
     verify_first: bool = False,
     take: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    plain: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A safetensors shard of ``size`` bytes read from an open file (the caller closes it).
 
@@ -133,6 +134,7 @@ def read_shard_fd(
     are taken). ``take``, if given, is handed every tensor of the result (the fresh ones and
     the targets, by name) once they exist and before any byte is read into them; the result
     then holds none (``{}``: the caller keeps what it needs of them, nothing else does).
+    ``plain``: every target is a contiguous CPU tensor (``Plan.plain``), taken as it is.
     """
     try:
         shard = parsed or shard_header(fd, path, size)
@@ -143,7 +145,7 @@ def read_shard_fd(
             tensors = _allocate(fresh, sum(s.end - s.begin for s in fresh), path)
             del fresh
             guard = expected_crc is not None and verify_first
-            first, into = _destinations(slots, shard.data_start, tensors, targets or {}, guard)
+            first, into = _destinations(slots, shard.data_start, tensors, targets or {}, guard, plain)
             del slots  # (their names live on as the tensors' keys)
             if targets:  # one dict of both: the larger takes the other in
                 bigger, smaller = (targets, tensors) if len(targets) > len(tensors) else (tensors, targets)
@@ -177,9 +179,11 @@ def _destinations(
     tensors: Mapping[str, torch.Tensor],
     targets: Mapping[str, torch.Tensor],
     guard: bool,
+    plain: bool = False,
 ) -> tuple[list[_readinto.Dest], list[_readinto.Dest]]:
     """Where each slot's bytes go: ``first`` covers the file (fresh tensors, the targets, or
-    with ``guard`` only a checksum of the targets' bytes), ``into`` the targets' second pass."""
+    with ``guard`` only a checksum of the targets' bytes), ``into`` the targets' second pass.
+    ``plain``: every target is a contiguous CPU tensor (not looked at again)."""
     first = _readinto.Destinations()  # everything; with guard, the targets' bytes only checksummed
     into = _readinto.Destinations()  # the targets' bytes, once the whole file verified
     add_first = first.tensor
@@ -190,7 +194,7 @@ def _destinations(
             add_first(offset, nbytes, tensors[s.name])
             continue
         to = into if guard else first
-        if t.is_cpu and t.is_contiguous():
+        if plain or (t.is_cpu and t.is_contiguous()):
             to.tensor(offset, nbytes, t)
         elif t.is_cuda and t.is_contiguous():
             to.other(_readinto.Device(offset, t.detach().reshape(-1).view(torch.uint8)))

@@ -6,8 +6,9 @@ walked the same way so a tensor is read into exactly when the restore would copy
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from .._errors import CheckpointCorruptError, CheckpointError
 from ..format._header import TensorSlot
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
 from ..format._state_prefixes import COMPILE_PREFIX, strip_state_dict_prefixes
-from ..format._structure_decode import UnknownTensorError, unflatten
+from ..format._structure_decode import StandInSites, UnknownTensorError, fill_in, unflatten
 from ..format._structure_names import distinct_names
 
 
@@ -40,15 +41,15 @@ class UnfitKeyError(Unfit, MissingKeyError):
 
 
 def unflatten_named(
-    tree: Any, tensors: Mapping[str, Any], shard_path: str, consume: bool = False
+    tree: Any, tensors: Mapping[str, Any], shard_path: str, consume: bool = False, sites: StandInSites | None = None
 ) -> tuple[Any, list[str]]:
-    """``unflatten(tree, tensors, consume=consume)`` and the names the tree references (tied
+    """``unflatten(tree, tensors, consume=consume, sites=sites)`` and the names the tree references (tied
     tensors more than once), in one walk. ``CheckpointCorruptError`` naming ``shard_path`` unless the tree
     references exactly the tensors of ``tensors`` (a name the shard lacks, or a tensor of the
     shard no node names); a malformed node raises ``ValueError`` as ``unflatten`` does."""
     named: list[str] = []
     try:
-        state = unflatten(tree, tensors, named, consume)
+        state = unflatten(tree, tensors, named, consume, sites)
     except UnknownTensorError:
         raise CheckpointCorruptError("structure and shard disagree on tensor names", shard_path) from None
     # every name is one of tensors' (else UnknownTensorError): the sets are equal iff as large;
@@ -59,43 +60,79 @@ def unflatten_named(
 
 
 # ---------------------------------------------------------------------- reading into targets
+class Skeleton(NamedTuple):
+    """The state :func:`plan_targets` rebuilt over the slots, when :func:`fill_in` can make it
+    the loaded state (its slots all values of its mappings, ``sites``): one decode of the tree."""
+
+    state: Any
+    sites: StandInSites
+
+    def filled(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """The loaded state: each slot replaced by the tensor of its name (every name's)."""
+        fill_in(self.sites, tensors)
+        return self.state
+
+
+class Plan(NamedTuple):
+    """:func:`plan_targets`' ``targets`` by name, ``skeleton`` (or ``None``), and whether every target is ``plain``."""
+
+    targets: dict[str, torch.Tensor]
+    skeleton: Skeleton | None
+    plain: bool
+
+
 def plan_targets(
-    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str
-) -> dict[str, torch.Tensor]:
-    """The tensors of ``into`` that saved tensors can be read straight into, by saved name.
+    into: Any, tree: Any, slots: Sequence[TensorSlot], prefixes: tuple[str, ...], tree_path: str, shard_path: str,
+    held: list[Any] | None = None) -> Plan:  # fmt: skip
+    """The tensors of ``into`` that saved tensors can be read straight into, by saved name, and the
+    skeleton that :meth:`Skeleton.filled` turns into the loaded state once the tensors exist (``None``
+    when a stand-in sits outside its mappings: the tree is decoded again): a :class:`Plan`.
 
     The state is first rebuilt as a skeleton, each saved tensor's slot standing in for it
     (``unflatten``'s stand-ins: every node checked, nothing allocated per tensor), and walked
     against ``into`` as :func:`restore_into` will walk it (modules through their state dict,
     after the wrapper prefixes are matched; optimizers through the tensors of their state),
-    so a tensor is read into exactly when ``restore_into`` would have copied the saved one
-    into it. Only plain tensors and parameters of the saved dtype and shape qualify, on the
-    CPU or CUDA; a target whose memory overlaps another's (tied weights) and a saved tensor
-    the structure names twice keep the fresh-tensor path, as does everything else
-    (``restore_into`` then copies or raises exactly as before). Nothing is written here; a
-    mismatch :func:`check_fit` finds is raised here, before any target is.
-    """
-    slot_of = {s.name: s for s in slots}
+    so a tensor is read into exactly when ``restore_into`` would have copied the saved one into it.
+    Only plain tensors and parameters of the saved dtype and shape qualify, on the CPU or CUDA; a
+    target whose memory overlaps another's (tied weights) and a saved tensor the structure names
+    twice keep the fresh-tensor path, as does everything else (``restore_into`` then copies or
+    raises exactly as before). Nothing is written here; a mismatch :func:`check_fit` finds is raised
+    here, before any target is. ``held``: the caller's reference to ``tree`` (a list holding it),
+    emptied once the skeleton is the state."""
+    slot_of = dict(zip(map(operator.itemgetter(0), slots), slots, strict=True))  # {s.name: s} at C speed
+    sites = StandInSites()
     try:
-        skeleton, names = unflatten_named(tree, slot_of, shard_path)
+        skeleton, names = unflatten_named(tree, slot_of, shard_path, sites=sites)
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         raise CheckpointCorruptError(f"malformed structure ({e})", tree_path) from None
+    if held is not None and not sites.elsewhere:
+        held.clear()  # the tree dies now, not after the plan's per-target lists (~80 B a tensor at the peak)
+    del tree
     found: dict[str, torch.Tensor] = {}
     # a mismatch restore_into would meet is raised here, before any target is written
     _fit_and_pair(into, skeleton, prefixes, found)
-    del skeleton
+    kept = None if sites.elsewhere else Skeleton(skeleton, sites)
+    del skeleton, sites
     # a name may repeat (tied tensors are stored once): those keep the fresh-tensor path
     counts = collections.Counter(names) if len(names) != len(slots) else None
     del names
     usable: dict[str, torch.Tensor] = {}
-    spans: list[int] = []  # (device, begin, end) of each usable target, read while _fits has it in cache
+    spans: list[int] = []  # (device, begin, end, file offset) of each usable target, read while it is in cache
+    plain = True
     for name, t in found.items():
+        if counts is not None and counts[name] != 1:
+            continue
         s = slot_of[name]
-        if (counts is None or counts[name] == 1) and _fits(t, ST_TO_DTYPE[s.dtype], s.shape):
-            usable[name] = t
-            spans += (t.get_device(), *_span(t))
+        dtype = ST_TO_DTYPE[s.dtype]
+        span = _plain_span(t, dtype, s.shape)
+        if span is None:  # not plain: it fits or not as _fits says
+            if not _fits(t, dtype, s.shape):
+                continue
+            span, plain = (t.get_device(), *_span(t)), False
+        usable[name] = t
+        spans += (*span, s.begin)
     del found
-    return _without_overlaps(usable, slot_of, spans)
+    return Plan(_without_overlaps(usable, spans), kept, plain)
 
 
 def _fit_and_pair(target: Any, skeleton: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
@@ -261,6 +298,27 @@ def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return 0 not in strides or all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
 
 
+def _plain_span(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(t.get_device(), *_span(t))`` of a plain target that :func:`_fits` (contiguous, on the
+    CPU, not empty: no expanded dim), each figure read once (~0.1 us a tensor each); else ``None``."""
+    if (
+        type(t) in PLAIN_TENSORS
+        and t.dtype == dtype
+        and t.is_cpu
+        and t.layout is torch.strided
+        and t.shape == shape
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_inference()
+        and t.is_contiguous()
+    ):
+        nbytes = t.nbytes
+        if nbytes:
+            begin = t.data_ptr()
+            return -1, begin, begin + nbytes  # (get_device() of a CPU tensor: -1)
+    return None
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range of the memory ``t`` can touch (the first element's address: torch has
     no negative strides)."""
@@ -274,16 +332,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return begin, begin + extent * t.element_size()
 
 
-def _without_overlaps(
-    targets: dict[str, torch.Tensor], slot_of: Mapping[str, TensorSlot], spans: list[int]
-) -> dict[str, torch.Tensor]:
-    """``targets`` less every target whose memory overlaps another kept one (tied weights,
-    views): in the order of (device, address, end, file offset) the first stays. ``spans``:
-    each target's ``get_device()`` and :func:`_span`, flat, in ``targets``' order. Sorted
-    with numpy: a few integers a target, no tuple per target."""
+def _without_overlaps(targets: dict[str, torch.Tensor], spans: list[int]) -> dict[str, torch.Tensor]:
+    """``targets`` less every target whose memory overlaps another kept one (tied weights, views):
+    in the order of (device, address, end, file offset) the first stays. ``spans``: each target's
+    ``get_device()``, :func:`_span` and saved offset, flat, in ``targets``' order (sorted by numpy)."""
     n = len(targets)
-    facts = np.array(spans, dtype=np.int64).reshape(n, 3)
-    offset = np.fromiter((slot_of[name].begin for name in targets), dtype=np.int64, count=n)
+    table = np.array(spans, dtype=np.int64).reshape(n, 4)
+    facts, offset = table[:, :3], table[:, 3]
     taken = np.flatnonzero(facts[:, 1] < facts[:, 2])  # (an empty span overlaps nothing)
     f = facts[taken]
     order = taken[np.lexsort((offset[taken], f[:, 2], f[:, 1], f[:, 0]))]
