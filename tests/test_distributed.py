@@ -211,17 +211,18 @@ PHASES = [
 _phase_ids = [getattr(p, "values", p)[0] for p in PHASES]  # a plain tuple or a pytest.param
 
 
-@pytest.mark.timing  # survivors give up within 7.5 s while the victim is woken 10 s after it stopped
+@pytest.mark.timing  # survivors give up within 9.5 s while the victim is woken 14 s after it stopped
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("phase", "victim"), PHASES, ids=_phase_ids)
 def test_rank_killed_or_stopped_in_each_phase(tmp_path: Path, phase: str, victim: int) -> None:
-    res = run_ranks(tmp_path, "phase", 3, deadline=60, on_started=resume_after_stop(victim), extra_env={"PHASE": phase})
+    res = run_ranks(tmp_path, "phase", 3, deadline=60, on_started=resume_after_stop(victim, 14.0),
+                    extra_env={"PHASE": phase})  # fmt: skip
     survivors = [r for r in range(3) if r != victim]
     for r in survivors:
         assert r in res, f"survivor {r} reported nothing"
         err = res[r]["error"]
         assert err["type"] == "SaveTimeoutError" and victim in err["missing"], err
-        assert res[r]["elapsed"] < 4 + 2 + 1.5, res[r]  # timeout + 2 s (+ slack for a loaded CI box)
+        assert res[r]["elapsed"] < 6 + 2 + 1.5, res[r]  # timeout + 2 s (+ slack for a loaded CI box)
         if phase.endswith("stopafter"):  # rank 0 had claimed the commit: the outcome is unknown here
             assert "whether it committed is not known here" in err["msg"], err
     time.sleep(1)
