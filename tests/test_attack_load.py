@@ -16,7 +16,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt.loading._targets import MissingKeyError
+from asyncckpt.loading._restore import MissingKeyError
 
 ODD_KEYS = ['é\u2028"\\ \x00', "\U0001f600", "k" * 5000, "a.b", "", " ", "\n\t", "$tensor", "$dict", "{}", "\x7f\x1f"]
 

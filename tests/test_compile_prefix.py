@@ -13,7 +13,7 @@ import torch
 from _ranks import free_port, log_tail, run_ranks
 
 from asyncckpt import Checkpointer, load
-from asyncckpt.loading._targets import restore_into
+from asyncckpt.loading._restore import restore_into
 
 # importing torch's compiler stack warns about torch.jit (not ours)
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")

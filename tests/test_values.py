@@ -10,6 +10,7 @@ import datetime
 import enum
 import json
 import pathlib
+import re
 import zoneinfo
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -219,6 +220,55 @@ def test_parameters_load_into_parameters_in_place_and_the_step_stays_good(tmp_pa
     assert torch.equal(load(tmp_path / "ck")["model"]["weight"], model.weight.detach())
 
 
+def _generator_state_shape() -> tuple[int, ...]:
+    return tuple(torch.Generator().get_state().shape)
+
+
+@pytest.mark.parametrize(
+    ("key", "target", "message"),
+    [
+        # a tensor of the saved tensor's shape where the checkpoint holds an array or a generator:
+        # it was read into in place (its bytes overwritten) and then refused, or worse ...
+        ("a", lambda: torch.zeros(2, 3), "checkpoint holds ndarray, target is a tensor"),
+        ("a", lambda: torch.nn.Parameter(torch.zeros(2, 3)), "checkpoint holds ndarray, target is a tensor"),
+        # ... a Parameter in place of a generator's state made the decoder refuse the *file*
+        # ("malformed $generator state"): the good step was marked bad and no load took it again
+        ("g", lambda: torch.nn.Parameter(torch.zeros(_generator_state_shape(), dtype=torch.uint8), requires_grad=False),
+         "checkpoint holds Generator, target is a tensor"),
+        ("a", lambda: np.zeros((3, 2), np.float32), "checkpoint holds float32[2, 3], target is an array float32[3, 2]"),
+        ("a", lambda: np.zeros((2, 3), np.float64), "checkpoint holds float32[2, 3], target is an array float64[2, 3]"),
+        ("w", lambda: np.zeros(3, np.float32), "checkpoint holds Tensor, target is an array float32[3]"),
+        ("w", torch.Generator, "checkpoint holds Tensor, target is a torch.Generator"),
+    ],
+    ids=["tensor-for-array", "param-for-array", "param-for-generator", "array-shape", "array-dtype",
+         "array-for-tensor", "generator-for-tensor"],
+)  # fmt: skip
+def test_a_target_of_another_kind_is_refused_before_any_read_and_the_step_stays_good(
+    tmp_path: Path, key: str, target: Any, message: str
+) -> None:
+    g = torch.Generator()
+    g.manual_seed(3)
+    saved = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "g": g, "w": torch.ones(3)}
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, saved).result(timeout=60)
+    into = {"a": np.full((2, 3), 7, np.float32), "g": torch.Generator(), "w": torch.full((3,), 7.0)}
+    into[key] = target()
+    before = {
+        k: (v.get_state() if isinstance(v, torch.Generator) else torch.as_tensor(v).clone()) for k, v in into.items()
+    }
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        load(tmp_path / "ck", into=into)
+    assert "corrupt" not in str(err.value) and "malformed" not in str(err.value)
+    for k, v in into.items():  # refused before the first byte was read: every target as it was
+        assert torch.equal(_bytes_of(v), before[k]), k
+    got = load(tmp_path / "ck")  # the step is still good: a bad mark would refuse this load
+    assert np.array_equal(got["a"], saved["a"]) and torch.equal(got["g"].get_state(), g.get_state())
+
+
+def _bytes_of(v: Any) -> torch.Tensor:
+    return v.get_state() if isinstance(v, torch.Generator) else torch.as_tensor(v).detach()
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -284,7 +334,7 @@ def test_load_into_restores_arrays_in_place_and_replaces_values(tmp_path: Path) 
     assert target["arr"] is buf and np.array_equal(buf, a)
     assert target["when"] == datetime.date(2020, 1, 1) and target["tags"] == {"x"}
     with pytest.raises(ValueError, match="target is an array"):
-        from asyncckpt.loading._targets import restore_into
+        from asyncckpt.loading._restore import restore_into
 
         restore_into({"arr": np.zeros(3)}, {"arr": a})
 

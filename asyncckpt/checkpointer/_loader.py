@@ -19,7 +19,7 @@ from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ObjectNot
 from ..format._gcpause import paused_gc
 from ..format._layout import check_step
 from ..format._state_prefixes import check_strip_prefixes
-from ..loading import _load, _load_global, _nodeload, _resume, _targets
+from ..loading import _load, _load_global, _nodeload, _restore, _resume
 from ..loading._stepfiles import NoSuchShard
 from ..ranks import _agree
 from ..roots import _nodeparts, _readfault, _runs
@@ -117,7 +117,7 @@ class Loader:
         else:
             state = self._load_agreed(req)
         if into is not None:
-            _targets.restore_into(into, state, strip_prefixes=self.strip_prefixes)
+            _restore.restore_into(into, state, strip_prefixes=self.strip_prefixes)
         return state
 
     def _load_node_part(self, req: LoadRequest) -> Any:
@@ -310,5 +310,5 @@ def _load_and_restore(root: Root, step: int | None, shard: int, verify: bool, kw
     else:
         state = _resume.load_step(root, step, rank=shard, verify=verify, **kw)
     if kw["into"] is not None:
-        _targets.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
+        _restore.restore_into(kw["into"], state, strip_prefixes=kw["strip_prefixes"])
     return state

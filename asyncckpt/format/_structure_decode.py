@@ -11,7 +11,7 @@ import functools
 import math
 import zoneinfo
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,9 +46,23 @@ def _dec_tz(node: Any) -> datetime.tzinfo | None:
     raise ValueError("malformed tz")
 
 
+class ValueStandIn(NamedTuple):
+    """A skeleton's stand-in for a value the state rebuilds from a saved tensor but that is no
+    tensor itself: a numpy array (``kind`` ``np.ndarray``, with its ``dtype`` and ``shape``)
+    or a ``torch.Generator`` (``dtype`` and ``shape`` ``None``); ``tensor`` is the tensor's own
+    stand-in. The load reads no target in place of such a tensor (the loaded state holds the
+    value, not the tensor, and only the value meets the target): so no caller's object ever
+    reaches a node that inspects its tensor, and a node's failure is the file's alone."""
+
+    kind: type
+    tensor: Any
+    dtype: np.dtype[Any] | None = None
+    shape: tuple[int, ...] | None = None
+
+
 def _array_from(t: torch.Tensor | TensorSlot, dtype: Any, shape: Any) -> Any:
-    """The ndarray a ``$ndarray`` node names, checked against its tensor (or its stand-in:
-    returned as it is)."""
+    """The ndarray a ``$ndarray`` node names, checked against its tensor (or, for its
+    stand-in, a :class:`ValueStandIn`)."""
     if not isinstance(dtype, str) or dtype not in NP_STORAGE:
         raise ValueError(f"malformed $ndarray dtype {dtype!r}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -62,7 +76,7 @@ def _array_from(t: torch.Tensor | TensorSlot, dtype: Any, shape: Any) -> Any:
     if have_dtype != NP_STORAGE[dtype] or have != want:
         raise ValueError(f"$ndarray of {dtype}{shape} disagrees with its tensor ({have_dtype}, {have} elements)")
     if not isinstance(t, torch.Tensor) or t.is_meta:  # a structure check with stand-ins: nothing to convert
-        return t
+        return ValueStandIn(np.ndarray, t, np.dtype(dtype), tuple(shape))
     a = t.contiguous().numpy()
     if dtype == "complex128":
         a = a.reshape(-1).view(np.complex128)
@@ -156,8 +170,8 @@ def unflatten(
     ``tensors`` maps a name to its tensor, or to a *stand-in* for it: its shard slot
     (:class:`~asyncckpt.format._header.TensorSlot`, checked as a tensor of its dtype and
     shape would be), or a ``meta`` tensor. The state rebuilt over stand-ins is a skeleton
-    holding the stand-ins where the tensors would be (a ``Parameter``, an ndarray, a
-    generator state: the stand-in itself), each node checked as for the real load.
+    holding the stand-ins where the tensors would be (a ``Parameter``: the stand-in itself;
+    an ndarray or a generator: a :class:`ValueStandIn`), each node checked as for the real load.
     A tree parsed with :func:`compact_node` or :func:`resolving_node` is read as the same
     tree (the tensors the latter put in place as they are).
     ``consume``: the tree's containers are emptied as they are decoded, so its memory goes as
@@ -396,11 +410,11 @@ def unflatten(
         if type(state) is TensorSlot:
             if state.dtype != "U8":
                 raise ValueError("malformed $generator state")
-            return state  # a stand-in's skeleton
+            return ValueStandIn(torch.Generator, state)  # a stand-in's skeleton
         if type(state) is not torch.Tensor or state.dtype != torch.uint8:
             raise ValueError("malformed $generator state")
         if state.is_meta:
-            return state
+            return ValueStandIn(torch.Generator, state)
         try:
             g = torch.Generator(device=device)
         except RuntimeError as e:

@@ -12,7 +12,7 @@ as corrupt.
 Where the bytes land. With ``load(into=)``, ``_targets.plan_targets`` finds the target
 tensors that take a saved tensor as it is (same dtype and shape, CPU or CUDA) and the shard
 is read straight into them; the other saved tensors go to fresh tensors, restored by
-``_targets.restore_into`` as before. Peak extra memory: the I/O threads' bounce buffers, plus
+``_restore.restore_into`` as before. Peak extra memory: the I/O threads' bounce buffers, plus
 the fresh tensors.
 
 The contract on damage. By default the read is one pass: every piece lands in its target

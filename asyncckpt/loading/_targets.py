@@ -1,6 +1,7 @@
-"""The caller's targets of a load (``into=``): which of them a load reads straight into
-(:func:`plan_targets`), and the restore of a loaded state into them (:func:`restore_into`),
-walked the same way so a tensor is read into exactly when the restore would copy into it.
+"""The caller's targets of a load (``into=``): what a load refuses before it reads anything
+(:func:`check_fit`) and which targets it reads straight into (:func:`plan_targets`), walked as
+``_restore.restore_into`` walks them, so a tensor is read into exactly when the restore would
+copy into it.
 """
 
 from __future__ import annotations
@@ -13,19 +14,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._errors import CheckpointCorruptError, CheckpointError
+from .._errors import CheckpointCorruptError
 from ..format._header import TensorSlot
 from ..format._safetensors import PLAIN_TENSORS, ST_TO_DTYPE
-from ..format._state_prefixes import COMPILE_PREFIX, strip_state_dict_prefixes
-from ..format._structure_decode import StandInSites, UnknownTensorError, fill_in, unflatten
+from ..format._structure_decode import StandInSites, UnknownTensorError, ValueStandIn, fill_in, unflatten
 from ..format._structure_names import distinct_names
-
-
-class MissingKeyError(CheckpointError, KeyError):
-    """A key of ``into=`` that the checkpoint lacks (also a ``KeyError``; a plain message)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
+from ._restore import ABSENT, SCALARS, MissingKeyError, is_leaf, match_module
 
 
 class Unfit:
@@ -151,17 +145,17 @@ def _fit_and_pair_dict(
     path: str,
 ) -> None:  # fmt: skip
     for key, value in target.items():
-        got = skeleton.get(key, _ABSENT)
+        got = skeleton.get(key, ABSENT)
         if type(value) in PLAIN_TENSORS and type(got) is TensorSlot and value.shape == got.shape:
             out.setdefault(got.name, value)
             continue
         sub = f"{path}.{key}" if path else str(key)
-        if got is _ABSENT:
+        if got is ABSENT:
             raise UnfitKeyError(f"{sub} is not in the checkpoint")
         if type(value) is dict and isinstance(got, Mapping):
             _fit_and_pair_dict(value, got, prefixes, out, sub)
             continue
-        if not _is_leaf(value):
+        if not is_leaf(value):
             check_fit(value, got, sub)
         if type(value) in PLAIN_TENSORS:
             if type(got) is TensorSlot:
@@ -182,13 +176,13 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
     module's or an object's ``load_state_dict``) is left to ``restore_into``."""
     if type(target) is dict and isinstance(skeleton, Mapping):  # the common container: its tensors inline
         for key, value in target.items():
-            got = skeleton.get(key, _ABSENT)
+            got = skeleton.get(key, ABSENT)
             if type(value) in PLAIN_TENSORS and type(got) is TensorSlot and value.shape == got.shape:
                 continue  # (a path spelled only for a node that is not this plain case)
             sub = f"{path}.{key}" if path else str(key)
-            if got is _ABSENT:
+            if got is ABSENT:
                 raise UnfitKeyError(f"{sub} is not in the checkpoint")
-            if not _is_leaf(value):
+            if not is_leaf(value):
                 check_fit(value, got, sub)
         return
     where = path or "<root>"
@@ -198,11 +192,21 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
                 shape, want = tuple(skeleton.shape), tuple(target.shape)
                 raise UnfitValueError(f"{where}: shape {shape} in checkpoint, {want} in target")
         else:
-            raise UnfitValueError(f"{where}: checkpoint holds {type(skeleton).__name__}, target is a tensor")
+            raise UnfitValueError(f"{where}: checkpoint holds {_kind(skeleton)}, target is a tensor")
         return
-    if isinstance(target, (np.ndarray, torch.Generator, torch.nn.Module)) or callable(
-        getattr(target, "load_state_dict", None)
-    ):
+    if isinstance(target, np.ndarray):
+        saved = _array_of(skeleton)
+        if saved != (target.dtype, target.shape):
+            got = _kind(skeleton) if saved is None else f"{saved[0]}{list(saved[1])}"
+            raise UnfitValueError(
+                f"{where}: checkpoint holds {got}, target is an array {target.dtype}{list(target.shape)}"
+            )
+        return
+    if isinstance(target, torch.Generator):
+        if not (isinstance(skeleton, torch.Generator) or _stands_for(skeleton, torch.Generator)):
+            raise UnfitValueError(f"{where}: checkpoint holds {_kind(skeleton)}, target is a torch.Generator")
+        return
+    if isinstance(target, torch.nn.Module) or callable(getattr(target, "load_state_dict", None)):
         return
     if isinstance(target, Mapping):
         if not isinstance(skeleton, Mapping):
@@ -211,29 +215,41 @@ def check_fit(target: Any, skeleton: Any, path: str = "") -> None:
             sub = f"{path}.{key}" if path else str(key)
             if key not in skeleton:
                 raise UnfitKeyError(f"{sub} is not in the checkpoint")
-            if not (_is_leaf(value) and isinstance(target, MutableMapping)):
+            if not (is_leaf(value) and isinstance(target, MutableMapping)):
                 check_fit(value, skeleton[key], sub)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(skeleton, (list, tuple)) or len(skeleton) != len(target):
             raise UnfitValueError(f"{where}: sequence length or type differs from the checkpoint")
         for i, (t, v) in enumerate(zip(target, skeleton, strict=True)):
-            if not (_is_leaf(t) and isinstance(target, MutableSequence)):
+            if not (is_leaf(t) and isinstance(target, MutableSequence)):
                 check_fit(t, v, f"{path}.{i}" if path else str(i))
-
-
-_ABSENT = object()
 
 
 def _kind(skeleton: Any) -> str:
     """The type a skeleton's node stands for, as ``restore_into`` names the loaded value's."""
+    if type(skeleton) is ValueStandIn:
+        return skeleton.kind.__name__
     return "Tensor" if type(skeleton) is TensorSlot else type(skeleton).__name__
+
+
+def _stands_for(skeleton: Any, kind: type) -> bool:
+    return type(skeleton) is ValueStandIn and skeleton.kind is kind
+
+
+def _array_of(skeleton: Any) -> tuple[np.dtype[Any], tuple[int, ...]] | None:
+    """The dtype and shape of the array ``skeleton`` holds or stands for (else ``None``)."""
+    if isinstance(skeleton, np.ndarray):
+        return skeleton.dtype, skeleton.shape
+    if _stands_for(skeleton, np.ndarray):
+        return skeleton.dtype, skeleton.shape
+    return None
 
 
 def _pair(target: Any, loaded: Any, prefixes: tuple[str, ...], out: dict[str, torch.Tensor]) -> None:
     """Collect (saved name -> target tensor) the way :func:`restore_into` pairs them;
     ``loaded`` is the skeleton (a saved tensor's slot where the tensor will be)."""
-    if type(target) in _SCALARS:
+    if type(target) in SCALARS:
         return  # (an optimizer's param_groups: a list of ints a parameter)
     if type(target) is dict:  # the common container (no load_state_dict): its tensors inline
         if isinstance(loaded, Mapping):
@@ -254,7 +270,7 @@ def _pair(target: Any, loaded: Any, prefixes: tuple[str, ...], out: dict[str, to
         return
     if isinstance(target, torch.nn.Module):
         if isinstance(loaded, Mapping):
-            module, state = _match_module(target, loaded, prefixes)
+            module, state = match_module(target, loaded, prefixes)
             own = module.state_dict()
             for key, value in state.items():
                 if key in own:
@@ -356,145 +372,3 @@ def _without_overlaps(targets: dict[str, torch.Tensor], spans: list[int]) -> dic
         else:
             reach_dev = e
     return {name: t for i, (name, t) in enumerate(targets.items()) if i not in dropped}
-
-
-def restore_into(target: Any, loaded: Any, path: str = "", strip_prefixes: Sequence[str] = ()) -> None:
-    """Restore ``loaded`` into ``target`` in place.
-
-    Objects with ``load_state_dict`` get it called; tensors get ``copy_``, numpy arrays
-    ``np.copyto``, ``torch.Generator`` objects ``set_state``; dicts and lists are walked, and
-    other values in mutable containers are replaced. A module loads keys saved without
-    wrapper prefixes: a ``torch.compile`` wrapper (``_orig_mod.``) and any of
-    ``strip_prefixes`` (e.g. DDP's ``"module."``) are matched on both sides, so a checkpoint
-    of a compiled or wrapped model loads into a plain one and the other way round. Raises
-    :class:`MissingKeyError` (a ``CheckpointError``, also a ``KeyError``) when ``target``
-    holds a key the checkpoint lacks, ``ValueError`` on a type or
-    shape mismatch (the load raised those of :func:`check_fit` before any target was
-    written, with a global index or without; any other leaves the targets partly overwritten: tensors read
-    in place by :func:`plan_targets` already hold the checkpoint's bytes). A target that already is the
-    loaded tensor (read in place) is left as it is.
-    """
-    where = path or "<root>"
-    if target is loaded:
-        return  # read in place (plan_targets): already holds the checkpoint's bytes
-    if type(target) is dict and type(loaded) is dict:  # the common container, as the Mapping case below
-        for key in list(target):
-            value = target[key]
-            got = loaded.get(key, _ABSENT)
-            if got is value and isinstance(value, torch.Tensor):
-                continue  # read in place (no key path to spell, no isinstance chain: ~1/3 of a 300k restore)
-            sub = f"{path}.{key}" if path else str(key)
-            if got is _ABSENT:
-                raise MissingKeyError(f"{sub} is not in the checkpoint")
-            if type(value) is not dict and _is_leaf(value):
-                target[key] = got
-            else:
-                restore_into(value, got, sub, strip_prefixes)
-        return
-    if isinstance(target, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a tensor")
-        if target.shape != loaded.shape:
-            raise ValueError(f"{where}: shape {tuple(loaded.shape)} in checkpoint, {tuple(target.shape)} in target")
-        with torch.no_grad():
-            target.copy_(loaded)
-        return
-    if isinstance(target, np.ndarray):
-        if not isinstance(loaded, np.ndarray) or loaded.shape != target.shape or loaded.dtype != target.dtype:
-            got = f"{loaded.dtype}{list(loaded.shape)}" if isinstance(loaded, np.ndarray) else type(loaded).__name__
-            raise ValueError(f"{where}: checkpoint holds {got}, target is an array {target.dtype}{list(target.shape)}")
-        np.copyto(target, loaded)
-        return
-    if isinstance(target, torch.Generator):
-        if not isinstance(loaded, torch.Generator):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a torch.Generator")
-        target.set_state(loaded.get_state())
-        return
-    if isinstance(target, torch.nn.Module) and isinstance(loaded, Mapping):
-        module, state = _match_module(target, loaded, tuple(strip_prefixes))
-        module.load_state_dict(state)
-        return
-    load_state_dict = getattr(target, "load_state_dict", None)
-    if callable(load_state_dict):
-        load_state_dict(loaded)
-        return
-    if isinstance(target, Mapping):
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{where}: checkpoint holds {type(loaded).__name__}, target is a mapping")
-        for key in list(target):
-            value = target[key]
-            if key in loaded and value is loaded[key] and isinstance(value, torch.Tensor):
-                continue  # read in place (the common case: no key path to spell)
-            sub = f"{path}.{key}" if path else str(key)
-            if key not in loaded:
-                raise MissingKeyError(f"{sub} is not in the checkpoint")
-            if _is_leaf(value) and isinstance(target, MutableMapping):
-                target[key] = loaded[key]
-            else:
-                restore_into(value, loaded[key], sub, strip_prefixes)
-        return
-    if isinstance(target, (list, tuple)):
-        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
-            raise ValueError(f"{where}: sequence length or type differs from the checkpoint")
-        for i, (t, v) in enumerate(zip(target, loaded, strict=True)):
-            sub = f"{path}.{i}" if path else str(i)
-            if _is_leaf(t) and isinstance(target, MutableSequence):
-                target[i] = v
-            else:
-                restore_into(t, v, sub, strip_prefixes)
-        return
-    # a plain value at the top level or inside a tuple: nothing to restore in place
-
-
-#: Plain values, leaves without a look at their type's ABCs (a list of a parameter's ints).
-_SCALARS = frozenset({int, float, str, bool, type(None)})
-
-
-def _is_leaf(v: Any) -> bool:
-    """A value restored by replacing it, not in place."""
-    if type(v) in _SCALARS:
-        return True
-    if isinstance(v, (torch.Tensor, np.ndarray, torch.Generator, Mapping, list, tuple)):
-        return False
-    return not callable(getattr(v, "load_state_dict", None))
-
-
-def _match_module(
-    target: torch.nn.Module, loaded: Mapping[Any, Any], prefixes: tuple[str, ...]
-) -> tuple[torch.nn.Module, Mapping[Any, Any]]:
-    """The module that takes ``loaded`` and the state renamed for it.
-
-    A wrapper whose keys all carry one of the prefixes (``_orig_mod.`` of ``torch.compile``
-    always, the named ones such as ``module.`` of DDP) hands over to the module it wraps; the
-    checkpoint's keys and ``_metadata`` lose the same prefixes (old checkpoints may have them).
-    """
-    wanted = (COMPILE_PREFIX, *prefixes)
-    unwrapped = True
-    while unwrapped:
-        unwrapped = False
-        for p in wanted:
-            if _is_wrapper(target, p[:-1]):
-                target, unwrapped = getattr(target, p[:-1]), True
-                break
-    if not all(isinstance(k, str) for k in loaded):
-        return target, loaded
-    items, meta = strip_state_dict_prefixes(loaded, wanted)
-    state: collections.OrderedDict[str, Any] = collections.OrderedDict(items)
-    if meta is not None:
-        state._metadata = meta  # type: ignore[attr-defined]
-    return target, state
-
-
-def _is_wrapper(m: torch.nn.Module, attr: str) -> bool:
-    """Whether every key of ``m``'s state dict is ``attr.`` + a key of its child ``attr``.
-
-    Decided from the module's structure, without calling ``state_dict()`` (which may be
-    expensive or collective for some wrappers).
-    """
-    children = [name for name, _ in m.named_children()]
-    return (
-        children == [attr]
-        and next(m.parameters(recurse=False), None) is None
-        and next(m.buffers(recurse=False), None) is None
-        and type(m).get_extra_state is torch.nn.Module.get_extra_state
-    )
