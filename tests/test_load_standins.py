@@ -23,7 +23,7 @@ import torch
 
 from asyncckpt.format._header import TensorSlot
 from asyncckpt.format._safetensors import DTYPE_TO_ST
-from asyncckpt.format._structure_decode import StandInSites, compact_node, fill_in, unflatten
+from asyncckpt.format._structure_decode import StandInSites, ValueStandIn, compact_node, fill_in, unflatten
 from asyncckpt.format._structure_encode import flatten, tree_json
 from asyncckpt.loading import _readinto
 
@@ -104,9 +104,12 @@ def test_slots_stand_in_for_the_tensors_of_every_node() -> None:
     tree, tensors = _parsed(_varied(), compact_node)
     slots = _slots(tensors)
     skeleton = unflatten(tree, slots)
-    for key in ("param", "array"):
-        assert type(skeleton[key]) is TensorSlot
-    assert type(skeleton["rng"]) is TensorSlot and skeleton["rng"].dtype == "U8"
+    assert type(skeleton["param"]) is TensorSlot
+    # an array and a generator are values made of a tensor, not the tensor: their own stand-ins
+    arr, rng = skeleton["array"], skeleton["rng"]
+    assert type(arr) is ValueStandIn and arr.kind is np.ndarray and type(arr.tensor) is TensorSlot
+    assert (arr.dtype, arr.shape) == (_varied()["array"].dtype, _varied()["array"].shape)
+    assert type(rng) is ValueStandIn and rng.kind is torch.Generator and rng.tensor.dtype == "U8"
     plain, _ = _parsed(_varied())
     assert skeleton["model"]["l3.weight"] is slots[compact_tree_name(plain, "model", "l3.weight")]
     assert type(skeleton["tuple"][0]) is TensorSlot and skeleton["tuple"][1:] == (1, "x", None, 2.5)
