@@ -166,6 +166,20 @@ def test_mirror_every_uploads_every_nth_commit_and_the_disks_keep_the_steps_not_
     assert _stored(s3, url) == [5, 6]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sigterm_uploads_the_newest_commit_mirror_every_skipped(tmp_path: Path, s3: S3Server) -> None:
+    # a preempted job (SIGTERM to every rank, no flush() or close() of its own): the handler's
+    # flush uploaded nothing mirror_every had skipped, and the node's disk goes with the node
+    a, b = _nodes(tmp_path)
+    url, env = _tier(s3.endpoint, 30, MIRROR_EVERY="3")
+    res = _run(tmp_path, "preempted", (a, b), STEPS="1,2,3", SIGTERM_AT_END="1", **env)
+    for r, got in res.items():
+        assert got["saved"] == [1, 2, 3] and got.get("sigterm_flushed"), (r, got)
+    assert _stored(s3, url) == [1, 3]
+
+
 def _stored(s3: S3Server, url: str) -> list[int]:
     """The steps committed on the store under ``url``."""
     return sorted(int(k[5:13]) for k in keys(s3.endpoint, url) if k.endswith("/manifest.json"))

@@ -296,8 +296,9 @@ class Checkpointer:
     def install_sigterm_handler(
         self, grace_s: float = 30.0, final_save: Callable[[Checkpointer], object] | None = None
     ) -> None:
-        """On SIGTERM: optionally take a final save, flush within ``grace_s``, then let the
-        previous handler (by default: termination by the signal) proceed.
+        """On SIGTERM: optionally take a final save, flush within ``grace_s`` (as ``close()``,
+        uploading the newest commit ``mirror_every`` skipped), then let the previous handler
+        (by default: termination by the signal) proceed.
 
         ``final_save(ckpt)`` runs inside the signal handler on the main thread and should
         call ``ckpt.save(...)``. Everything the handler waits for (the final save's staging

@@ -5,7 +5,9 @@ namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCK
 ``MEMORY`` (the memory tier's one path) and ``MEMORY_DIRS`` (per rank, its node's directory on
 /dev/shm, bind-mounted there in the same namespace); ``REPLICATE``: its peer replica.
 ``DISK_EVERY``: the disk tier's frequency; ``GO_ON``: a failed save is recorded (``save_errors``)
-and the next step saved. Writes what happened to ``out.<rank>.json``.
+and the next step saved; ``SIGTERM_AT_END``: after the saves each rank signals itself SIGTERM
+(``install_sigterm_handler``: no flush, no close of its own; a preempted job).
+Writes what happened to ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -113,11 +116,20 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             extra["mirror_every"] = int(os.environ["MIRROR_EVERY"])
         if os.environ.get("KEEP_LAST_REMOTE"):
             extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
+    if os.environ.get("SIGTERM_AT_END"):  # preempted after the saves: asyncckpt's handler, then this one
+
+        def preempted(signum: int, frame: Any) -> None:
+            result["sigterm_flushed"] = True  # asyncckpt's handler flushed (or it had exited 1)
+            _leave(rank, world, out, result)
+
+        signal.signal(signal.SIGTERM, preempted)
     try:
         ck = Checkpointer(root, node_local=True, timeout=timeout, keep_last=keep_last, **extra)
     except Exception as e:  # noqa: BLE001 - what the test looks at
         result["init_error"] = describe(e)
         return
+    if os.environ.get("SIGTERM_AT_END"):
+        ck.install_sigterm_handler(grace_s=timeout * 3)
     result["run_id"] = ck.run_id
     try:
         t_load = time.monotonic()
@@ -160,18 +172,29 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             break
     if "save_error" in result:
         return
+    if os.environ.get("SIGTERM_AT_END"):  # no flush, no close: the signal's handler does what is left
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(timeout * 4)  # (the handlers run at the next bytecode; they never return)
+        result["sigterm_not_handled"] = True
+        return
     try:
         ck.flush(timeout=timeout * 6)  # with the persistent tier: the uploads too
     except Exception as e:  # noqa: BLE001
         result["flush_error"] = describe(e)
     if os.environ.get("KILL_AFTER_FLUSH"):  # every process of every node killed: no close, no goodbye
-        with open(f"{out}.{rank}.json", "w") as f:
-            json.dump(result, f)
-        end = time.monotonic() + 30  # rank 0 hosts the c10d store: the last to go
-        while rank == 0 and time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
-            time.sleep(0.05)
-        os._exit(9)
+        _leave(rank, world, out, result, 9)
     ck.close()
+
+
+def _leave(rank: int, world: int, out: str, result: dict[str, Any], status: int = 9) -> None:
+    """Write ``result`` and exit with ``status`` at once: no close, no goodbye (rank 0, which
+    hosts the c10d store, waits up to 30 s for every rank's result first: the last to go)."""
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    end = time.monotonic() + 30
+    while rank == 0 and time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+        time.sleep(0.05)
+    os._exit(status)
 
 
 def main() -> None:
