@@ -32,7 +32,10 @@ start) to the slowest rank's return (one clock: ``CLOCK_MONOTONIC`` is system-wi
 does not show: the moment the manifest object is created (``flush()`` returns after the round's
 verdict reached the rank) and when each node's disk commit happened (``result()`` returns once rank
 0 knows every node acknowledged). Loopback has no link: the store's times are client + server CPU
-on this machine. Prints a table and writes ``results.json`` and ``results.md`` to ``--out``.
+on this machine, so the table also gives the store server's CPU seconds over each case, and each
+case's slowest rank's ``SaveStatistics`` (slot wait, staging, prepare) are kept in ``results.json``.
+Prints a table and writes ``results.json`` and ``results.md`` to ``--out`` (``--keep-logs``: every
+rank's INFO log under ``OUT/logs/``).
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def rank_main(case: str, rank: int, world: int, port: str, root: str, out: str) 
         t_persist = time.monotonic()
         assert ck.upload_states() == {}, ck.upload_states()
         res.update(t0=t0, t_block=t_block, t_local=t_local, t_persist=t_persist, tier=info.tier,
-                   stats={k: getattr(info.statistics, k) for k in ("staging_s", "write_s", "fsync_s", "commit_s")})
+                   stats={k: getattr(info.statistics, k) for k in ("wait_s", "staging_s", "prepare_s", "write_s",
+                                                                    "fsync_s", "commit_s")})  # fmt: skip
         ck.close(timeout)
         dist.barrier()  # rank 0 hosts the c10d store: nobody leaves before every rank closed
 
@@ -155,8 +159,9 @@ def rank_main(case: str, rank: int, world: int, port: str, root: str, out: str) 
 
 
 # ---------------------------------------------------------------------------------------- the driver
-def _ranks(case: str, tmp: Path, env: dict[str, str], tag: str) -> dict[str, float]:
-    """One case's 4 ranks: local, persistent and blocking seconds (earliest call to slowest return)."""
+def _ranks(case: str, tmp: Path, env: dict[str, str], tag: str, keep: Path | None) -> dict[str, float]:
+    """One case's 4 ranks: local, persistent and blocking seconds (earliest call to slowest return);
+    their logs copied under ``keep`` when given."""
     from _ranks import free_port, rank_results, run_ranks
 
     logs = tmp / f"logs-{tag}"
@@ -173,6 +178,8 @@ def _ranks(case: str, tmp: Path, env: dict[str, str], tag: str) -> dict[str, flo
                          900, extra_env=env)  # fmt: skip
         res = rank_results(out, logs, hung, 4)
     finally:
+        if keep is not None:
+            shutil.copytree(logs, keep / tag)
         for d in (*nodes, *([] if case == "node-local" else [root])):
             shutil.rmtree(d, ignore_errors=True)
     assert case != "node-local" or os.listdir(root) == [], "a node's mount leaked out of its namespace"
@@ -181,7 +188,9 @@ def _ranks(case: str, tmp: Path, env: dict[str, str], tag: str) -> dict[str, flo
     extra = {"upload round": float(upload[0])} if upload else {}
     return {**extra, "local": max(r["t_local"] for r in res.values()) - t0,
             "persistent": max(r["t_persist"] for r in res.values()) - t0,
-            "blocking": max(r["t_block"] - r["t0"] for r in res.values())}  # fmt: skip
+            "blocking": max(r["t_block"] - r["t0"] for r in res.values()),
+            # where save()'s blocking went on its slowest rank (SaveStatistics)
+            **{f"max {k}": max(r["stats"][k] for r in res.values()) for k in ("wait_s", "staging_s", "prepare_s")}}
 
 
 def _raw(kind: str, tmp: Path, env: dict[str, str], tag: str, mib: int) -> float:
@@ -217,6 +226,12 @@ def _raw(kind: str, tmp: Path, env: dict[str, str], tag: str, mib: int) -> float
     return max(t["t1"] for t in times) - min(t["t0"] for t in times)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its waited-for children so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def _fmt(v: list[float]) -> str:
     return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
 
@@ -225,13 +240,15 @@ def report(data: dict[str, Any]) -> str:
     """The markdown table of ``data`` (what ``results.json`` holds): medians (min-max) in seconds,
     each figure over its limit (the raw O_DIRECT write for local, the raw PUT for persistent), and
     the upload round of the modes with ``mirror=`` (rank 0's log: from the local commit handed to
-    the upload to the round's outcome, i.e. persistent minus local, less the hand-over)."""
+    the upload to the round's outcome, i.e. persistent minus local, less the hand-over), and the
+    store server's CPU seconds over the case (its uncounted save and its timed one: two uploads of
+    the same bytes in every case that reaches the store)."""
     t = data["times"]
     raw_d, raw_p = statistics.median(t["raw-direct"]["local"]), statistics.median(t["raw-put"]["persistent"])
     lines = [f"# Time to local and to persistent durability: 4 ranks ({data['layout']}), {data['mib']} MiB a rank, "
              f"{data['rounds']} rounds (load average {data['load_avg'][0]:.1f} at the end)", "",
              "| mode | `save()` blocking (s) | local durable (s) | / raw O_DIRECT | persistent durable (s) | / raw PUT "
-             "| upload round (s) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| upload round (s) | store server CPU (s) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     names = {"node-local": "node-local disks + `s3://` (`node_local=True, mirror=`)",
              "tier": "tier mode, shared root (`mirror=`)", "s3": "`s3://` root", "posix": "shared POSIX root",
              "raw-direct": "raw O_DIRECT write + fsync, 4 at once", "raw-put": "raw multipart PUT (obstore), 4 at once"}
@@ -242,7 +259,8 @@ def report(data: dict[str, Any]) -> str:
         per = (f"{_fmt(v['persistent'])} | {statistics.median(v['persistent']) / raw_p:.2f}x"
                if "persistent" in v else "- | -")  # fmt: skip
         up = _fmt(v["upload round"]) if "upload round" in v else "-"
-        lines.append(f"| {names[case]} | {blk} | {loc} | {per} | {up} |")
+        cpu = _fmt(v["server cpu"]) if "server cpu" in v and case != "posix" else "-"
+        lines.append(f"| {names[case]} | {blk} | {loc} | {per} | {up} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -252,6 +270,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "bench-results" / "tier-durability")
     ap.add_argument("--quick", action="store_true", help="8 MiB a rank, 1 round (unless given)")
+    ap.add_argument("--keep-logs", action="store_true", help="copy every rank's log (INFO) to OUT/logs/")
     ap.add_argument("--cases", default=",".join(CASES), help="a subset of " + ",".join(CASES))
     args = ap.parse_args()
     if args.quick:
@@ -268,6 +287,9 @@ def main() -> None:
     # SeaweedFS reclaims deleted space only when it vacuums: room for every save of every round
     server = S3Server(volumes=max(64, (7 * 4 * args.mib * args.rounds) // 256 + 32))
     times: dict[str, dict[str, list[float]]] = {c: {} for c in cases}
+    keep = args.out / "logs" if args.keep_logs else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
     try:
         server.start()
         server.create_bucket(BUCKET)
@@ -277,14 +299,18 @@ def main() -> None:
             for case in cases[k % len(cases):] + cases[: k % len(cases)]:
                 tag = f"{case}-{k}-{uuid.uuid4().hex[:6]}"
                 os.sync()  # every case starts without the previous one's dirty pages
+                assert server.proc is not None
+                cpu0 = _cpu_s(server.proc.pid)
                 if case == "raw-direct":
                     got = {"local": _raw("direct", tmp, env, tag, args.mib)}
                 elif case == "raw-put":
                     got = {"persistent": _raw("put", tmp, env, tag, args.mib)}
                 else:
-                    got = _ranks(case, tmp, dict(env, URL=f"s3://{BUCKET}/{tag}"), tag)
+                    got = _ranks(case, tmp, dict(env, URL=f"s3://{BUCKET}/{tag}"), tag, keep)
                     if case in ("s3", "posix"):  # one commit: durable where it is, nothing more
                         got.pop("persistent" if case == "posix" else "local")
+                if case != "raw-direct":  # the server's CPU for the case's two saves (or PUTs) of every rank
+                    got["server cpu"] = _cpu_s(server.proc.pid) - cpu0
                 for key, v in got.items():
                     times[case].setdefault(key, []).append(v)
                 print(f"round {k + 1}: {case} " + ", ".join(f"{key} {v:.2f} s" for key, v in got.items()), flush=True)
