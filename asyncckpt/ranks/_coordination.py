@@ -72,6 +72,8 @@ class Start:
 
     attempt: str
     failure: RankFailure | None = None
+    #: the tiers the save goes to, as rank 0 decided them (``saving._frequency.Tiers``' JSON)
+    tiers: Any = None
 
 
 class Coordinator(Protocol):
@@ -272,7 +274,8 @@ class StoreCoordinator:
         self._last_seq = seq
         if self.rank == 0:
             assert start is not None
-            await self._set(key, {"attempt": start.attempt, "step": step, "failure": _enc_failure(start.failure)})
+            await self._set(key, {"attempt": start.attempt, "step": step, "failure": _enc_failure(start.failure),
+                                  "tiers": start.tiers})
             return start
         got = await self._wait_get(key, deadline + _GRACE_S)
         if got is None:
@@ -284,7 +287,7 @@ class StoreCoordinator:
                 "ValueError",
                 f"ranks disagree on the step: rank 0 saves {got['step']}, rank {self.rank} saves {step}",
             )
-        return Start(got["attempt"], failure)
+        return Start(got["attempt"], failure, got.get("tiers"))
 
     async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
         await self._set(

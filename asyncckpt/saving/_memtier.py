@@ -105,42 +105,6 @@ def check_options(memory: object, keep_last: object, budget: object, node_local:
     return os.path.abspath(path)
 
 
-def check_every(name: str, every: object, tier: object, node_local: bool) -> int:
-    """A tier's save frequency: every ``every``-th ``save()`` (``memory_every``: decided at the
-    call) or commit (``mirror_every``) of the job goes to that tier (the first one always).
-    ``TypeError``/``ValueError`` at the call; ``tier`` is the tier's option (``None``: no such
-    tier, so no frequency for it)."""
-    if every is None:
-        return 1
-    if not isinstance(every, int) or isinstance(every, bool):
-        raise TypeError(f"{name} must be an int (every n-th save), not {type(every).__name__}")
-    if every < 1:
-        raise ValueError(f"{name} must be at least 1, not {every!r}")
-    if tier is None:
-        raise ValueError(f"{name} applies to its tier ({name.split('_')[0]}=...), which is not set")
-    if not node_local:
-        raise ValueError(f"{name} applies to node-local roots (node_local=True) for now")
-    return every
-
-
-def check_disk_every(every: object, memory: str | None, memory_every: int, node_local: bool) -> int:
-    """``disk_every``: every n-th ``save()`` of the job (the first always) goes to the node
-    disks, every other one to the memory tier only (decided at the call). ``TypeError`` /
-    ``ValueError`` at the call: it needs the memory tier, which must take every save."""
-    n = check_every("disk_every", every, True, node_local)
-    if every is not None and memory is None:
-        raise ValueError("disk_every keeps the saves between two disk saves in the memory tier: it needs memory=...")
-    if n > 1 and memory_every > 1:
-        raise ValueError(f"disk_every={n} needs memory_every=1: a save not due for the disks goes to the memory "
-                         "tier, so every save must be due for it")  # fmt: skip
-    return n
-
-
-def due(nth: int, every: int) -> bool:
-    """Whether the ``nth`` save or commit of the job (1 for the first) goes to a tier of frequency ``every``."""
-    return (nth - 1) % every == 0
-
-
 def check_apart(memory: str, root: str) -> None:
     """``ValueError`` when the memory root and the disk root are one, or one holds the other."""
     a, b = os.path.realpath(memory), os.path.realpath(root)
