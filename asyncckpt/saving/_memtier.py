@@ -6,7 +6,8 @@ layout and commit discipline) whose path is on tmpfs, so it outlives the trainin
 a reboot). Theory of operation (docs/design/tiers.md):
 
 1. a save due for the memory tier (the first of the job, then every ``memory_every``-th
-   ``save()``: decided when it is called, the same on every rank) carries a
+   ``save()``, or by time; rank 0 decides at its call, every rank takes its word: ``_frequency``)
+   carries a
    :class:`~asyncckpt.saving._memwrite.MemoryWrite`: every rank writes its files of the step
    into ``step_N.tmp-<attempt>/`` under the memory root *from the bytes the save holds* (its
    staging arena once it is all staged, beside the disk write; its tree), never from a
