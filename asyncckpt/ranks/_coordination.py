@@ -3,7 +3,8 @@
 Every method is awaited on the writer thread's loop, by every rank, in the same order:
 
 1. :meth:`Coordinator.begin` - the leader (rank 0) prepares the attempt directory and
-   publishes ``(attempt, error)``; the others wait for it.
+   publishes ``(attempt, error, tiers)`` (the start word; ``tiers``: where the save goes, as
+   rank 0's clock decided: ``saving._frequency``); the others wait for it.
 2. :meth:`Coordinator.report` - each rank publishes what it wrote (or why it failed); the
    leader receives every rank's report, or learns which ranks did not answer in time.
 3. :meth:`Coordinator.decide` - the leader publishes the verdict (committed or failed);
