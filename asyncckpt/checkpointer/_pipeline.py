@@ -20,7 +20,7 @@ from ..roots import _runs
 from ..saving import _deferred
 from ..saving._arena import Arena
 from ..saving._commit import run_save
-from ..saving._frequency import Routes, TierClock, due, every_save
+from ..saving._frequency import Routes, TierClock, due
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._nodelocal import refuse_dtensors
 from ..saving._savejob import SaveJob
@@ -325,10 +325,10 @@ class SavePipeline:
             self.books.seq += 1
             seq = self.books.seq
         rt = self.rt
-        # the tiers (saving._frequency): rank 0 decides now, with its clock; the others take its
-        # word at the save's start (a provisional route until then); by count, every rank agrees
+        # the tiers (saving._frequency): rank 0 decides, by its clock at the save() call; the others
+        # take its word at the save's start (a provisional route until then); by count, all agree
         leads = self.session.rank == 0
-        tiers = self.clock.decide(seq, time.monotonic() if leads else None, provisional=not leads)
+        tiers = self.clock.decide(seq, t_call, provisional=not leads)
         job = SaveJob(
             step=step,
             seq=seq,
@@ -470,7 +470,7 @@ class SavePipeline:
         if info is not None and nth and self.session.uploads_here():
             every = self.opts.mirror_every
             upload = tiers.mirror if tiers.mirror is not None else isinstance(every, int) and due(nth, every)
-            if upload or every_save(every):
+            if upload:
                 self.skipped = None
                 self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
             else:

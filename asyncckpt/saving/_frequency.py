@@ -129,9 +129,10 @@ class TierClock:
         return True
 
     def decide(self, seq: int, t: float | None = None, *, provisional: bool = False) -> Tiers:
-        """The tiers of the ``seq``-th save of the job (1 for the first), called at rank 0's
-        ``save()`` at time ``t`` (``time.monotonic()`` by default). ``provisional``: another
-        rank's route until rank 0's word arrives (time-based tiers are taken as due)."""
+        """The tiers of the ``seq``-th save of the job (1 for the first), whose ``save()`` rank 0
+        called at time ``t`` (seconds of a monotonic clock, ``time.perf_counter()`` in ``save()``;
+        ``time.monotonic()`` by default). ``provisional``: another rank's route until rank 0's word
+        arrives (time-based tiers are taken as due)."""
         t = time.monotonic() if t is None else t
         clocked: list[str] = []
         disk = not self.split or self._due("disk", seq, t, clocked, provisional)
