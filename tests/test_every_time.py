@@ -95,3 +95,21 @@ def test_disk_every_by_time_is_rank_0s_choice_on_every_node(nodes: Cluster) -> N
     _resumed(res, 4)
     for r in range(4):
         assert f"loading step 4 {FROM_MEMORY if r < 2 else FROM_DISK}" in logs[r], logs[r][-3000:]
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # one run of 4 ranks
+@pytest.mark.timeout(300)
+def test_memory_every_by_time_keeps_rank_0s_picks_in_every_nodes_memory(nodes: Cluster) -> None:  # noqa: F811
+    c = nodes
+    res, _ = c.save("memory", [1, 2, 3, 4, 5], MEMORY_EVERY_S=str(EVERY_S), MEMORY_KEEP_LAST="5", KEEP_LAST="5",
+                    SAVE_GAPS=";".join([GAPS["a"], GAPS["a"], GAPS["b"], GAPS["b"]]))  # fmt: skip
+    calls0 = res[0]["calls"]
+    assert margin(calls0, EVERY_S) > 0.05, calls0
+    want = decided(calls0, EVERY_S)
+    assert want == [True, True, False, True, False] and decided(res[2]["calls"], EVERY_S) != want, res
+    kept = [s for s, d in zip([1, 2, 3, 4, 5], want, strict=True) if d]
+    assert _steps(c.ma) == kept and _steps(c.mb) == kept  # every node's memory: rank 0's picks
+    assert _steps(c.a) == [1, 2, 3, 4, 5] and _steps(c.b) == [1, 2, 3, 4, 5]  # the disks take every save
+    for r, got in res.items():
+        assert [t for t, _ in got["tiers"]] == ["local"] * 5, (r, got["tiers"])
