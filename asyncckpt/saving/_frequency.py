@@ -116,6 +116,8 @@ class TierClock:
         self._last: dict[str, float] = {}
 
     def _due(self, tier: str, seq: int, t: float, clocked: list[str], provisional: bool) -> bool:
+        """Whether the ``seq``-th save, called at ``t``, goes to ``tier``; a time-based tier that
+        takes it restarts its clock (named in ``clocked``)."""
         every = self.every[tier]
         if isinstance(every, int):
             return due(seq, every)
