@@ -154,6 +154,25 @@ def test_mirror_every_by_time_uploads_the_saves_called_that_long_after_the_last_
     assert_same(asyncckpt.load(url, storage_options=o), state_for(6))
 
 
+@pytest.mark.slow  # two gloo ranks, 6 s of sleeps
+def test_mirror_every_by_time_on_a_shared_root_of_two_ranks_goes_by_rank_0s_clock(
+    tmp_path: Path, s3: S3Server, url: str
+) -> None:
+    from _ranks import free_port, log_tail, run_ranks
+    from test_every_time import decided
+
+    o, port = opts(s3.endpoint), free_port()
+    worker = str(Path(__file__).parent / "support" / "_tier_rank_worker.py")
+    hung = run_ranks(lambda r: [worker, "every", str(r), "2", str(port), str(tmp_path / "shared"), url, json.dumps(o),
+                                str(tmp_path / f"every-{r}.json")], 2, tmp_path, deadline=90)  # fmt: skip
+    assert not hung, [log_tail(tmp_path, r) for r in hung]
+    res = [json.loads((tmp_path / f"every-{r}.json").read_text()) for r in range(2)]
+    assert all(x.get("ok") for x in res), (res, [log_tail(tmp_path, r) for r in range(2)])
+    want = decided(res[0]["calls"], 2.0)
+    assert want == [True, True, False, True] and decided(res[1]["calls"], 2.0) != want, res
+    assert remote_steps(url, o) == [1, 2, 4]  # rank 0's picks; step 4, the last, was one: none left for close()
+
+
 def test_local_retention_never_removes_a_step_whose_upload_is_pending(
     tmp_path: Path, proxy: FaultProxy, url: str
 ) -> None:
