@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,25 @@ def test_disk_retention_at_a_restart_counts_only_the_steps_on_every_disk(nodes: 
         ({"memory": "/dev/shm/x", "node_local": True, "disk_every": True}, TypeError, "must be an int"),
         ({"memory": "/dev/shm/x", "node_local": True, "disk_every": 3, "memory_every": 2}, ValueError,
          "needs memory_every=1"),
+        # by time (a datetime.timedelta: tests/test_every_time.py)
+        ({"memory": "/dev/shm/x", "node_local": True, "disk_every": timedelta(0)}, ValueError, "positive timedelta"),
+        ({"memory": "/dev/shm/x", "node_local": True, "disk_every": timedelta(seconds=-1)}, ValueError,
+         "positive timedelta"),
+        ({"memory": "/dev/shm/x", "node_local": True, "memory_every": timedelta(0)}, ValueError, "positive timedelta"),
+        ({"mirror": "s3://b/p", "mirror_every": timedelta(microseconds=-5)}, ValueError, "positive timedelta"),
+        ({"mirror": "s3://b/p", "mirror_every": 0.5}, TypeError, "or a datetime.timedelta"),
+        ({"mirror": "s3://b/p", "mirror_every": "60s"}, TypeError, "or a datetime.timedelta"),
+        ({"memory": "/dev/shm/x", "node_local": True, "disk_every": 1.5}, TypeError, "or a datetime.timedelta"),
+        ({"node_local": True, "disk_every": timedelta(seconds=1)}, ValueError, "it needs memory="),
+        ({"disk_every": timedelta(seconds=1)}, ValueError, "node-local roots"),
+        ({"mirror_every": timedelta(seconds=1)}, ValueError, "(mirror=...), which is not set"),
+        ({"memory": "/dev/shm/x", "node_local": True, "disk_every": timedelta(seconds=1), "memory_every": 2},
+         ValueError, "needs memory_every=1"),
+        ({"memory": "/dev/shm/x", "node_local": True, "disk_every": 2, "memory_every": timedelta(seconds=1)},
+         ValueError, "needs memory_every=1"),
     ],
 )  # fmt: skip
-def test_bad_disk_every_raises_typed_errors_at_the_constructor(
+def test_bad_frequencies_raise_typed_errors_at_the_constructor(
     tmp_path: Path, kw: dict[str, Any], error: type[Exception], words: str
 ) -> None:
     with pytest.raises(error) as e:

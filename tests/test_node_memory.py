@@ -230,7 +230,7 @@ def test_the_memory_tier_is_filled_from_the_saves_bytes_not_from_the_disk(tmp_pa
         ({"memory": "/dev/shm/x", "node_local": True, "memory_every": 2.0}, TypeError, "must be an int"),
         ({"node_local": True, "memory_every": 2}, ValueError, "(memory=...), which is not set"),
         ({"node_local": True, "mirror_every": 3}, ValueError, "(mirror=...), which is not set"),
-        ({"mirror": "s3://b/p", "mirror_every": 3}, ValueError, "node-local roots"),
+        ({"memory_every": 3}, ValueError, "(memory=...), which is not set"),
     ],
 )
 def test_bad_memory_options_raise_typed_errors_at_the_call(

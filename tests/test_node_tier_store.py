@@ -180,6 +180,27 @@ def test_a_sigterm_uploads_the_newest_commit_mirror_every_skipped(tmp_path: Path
     assert _stored(s3, url) == [1, 3]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_mirror_every_by_time_uploads_the_commits_rank_0s_clock_picks_and_close_the_last_one(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    from test_every_time import EVERY_S, GAPS, decided, margin
+
+    a, b = _nodes(tmp_path)  # node a's ranks and node b's sleep differently before each save
+    gaps = ";".join([GAPS["a"]] * 2 + [GAPS["b"]] * 2)
+    url, env = _tier(s3.endpoint, 30, MIRROR_EVERY_S=str(EVERY_S), SAVE_GAPS=gaps)
+    res = _saved(_run(tmp_path, "by-time", (a, b), STEPS="1,2,3,4,5", **env), [1, 2, 3, 4, 5])
+    calls0 = res[0]["calls"]
+    assert margin(calls0, EVERY_S) > 0.05, calls0  # (else the test itself could not tell)
+    assert decided(calls0, EVERY_S) == [True, True, False, True, False], calls0  # rank 0's clock
+    assert decided(res[2]["calls"], EVERY_S) != decided(calls0, EVERY_S), res[2]["calls"]  # rank 2's would differ
+    # every rank uploaded its files of the same commits (the rounds stayed aligned); close()
+    # uploaded the newest one the rule skipped, step 5
+    assert _stored(s3, url) == [1, 2, 4, 5]
+
+
 def _stored(s3: S3Server, url: str) -> list[int]:
     """The steps committed on the store under ``url``."""
     return sorted(int(k[5:13]) for k in keys(s3.endpoint, url) if k.endswith("/manifest.json"))

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,49 @@ def test_saves_commit_locally_then_upload_and_flush_waits_for_the_upload(
     assert got[-1] == 4 and len(got) == 2, got
     assert_same(asyncckpt.load(url, storage_options=o), state_for(4))
     assert "asyncckpt-test-secret" not in (root / "step_00000004" / "manifest.json").read_text()
+
+
+def test_mirror_every_by_time_uploads_the_saves_called_that_long_after_the_last_upload(
+    tmp_path: Path, s3: S3Server, url: str
+) -> None:
+    from test_every_time import decided, margin
+
+    root, o = tmp_path / "ck", opts(s3.endpoint)
+    calls: list[float] = []
+    with Checkpointer(root, mirror=url, keep_last=2, storage_options=o, mirror_every=timedelta(seconds=0.6)) as ck:
+        for s, gap in enumerate([0, 0.05, 1.2, 0.05, 1.2, 0.05], 1):  # saves at known times
+            time.sleep(gap)
+            calls.append(time.monotonic())
+            ck.save(s, state_for(s)).result(timeout=30)
+        assert margin(calls, 0.6) > 0.05, calls  # (else the test itself could not tell)
+        want = [s for s, due in enumerate(decided(calls, 0.6), 1) if due]
+        assert want == [1, 3, 5], calls
+        ck.flush(timeout=60)
+        assert remote_steps(url, o) == want
+        # a commit the rule did not upload retires older steps locally as an uploaded one does
+        wait_until(lambda: local_steps(root) == [5, 6], 10, "local retention after the skipped step 6")
+    # close() uploads the newest commit the rule skipped: the run's last step reaches the store
+    assert remote_steps(url, o) == [1, 3, 5, 6]
+    assert_same(asyncckpt.load(url, storage_options=o), state_for(6))
+
+
+@pytest.mark.slow  # two gloo ranks, 6 s of sleeps
+def test_mirror_every_by_time_on_a_shared_root_of_two_ranks_goes_by_rank_0s_clock(
+    tmp_path: Path, s3: S3Server, url: str
+) -> None:
+    from _ranks import free_port, log_tail, run_ranks
+    from test_every_time import decided
+
+    o, port = opts(s3.endpoint), free_port()
+    worker = str(Path(__file__).parent / "support" / "_tier_rank_worker.py")
+    hung = run_ranks(lambda r: [worker, "every", str(r), "2", str(port), str(tmp_path / "shared"), url, json.dumps(o),
+                                str(tmp_path / f"every-{r}.json")], 2, tmp_path, deadline=90)  # fmt: skip
+    assert not hung, [log_tail(tmp_path, r) for r in hung]
+    res = [json.loads((tmp_path / f"every-{r}.json").read_text()) for r in range(2)]
+    assert all(x.get("ok") for x in res), (res, [log_tail(tmp_path, r) for r in range(2)])
+    want = decided(res[0]["calls"], 2.0)
+    assert want == [True, True, False, True] and decided(res[1]["calls"], 2.0) != want, res
+    assert remote_steps(url, o) == [1, 2, 4]  # rank 0's picks; step 4, the last, was one: none left for close()
 
 
 def test_local_retention_never_removes_a_step_whose_upload_is_pending(

@@ -14,6 +14,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
@@ -119,10 +120,14 @@ class Checkpointer:
             files come on top until its round); the oldest go first, a part alone over it is not
             kept. Never fails a save.
         replicate: with ``memory``, also keep each step in the next node's memory (docs/node-local.md).
-        memory_every: every n-th save() of the job (the first always) goes to the memory tier.
-        mirror_every: every m-th commit to the disks (the first always) goes to the store.
-        disk_every: with ``memory``, every n-th save() of the job (the first always) goes to the
-            node disks, the others commit to the memory tier only (``CheckpointInfo.tier``).
+        memory_every: every n-th save() of the job (the first always) goes to the memory tier;
+            a ``datetime.timedelta``: a save at least that long after the last one there (each
+            ``*_every`` alike; rank 0's clock decides for every rank: docs/design/tiers.md).
+        mirror_every: every m-th commit to the disks (the first always), or one a timedelta
+            after the last upload's save, goes to the store (any local root with ``mirror``).
+        disk_every: with ``memory``, every n-th save() of the job (the first always), or one a
+            timedelta after the last disk save, goes to the node disks, the others commit to the
+            memory tier only (``CheckpointInfo.tier``).
         os_ops: the fault-injection seam, for tests: an :class:`asyncckpt.testing.OsOps`
             whose methods are the blocking OS calls of the save path (``mkdir``, ``open``,
             ``pwrite``, ``fsync``, ``rename``, ...); a subclass that raises or stalls in one
@@ -166,10 +171,10 @@ class Checkpointer:
         memory: str | os.PathLike[str] | None = None,
         memory_keep_last: int | None = None,
         memory_budget: int | None = None,
-        memory_every: int | None = None,
-        mirror_every: int | None = None,
+        memory_every: int | timedelta | None = None,
+        mirror_every: int | timedelta | None = None,
         replicate: bool = False,
-        disk_every: int | None = None,
+        disk_every: int | timedelta | None = None,
         os_ops: OsOps = DEFAULT_OPS,
     ) -> None:
         t_start = time.monotonic()  # construction's waits count from the call

@@ -12,7 +12,8 @@ from ..format._state_prefixes import check_strip_prefixes
 from ..roots._scheme import is_url
 from ..roots.posix._osops import OsOps
 from ..roots.posix._root import step_dir_hint
-from ..saving._memtier import check_apart, check_disk_every, check_every
+from ..saving._frequency import Every, check_disk_every, check_every
+from ..saving._memtier import check_apart
 from ..saving._memtier import check_options as check_memory
 from ..saving._mirror import check_options
 from ..saving._nodelocal import check_option as check_node_local
@@ -63,11 +64,12 @@ class Options:
     memory: str | None = None
     memory_keep_last: int = 1
     memory_budget: int | None = None
-    #: tier frequencies: every n-th commit of the job goes to the memory tier, to the store
-    memory_every: int = 1
-    mirror_every: int = 1
-    #: every n-th save() of the job goes to the node disks, the others to the memory tier only
-    disk_every: int = 1
+    #: tier frequencies (``saving._frequency``: every n-th save, or a save at least a timedelta
+    #: after the last one there): the memory tier, the store (of the disk commits), the node disks
+    #: (the others go to the memory tier only)
+    memory_every: Every = 1
+    mirror_every: Every = 1
+    disk_every: Every = 1
     #: the peer replica of the memory tier (``roots.replica``)
     replicate: bool = False
 
@@ -98,10 +100,10 @@ class Options:
         memory: str | os.PathLike[str] | None = None,
         memory_keep_last: int | None = None,
         memory_budget: int | None = None,
-        memory_every: int | None = None,
-        mirror_every: int | None = None,
+        memory_every: Every | None = None,
+        mirror_every: Every | None = None,
         replicate: bool = False,
-        disk_every: int | None = None,
+        disk_every: Every | None = None,
     ) -> Options:
         """The checked options; raises ``TypeError``/``ValueError`` naming the first bad one
         (no I/O: an ``s3://`` root's store is opened, not reached)."""
@@ -164,7 +166,7 @@ class Options:
         if mem is not None:
             check_apart(mem, resolved)
         every_mem = check_every("memory_every", memory_every, mem, node_local)
-        every_mirror = check_every("mirror_every", mirror_every, mirror, node_local)
+        every_mirror = check_every("mirror_every", mirror_every, mirror, node_local, shared=True)
         every_disk = check_disk_every(disk_every, mem, every_mem, node_local)
         if not isinstance(replicate, bool):
             raise TypeError(f"replicate must be a bool, not {type(replicate).__name__}")

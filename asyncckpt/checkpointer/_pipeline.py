@@ -20,9 +20,8 @@ from ..roots import _runs
 from ..saving import _deferred
 from ..saving._arena import Arena
 from ..saving._commit import run_save
+from ..saving._frequency import Routes, TierClock, due
 from ..saving._handle import SaveHandle, SaveRecord
-from ..saving._memtier import due
-from ..saving._memwrite import MemoryWrite
 from ..saving._nodelocal import refuse_dtensors
 from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
@@ -58,6 +57,13 @@ class SavePipeline:
         self.memory_only = set(session.committed) - set(session.on_disks) if session.nodes is not None else set()
         #: the newest disk commit ``mirror_every`` did not upload (``close()`` uploads it: :meth:`upload_skipped`)
         self.skipped: CheckpointInfo | None = None
+        #: which tiers each save goes to (``saving._frequency``): rank 0 decides, the start word carries it
+        self.clock = TierClock(opts.memory_every, opts.disk_every, opts.mirror_every,
+                               split=rt.memory_backend is not None, memory=session.memory is not None)  # fmt: skip
+        self.routes = Routes(rt.backend, rt.memory_backend, opts.root, opts.memory, session.memory,
+                             opts.keep_last if session.mirror is None else None)  # fmt: skip
+        #: a time-based frequency: the other ranks take rank 0's route at each save's start
+        self.timed = not all(isinstance(e, int) for e in self.clock.every.values())
 
     def track_upload(self, info: CheckpointInfo) -> None:
         """Hand committed ``info`` to the mirror and track its upload like a save."""
@@ -178,13 +184,9 @@ class SavePipeline:
         prepared: tuple[float, float],
     ) -> SaveHandle:
         """Hand the save to the writer first, then copy: the writer streams the staged prefix
-        of the arena while the rest is copied. Returns once everything is staged.
-
-        If the copy fails (or is interrupted), the writer gives the save up (nothing is
-        committed: the manifest is written only after the whole shard), this call waits for
-        that to settle (so the slot and the step are free again, as if the save had never
-        started) and re-raises the copy's exception; the failed save is nobody's failure to
-        report later."""
+        of the arena while the rest is copied. Returns once everything is staged. A failed (or
+        interrupted) copy: the writer gives the save up (nothing committed), this call waits for
+        that (slot and step free again) and re-raises; nobody reports that save later."""
         progress = StageProgress(layout.file_size)
         got: list[SaveRecord] = []
         try:
@@ -322,18 +324,15 @@ class SavePipeline:
         with self.books.lock:
             self.books.seq += 1
             seq = self.books.seq
-        memory, rt = self.session.memory, self.rt
-        # due for the disks, for the memory tier: decided now, the same on every rank (every rank
-        # counts the same saves); a save not due for the disks (disk_every) commits into the memory tier
-        to_disk = rt.memory_backend is None or due(seq, self.opts.disk_every)
-        backend = rt.backend if to_disk else rt.memory_backend
-        written = None
-        if memory is not None and (not to_disk or due(seq, self.opts.memory_every)):
-            written = memory.writer(step, in_save=not to_disk)
+        rt = self.rt
+        # the tiers (saving._frequency): rank 0 decides, by its clock at the save() call; the others
+        # take its word at the save's start (a provisional route until then); by count, all agree
+        leads = self.session.rank == 0
+        tiers = self.clock.decide(seq, t_call, provisional=not leads)
         job = SaveJob(
             step=step,
             seq=seq,
-            root=self.opts.root if to_disk else str(self.opts.memory),
+            root=self.opts.root,
             arena=arena,
             layout=layout,
             tree=tree_bytes,
@@ -343,8 +342,7 @@ class SavePipeline:
             started=t_call,
             wait_s=waited,
             staging_s=staging_s,
-            # tier mode: the mirror retires; the memory tier: its rounds (MemoryCopies)
-            keep_last=self.opts.keep_last if self.session.mirror is None and to_disk else None,
+            keep_last=None,  # (the route's: tier mode, the mirror retires; the memory tier, its rounds)
             timeout=self.opts.timeout,
             prefailed=prefailed,
             failed_commits=self.books.failed_commits,
@@ -361,9 +359,10 @@ class SavePipeline:
             plan_hint=self.planner.plan_hint,
             plan_key=plan_key,
             run=self.session.run_id,
-            memory=written,
             prepared=prepared,
+            route=self.routes.follow if self.timed and not leads else None,
         )
+        backend = self.routes.apply(job, tiers)
         holder: list[SaveRecord] = []
 
         def on_state(state: SaveState) -> None:
@@ -393,7 +392,7 @@ class SavePipeline:
             record.state = SaveState.COMMITTED if ok else SaveState.FAILED
             owner = me()
             if owner is not None:
-                owner.settle(record, ok, written, to_disk)
+                owner.settle(record, ok, job)
 
         def make() -> Any:
             return guarded(run_save(job, rt.storage, rt.coord, on_state, backend), job, rt.coord.rank, ranks)
@@ -433,12 +432,16 @@ class SavePipeline:
         if info is not None:
             self.track_upload(info)
 
-    def settle(self, record: SaveRecord, ok: bool, written: MemoryWrite | None = None, disk: bool = True) -> None:
+    def settle(self, record: SaveRecord, ok: bool, job: SaveJob) -> None:
         """A save's future resolved (on the writer thread): book it, hand a commit to the
-        mirror (tier mode, rank 0), to the memory tier (``written``: its files there, if due)
-        and to ``on_commit``. ``disk``: the save went to the disks (``disk_every``); only
-        those count for ``mirror_every`` and are uploaded (the upload reads the disk)."""
+        mirror (tier mode, rank 0), to the memory tier (``job.memory``: its files there, if due)
+        and to ``on_commit``. Only the saves that went to the disks (``job.tiers``) count for
+        ``mirror_every`` and are uploaded (the upload reads the disk)."""
         info = record.future.result() if ok else None
+        written, tiers = job.memory, job.tiers
+        disk = tiers.disk or self.rt.memory_backend is None
+        if not ok:
+            self.clock.failed(tiers)  # (rank 0's clock: the tiers it restarted take the next save)
         if written is not None and self.session.memory is not None:
             if info is not None:  # the memory tier: its round commits the files the save wrote there
                 self.session.memory.committed(info.step, written)
@@ -465,11 +468,15 @@ class SavePipeline:
                 self.books.unraised.append(record)
             self.books.totals.add(info)
         if info is not None and nth and self.session.uploads_here():
-            if due(nth, self.opts.mirror_every):
+            every = self.opts.mirror_every
+            upload = tiers.mirror if tiers.mirror is not None else isinstance(every, int) and due(nth, every)
+            if upload:
                 self.skipped = None
                 self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
             else:
                 self.skipped = info
+                assert self.session.mirror is not None
+                self.session.mirror.passed(info)  # local retention (tier mode) goes on without the upload
         if info is not None and self.opts.on_commit is not None:
             try:
                 self.opts.on_commit(info)

@@ -22,6 +22,7 @@ from ..roots.posix._retention import retire
 from ..roots.posix._storage import Storage
 from ..roots.replica import PeerTier, SingleNodeError, sources_of
 from ..saving import _memtier, _nodelocal, _nodeupload
+from ..saving._frequency import every_save
 from ..saving._mirror import Mirror
 from ..threads._deadline import Deadline
 from ..threads._iopool import IOPool
@@ -143,7 +144,7 @@ class RootSession:
             if self.nodes is not None:  # the node-local tier: one commit per node
                 rt.backend = _nodelocal.NodeLocalBackend(rt.storage, self.root, self.nodes, self.rank, rt.coord,
                                                          self.on_disks)  # fmt: skip
-            if self.nodes is not None and opts.memory is not None and opts.disk_every > 1:
+            if self.nodes is not None and opts.memory is not None and not every_save(opts.disk_every):
                 # the saves not due for the disks commit into the memory tier by the same protocol
                 # (tmpfs: no O_DIRECT; its fsyncs cost nothing); its retention is the memory tier's
                 memory_storage = Storage(rt.pool, opts.os_ops, "off", rt.compute_pool, rt.digest_pool)
@@ -208,7 +209,7 @@ class RootSession:
                     self.left_to_start.append(ls.ownership)
             raise
         self.node_run = str(agreed[-1][2]) if agreed and agreed[-1][2] else None
-        if opts.disk_every > 1:  # disk retention counts the steps on every node's disk, not memory-only ones
+        if not every_save(opts.disk_every):  # disk retention counts the steps on every disk, not memory-only ones
             self.on_disks = [int(a[0]) for a in agreed if all("local" in t for t in a[4])]
         else:
             self.on_disks = [int(a[0]) for a in agreed]

@@ -3,7 +3,8 @@
 Every method is awaited on the writer thread's loop, by every rank, in the same order:
 
 1. :meth:`Coordinator.begin` - the leader (rank 0) prepares the attempt directory and
-   publishes ``(attempt, error)``; the others wait for it.
+   publishes ``(attempt, error, tiers)`` (the start word; ``tiers``: where the save goes, as
+   rank 0's clock decided: ``saving._frequency``); the others wait for it.
 2. :meth:`Coordinator.report` - each rank publishes what it wrote (or why it failed); the
    leader receives every rank's report, or learns which ranks did not answer in time.
 3. :meth:`Coordinator.decide` - the leader publishes the verdict (committed or failed);
@@ -72,6 +73,8 @@ class Start:
 
     attempt: str
     failure: RankFailure | None = None
+    #: the tiers the save goes to, as rank 0 decided them (``saving._frequency.Tiers``' JSON)
+    tiers: Any = None
 
 
 class Coordinator(Protocol):
@@ -272,7 +275,8 @@ class StoreCoordinator:
         self._last_seq = seq
         if self.rank == 0:
             assert start is not None
-            await self._set(key, {"attempt": start.attempt, "step": step, "failure": _enc_failure(start.failure)})
+            await self._set(key, {"attempt": start.attempt, "step": step, "failure": _enc_failure(start.failure),
+                                  "tiers": start.tiers})
             return start
         got = await self._wait_get(key, deadline + _GRACE_S)
         if got is None:
@@ -284,7 +288,7 @@ class StoreCoordinator:
                 "ValueError",
                 f"ranks disagree on the step: rank 0 saves {got['step']}, rank {self.rank} saves {step}",
             )
-        return Start(got["attempt"], failure)
+        return Start(got["attempt"], failure, got.get("tiers"))
 
     async def report(self, step: int, seq: int, attempt: str, mine: Report, deadline: float) -> dict[int, Report]:
         await self._set(

@@ -79,6 +79,8 @@ async def run_save(
 
     # 1. the leader opens the attempt; every rank learns it, or the leader's failure
     start = await _open_attempt(backend, job, coord, book, dedupe)
+    if job.route is not None and not book.leader and start.tiers is not None:
+        backend = job.route(job, start.tiers) or backend  # rank 0's decision of the tiers, before a byte is written
     loc = backend.location(job.step, start.attempt)
     try:
         # 2. every rank writes its own files and reports them (or its failure) to the leader
@@ -148,13 +150,14 @@ async def _open_attempt(
     start: Start | None = None
     if book.leader:
         attempt = uuid.uuid4().hex[:16]
+        tiers = None if job.tiers is None else job.tiers.to_json()  # the other ranks take its route
         try:
             if job.prefailed is not None:
                 raise job.prefailed
             await _within(backend.prepare(job, attempt), job.deadline, "creating the step directory")
-            start = Start(attempt)
+            start = Start(attempt, tiers=tiers)
         except Exception as e:  # noqa: BLE001 - a failure becomes a value every rank sees
-            start = Start(attempt, book.failed(e))
+            start = Start(attempt, book.failed(e), tiers)
     try:
         start = await coord.begin(job.step, job.seq, start, job.deadline)
     except (TimeoutError, CoordinationLost) as e:

@@ -6,7 +6,8 @@ layout and commit discipline) whose path is on tmpfs, so it outlives the trainin
 a reboot). Theory of operation (docs/design/tiers.md):
 
 1. a save due for the memory tier (the first of the job, then every ``memory_every``-th
-   ``save()``: decided when it is called, the same on every rank) carries a
+   ``save()``, or by time; rank 0 decides at its call, every rank takes its word: ``_frequency``)
+   carries a
    :class:`~asyncckpt.saving._memwrite.MemoryWrite`: every rank writes its files of the step
    into ``step_N.tmp-<attempt>/`` under the memory root *from the bytes the save holds* (its
    staging arena once it is all staged, beside the disk write; its tree), never from a
@@ -103,42 +104,6 @@ def check_options(memory: object, keep_last: object, budget: object, node_local:
     if budget is not None and budget < 1:  # type: ignore[operator]
         raise ValueError(f"memory_budget must be a positive number of bytes, not {budget!r}")
     return os.path.abspath(path)
-
-
-def check_every(name: str, every: object, tier: object, node_local: bool) -> int:
-    """A tier's save frequency: every ``every``-th ``save()`` (``memory_every``: decided at the
-    call) or commit (``mirror_every``) of the job goes to that tier (the first one always).
-    ``TypeError``/``ValueError`` at the call; ``tier`` is the tier's option (``None``: no such
-    tier, so no frequency for it)."""
-    if every is None:
-        return 1
-    if not isinstance(every, int) or isinstance(every, bool):
-        raise TypeError(f"{name} must be an int (every n-th save), not {type(every).__name__}")
-    if every < 1:
-        raise ValueError(f"{name} must be at least 1, not {every!r}")
-    if tier is None:
-        raise ValueError(f"{name} applies to its tier ({name.split('_')[0]}=...), which is not set")
-    if not node_local:
-        raise ValueError(f"{name} applies to node-local roots (node_local=True) for now")
-    return every
-
-
-def check_disk_every(every: object, memory: str | None, memory_every: int, node_local: bool) -> int:
-    """``disk_every``: every n-th ``save()`` of the job (the first always) goes to the node
-    disks, every other one to the memory tier only (decided at the call). ``TypeError`` /
-    ``ValueError`` at the call: it needs the memory tier, which must take every save."""
-    n = check_every("disk_every", every, True, node_local)
-    if every is not None and memory is None:
-        raise ValueError("disk_every keeps the saves between two disk saves in the memory tier: it needs memory=...")
-    if n > 1 and memory_every > 1:
-        raise ValueError(f"disk_every={n} needs memory_every=1: a save not due for the disks goes to the memory "
-                         "tier, so every save must be due for it")  # fmt: skip
-    return n
-
-
-def due(nth: int, every: int) -> bool:
-    """Whether the ``nth`` save or commit of the job (1 for the first) goes to a tier of frequency ``every``."""
-    return (nth - 1) % every == 0
 
 
 def check_apart(memory: str, root: str) -> None:

@@ -199,6 +199,18 @@ class Mirror:
             self._settle(fut, error=self._abandoned(info.step, str(e)))
         return record
 
+    def passed(self, info: CheckpointInfo) -> None:
+        """Committed ``info.step`` is not uploaded (``mirror_every``): local retention goes on
+        as after an upload's commit (the pending uploads protected). Never blocks."""
+        with self._lock:
+            if self._stopped or self._thread is None or self._retire_local is None:
+                return
+            self._last_committed = max(self._last_committed, info.step)
+        try:
+            self._thread.submit(self._retire_local_now())
+        except RuntimeError:  # the mirror thread is stopped: the next start retires
+            pass
+
     def _protected(self) -> frozenset[int]:
         with self._lock:
             waiting = {self._waiting[0].step} if self._waiting is not None else set()

@@ -84,6 +84,11 @@ class SaveJob:
     memory: MemoryWrite | None = None
     # save()'s walk, plan and tree JSON: wall and caller-thread CPU seconds (SaveStatistics.prepare_s)
     prepared: tuple[float, float] = (0.0, 0.0)
+    # the tiers this save goes to (``_frequency.Tiers``): rank 0's decision, sent in the start word
+    tiers: Any = None
+    # another rank: takes rank 0's decision (the start word's ``tiers``) and returns the backend
+    # the save then runs on (``_frequency.Routes.follow``); None: the route is fixed at the call
+    route: Any = None
 
     def advance(self, event: SaveEvent) -> None:
         self.state = advance(self.state, event)

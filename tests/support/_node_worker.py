@@ -4,7 +4,8 @@
 namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCKPT_NODE``;
 ``MEMORY`` (the memory tier's one path) and ``MEMORY_DIRS`` (per rank, its node's directory on
 /dev/shm, bind-mounted there in the same namespace); ``REPLICATE``: its peer replica.
-``DISK_EVERY``: the disk tier's frequency; ``GO_ON``: a failed save is recorded (``save_errors``)
+``DISK_EVERY`` (``DISK_EVERY_S``: by time, seconds): the disk tier's frequency; ``SAVE_GAPS``:
+each rank's sleeps before its saves; ``GO_ON``: a failed save is recorded (``save_errors``)
 and the next step saved; ``SIGTERM_AT_END``: after the saves each rank signals itself SIGTERM
 (``install_sigterm_handler``: no flush, no close of its own; a preempted job).
 Writes what happened to ``out.<rank>.json``.
@@ -19,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from datetime import timedelta
 from typing import Any
 
 from _rank_worker import describe, enter_node
@@ -108,12 +110,17 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         for opt in ("MEMORY_KEEP_LAST", "MEMORY_BUDGET", "MEMORY_EVERY", "DISK_EVERY"):
             if os.environ.get(opt):
                 extra[opt.lower()] = int(os.environ[opt])
+        for opt in ("MEMORY_EVERY", "DISK_EVERY"):  # a frequency by time: seconds
+            if os.environ.get(f"{opt}_S"):
+                extra[opt.lower()] = timedelta(seconds=float(os.environ[f"{opt}_S"]))
         if os.environ.get("REPLICATE"):  # the peer replica
             extra["replicate"] = True
     if os.environ.get("MIRROR"):  # the persistent tier
         extra.update(mirror=os.environ["MIRROR"], storage_options=json.loads(os.environ["S3OPTS"]))
         if os.environ.get("MIRROR_EVERY"):
             extra["mirror_every"] = int(os.environ["MIRROR_EVERY"])
+        if os.environ.get("MIRROR_EVERY_S"):
+            extra["mirror_every"] = timedelta(seconds=float(os.environ["MIRROR_EVERY_S"]))
         if os.environ.get("KEEP_LAST_REMOTE"):
             extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
     if os.environ.get("SIGTERM_AT_END"):  # preempted after the saves: asyncckpt's handler, then this one
@@ -147,14 +154,18 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     result["saved"] = []
     if os.environ.get("NO_DISK_READS"):  # from here on, a read of a rank file on this node's disk is refused
         result["disk_reads"] = _refuse_disk_reads(root)
-    for s in [int(x) for x in os.environ.get("STEPS", "").split(",") if x]:
+    # SAVE_GAPS: per rank (';'-separated), the seconds it sleeps before each save (','-separated):
+    # ranks whose clocks disagree on the time between two saves
+    gaps = os.environ["SAVE_GAPS"].split(";")[rank].split(",") if os.environ.get("SAVE_GAPS") else []
+    for i, s in enumerate([int(x) for x in os.environ.get("STEPS", "").split(",") if x]):
         if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
             json.dump(result, open(f"{out}.{rank}.json", "w"))
             os._exit(9)  # this node is lost: no close, no goodbye
         try:
             state = state_for(rank, s)
-            time.sleep(float(os.environ.get("SAVE_GAP_S", "0")))  # the training steps between saves
+            time.sleep(float(gaps[i] if gaps else os.environ.get("SAVE_GAP_S", "0")))  # training between saves
             t_call = time.monotonic()
+            result.setdefault("calls", []).append(t_call)  # this rank's clock at each save() call
             handle = ck.save(s, state)
             result.setdefault("block_s", []).append(time.monotonic() - t_call)  # save()'s blocking
             info = handle.result(timeout + 30)
@@ -215,8 +226,6 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(threadName)s %(levelname)s %(message)s")
     os.environ["ASYNCCKPT_NODE"] = os.environ["NODE_NAMES"].split(":")[rank]
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     dist.init_process_group(

@@ -2,13 +2,16 @@
 
 Run as ``python _tier_rank_worker.py PHASE RANK WORLD PORT ROOT URL OPTIONS_JSON OUT``.
 ``save``: every rank saves steps 1 and 2 of its own state and flushes (rank 0 uploads);
-``resume``: on an empty root, every rank finds step 2 on the store and loads its own state.
+``resume``: on an empty root, every rank finds step 2 on the store and loads its own state;
+``every``: ``mirror_every`` by time (2 s), each rank sleeping its own amounts before steps 1-4
+(their clocks disagree), each save waited for; its ``save()`` call times in ``calls``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -31,9 +34,17 @@ def main() -> None:
                             timeout=timedelta(seconds=60))
     result: dict[str, Any] = {"rank": r}
     try:
-        with Checkpointer(root, mirror=url, keep_last=1, keep_last_remote=1, storage_options=json.loads(opts),
-                          timeout=60) as ck:
-            if phase == "save":
+        every: dict[str, Any] = {"mirror_every": timedelta(seconds=2), "keep_last_remote": None}
+        with Checkpointer(root, mirror=url, storage_options=json.loads(opts), timeout=60,
+                          **({"keep_last": 1, "keep_last_remote": 1} if phase != "every" else every)) as ck:
+            if phase == "every":
+                for step, gap in enumerate([[0, 3, 0, 3], [0, 0, 3, 0]][r][:4], 1):
+                    time.sleep(gap)
+                    result.setdefault("calls", []).append(time.monotonic())
+                    ck.save(step, state_for(r, step)).result(timeout=60)
+                ck.flush(timeout=60)
+                result["ok"] = True
+            elif phase == "save":
                 for step in (1, 2):
                     ck.save(step, state_for(r, step))
                 ck.flush(timeout=60)
