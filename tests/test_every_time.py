@@ -56,6 +56,16 @@ def test_the_clock_sends_a_save_to_a_tier_once_the_time_passed_and_a_failed_save
     # another rank's provisional route takes every time-based tier (rank 0's word replaces it)
     assert TierClock(1, timedelta(hours=1), 1, split=True, memory=True).decide(5, provisional=True).disk
     assert Tiers.from_json(Tiers(False, True, None).to_json()) == Tiers(False, True, None)
+    # a save made in the SIGTERM handler goes to every tier, and restarts the clocks
+    clock = TierClock(1, timedelta(hours=1), timedelta(hours=1), split=True, memory=True)
+    assert clock.decide(1, 0.0).disk and not clock.decide(2, 1.0).disk
+    final = clock.decide(3, 2.0, final=True)
+    assert (final.disk, final.memory, final.mirror) == (True, True, True)
+    assert not clock.decide(4, 3.0).disk
+    by_count = TierClock(1, 5, 5, split=True, memory=True).decide(3, final=True)
+    assert (by_count.disk, by_count.mirror) == (True, None)  # (the skipped upload: the handler's flush)
+    assert TierClock(1, 5, 1, split=True, memory=True).tiered  # the others follow rank 0's word
+    assert not TierClock(1, 1, 3, split=False, memory=False).tiered
 
 
 #: each node's sleeps before its saves: node a's ranks and node b's disagree on every gap

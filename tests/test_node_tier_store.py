@@ -201,6 +201,25 @@ def test_mirror_every_by_time_uploads_the_commits_rank_0s_clock_picks_and_close_
     assert _stored(s3, url) == [1, 2, 4, 5]
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_final_save_on_sigterm_goes_to_every_tier_whatever_the_frequencies(tmp_path: Path, s3: S3Server) -> None:
+    # disk_every=5: the handler's final save (the 3rd) was due for memory only; a preempted node's
+    # memory and disk go with it, so the final save reached neither the disks nor the store
+    from test_node_memory import Cluster
+    from test_node_replica import shm_dir
+
+    with shm_dir() as shm:
+        c = Cluster(tmp_path, shm)
+        url, env = _tier(s3.endpoint, 30, DISK_EVERY="5", MIRROR_EVERY="5")
+        res, _ = c.run("preempted", STEPS="1,2", SIGTERM_AT_END="1", FINAL_STEP="3", **env)
+        for r, got in res.items():
+            assert got["saved"] == [1, 2] and got.get("sigterm_flushed"), (r, got)
+        assert _steps(c.a) == [1, 3] and _steps(c.b) == [1, 3]  # step 2: memory only, as due
+        assert _stored(s3, url) == [1, 3]
+
+
 def _stored(s3: S3Server, url: str) -> list[int]:
     """The steps committed on the store under ``url``."""
     return sorted(int(k[5:13]) for k in keys(s3.endpoint, url) if k.endswith("/manifest.json"))

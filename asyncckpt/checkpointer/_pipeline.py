@@ -62,8 +62,6 @@ class SavePipeline:
                                split=rt.memory_backend is not None, memory=session.memory is not None)  # fmt: skip
         self.routes = Routes(rt.backend, rt.memory_backend, opts.root, opts.memory, session.memory,
                              opts.keep_last if session.mirror is None else None)  # fmt: skip
-        #: a time-based frequency: the other ranks take rank 0's route at each save's start
-        self.timed = not all(isinstance(e, int) for e in self.clock.every.values())
 
     def track_upload(self, info: CheckpointInfo) -> None:
         """Hand committed ``info`` to the mirror and track its upload like a save."""
@@ -328,7 +326,7 @@ class SavePipeline:
         # the tiers (saving._frequency): rank 0 decides, by its clock at the save() call; the others
         # take its word at the save's start (a provisional route until then); by count, all agree
         leads = self.session.rank == 0
-        tiers = self.clock.decide(seq, t_call, provisional=not leads)
+        tiers = self.clock.decide(seq, t_call, provisional=not leads, final=leads and self.grace_end is not None)
         job = SaveJob(
             step=step,
             seq=seq,
@@ -360,7 +358,7 @@ class SavePipeline:
             plan_key=plan_key,
             run=self.session.run_id,
             prepared=prepared,
-            route=self.routes.follow if self.timed and not leads else None,
+            route=self.routes.follow if self.clock.tiered and not leads else None,
         )
         backend = self.routes.apply(job, tiers)
         holder: list[SaveRecord] = []

@@ -113,6 +113,9 @@ class TierClock:
                  memory: bool) -> None:  # fmt: skip
         self.every = {"memory": memory_every, "disk": disk_every, "mirror": mirror_every}
         self.split, self.memory = split, memory
+        #: a choice to make (more than one tier, or a clock): the other ranks take rank 0's at each
+        #: save's start (its clock, its SIGTERM), not their own count
+        self.tiered = split or memory or any(type(e) is not int for e in self.every.values())
         self._last: dict[str, float] = {}
 
     def _due(self, tier: str, seq: int, t: float, clocked: list[str], provisional: bool) -> bool:
@@ -130,13 +133,22 @@ class TierClock:
         clocked.append(tier)
         return True
 
-    def decide(self, seq: int, t: float | None = None, *, provisional: bool = False) -> Tiers:
+    def decide(self, seq: int, t: float | None = None, *, provisional: bool = False, final: bool = False) -> Tiers:
         """The tiers of the ``seq``-th save of the job (1 for the first), whose ``save()`` rank 0
         called at time ``t`` (seconds of a monotonic clock, ``time.perf_counter()`` in ``save()``;
         ``time.monotonic()`` by default). ``provisional``: another rank's route until rank 0's word
-        arrives (time-based tiers are taken as due)."""
+        arrives (time-based tiers are taken as due). ``final``: a save made while the SIGTERM
+        handler runs goes to every tier, whatever the frequencies (the node's memory and disk may
+        go with a preempted node: its last step must reach the disks, and through them the store)."""
         t = time.monotonic() if t is None else t
         clocked: list[str] = []
+        if final:
+            for tier, every in self.every.items():
+                if not isinstance(every, int):
+                    self._last[tier] = t
+                    clocked.append(tier)
+            timed_mirror = not isinstance(self.every["mirror"], int)
+            return Tiers(True, self.memory, True if timed_mirror else None, t, tuple(clocked))
         disk = not self.split or self._due("disk", seq, t, clocked, provisional)
         memory = self.memory and (not disk or self._due("memory", seq, t, clocked, provisional))
         mirror = None

@@ -7,7 +7,8 @@ namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCK
 ``DISK_EVERY`` (``DISK_EVERY_S``: by time, seconds): the disk tier's frequency; ``SAVE_GAPS``:
 each rank's sleeps before its saves; ``GO_ON``: a failed save is recorded (``save_errors``)
 and the next step saved; ``SIGTERM_AT_END``: after the saves each rank signals itself SIGTERM
-(``install_sigterm_handler``: no flush, no close of its own; a preempted job).
+(``install_sigterm_handler``: no flush, no close of its own; a preempted job), ``FINAL_STEP``: the
+handler's final save.
 Writes what happened to ``out.<rank>.json``.
 """
 
@@ -136,7 +137,9 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
         result["init_error"] = describe(e)
         return
     if os.environ.get("SIGTERM_AT_END"):
-        ck.install_sigterm_handler(grace_s=timeout * 3)
+        final = int(os.environ.get("FINAL_STEP", "0"))  # the handler's final save of this step
+        ck.install_sigterm_handler(grace_s=timeout * 3,
+                                   final_save=(lambda c: c.save(final, state_for(rank, final))) if final else None)
     result["run_id"] = ck.run_id
     try:
         t_load = time.monotonic()
