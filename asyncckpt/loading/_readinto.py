@@ -329,15 +329,14 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
 
 
 def _small_tiles(d: Tiles) -> bool:
-    """Whether every tensor of ``d`` has 1 to :data:`BOUNCE` bytes (what :func:`_read_tiles` reads)."""
-    if not d.sizes:
-        return False
+    """Whether every tensor of ``d`` has at most :data:`BOUNCE` bytes, some more than none (what
+    :func:`_read_tiles` reads)."""
     sizes = np.frombuffer(d.sizes, dtype=np.int64)
-    return bool(sizes.min() > 0 and sizes.max() <= BOUNCE)
+    return bool(len(sizes) and 0 < sizes.max() <= BOUNCE)
 
 
 def _read_tiles(fd: int, d: Tiles, path: str, crc: int | None) -> int | None:
-    """Read a run of small tensors (:func:`_small_tiles`) from a local file: one ``preadv`` per
+    """Read a run of small tensors (:func:`_small_tiles`; empty ones too) from a local file: one ``preadv`` per
     :data:`IOV_MAX` of them or :data:`BOUNCE` bytes, each checksummed as it lands (``crc``
     continued, in file order). The per-tensor work is done at C speed: the addresses read in one
     ``map``, the byte views sliced from one view of the address range the run's tensors lie in
@@ -347,8 +346,10 @@ def _read_tiles(fd: int, d: Tiles, path: str, crc: int | None) -> int | None:
     count = len(d.tensors)
     sizes = np.frombuffer(d.sizes, dtype=np.int64)
     addrs = np.fromiter(map(torch.Tensor.data_ptr, d.tensors), dtype=np.int64, count=count)
+    some = sizes > 0
+    base = int(addrs[some].min())
+    addrs[~some] = base  # (an empty tensor's address may be anything: its view is empty at the base)
     ends = addrs + sizes
-    base = int(addrs.min())
     span: memoryview = _FROM_MEMORY(base, int(ends.max()) - base, _PYBUF_WRITE)
     addrs -= base
     ends -= base
