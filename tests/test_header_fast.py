@@ -112,10 +112,43 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 1, 40])
 @pytest.mark.parametrize(("body", "data_len"), CASES)
-def test_every_header_gets_what_the_general_parse_gives(body: str, data_len: int) -> None:
+def test_every_header_gets_what_the_general_parse_gives(
+    body: str, data_len: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_header, "_CHUNK", chunk)  # (the entries checked a chunk of text at a time)
     head, size = _shard_head(body.encode("utf-8"), data_len)
     assert _fast(head, size) == _general(head, size)
+
+
+def _many(names: list[str]) -> str:
+    return "{" + META + "".join("," + _entry(n, offs=f"[{8 * i},{8 * i + 8}]") for i, n in enumerate(names)) + "}"
+
+
+@pytest.mark.parametrize("chunk", [1, 50, 120, 1000])
+def test_a_header_checked_in_chunks_is_taken_whole_or_left_to_the_general_parse(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_header, "_CHUNK", chunk)
+    names = [f"layer.{i}" for i in range(40)]
+    head, size = _shard_head(_many(names).encode(), 8 * len(names))
+    assert _taken_fast(head, size, monkeypatch) and _fast(head, size) == _general(head, size)
+    monkeypatch.setattr(_header, "_CHUNK", chunk)
+    # a name holding the text a chunk is cut after: still every entry, the fast path or not
+    tricky = [*names[:20], "x]},", "]},", "z]},]},", *names[23:]]
+    head, size = _shard_head(_many(tricky).encode(), 8 * len(tricky))
+    assert _taken_fast(head, size, monkeypatch) and _fast(head, size) == _general(head, size)
+    monkeypatch.setattr(_header, "_CHUNK", chunk)
+    # text between two entries of a later chunk (valid JSON: whitespace; invalid: junk), a
+    # duplicate name in another chunk, an offset that does not go on from the last chunk's
+    body = _many(names)
+    at = body.index(',"layer.31"')
+    for bad in (body[:at] + " " + body[at:], body[:at] + "x" + body[at:], body.replace('"layer.35"', '"layer.2"'),
+                body.replace("[248,256]", "[256,264]")):  # fmt: skip
+        head, size = _shard_head(bad.encode(), 8 * len(names))
+        assert _header._canonical(bad, 8 * len(names)) is None
+        assert _fast(head, size) == _general(head, size)
 
 
 def test_invalid_utf8_and_a_lone_surrogate_escape() -> None:

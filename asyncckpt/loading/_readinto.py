@@ -279,6 +279,10 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
     for d in dests:
         if isinstance(d, Tiles):  # a run of contiguous CPU tensors (the common case): each visited once
             flush_dev()
+            if isinstance(fd, int) and _FROM_MEMORY is not None and _small_tiles(d):
+                flush()
+                crc = _read_tiles(fd, d, path, crc)
+                continue
             pos = d.offset
             for t, n in zip(d.tensors, d.sizes, strict=True):
                 if not 0 < n <= BOUNCE or run_start + run_bytes != pos:  # (empty: nothing; large: cut)
@@ -322,6 +326,46 @@ def _read_range_with(fd: Source, dests: list[Dest], path: str, checksum: bool, b
     flush()
     flush_dev()
     return crc or 0
+
+
+def _small_tiles(d: Tiles) -> bool:
+    """Whether every tensor of ``d`` has at most :data:`BOUNCE` bytes, some more than none (what
+    :func:`_read_tiles` reads)."""
+    sizes = np.frombuffer(d.sizes, dtype=np.int64)
+    return bool(len(sizes) and 0 < sizes.max() <= BOUNCE)
+
+
+def _read_tiles(fd: int, d: Tiles, path: str, crc: int | None) -> int | None:
+    """Read a run of small tensors (:func:`_small_tiles`; empty ones too) from a local file: one ``preadv`` per
+    :data:`IOV_MAX` of them or :data:`BOUNCE` bytes, each checksummed as it lands (``crc``
+    continued, in file order). The per-tensor work is done at C speed: the addresses read in one
+    ``map``, the byte views sliced from one view of the address range the run's tensors lie in
+    (``d.tensors`` holds them through the read; the view owns nothing and is only sliced where a
+    tensor is), ~0.5 us a tensor less than a :func:`raw_view` each, on the I/O threads that
+    share the GIL while the caller waits (issue 32)."""
+    count = len(d.tensors)
+    sizes = np.frombuffer(d.sizes, dtype=np.int64)
+    addrs = np.fromiter(map(torch.Tensor.data_ptr, d.tensors), dtype=np.int64, count=count)
+    some = sizes > 0
+    base = int(addrs[some].min())
+    addrs[~some] = base  # (an empty tensor's address may be anything: its view is empty at the base)
+    ends = addrs + sizes
+    span: memoryview = _FROM_MEMORY(base, int(ends.max()) - base, _PYBUF_WRITE)
+    addrs -= base
+    ends -= base
+    cum = np.cumsum(sizes)
+    # chunk k ends after the first tensor that brings it to BOUNCE bytes, or at IOV_MAX tensors
+    i, pos = 0, d.offset
+    while i < count:
+        before = int(cum[i - 1]) if i else 0
+        j = min(count, i + IOV_MAX, int(np.searchsorted(cum, before + BOUNCE, side="left")) + 1)
+        views = list(map(span.__getitem__, map(slice, addrs[i:j].tolist(), ends[i:j].tolist())))
+        pread_exact(fd, views, pos, path)
+        if crc is not None:  # just landed: still in cache
+            crc = crc32c_chain(views, crc)
+        pos = d.offset + int(cum[j - 1])
+        i = j
+    return crc
 
 
 def _cut_tiles(d: Tiles, step: int) -> list[Dest]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap as _mmap
+import operator
 import os
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
@@ -88,6 +90,8 @@ def shard_header(fd: _pread.Source, path: str, size: int) -> ShardHeader:
 
 
 _BEGIN = attrgetter("begin")
+_END = attrgetter("end")
+_NAME = attrgetter("name")
 
 
 @functools.cache
@@ -184,6 +188,14 @@ def _destinations(
     """Where each slot's bytes go: ``first`` covers the file (fresh tensors, the targets, or
     with ``guard`` only a checksum of the targets' bytes), ``into`` the targets' second pass.
     ``plain``: every target is a contiguous CPU tensor (not looked at again)."""
+    if ordered and not guard and (not targets or (plain and len(targets) == len(ordered))):
+        # every slot's destination a contiguous CPU tensor (all fresh, or all plain targets), the
+        # slots tiling the data section: one run of them, built at C speed (~0.5 us a tensor less)
+        src = targets or tensors
+        run = list(map(src.__getitem__, map(_NAME, ordered)))
+        sizes = array("q", map(operator.sub, map(_END, ordered), map(_BEGIN, ordered)))
+        begin = ordered[0].begin
+        return [_readinto.Tiles(data_start + begin, ordered[-1].end - begin, run, sizes)], []
     first = _readinto.Destinations()  # everything; with guard, the targets' bytes only checksummed
     into = _readinto.Destinations()  # the targets' bytes, once the whole file verified
     add_first = first.tensor
