@@ -149,6 +149,28 @@ def test_a_recycled_replica_is_received_into_its_kept_mapping_and_a_retired_one_
     assert _mapped_files(tmp_path) == []
 
 
+def test_with_keep_1_the_retired_step_is_a_hidden_spare_the_next_replica_is_received_into(tmp_path: Path) -> None:
+    """keep 1 (``memory_keep_last``'s default): the step held stays visible until the next one is
+    committed, then its files are kept hidden as the source's spare and the next replica lands in
+    them (no new pages to fault and zero, no pages to free: a push's peak memory, held between
+    pushes); a spare is never a step, and the next start removes it."""
+    held = HeldReplicas(str(tmp_path), keep=1)
+    src = tmp_path / "peer-rank00000"
+    held.commit(*_record(0, 1, "a", {"x": b"1" * 8192}))
+    first = os.stat(src / "step_00000001" / "x").st_ino
+    held.commit(*_record(0, 2, "a", {"x": b"2" * 8192}))
+    spares = [n for n in os.listdir(src) if n.startswith(".spare-")]
+    assert held.steps(0) == [2] and len(spares) == 1 and os.listdir(src / spares[0]) == ["x"]
+    assert not held.held(0, 1, "a") and held.attempts(0) == {2: "a"}
+    held.commit(*_record(0, 3, "a", {"x": b"3" * 8192}))
+    assert os.stat(src / "step_00000003" / "x").st_ino == first  # step 1's memory, received into again
+    assert bytes(held.map(held.find(0, 3, "a"))[0]) == b"3" * 8192
+    assert held.steps(0) == [3] and len([n for n in os.listdir(src) if n.startswith(".spare-")]) == 1
+    held.close()
+    HeldReplicas(str(tmp_path), keep=1).clean([0])  # the next start: the spare is not a replica
+    assert os.listdir(src) == ["step_00000003"]
+
+
 def test_another_attempts_replica_is_never_returned(tmp_path: Path) -> None:
     held = HeldReplicas(str(tmp_path), keep=2)
     held.commit(*_record(1, 7, "run1/a", {"x": b"old"}))

@@ -40,6 +40,8 @@ from ..posix._osops import DEFAULT_OPS, O_CLOEXEC, O_NOFOLLOW
 RECORD = ".replica.json"
 _INCOMING = ".incoming-"
 _DELETING = ".deleting-"
+#: with ``keep`` 1, the retired step's directory kept (hidden) to receive the next replica into
+_SPARE = ".spare-"
 _FORMAT = 1
 
 
@@ -115,7 +117,7 @@ class HeldReplicas:
         for s in sources:
             d = self.source_dir(s)
             for name in _listdir(d):
-                if name.startswith((_INCOMING, _DELETING)):
+                if name.startswith((_INCOMING, _DELETING, _SPARE)):
                     shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
     def steps(self, source: int) -> list[int]:
@@ -167,12 +169,18 @@ class HeldReplicas:
         directory ``tmp``: its files, where names and sizes match, are received into again (their
         memory is there already: no allocation, no zeroing, nothing freed after the commit).
         The commit would retire that step anyway; the ``keep - 1`` newer ones stay visible
-        throughout. With ``keep`` 1 the one step held stays until the new one is committed.
+        throughout. With ``keep`` 1 the one step held stays until the new one is committed, and
+        the retired step's files are kept hidden (a *spare*, :meth:`retire`) to receive the next
+        one into: the memory a push needs at its peak anyway, held between pushes.
         Returns the recycled step's directory (its mappings' key), or ``""``."""
         steps = self.steps(source)
+        spares = [n for n in _listdir(self.source_dir(source)) if n.startswith(_SPARE)]
         if self.keep < 2 or len(steps) < self.keep:
-            return ""
-        old = os.path.join(self.source_dir(source), step_dir_name(steps[0]))
+            if not spares:
+                return ""
+            old = os.path.join(self.source_dir(source), spares[0])
+        else:
+            old = os.path.join(self.source_dir(source), step_dir_name(steps[0]))
         try:
             os.rename(old, tmp)
         except FileNotFoundError:
@@ -234,13 +242,24 @@ class HeldReplicas:
         return views
 
     def retire(self, source: int) -> None:
-        """Remove all but the newest ``keep`` steps of ``source`` and replaced replicas."""
+        """Remove all but the newest ``keep`` steps of ``source`` and replaced replicas; with
+        ``keep`` 1 the retired step becomes the source's spare (hidden, its record removed, its
+        mappings kept: :meth:`_recycle` receives the next replica into it) unless it has one."""
         d = self.source_dir(source)
         for step in self.steps(source)[: -self.keep]:
+            path = os.path.join(d, step_dir_name(step))
+            if self.keep == 1 and not any(n.startswith(_SPARE) for n in _listdir(d)):
+                spare = os.path.join(d, f"{_SPARE}{uuid.uuid4().hex[:12]}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, spare)
+                    self._mapped[spare] = self._mapped.pop(path, {})
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(spare, RECORD))
+                    continue
             aside = os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}")
-            self._forget(os.path.join(d, step_dir_name(step)))
+            self._forget(path)
             with contextlib.suppress(FileNotFoundError):
-                os.rename(os.path.join(d, step_dir_name(step)), aside)
+                os.rename(path, aside)
             shutil.rmtree(aside, ignore_errors=True)
         for name in _listdir(d):  # replaced replicas of a step
             if name.startswith(_DELETING):
@@ -336,10 +355,11 @@ def verify(rec: Record, payload: memoryview) -> None:
 _POPULATE_READ, _POPULATE_WRITE = 22, 23
 
 
-def populate(m: mmap.mmap, write: bool) -> None:
-    """Map ``m``'s pages in now, for reading or writing (nothing where the kernel cannot)."""
+def populate(m: mmap.mmap, write: bool, start: int = 0, length: int | None = None) -> None:
+    """Map ``m``'s pages in now (those of ``length`` bytes from ``start``, a multiple of the page
+    size; default: all), for reading or writing (nothing where the kernel cannot)."""
     with contextlib.suppress(OSError, ValueError):
-        m.madvise(_POPULATE_WRITE if write else _POPULATE_READ)
+        m.madvise(_POPULATE_WRITE if write else _POPULATE_READ, start, len(m) - start if length is None else length)
 
 
 class Incoming:
