@@ -170,9 +170,9 @@ def rank_main(args: argparse.Namespace) -> None:
                     counts = {k: v - before[k] for k, v in rep.counts.as_json().items()}
                 elif name == "push-crc":  # as a save pushes: its files' CRCs known from their writing
                     phases.take()
-                    old = {(s, st): os.stat(os.path.join(rep.held_here.source_dir(s), f"step_{st:08d}",
-                                                         f"rank{s:05d}.data")).st_ino
-                           for s in rep.sources for st in rep.held_here.steps(s)}  # fmt: skip
+                    old = {os.stat(os.path.join(d, n)).st_ino  # every file held before: steps and spares
+                           for s in rep.sources for d, _, ns in os.walk(rep.held_here.source_dir(s))
+                           for n in ns if n.endswith(".data")}  # fmt: skip
                     before = rep.counts.as_json()
                     rep.push(step, f"bench-crc-{size}", {f"rank{rank:05d}.data": path}, {f"rank{rank:05d}.data": crc})
                     counts = {k: v - before[k] for k, v in rep.counts.as_json().items()}
@@ -180,7 +180,7 @@ def rank_main(args: argparse.Namespace) -> None:
                                                 f"rank{s:05d}.data")).st_ino for s in rep.sources}  # fmt: skip
                     if i >= warm:
                         spent.append(phases.take())
-                        recycled += bool(new & set(old.values()))
+                        recycled += bool(new & old)
                 else:
                     got = rep.fetch(step, f"bench-crc-{size}", need=True)
                     assert got is not None and len(got[f"rank{rank:05d}.data"]) == size
