@@ -154,7 +154,8 @@ def rank_main(args: argparse.Namespace) -> None:
             s.wait()
             r.wait()
 
-        warm = args.keep if args.pattern == "steady" else 1  # steady: until the oldest is recycled
+        # steady: until the oldest (keep >= 2) or the spare (keep 1: from the second commit on) is recycled
+        warm = max(args.keep, 2) if args.pattern == "steady" else 1
         for i in range(args.repeats + warm):
             step = (len(out) * 1000 + i) if args.pattern == "steady" else i
             for name in names:
