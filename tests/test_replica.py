@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import json
+import mmap
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from asyncckpt.ranks._nodes import Nodes
 from asyncckpt.roots.posix import _fileio
 from asyncckpt.roots.replica import DIRECTORY, buddy_of, holdings, lost_with, sources_of
 from asyncckpt.roots.replica._held import Entry, HeldReplicas, NotHeld, Record, check_name
+from asyncckpt.roots.replica._wire import CHUNK
 
 WORKER = str(Path(__file__).parent / "support" / "_replica_worker.py")
 
@@ -95,6 +99,77 @@ def test_a_new_replica_reuses_the_oldest_ones_memory_and_holds_only_its_own_file
     one.commit(*_record(0, 1, "a", {"x": b"1"}))
     one.receive(_record(0, 2, "a", {"x": b"2"})[0]).abort()
     assert one.held(0, 1, "a")
+
+
+def _mapped_files(under: Path) -> list[str]:
+    """The files under ``under`` this process maps now (deleted ones too: their memory is held)."""
+    with open("/proc/self/maps") as f:
+        return [line.split(None, 5)[5].strip() for line in f if str(under) in line]
+
+
+def test_a_recycled_replica_is_received_into_its_kept_mapping_and_a_retired_one_is_unmapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steady state (one attempt a step, keep 2): the oldest step's files are received into
+    through the mappings its commit kept (faulted in already: no mmap, no populate: ~17 ms a
+    64 MiB file on a VM); the mappings of a retired, replaced or failed step are closed (a
+    mapping of a removed file would hold its memory)."""
+    from asyncckpt.roots.replica import _held
+
+    held = HeldReplicas(str(tmp_path), keep=2)
+    for step in (1, 2):
+        held.commit(*_record(0, step, "a", {"x": bytes([step]) * 8192, "y": b"y" * 4096}))
+    made: list[int] = []
+
+    def counting(fd: int, size: int, **kw: Any) -> mmap.mmap:
+        made.append(size)
+        return mmap.mmap(fd, size, **kw)
+
+    monkeypatch.setattr(_held, "mmap", SimpleNamespace(mmap=counting, ACCESS_WRITE=mmap.ACCESS_WRITE,
+                                                       ACCESS_COPY=mmap.ACCESS_COPY))  # fmt: skip
+    for step in (3, 4, 5):  # each recycles the oldest: x and y, same sizes
+        held.commit(*_record(0, step, "a", {"x": bytes([step]) * 8192, "y": b"y" * 4096}))
+        assert bytes(held.map(held.find(0, step, "a"))[0]) == bytes([step]) * 8192
+    assert made == [8192, 4096] * 3  # held.map's own (copy-on-write) mappings only: none to receive into
+    made.clear()
+    held.commit(*_record(0, 6, "a", {"x": b"6" * 100}))  # x changed size, y gone: one new mapping
+    assert made == [100] and held.steps(0) == [5, 6]
+    monkeypatch.undo()
+    gc.collect()
+    mapped = _mapped_files(tmp_path)
+    assert mapped and all("(deleted)" not in m and ("step_00000005" in m or "step_00000006" in m) for m in mapped)
+    held.commit(*_record(0, 6, "b", {"x": b"7" * 100}))  # the same step again: the replaced one unmapped
+    incoming = held.receive(_record(0, 7, "b", {"x": b"8" * 100})[0])  # recycles step 5, then fails
+    incoming.views[0][:] = b"9" * 100
+    with pytest.raises(NotHeld):
+        incoming.commit()
+    incoming.abort()
+    gc.collect()
+    assert [m for m in _mapped_files(tmp_path) if "(deleted)" in m] == []
+    held.close()
+    assert _mapped_files(tmp_path) == []
+
+
+def test_with_keep_1_the_retired_step_is_a_hidden_spare_the_next_replica_is_received_into(tmp_path: Path) -> None:
+    """keep 1 (``memory_keep_last``'s default): the step held stays visible until the next one is
+    committed, then its files are kept hidden as the source's spare and the next replica lands in
+    them (no new pages to fault and zero, no pages to free: a push's peak memory, held between
+    pushes); a spare is never a step, and the next start removes it."""
+    held = HeldReplicas(str(tmp_path), keep=1)
+    src = tmp_path / "peer-rank00000"
+    held.commit(*_record(0, 1, "a", {"x": b"1" * 8192}))
+    first = os.stat(src / "step_00000001" / "x").st_ino
+    held.commit(*_record(0, 2, "a", {"x": b"2" * 8192}))
+    spares = [n for n in os.listdir(src) if n.startswith(".spare-")]
+    assert held.steps(0) == [2] and len(spares) == 1 and os.listdir(src / spares[0]) == ["x"]
+    assert not held.held(0, 1, "a") and held.attempts(0) == {2: "a"}
+    held.commit(*_record(0, 3, "a", {"x": b"3" * 8192}))
+    assert os.stat(src / "step_00000003" / "x").st_ino == first  # step 1's memory, received into again
+    assert bytes(held.map(held.find(0, 3, "a"))[0]) == b"3" * 8192
+    assert held.steps(0) == [3] and len([n for n in os.listdir(src) if n.startswith(".spare-")]) == 1
+    held.close()
+    HeldReplicas(str(tmp_path), keep=1).clean([0])  # the next start: the spare is not a replica
+    assert os.listdir(src) == ["step_00000003"]
 
 
 def test_another_attempts_replica_is_never_returned(tmp_path: Path) -> None:
@@ -220,7 +295,7 @@ def test_push_then_fetch_is_bit_exact_and_failures_are_typed_on_both_sides(tmp_p
         else:
             assert corrupt["got"] is None
         assert again["got"] == _want(r, 3)
-        # a push each way: header, description, a piece per non-empty file (2 of 3: under 32 MiB), trailer;
+        # a push each way: header, description, a piece per non-empty file (2 of 3: under a piece's 8 MiB), trailer;
         # bytes: the files + 32 + the description + 8 a file
         push = got["pushes"][0]["counts"]
         size = sum(len(b) for b in files_for(r, 1, "a").values())
@@ -229,12 +304,13 @@ def test_push_then_fetch_is_bit_exact_and_failures_are_typed_on_both_sides(tmp_p
 
 
 def test_four_nodes_one_rank_each_replicate_round_the_ring(tmp_path: Path) -> None:
-    size = str(40 << 20)  # more than one 32 MiB piece a file
+    size = str(40 << 20)  # more than one piece (8 MiB) a file
     res = _run(tmp_path, "ring", ["n0", "n1", "n2", "n3"], PUSH="5", FETCHES="5:a:0,1,2,3", SIZE=size)
     for r, got in res.items():
         assert got["buddy"] == (r + 1) % 4 and got["sources"] == [(r - 1) % 4]
         assert got["fetches"][0]["got"] == _want(r, 5, size=int(size))
-        assert got["pushes"][0]["counts"]["sent_messages"] == 2 + 2 + 1 + 1  # the large file in two pieces
+        pieces = -(-(int(size) + 17 * r) // CHUNK)  # the large file (40 MiB + 17 r bytes) in 5 or 6 pieces
+        assert got["pushes"][0]["counts"]["sent_messages"] == 2 + pieces + 1 + 1
     for k in range(4):
         assert os.listdir(tmp_path / "nodes" / f"n{k}" / "replicas") == [f"peer-rank{(k - 1) % 4:05d}"]
 

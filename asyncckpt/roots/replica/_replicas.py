@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Union
 
@@ -53,6 +53,7 @@ from ._failures import (
 )
 from ._held import HeldReplicas, Incoming, NotHeld, Record, check_name, populate
 from ._wire import (
+    CHUNK,
     DATA,
     FAIL,
     Counts,
@@ -128,7 +129,7 @@ class Replicas:
         transport = False
         views: list[memoryview] | None = None  # set when a DATA frame goes out: its trailer follows
         try:
-            names, views = _open_files(files)
+            names, views, maps = _open_files(files)
         except (OSError, ValueError) as e:
             views = None
             problems.append(f"its files could not be read ({e})")
@@ -136,7 +137,7 @@ class Replicas:
         else:
             desc = {"source": self.rank, "step": step, "attempt": attempt,
                     "files": [[n, len(v), 0] for n, v in zip(names, views, strict=True)]}  # fmt: skip
-            sending = self._send(DATA, desc, tensors(views))
+            sending = self._send(DATA, desc, tensors(views), ready=_faulting_in(views, maps))
         if sending is None:
             transport = True
             problems.append(f"its send to rank {self.buddy} failed")
@@ -316,9 +317,9 @@ class Replicas:
 
     # -------------------------------------------------------------------------------- helpers
     def _send(self, kind: int, desc: dict[str, Any], payloads: Sequence[torch.Tensor],
-              peer: int | None = None) -> Sending | None:  # fmt: skip
+              peer: int | None = None, ready: Callable[[int], None] | None = None) -> Sending | None:  # fmt: skip
         try:
-            return send(self.group, self.buddy if peer is None else peer, kind, desc, payloads, self.counts)
+            return send(self.group, self.buddy if peer is None else peer, kind, desc, payloads, self.counts, ready)
         except WireError:
             return None
 
@@ -381,12 +382,14 @@ def _view(t: torch.Tensor | None) -> memoryview:
     return memoryview(array)
 
 
-def _open_files(files: Mapping[str, Source]) -> tuple[list[str], list[memoryview]]:
-    """The files' names and bytes: a path's file mapped copy-on-write (no copy; it must not
-    change while it is pushed), read-only bytes copied once."""
-    names, views = [], []
+def _open_files(files: Mapping[str, Source]) -> tuple[list[str], list[memoryview], list[mmap.mmap | None]]:
+    """The files' names, bytes and mappings: a path's file mapped copy-on-write (no copy; it must
+    not change while it is pushed; its pages faulted in by :func:`_faulting_in`, a piece at a
+    time), read-only bytes copied once (no mapping)."""
+    names, views, maps = [], [], []
     for name, src in files.items():
         check_name(name)
+        m = None
         if isinstance(src, (bytes, bytearray, memoryview)):
             view = memoryview(src).cast("B")
             if view.readonly:
@@ -396,10 +399,25 @@ def _open_files(files: Mapping[str, Source]) -> tuple[list[str], list[memoryview
                 size = os.fstat(f.fileno()).st_size
                 if size:
                     m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-                    populate(m, write=False)
                     view = memoryview(m)
                 else:
                     view = memoryview(bytearray())
         names.append(name)
         views.append(view)
-    return names, views
+        maps.append(m)
+    return names, views, maps
+
+
+def _faulting_in(views: Sequence[memoryview], maps: Sequence[mmap.mmap | None]) -> Callable[[int], None]:
+    """``ready`` for :func:`send`: faults payload ``k``'s pages in (one ``madvise``) just before it
+    is posted, so the mapping of a piece overlaps the transfer of the ones before (a whole 256 MiB
+    file's took ~25 ms before its first byte left)."""
+    spans = [(m, off, min(CHUNK, len(v) - off)) for v, m in zip(views, maps, strict=True)
+             for off in range(0, len(v), CHUNK)]  # fmt: skip
+
+    def ready(k: int) -> None:
+        m, off, length = spans[k]
+        if m is not None:
+            populate(m, write=False, start=off, length=length)
+
+    return ready
