@@ -221,8 +221,11 @@ def scenario_exit(rank: int, world: int, root: str, result: dict[str, Any]) -> N
 
 
 def scenario_sigstop(rank: int, world: int, root: str, result: dict[str, Any]) -> None:
-    ck = Checkpointer(root, timeout=4)
+    ck = Checkpointer(root, timeout=6)
     ck.save(1, state_for(rank, 1)).result(timeout=60)
+    # step 2's saves start together: a rank that lagged behind (a busy machine) must not be
+    # taken for a missing one when the test asserts that only the stopped rank is named
+    dist.barrier()
     if rank == 1:
         # stopped in the middle of the save; the test sends SIGCONT much later
         h = ck.save(2, state_for(rank, 2))
