@@ -437,7 +437,7 @@ class SavePipeline:
         ``mirror_every`` and are uploaded (the upload reads the disk)."""
         info = record.future.result() if ok else None
         written, tiers = job.memory, job.tiers
-        disk = tiers.disk or self.rt.memory_backend is None
+        disk = tiers.disk  # (the route the save took: Routes.apply)
         if not ok:
             self.clock.failed(tiers)  # (rank 0's clock: the tiers it restarted take the next save)
         if written is not None and self.session.memory is not None:

@@ -22,7 +22,7 @@ operation (docs/design/tiers.md, "Frequencies"):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -177,7 +177,7 @@ class Routes:
     def apply(self, job: SaveJob, tiers: Tiers) -> Backend | None:
         """Set ``job``'s route to ``tiers`` (before the save writes anything); return its backend."""
         to_disk = tiers.disk or self.memory_backend is None
-        job.tiers = tiers
+        job.tiers = tiers if to_disk == tiers.disk else replace(tiers, disk=to_disk)  # (the route taken)
         job.root = self.root if to_disk else str(self.memory_root)
         job.keep_last = self.keep_last if to_disk else None
         job.memory = None

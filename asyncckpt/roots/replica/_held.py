@@ -438,7 +438,7 @@ class Incoming:
                 os.rename(final, os.path.join(d, f"{_DELETING}{uuid.uuid4().hex[:12]}"))
             os.rename(self.path, final)
         except BaseException:
-            self._maps = list(kept_maps(kept))
+            self._maps = [m for _, m in kept.values()]
             raise
         self._done = True
         self.held._mapped[final] = kept
@@ -466,11 +466,6 @@ class Incoming:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-
-
-def kept_maps(kept: dict[str, tuple[int, mmap.mmap]]) -> list[mmap.mmap]:
-    """The mappings of ``kept`` (name -> (inode, mapping))."""
-    return [m for _, m in kept.values()]
 
 
 def _write(path: str, data: memoryview | bytes) -> None:

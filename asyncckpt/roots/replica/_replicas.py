@@ -53,7 +53,6 @@ from ._failures import (
 )
 from ._held import HeldReplicas, Incoming, NotHeld, Record, check_name, populate
 from ._wire import (
-    CHUNK,
     DATA,
     FAIL,
     Counts,
@@ -65,6 +64,7 @@ from ._wire import (
     recv_desc,
     send,
     send_more,
+    spans,
     tensors,
     trailer,
 )
@@ -412,11 +412,12 @@ def _faulting_in(views: Sequence[memoryview], maps: Sequence[mmap.mmap | None]) 
     """``ready`` for :func:`send`: faults payload ``k``'s pages in (one ``madvise``) just before it
     is posted, so the mapping of a piece overlaps the transfer of the ones before (a whole 256 MiB
     file's took ~25 ms before its first byte left)."""
-    spans = [(m, off, min(CHUNK, len(v) - off)) for v, m in zip(views, maps, strict=True)
-             for off in range(0, len(v), CHUNK)]  # fmt: skip
+    assert len(views) == len(maps)
+    messages = spans([len(v) for v in views])
 
     def ready(k: int) -> None:
-        m, off, length = spans[k]
+        i, off, length = messages[k]
+        m = maps[i]
         if m is not None:
             populate(m, write=False, start=off, length=length)
 

@@ -102,9 +102,14 @@ def send_more(sending: Sending, group: Any, t: torch.Tensor, counts: Counts) -> 
     counts.sent_bytes += t.numel() * t.element_size()
 
 
+def spans(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The payload messages of files of ``sizes``: (file index, offset, at most :data:`CHUNK` bytes)."""
+    return [(i, off, min(CHUNK, n - off)) for i, n in enumerate(sizes) for off in range(0, n, CHUNK)]
+
+
 def pieces(views: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
-    """The payload messages of files ``views``: (file index, at most :data:`CHUNK` bytes)."""
-    return [(i, v[off : off + CHUNK]) for i, v in enumerate(views) for off in range(0, len(v), CHUNK)]
+    """The payload messages of files ``views`` (:func:`spans`): (file index, its bytes)."""
+    return [(i, views[i][off : off + n]) for i, off, n in spans([len(v) for v in views])]
 
 
 def count_pieces(sizes: Sequence[int]) -> int:
