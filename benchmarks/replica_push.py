@@ -112,7 +112,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from asyncckpt.ranks._distributed import resolve
     from asyncckpt.ranks._nodes import discover
-    from asyncckpt.roots.replica import Replicas, buddy_of, open_group, sources_of
+    from asyncckpt.roots.replica import Replicas, buddy_of, sources_of
 
     rank, world = args.rank, args.world
     phases = _Phases()
@@ -124,9 +124,9 @@ def rank_main(args: argparse.Namespace) -> None:
     ctx = resolve(None, 300)
     assert ctx is not None
     nodes = discover(ctx, "bench", 60)
-    raw_group, rep_group = open_group(300), open_group(300)
+    raw_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
     node_dir = os.path.join(args.scratch, os.environ["ASYNCCKPT_NODE"])
-    rep = Replicas(ctx, rep_group, nodes, os.path.join(node_dir, "replicas"), keep=args.keep, timeout=300)
+    rep = Replicas(ctx, nodes, os.path.join(node_dir, "replicas"), keep=args.keep, timeout=300)
     buddy, (source,) = buddy_of(nodes, rank), sources_of(nodes, rank)
     assert buddy is not None
     out: dict[str, Any] = {}

@@ -308,6 +308,8 @@ def test_four_nodes_one_rank_each_replicate_round_the_ring(tmp_path: Path) -> No
     res = _run(tmp_path, "ring", ["n0", "n1", "n2", "n3"], PUSH="5", FETCHES="5:a:0,1,2,3", SIZE=size)
     for r, got in res.items():
         assert got["buddy"] == (r + 1) % 4 and got["sources"] == [(r - 1) % 4]
+        # a group of two per pair that talks (its buddy, its source), not one of every rank
+        assert got["links"] == {str((r + 1) % 4): 2, str((r - 1) % 4): 2}
         assert got["fetches"][0]["got"] == _want(r, 5, size=int(size))
         pieces = -(-(int(size) + 17 * r) // CHUNK)  # the large file (40 MiB + 17 r bytes) in 5 or 6 pieces
         assert got["pushes"][0]["counts"]["sent_messages"] == 2 + pieces + 1 + 1
@@ -391,7 +393,31 @@ def test_a_buddy_that_dies_before_a_fetch_fails_it_on_every_survivor_within_the_
         assert first["error"]["type"] == "ReplicaTimeoutError", first
         assert first["error"]["failed"] == {"3": "did not answer"} and first["error"]["broken"]
         assert first["s"] < 4 + 1.5, first
-        assert second["error"]["type"] == "ReplicaTransportError" and "broken" in second["error"]["msg"]
+        # the second round first builds a new group: rank 3 never comes, so it cannot be rebuilt
+        assert second["error"]["type"] == "ReplicaTransportError", second
+        assert "could not be rebuilt" in second["error"]["msg"], second
+        assert second["error"]["failed"] == {"3": "did not answer"}, second  # within the round's time
+        assert second["s"] < 4 + 2 + 1.5, second
+
+
+@pytest.mark.timing
+def test_a_rank_back_from_a_stall_rejoins_a_new_group_and_the_next_push_lands(tmp_path: Path) -> None:
+    """Rank 1 stalls 5 s (alive: a paused process, a slow disk) before its push of step 2, past
+    the 3 s deadline: every rank's push of step 2 fails with the group broken (rank 1's too,
+    once it is back). The push of step 3 first builds the group's next generation on every
+    rank (rank 1 joins late) and lands on every buddy; step 3 comes back bit-exact. Before,
+    the replica was given up for the rest of the job after one stall."""
+    res = _run(tmp_path, "stall", ["A", "A", "B", "B"], deadline=90, PUSH="1,2,3", STALL_RANK="1", STALL_STEP="2",
+               STALL_S="5", REPLICA_TIMEOUT="3", FETCHES="3:a:1,2")  # fmt: skip
+    for r, got in res.items():
+        one, two, three = got["pushes"]
+        assert one["error"] is None and one["held"], one
+        assert two["error"]["type"] == "ReplicaPushTimeout" and two["error"]["broken"], two
+        assert two["error"]["failed"] == {"1": "did not answer"}, two
+        assert three["error"] is None and three["held"], three
+        assert got["generation"] == 1
+        (fetch,) = got["fetches"]
+        assert fetch["got"] == (_want(r, 3) if r in (1, 2) else None), fetch
 
 
 def test_a_full_tmpfs_on_the_receiver_fails_the_push_everywhere_and_the_group_stays_usable(tmp_path: Path) -> None:

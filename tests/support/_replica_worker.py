@@ -9,7 +9,10 @@ replicas under ``base/<node>/replicas``. ``PUSH``: steps to push (comma-separate
 header of a 8 MiB frame to its buddy, none of the bytes) or ``hang`` (alive and silent for
 ``HANG_S``) or ``fetch`` (before the first fetch round). ``BAD_RANK`` pushes a file that is not
 there at ``BAD_STEP``; ``FULL_RANK`` finds its tmpfs full at ``FULL_STEP``; ``NO_FILES_RANK``
-pushes no files at all. Writes ``out.<rank>.json``.
+pushes no files at all. ``STALL_RANK`` stalls ``STALL_S`` seconds (alive) before its push of
+``STALL_STEP``, then goes on. A push that breaks the group records what the node's replica
+directory holds then (``leftovers``); the pushes go on (the next one builds a new group).
+Writes ``out.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -48,18 +51,18 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
 
     from asyncckpt.ranks._distributed import resolve
     from asyncckpt.ranks._nodes import discover
-    from asyncckpt.roots.replica import Replicas, open_group
+    from asyncckpt.roots.replica import Replicas
     from asyncckpt.roots.replica._wire import DATA, Counts, send
 
     timeout = float(os.environ.get("REPLICA_TIMEOUT", "30"))
     ctx = resolve(None, 60)
     assert ctx is not None
     nodes = discover(ctx, "replica-test", 30)
-    group = open_group(60)
     node = nodes.names[nodes.node_of(rank)]
     directory = os.path.join(base, node, "replicas")
-    rep = Replicas(ctx, group, nodes, directory, keep=int(os.environ.get("KEEP", "2")), timeout=timeout)
-    result.update(buddy=rep.buddy, sources=list(rep.sources), node=node, pushes=[], fetches=[])
+    rep = Replicas(ctx, nodes, directory, keep=int(os.environ.get("KEEP", "2")), timeout=timeout)
+    result.update(buddy=rep.buddy, sources=list(rep.sources), node=node, pushes=[], fetches=[],
+                  links={str(p): pg.size() for p, (pg, _) in rep.group.pairs.items()})  # fmt: skip
     attempt = os.environ.get("ATTEMPT", "a")
     die = os.environ.get("DIE_RANK") == str(rank)
     full: dict[str, Any] = {}
@@ -91,11 +94,13 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         if die and os.environ.get("DIE_AT") == "hang":  # alive, connected, silent: a stuck process
             time.sleep(float(os.environ.get("HANG_S", "8")))
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("STALL_RANK") == str(rank) and os.environ.get("STALL_STEP") == str(step):
+            time.sleep(float(os.environ["STALL_S"]))  # a paused process: it comes back
         if os.environ.get("BAD_RANK") == str(rank) and os.environ.get("BAD_STEP") == str(step):
             given[f"rank{rank:05d}.data"] = disk + ".gone"  # a file that is not there
         if die and os.environ.get("DIE_AT") == "mid":
             big = torch.zeros(8 << 20, dtype=torch.uint8)  # announced, never sent whole: the frame's header
-            sending = send(group, rep.buddy, DATA, {"source": rank, "step": step, "attempt": attempt,
+            sending = send(rep.group, rep.buddy, DATA, {"source": rank, "step": step, "attempt": attempt,
                                                       "files": [["x", 8 << 20, 0]]}, [big], Counts())  # fmt: skip
             del sending
             os.kill(os.getpid(), signal.SIGKILL)
@@ -110,11 +115,11 @@ def run(rank: int, world: int, base: str, result: dict[str, Any]) -> None:
         result["pushes"].append({"step": step, "s": time.monotonic() - t0, "error": error,
                                  "counts": {k: after[k] - before[k] for k in after},
                                  "held": rep.held(step, attempt)})  # fmt: skip
-        if error and error["broken"]:
+        if error and error["broken"] and "leftovers" not in result:
             result["leftovers"] = sorted(
                 os.path.relpath(os.path.join(d, n), directory) for d, ds, fs in os.walk(directory) for n in ds + fs
             )
-            return
+        result["generation"] = rep.generation
     for spec in [s for s in os.environ.get("FETCHES", "").split(";") if s]:
         parts = spec.split(":")
         step, att, needers = int(parts[0]), parts[1], {int(r) for r in parts[2].split(",") if r}

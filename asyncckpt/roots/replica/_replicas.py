@@ -19,8 +19,11 @@ Every round is bounded by ``timeout`` seconds from its call: the transfers end a
 (each ``Work.wait`` gets what is left) so the agreement can name a dead or silent rank. The
 traffic runs on its own process group (:func:`open_group`, gloo), never the training's. After
 a transport failure (a dead peer, a wait past its deadline: gloo closes the pair) every rank
-marks the object broken and refuses further rounds with :class:`ReplicaTransportError`; a
-missing or corrupt replica leaves it usable.
+marks the group broken (the same verdict everywhere), and the next round first builds a new
+one on every rank (:func:`open_group`, its next generation: a peer that stalled past a
+deadline and came back rejoins); when that fails (a rank gone for good) the object is dead
+and refuses every round with :class:`ReplicaTransportError`. A missing or corrupt replica
+leaves the group usable.
 """
 
 from __future__ import annotations
@@ -29,11 +32,9 @@ import dataclasses
 import mmap
 import os
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any, Union
 
 import torch
-import torch.distributed as dist
 
 from ...format._checksum import crc32c
 from ...ranks._agree import AgreeTimeout, agree
@@ -52,6 +53,7 @@ from ._failures import (
     worst,
 )
 from ._held import HeldReplicas, Incoming, NotHeld, Record, check_name, populate
+from ._links import Links, open_group
 from ._wire import (
     DATA,
     FAIL,
@@ -61,6 +63,7 @@ from ._wire import (
     WireError,
     count_pieces,
     finish,
+    first_line,
     recv_desc,
     send,
     send_more,
@@ -78,39 +81,45 @@ Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 _AGREE_S = 10.0
 
 
-def open_group(timeout: float) -> Any:
-    """A new gloo process group of every rank, for replica traffic only (collective: every rank
-    of the default group calls it, in the same order as its other ``new_group`` calls)."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-
-
 class Replicas:
     """This rank's side of the peer replica.
 
-    ``ranks``: the job's ranks (store and rank, for the agreements); ``group``: a process group
-    of the same ranks for the transfers (:func:`open_group`); ``nodes``: the ranks by node;
-    ``directory``: where this rank keeps the replicas it holds; ``keep``: steps kept per source;
-    ``timeout``: seconds each round may take. ``SingleNodeError`` with one node."""
+    ``ranks``: the job's ranks (store, prefix and rank: the agreements, and the transfers'
+    group, :func:`open_group`, built here: collective, within ``timeout``); ``nodes``: the
+    ranks by node; ``directory``: where this rank keeps the replicas it holds; ``keep``: steps
+    kept per source; ``timeout``: seconds each round may take. ``SingleNodeError`` with one
+    node; :class:`ReplicaTransportError` when the group cannot be built."""
 
-    def __init__(self, ranks: DistContext, group: Any, nodes: Nodes, directory: str, keep: int = 2,
+    def __init__(self, ranks: DistContext, nodes: Nodes, directory: str, keep: int = 2,
                  timeout: float = 60.0) -> None:  # fmt: skip
         world = sum(len(m) for m in nodes.members)
-        if world != ranks.world_size or dist.get_world_size(group) != world:
-            raise ValueError(f"the nodes ({nodes.describe()}), the ranks ({ranks.world_size}) and the group "
-                             f"({dist.get_world_size(group)}) must count the same ranks")  # fmt: skip
+        if world != ranks.world_size:
+            raise ValueError(f"the nodes ({nodes.describe()}) and the ranks ({ranks.world_size}) must count the "
+                             "same ranks")  # fmt: skip
         buddy = buddy_of(nodes, ranks.rank)
         if buddy is None:
             raise SingleNodeError(f"asyncckpt: every rank is on one node ({nodes.describe()}): no other node "
                                   "can hold a replica")  # fmt: skip
-        self.ranks, self.group, self.nodes, self.timeout = ranks, group, nodes, timeout
+        self.ranks, self.nodes, self.timeout = ranks, nodes, timeout
         self.rank, self.buddy = ranks.rank, buddy
         self.sources = sources_of(nodes, ranks.rank)
+        #: the ranks this one talks to: its buddy, its sources
+        self.peers = (buddy, *self.sources)
+        try:
+            self.group = open_group(ranks, self.peers, 0, timeout)
+        except Exception as e:  # gloo's rendezvous: a rank that never came
+            raise ReplicaTransportError(f"asyncckpt: the replica group could not be built: {first_line(e)}",
+                                        broken=True) from e  # fmt: skip
+        self.generation = 0
         self.held_here = HeldReplicas(directory, keep)
         self.held_here.clean(self.sources)
         self.counts = Counts()
-        self._key = f"replica/{getattr(group, 'group_name', '')}"
+        self._key = "replica"
         self._round = 0
+        #: why the group broke (the next round builds the next one first), or ``None``
         self._broken: str | None = None
+        #: why this object refuses every round (a broken group that could not be rebuilt)
+        self.dead: str | None = None
 
     # ----------------------------------------------------------------------------------- push
     def push(self, step: int, attempt: str, files: Mapping[str, Source], crcs: Mapping[str, int] | None = None) -> None:
@@ -344,9 +353,45 @@ class Replicas:
         return f"{self._key}/{self._round}-{what}"
 
     def _check(self) -> None:
-        if self._broken is not None:
-            raise ReplicaTransportError(f"asyncckpt: this replica group is broken ({self._broken}): build a new "
-                                        "group and Replicas", broken=True)  # fmt: skip
+        """Before a round: refuse it when the object is dead; build the next group first when
+        the last one broke (every rank saw the same verdict, so every rank does it now)."""
+        if self.dead is None and self._broken is not None:
+            self._reopen(self._broken)
+        if self.dead is not None:
+            raise ReplicaTransportError(f"asyncckpt: this replica group is broken and could not be rebuilt "
+                                        f"({self.dead})", broken=True)  # fmt: skip
+
+    def _reopen(self, why: str) -> None:
+        """Collective: the group's next generation, built by every rank within ``timeout`` (a
+        rank that comes back from a stall late in its last round still joins), then an
+        agreement that every rank has it (bounded too). A rank that did not come makes the
+        object dead on every rank: it raises :class:`ReplicaTransportError` naming it."""
+        key = self._next("reopen")
+        # the agreement waits for the ranks whose links took their whole time to fail (a dead
+        # buddy's rank), and then some, to name the rank that never came
+        by = Deadline.after(self.timeout + min(_AGREE_S, self.timeout / 2))
+        self.group = Links({})  # the broken pairs go first
+        mine: dict[str, Any] = {"error": ""}
+        try:
+            self.group = open_group(self.ranks, self.peers, self.generation + 1, self.timeout)
+        except RuntimeError as e:
+            mine["error"] = str(e)
+
+        def decide(outs: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"failed": {str(r): o["error"] for r, o in enumerate(outs) if o["error"]}}
+
+        try:
+            failed = {int(r): m for r, m in agree(self.ranks, key, mine, decide, by)["failed"].items()}
+        except AgreeTimeout as e:
+            failed = {r: "did not answer" for r in e.missing}
+        if failed:
+            self.group = Links({})
+            text = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            self.dead = f"{why}; rebuilding it failed: {text}"
+            raise ReplicaTransportError(f"asyncckpt: the replica group is broken and could not be rebuilt "
+                                        f"({self.dead})", failed, broken=True)  # fmt: skip
+        self.generation += 1
+        self._broken = None
 
 
 class _Refused(Exception):

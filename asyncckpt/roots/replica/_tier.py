@@ -33,7 +33,7 @@ from ...ranks._distributed import DistContext
 from ...ranks._nodes import Nodes
 from ._failures import ReplicaError
 from ._held import held_attempts
-from ._replicas import Replicas, open_group
+from ._replicas import Replicas
 
 log = logging.getLogger("asyncckpt")
 
@@ -65,13 +65,13 @@ class PeerTier:
 
     @classmethod
     def open(cls, dist: DistContext, nodes: Nodes, memory: str, keep: int, timeout: float) -> PeerTier:
-        """Collective (every rank of the default group, in the same order as its other groups):
-        the replica group and this rank's side. ``SingleNodeError`` (a ``ValueError``) with one node."""
-        group = open_group(timeout)
+        """Collective (every rank of the Checkpointer's, once its start agreement gave them a
+        prefix of their own): this rank's side and its replica group. ``SingleNodeError`` (a
+        ``ValueError``) with one node; ``ReplicaTransportError`` when the group cannot be built."""
         # a store client of its own: its agreements wait on the memory tier's thread, and the
         # job's client is the caller's (``DistContext``); no probe, the store is up
         own = dataclasses.replace(dist, store=dist.connect(probe=False))
-        return cls(Replicas(own, group, nodes, os.path.join(memory, DIRECTORY), keep, timeout), memory)
+        return cls(Replicas(own, nodes, os.path.join(memory, DIRECTORY), keep, timeout), memory)
 
     @property
     def sources(self) -> tuple[int, ...]:
@@ -87,8 +87,9 @@ class PeerTier:
         """Collective: this rank's memory files of ``step`` (made by ``attempt``) to its buddy;
         whether every rank's landed. ``crcs``: the files' CRC-32C the save computed (not
         computed again: :meth:`Replicas.push`). Never raises: a failure is logged (the memory tier's
-        replica lacks that step). A broken group (a dead or silent peer) is given up for the
-        rest of the job, on every rank (each saw the same verdict)."""
+        replica lacks that step). A broken group (a peer that died or stalled past the deadline)
+        is built again at the next push, on every rank (each saw the same verdict); when that
+        fails (a peer gone for good) the replica is given up for the rest of the job."""
         if self._gave_up:
             return False
         step_dir = os.path.join(self.memory, step_dir_name(step))
@@ -100,9 +101,12 @@ class PeerTier:
         except ReplicaError as e:
             log.warning("asyncckpt: rank %d: step %d was not replicated to the buddies' memory: %s: %s", rank, step,
                         type(e).__name__, e)  # fmt: skip
-            if e.broken:
+            if self.replicas.dead is not None:
                 self._gave_up = True
-                log.warning("asyncckpt: rank %d: the peer replica's group is broken: no more replicas in this job",
+                log.warning("asyncckpt: rank %d: the peer replica's group is broken and could not be rebuilt: no "
+                            "more replicas in this job", rank)  # fmt: skip
+            elif e.broken:
+                log.warning("asyncckpt: rank %d: the peer replica's group broke: the next push builds a new one",
                             rank)  # fmt: skip
             return False
         self.pushed.append(step)

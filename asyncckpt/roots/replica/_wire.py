@@ -1,4 +1,6 @@
-"""Frames over a torch.distributed group: point-to-point ``isend``/``irecv`` of uint8 tensors.
+"""Frames over the replica's :class:`Links`: point-to-point ``send``/``recv`` of uint8 tensors.
+
+The links (``_links``) are a gloo process group of two ranks per pair that talks.
 
 One *frame* from a rank to a peer is 3 + P messages, in order on that pair:
 
@@ -26,10 +28,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...format._checksum import crc32c
 from ...threads._deadline import Deadline
+from ._links import Links
 
 MAGIC = 0x41434B5245504C31  # "ACKREPL1"
 DATA, FAIL = 1, 2
@@ -70,9 +72,9 @@ class Sending:
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
-def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payloads: Sequence[torch.Tensor],
+def send(group: Links, peer: int, kind: int, desc: dict[str, Any], payloads: Sequence[torch.Tensor],
          counts: Counts, ready: Callable[[int], None] | None = None) -> Sending:  # fmt: skip
-    """Post ``kind``'s frame to group rank ``peer`` (``payloads``: the non-empty files' bytes,
+    """Post ``kind``'s frame to rank ``peer`` (``payloads``: the non-empty files' bytes,
     uint8 tensors); wait with :func:`finish`. ``ready(k)``, when given, is called just before
     payload ``k`` is posted (the sender faults its pages in while the ones before travel)."""
     body = json.dumps(desc).encode()
@@ -83,20 +85,20 @@ def send(group: Any, peer: int, kind: int, desc: dict[str, Any], payloads: Seque
         for k, t in enumerate(msgs):
             if ready is not None and k >= 2:
                 ready(k - 2)
-            out.works.append(dist.isend(t, group=group, group_dst=peer))
+            out.works.append(group.send(t, peer))
             counts.sent_messages += 1
             counts.sent_bytes += t.numel() * t.element_size()
     except Exception as e:  # gloo refuses a send on a closed pair at once
-        raise WireError(f"sending to rank {peer} failed: {_first_line(e)}") from e
+        raise WireError(f"sending to rank {peer} failed: {first_line(e)}") from e
     return out
 
 
-def send_more(sending: Sending, group: Any, t: torch.Tensor, counts: Counts) -> None:
+def send_more(sending: Sending, group: Links, t: torch.Tensor, counts: Counts) -> None:
     """Post one more message of ``sending``'s frame (its trailer)."""
     try:
-        sending.works.append(dist.isend(t, group=group, group_dst=sending.peer))
+        sending.works.append(group.send(t, sending.peer))
     except Exception as e:  # a closed pair refuses at once
-        raise WireError(f"sending to rank {sending.peer} failed: {_first_line(e)}") from e
+        raise WireError(f"sending to rank {sending.peer} failed: {first_line(e)}") from e
     sending.keep.append(t)
     counts.sent_messages += 1
     counts.sent_bytes += t.numel() * t.element_size()
@@ -131,7 +133,7 @@ class Receiving:
     memory): every message posted at once; :meth:`finish` waits for each piece in turn and
     adds it to its file's CRC while the next arrives."""
 
-    def __init__(self, group: Any, peer: int, views: Sequence[memoryview], counts: Counts) -> None:
+    def __init__(self, group: Links, peer: int, views: Sequence[memoryview], counts: Counts) -> None:
         self.peer, self.counts = peer, counts
         self.pieces = pieces(views)
         self.targets = [torch.frombuffer(v, dtype=torch.uint8) for _, v in self.pieces]
@@ -167,8 +169,8 @@ def finish(sending: Sending, by: Deadline) -> None:
         sending.keep.clear()
 
 
-def recv_desc(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict[str, Any], int]:
-    """The next frame's head from group rank ``peer``: its kind, description and the number of
+def recv_desc(group: Links, peer: int, by: Deadline, counts: Counts) -> tuple[int, dict[str, Any], int]:
+    """The next frame's head from rank ``peer``: its kind, description and the number of
     payload messages that follow (receive them with :func:`recv_into`)."""
     fixed = torch.empty(_FIXED, dtype=torch.int64)
     _wait(_irecv(fixed, group, peer), by, f"receiving from rank {peer}")
@@ -189,11 +191,11 @@ def recv_desc(group: Any, peer: int, by: Deadline, counts: Counts) -> tuple[int,
     return kind, desc, n
 
 
-def _irecv(t: torch.Tensor, group: Any, peer: int) -> Any:
+def _irecv(t: torch.Tensor, group: Links, peer: int) -> Any:
     try:
-        return dist.irecv(t, group=group, group_src=peer)
+        return group.recv(t, peer)
     except Exception as e:  # a closed pair refuses at once
-        raise WireError(f"receiving from rank {peer} failed: {_first_line(e)}") from e
+        raise WireError(f"receiving from rank {peer} failed: {first_line(e)}") from e
 
 
 def _wait(work: Any, by: Deadline, what: str) -> None:
@@ -203,10 +205,11 @@ def _wait(work: Any, by: Deadline, what: str) -> None:
     try:
         work.wait(timedelta(seconds=left))
     except Exception as e:  # gloo raises RuntimeError for a timeout and a dead peer alike
-        text = _first_line(e)
+        text = first_line(e)
         raise WireError(f"{what} failed: {text}", timeout="Timed out" in text) from e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, without gloo's ``[file:line]`` prefix."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text.split("] ", 1)[-1] if text.startswith("[") else text
