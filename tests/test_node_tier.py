@@ -150,6 +150,43 @@ def test_a_wiped_node_or_another_runs_files_are_never_read(tmp_path: Path) -> No
         assert got["loaded"] == 6 and got["equal"] and got["run_id"] in runs, got
 
 
+@pytest.mark.needs_root
+@pytest.mark.slow  # three runs of 4 ranks
+@pytest.mark.timeout(400)
+def test_a_step_damaged_in_its_only_copy_falls_back_to_the_step_before_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Rank 2's shard of step 3 on node b has one byte flipped (its only copy: no memory tier, no
+    store). Before, every rank's load() raised and the job could not resume at all. Now every
+    rank resumes step 2 bit-exact, each node marks step 3's attempt bad, and the job saves step
+    3 again (the step rule lets it: rank 0's root no longer counts it) and 4; the next start
+    resumes 4. Before it, a save of step 3 or 2 is refused as on any root."""
+    a, b = _nodes(tmp_path)
+    for got in _run(tmp_path, "first", (a, b), STEPS="1,2,3", KEEP_LAST="3").values():
+        assert got["saved"] == [1, 2, 3], got
+    # the step rule holds on node-local roots (it asked rank 0's disk, where every step is a part,
+    # never a whole step: both saves went through, replacing committed parts)
+    for got in _run(tmp_path, "rule", (a, b), STEPS="3,2", KEEP_LAST="3", GO_ON="1").values():
+        assert got["loaded"] == 3 and got["saved"] == [], got
+        (three, two) = got["save_errors"]
+        assert three["type"] == "ValueError" and "step 3 is already committed" in three["msg"], three
+        assert two["type"] == "ValueError" and "step 2 is already committed" in two["msg"], two
+    shard = b / "step_00000003" / "rank00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF  # same size: only the CRC-32C finds it
+    shard.write_bytes(bytes(raw))
+    res = _run(tmp_path, "fallback", (a, b), STEPS="3,4", KEEP_LAST="3")
+    for r, got in res.items():
+        assert got.get("load_error") is None and got["loaded"] == 2 and got["equal"], (r, got)
+        assert got["saved"] == [3, 4] and got.get("save_error") is None, (r, got)
+        log = (tmp_path / "fallback" / f"rank{r}.log").read_text(errors="replace")
+        assert "step 3 cannot be loaded: rank(s) [2] hold a damaged part in every tier" in log, log[-3000:]
+        assert "falling back to step 2" in log
+    for d in (a, b):  # the mark names the damaged attempt only; the new step 3 replaced the old parts
+        assert [p.name.split(".")[0] for p in (d / ".asyncckpt" / "bad").iterdir()] == ["step_00000003"]
+        assert _steps(d)[-2:] == [3, 4]
+    for got in _run(tmp_path, "after", (a, b)).values():
+        assert got["loaded"] == 4 and got["equal"], got
+
+
 @pytest.mark.slow  # > 15 s in make test's parallel phase: make test-slow (and CI) runs it
 @pytest.mark.needs_root
 @pytest.mark.timeout(300)

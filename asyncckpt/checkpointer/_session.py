@@ -313,7 +313,18 @@ class RootSession:
 
     def not_resumable(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (committed by this job or found at start) are not resumable now
-        (``_stepstates``: known bad, or gone), as rank 0 sees the root; every rank gets its answer."""
+        (``_stepstates``: known bad, or gone), as rank 0 sees the root; every rank gets its answer.
+        On node-local roots, where rank 0's disk holds a part of each step, never a whole one:
+        the steps complete for every rank on the nodes' disks or memory with one attempt and not
+        marked bad (``_nodeparts.agree_parts``, collective like the rest)."""
+        if self.nodes is not None:
+            assert self.dist is not None and self.rt is not None
+            self.rt.refuse_if_forked()
+            self.queries += 1
+            agreed = _nodeparts.agree_parts(self.dist, f"q/{self.queries}/parts", self.root, self.timeout,
+                                            memory=self.opts.memory, peer=self.peer_sources)  # fmt: skip
+            have = {int(a[0]) for a in agreed}
+            return [s for s in steps if s not in have]
 
         def look() -> list[int]:
             have = {m.step for m in self.reading.resumable()}

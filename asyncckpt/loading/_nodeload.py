@@ -10,7 +10,12 @@ reads from its node's memory when it holds that very attempt; a read that fails 
 corrupt or missing file) goes on to the next tier holding the same attempt (its node's disk,
 then the store): never to another step. With the peer replica, a rank whose buddy holds its
 part fetches it from there after its own memory (``_peerread``: memory, peer, disk, store).
-No fallback to an older step: a part that no tier of the agreed attempt can serve raises.
+A part that no tier of the agreed attempt can serve because its bytes are damaged there (a
+content fault: ``CheckpointCorruptError``, the rule of ``_resume.decide``) makes every rank
+fall back to the next older step complete for every rank, after each node records the step's
+attempt bad on its disk (the next start passes over it, and ``save()`` may take the step again);
+any other failure (an I/O error, a timeout) raises on every rank: that step may be good. A
+``load(step=N)`` never falls back.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
+from ..roots._badmarks import record_bad
 from ..roots._nodeparts import NodePart, agree_parts
 from ..roots._registry import open_root
 from ..threads._deadline import CallTimeout, Deadline, call_by
 from ._peerread import fetch, read_fetched
-from ._resume import load_step
+from ._resume import decide, load_step, outcome_of
 
 if TYPE_CHECKING:
     from ..roots.replica import PeerTier
@@ -62,7 +68,42 @@ def load_part(
         what = f"step {step}" if step is not None else "a step"
         raise CheckpointNotFoundError(f"no node-local checkpoint under {root}: {what} complete for every rank with "
                                       "one attempt is on no node's disk")  # fmt: skip
-    chosen, attempt, every = int(steps[-1][0]), str(steps[-1][1]), [list(t) for t in steps[-1][4]]
+    # newest first; an older one only after a content fault (module docstring), never for a given step
+    picks = steps[::-1] if step is None else steps[-1:]
+    for n, pick in enumerate(picks):
+        chosen, attempt, every = int(pick[0]), str(pick[1]), [list(t) for t in pick[4]]
+        state, error = _read_part(dist, root, chosen, attempt, every, verify, by, store, memory, peer)
+        outcome_key = f"{key}/outcome" if n == 0 else f"{key}/outcome/{chosen}"
+        verdict = agree(dist, outcome_key, outcome_of(error), lambda outs: decide(step is not None, outs), by)
+        if verdict["kind"] == "ok":
+            return chosen, state
+        failures = {int(r): o for r, o in verdict["failures"].items()}
+        if verdict["kind"] == "fallback" and n + 1 < len(picks):
+            state = None
+            first = failures[min(failures)]
+            # on this node's disk (every rank of it, the same mark): the next start's agreement
+            # passes over the attempt, rank 0's root no longer counts it resumable, so save()
+            # may take the step again (the node parts of that attempt are set aside then)
+            record_bad(root, chosen, attempt, first.get("path") or root, f"rank {min(failures)}: {first['msg']}")
+            log.warning("rank %d: step %d cannot be loaded: rank(s) %s hold a damaged part in every tier (%s); "
+                        "marked bad on this node, falling back to step %d", dist.rank, chosen, sorted(failures),
+                        first["msg"], int(picks[n + 1][0]))  # fmt: skip
+            continue
+        if error is not None:
+            raise error
+        r = min(failures)
+        raise CheckpointError(f"step {chosen} could not be loaded from the node-local root {root} on rank(s) "
+                              f"{sorted(failures)}: {failures[r]['type']}: {failures[r]['msg']}")  # fmt: skip
+    raise AssertionError("unreachable: the last pick returns or raises")
+
+
+def _read_part(
+    dist: DistContext, root: str, chosen: int, attempt: str, every: list[list[str]], verify: bool, by: Deadline,
+    store: tuple[str, Mapping[str, str] | None, Any] | None, memory: str | None, peer: PeerTier | None,
+) -> tuple[Any, BaseException | None]:  # fmt: skip
+    """This rank's part of ``attempt`` of step ``chosen`` from its tiers (``every[rank]``, fastest
+    first; the next one on a failed read, same step and attempt): its state, or the last error.
+    The peer replica's fetch is collective: every rank takes part once some rank's tiers name it."""
     tiers = every[dist.rank]
     error: BaseException | None = None
     state: Any = None
@@ -83,8 +124,6 @@ def load_part(
     def tier(source: str) -> Callable[[], Any]:
         return lambda: _read_from(source, root, memory, store, chosen, attempt, dist.rank, verify, by)
 
-    # fastest first; the next one on a failed read, same step and attempt. The peer replica's
-    # fetch is collective: every rank takes part once some rank's tiers name it, in its place
     k = tiers.index("peer") if "peer" in tiers else len(tiers)
     for source in tiers[:k]:
         read(source, tier(source))
@@ -100,18 +139,7 @@ def load_part(
         if done:
             break
         read(source, tier(source))
-    mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
-
-    def decide(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"bad": [[r, o["error"]] for r, o in enumerate(outcomes) if o["error"]]}
-
-    bad = agree(dist, f"{key}/outcome", mine, decide, by)["bad"]
-    if error is not None:
-        raise error
-    if bad:
-        raise CheckpointError(f"step {chosen} could not be loaded from the node-local root {root} on rank(s) "
-                              f"{[r for r, _ in bad]}: {bad[0][1]}")  # fmt: skip
-    return chosen, state
+    return state, error
 
 
 _WHERE = {"memory": "its node's memory tier", "peer": "its buddy's memory (the peer replica)",

@@ -17,11 +17,12 @@ from typing import Any
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError
 from ..format import _manifest
-from ..format._layout import step_dir_name
+from ..format._layout import step_dir_name, token_of
 from ..format._stepstates import same_run
 from ..ranks._agree import agree
 from ..ranks._distributed import DistContext
 from ..threads._deadline import CallTimeout, Deadline, call_by
+from ._badmarks import marks
 from ._root import StepReader
 from .posix._discovery import read_manifest
 from .posix._root import CAPS, PosixStepReader
@@ -146,6 +147,9 @@ def agree_parts(
     out on the agreement naming this rank."""
     by = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
     try:  # on a thread of its own: a stat or read held by the file system has no deadline of its own
+        # an attempt a load found damaged in every tier is marked bad on the nodes' disks
+        # (``loading._nodeload``): never a candidate again, in any tier
+        bad = call_by(lambda: set(marks(root)), by, f"asyncckpt-nodemarks-r{dist.rank}")
         found = call_by(lambda: parts(root, [dist.rank]), by, f"asyncckpt-nodescan-r{dist.rank}")
         held = {} if memory is None else call_by(lambda: parts(memory, [dist.rank]), by,
                                                  f"asyncckpt-memscan-r{dist.rank}")  # fmt: skip
@@ -154,9 +158,13 @@ def agree_parts(
     except CallTimeout:
         raise CheckpointReadError(errno.ETIMEDOUT, f"rank {dist.rank}: looking at its parts on this node's disk did "
                                   "not finish within the deadline", root) from None  # fmt: skip
-    mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if step is None or s == step},
-                            "memory": {str(s): list(v) for s, v in held.items() if step is None or s == step},
-                            "peer": {r: {s: a for s, a in h.items() if step is None or int(s) == step}
+
+    def wanted(s: int, attempt: str) -> bool:
+        return (step is None or s == step) and (s, token_of(attempt)) not in bad
+
+    mine: dict[str, Any] = {"parts": {str(s): list(v) for s, v in found.items() if wanted(s, v[0])},
+                            "memory": {str(s): list(v) for s, v in held.items() if wanted(s, v[0])},
+                            "peer": {r: {s: a for s, a in h.items() if wanted(int(s), a)}
                                      for r, h in holds.items()}}  # fmt: skip
     if dist.rank == 0:
         mine["store"] = [e for e in store_steps or () if step is None or e[0] == step]
