@@ -13,7 +13,8 @@ from .._info import CheckpointInfo
 from ..format._layout import check_step
 from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
-from ..format._structure_encode import TensorRef, flatten, flatten_parts, tree_json
+from ..format._structure_encode import TensorRef, flatten, flatten_parts
+from ..format._structure_json import tree_json
 from ..format._structure_names import TensorFacts
 from ..loading import _load_global
 from ..roots import _runs
