@@ -24,7 +24,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer, RootInUseError
-from asyncckpt.checkpointer._pipeline import SavePipeline
+from asyncckpt.checkpointer._handoff import Handoff
 from asyncckpt.checkpointer._runtime import Runtime
 from asyncckpt.checkpointer._session import RootSession
 from asyncckpt.roots import _rootstart
@@ -82,7 +82,7 @@ def _state(value: float) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)  # the line sweep over the streaming copy
 def test_interrupt_at_every_line_of_save_leaves_every_commit_true_and_no_slot_leaked(tmp_path: Path) -> None:
-    codes = _codes([Checkpointer.save, SavePipeline._submit, _writer.WriterThread.launch])
+    codes = _codes([Checkpointer.save, Handoff.submit, _writer.WriterThread.launch])
     fired = 0
     step = 0
     with Checkpointer(tmp_path / "ck", max_pending=1, timeout=20) as ck:
@@ -95,7 +95,7 @@ def test_interrupt_at_every_line_of_save_leaves_every_commit_true_and_no_slot_le
                 except Interrupt:
                     pass
             # an interrupted save() returns promptly: it never waits the timeout for a save
-            # that was never handed to the writer (it did, for 7 lines of _submit: 25 s each)
+            # that was never handed to the writer (it did, for 7 lines of the hand-off, Handoff.submit: 25 s each)
             assert time.monotonic() - t0 < 10.0, (code.co_name, line)
             fired += at.fired
             # the next save must find its slot at once (a leaked slot would wait `timeout`)
@@ -153,6 +153,6 @@ def test_interrupt_at_every_line_of_construction_never_leaves_the_root_locked(tm
 
 def test_sweep_covers_real_lines() -> None:
     # the sweep must reach the lines it names (guards against a refactor emptying it)
-    lines = _lines(SavePipeline._submit)
+    lines = _lines(Handoff.submit)
     assert len(lines) > 20 and all(isinstance(x, int) for x in lines)
-    assert dis.findlinestarts(SavePipeline._submit.__code__)
+    assert dis.findlinestarts(Handoff.submit.__code__)

@@ -24,7 +24,8 @@ import torch
 from asyncckpt.format._header import TensorSlot
 from asyncckpt.format._safetensors import DTYPE_TO_ST
 from asyncckpt.format._structure_decode import StandInSites, ValueStandIn, compact_node, fill_in, unflatten
-from asyncckpt.format._structure_encode import flatten, tree_json
+from asyncckpt.format._structure_encode import flatten
+from asyncckpt.format._structure_json import tree_json
 from asyncckpt.loading import _readinto
 
 

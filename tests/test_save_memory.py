@@ -93,7 +93,8 @@ def test_a_compact_tree_is_written_as_the_plain_one(extra: dict[str, object]) ->
     and the standard library's fallback (which escapes every non-ASCII character) included."""
     import torch
 
-    from asyncckpt.format._structure_encode import flatten, flatten_parts, tree_json
+    from asyncckpt.format._structure_encode import flatten, flatten_parts
+    from asyncckpt.format._structure_json import tree_json
 
     def t() -> torch.Tensor:
         return torch.zeros(2)

@@ -208,7 +208,7 @@ class Checkpointer:
             self._loader = Loader(session)
             newest = session.newest_to_upload()
             if newest is not None:
-                self._pipeline.track_upload(newest)
+                self._pipeline.settling.track_upload(newest)
             _runtime.keep_until_exit(waits)
         except BaseException:
             if waits is not None:
@@ -348,7 +348,7 @@ class Checkpointer:
             self._waits.closed = True
             return
         try:  # with mirror_every: the last disk commit it skipped is uploaded too
-            self._waits.flush(timeout, final=self._pipeline.upload_skipped)
+            self._waits.flush(timeout, final=self._pipeline.settling.upload_skipped)
         except KeyboardInterrupt:
             self._waits.closed = True
             self._waits.abandon_pending("close() was interrupted")
@@ -365,7 +365,7 @@ class Checkpointer:
             self._waits.closed = True
             return
         try:
-            await self._waits.aflush(timeout, final=self._pipeline.upload_skipped)
+            await self._waits.aflush(timeout, final=self._pipeline.settling.upload_skipped)
         finally:
             self._waits.closed = True
             await asyncio.to_thread(self._rt.stop, self.timeout)

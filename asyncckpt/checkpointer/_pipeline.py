@@ -1,46 +1,41 @@
 """The save pipeline: check and reserve the step, flatten and plan, take a staging slot,
-copy (streaming to the writer while the copy runs), hand the job to the writer, book its end."""
+copy (streaming to the writer while the copy runs), hand the job to the writer (``_handoff``),
+whose end is booked by ``_settle``."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
-import weakref
 from typing import Any
 
-from .._info import CheckpointInfo
 from ..format._layout import check_step
-from ..format._lifecycle import SaveState
 from ..format._safetensors import ShardLayout
-from ..format._structure_encode import TensorRef, flatten, flatten_parts, tree_json
+from ..format._structure_encode import TensorRef, flatten, flatten_parts
+from ..format._structure_json import tree_json
 from ..format._structure_names import TensorFacts
 from ..loading import _load_global
 from ..roots import _runs
 from ..saving import _deferred
 from ..saving._arena import Arena
-from ..saving._commit import run_save
-from ..saving._frequency import Routes, TierClock, due
+from ..saving._frequency import TierClock
 from ..saving._handle import SaveHandle, SaveRecord
 from ..saving._nodelocal import refuse_dtensors
-from ..saving._savejob import SaveJob
 from ..saving._stageprogress import StageProgress
-from ..threads._writer import StartGate
 from ._books import Books
-from ._guard import guarded
+from ._handoff import Handoff
 from ._options import Options
 from ._plan import Planner, spread_replica_writes
 from ._runtime import MARGIN_S, Runtime
 from ._session import RootSession
-
-log = logging.getLogger("asyncckpt")
+from ._settle import Settling
 
 
 class SavePipeline:
     """The saves of one Checkpointer, from ``save()``'s call to their settling.
 
-    Referenced only by its Checkpointer (the writer's callbacks hold it weakly): a dropped
-    Checkpointer's saves finish, but nothing is booked or reported for them any more."""
+    Referenced only by its Checkpointer, and its parts (:class:`Handoff`, :class:`Settling`)
+    only by it (the writer's callbacks hold the settling weakly): a dropped Checkpointer's saves
+    finish, but nothing is booked or reported for them any more."""
 
     def __init__(self, opts: Options, session: RootSession, rt: Runtime, books: Books) -> None:
         self.opts = opts
@@ -51,38 +46,12 @@ class SavePipeline:
         # set only while the SIGTERM handler runs: its deadline, and whether it interrupted save()
         self.grace_end: float | None = None
         self.interrupted_save = False
-        #: the saves this job committed to the disks (settle, on the writer thread): mirror_every counts them
-        self.tier_commits = 0
-        #: the steps committed to the memory tier only (``disk_every``): found at start, or this job's
-        self.memory_only = set(session.committed) - set(session.on_disks) if session.nodes is not None else set()
-        #: the newest disk commit ``mirror_every`` did not upload (``close()`` uploads it: :meth:`upload_skipped`)
-        self.skipped: CheckpointInfo | None = None
-        #: which tiers each save goes to (``saving._frequency``): rank 0 decides, the start word carries it
-        self.clock = TierClock(opts.memory_every, opts.disk_every, opts.mirror_every,
-                               split=rt.memory_backend is not None, memory=session.memory is not None)  # fmt: skip
-        self.routes = Routes(rt.backend, rt.memory_backend, opts.root, opts.memory, session.memory,
-                             opts.keep_last if session.mirror is None else None)  # fmt: skip
-
-    def track_upload(self, info: CheckpointInfo) -> None:
-        """Hand committed ``info`` to the mirror and track its upload like a save."""
-        assert self.session.mirror is not None
-        record = self.session.mirror.committed(info)
-        me = weakref.ref(self)
-        with self.books.lock:
-            self.books.records.append(record)
-
-        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
-            owner = me()
-            if owner is None:
-                return
-            with owner.books.lock:
-                if f.exception() is None:
-                    if record in owner.books.records:
-                        owner.books.records.remove(record)
-                else:
-                    owner.books.unraised.append(record)  # raised at the next save(), flush(), close()
-
-        record.future.add_done_callback(settled)
+        # which tiers each save goes to (``saving._frequency``): decided at the hand-off, told of failures
+        clock = TierClock(opts.memory_every, opts.disk_every, opts.mirror_every,
+                          split=rt.memory_backend is not None, memory=session.memory is not None)  # fmt: skip
+        #: the end of each save (books, memory tier, mirror, ``on_commit``) and the uploads
+        self.settling = Settling(opts, session, books, clock)
+        self.handoff = Handoff(opts, session, rt, books, self.planner, clock, self.settling)
 
     def save(self, step: int, state: Any, t_call: float, lazy: Any = None) -> SaveHandle:
         """``Checkpointer.save``'s body, called with the collector paused (a method of its
@@ -92,7 +61,7 @@ class SavePipeline:
         self.books.release_deferred()  # a save is a guard too: the last deferred copy completes first
         self.books.surface_earlier_failure(self.opts.on_error == "warn")
         self.reserve_step(step)
-        # set by _submit once the save's record owns the slot and the step (its settling
+        # set by the hand-off once the save's record owns the slot and the step (its settling
         # frees both); until then an exception anywhere here gives them back
         handed = [False]
         arena: Arena | None = None
@@ -125,7 +94,8 @@ class SavePipeline:
             except (TypeError, ValueError) as e:
                 if self.session.dist is not None:
                     # the other ranks are saving this step too: fail it for them, within the protocol
-                    self._submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed)
+                    self.handoff.submit(step, t_call, None, None, b"", None, 0.0, 0.0, prefailed=e, handed=handed,
+                                        final=self.grace_end is not None)  # fmt: skip
                 raise
             arena, waited = self.acquire_slot(layout.file_size)
             sources = [tensors[i] for i in perm]
@@ -143,9 +113,10 @@ class SavePipeline:
             events = self.rt.copier.stage(arena, layout, sources, all_cpu=False)
             # everything save() did but wait for a slot: flatten, plan, allocation, copy
             staging_s = time.perf_counter() - t_call - waited
-            return self._submit(
+            return self.handoff.submit(
                 step, t_call, arena, layout, tree_bytes, events, waited, staging_s,
                 dtensors=dtensors, tied=tied, handed=handed, file=file, plan_key=plan_key, prepared=prepared,
+                final=self.grace_end is not None,
             )  # fmt: skip
         finally:
             if not handed[0] and arena is not None:
@@ -188,10 +159,10 @@ class SavePipeline:
         progress = StageProgress(layout.file_size)
         got: list[SaveRecord] = []
         try:
-            handle = self._submit(
+            handle = self.handoff.submit(
                 step, t_call, arena, layout, tree_bytes, None, waited, 0.0,
                 dtensors=dtensors, tied=tied, handed=handed, progress=progress, record_out=got,
-                file=file, plan_key=plan_key, prepared=prepared,
+                file=file, plan_key=plan_key, prepared=prepared, final=self.grace_end is not None,
             )  # fmt: skip
             self.books.staging_record = got[0]
             self.rt.copier.stage(arena, layout, sources, progress, all_cpu=True)
@@ -224,8 +195,8 @@ class SavePipeline:
                 step, self.session.rank, self.session.ranks, progress, {names[i]: sources[i] for i in deferred},
                 time.perf_counter() - t_call - waited, time.monotonic() + self.opts.timeout,
             )  # fmt: skip
-            handle = self._submit(step, t_call, arena, layout, tree_bytes, None, waited, 0.0, progress=progress,
-                                  record_out=got, **submit)  # fmt: skip
+            handle = self.handoff.submit(step, t_call, arena, layout, tree_bytes, None, waited, 0.0, progress=progress,
+                                         record_out=got, final=self.grace_end is not None, **submit)  # fmt: skip
             got[0].before_wait = copy.release_if_owner
             self.books.hold_deferred(copy)
             copy.start(self.rt.copier, arena, layout, sources)
@@ -261,7 +232,7 @@ class SavePipeline:
         if self.session.mirror is not None and not self.session.store_known:
             self.session.look_at_store_again()
         # a step in the memory tier only (disk_every) is not on the disk rank 0 looks at: it blocks
-        looked = [s for s in blockers if s not in self.memory_only]
+        looked = [s for s in blockers if s not in self.settling.memory_only]
         if looked:  # (collective: every rank has the same books, so every rank asks, or none)
             gone = self.session.not_resumable(looked)
             with self.books.lock:
@@ -291,195 +262,6 @@ class SavePipeline:
                 _runs.check_store_step(step, self.session.store_newest, self.session.mirror.url, self.session.run_id,
                                        self.opts.allow_earlier_steps)
             self.books.reserved[step] = None
-
-    def _submit(
-        self,
-        step: int,
-        t_call: float,
-        arena: Arena | None,
-        layout: ShardLayout | None,
-        tree_bytes: bytes,
-        events: Any,
-        waited: float,
-        staging_s: float,
-        prefailed: BaseException | None = None,
-        handed: list[bool] | None = None,
-        dtensors: list[dict[str, Any]] | None = None,
-        tied: bool = False,
-        progress: StageProgress | None = None,
-        record_out: list[SaveRecord] | None = None,
-        file: ShardLayout | None = None,
-        plan_key: ShardLayout | None = None,
-        prepared: tuple[float, float] = (0.0, 0.0),
-    ) -> SaveHandle:
-        """Hand a staged save to the writer; the arena goes back to the pool when it settles.
-
-        ``handed[0]`` turns True the moment the save's record owns the arena and the step.
-        With ``progress``, the copy is still running and the writer waits on it;
-        ``record_out`` receives the save's record as soon as it exists. ``prepared``: the
-        walk's, plan's and tree JSON's wall and CPU seconds (``SaveStatistics.prepare_s``).
-        """
-        with self.books.lock:
-            self.books.seq += 1
-            seq = self.books.seq
-        rt = self.rt
-        # the tiers (saving._frequency): rank 0 decides, by its clock at the save() call; the others
-        # take its word at the save's start (a provisional route until then); by count, all agree
-        leads = self.session.rank == 0
-        tiers = self.clock.decide(seq, t_call, provisional=not leads, final=leads and self.grace_end is not None)
-        job = SaveJob(
-            step=step,
-            seq=seq,
-            root=self.opts.root,
-            arena=arena,
-            layout=layout,
-            tree=tree_bytes,
-            cuda_events=events,
-            nbytes=(file or layout).data_len if layout is not None else 0,
-            deadline=time.monotonic() + self.opts.timeout,
-            started=t_call,
-            wait_s=waited,
-            staging_s=staging_s,
-            keep_last=None,  # (the route's: tier mode, the mirror retires; the memory tier, its rounds)
-            timeout=self.opts.timeout,
-            prefailed=prefailed,
-            failed_commits=self.books.failed_commits,
-            dead=self.books.dead,
-            retention_lock=self.rt.retention_lock,
-            removals=self.rt.removals,
-            by_commit_order=self.opts.allow_earlier_steps,
-            ranks=self.session.ranks,
-            dtensors=dtensors,
-            dedupe=self.opts.dedupe,
-            tied=tied,
-            progress=progress,
-            file=file,
-            plan_hint=self.planner.plan_hint,
-            plan_key=plan_key,
-            run=self.session.run_id,
-            prepared=prepared,
-            route=self.routes.follow if self.clock.tiered and not leads else None,
-        )
-        backend = self.routes.apply(job, tiers)
-        holder: list[SaveRecord] = []
-
-        def on_state(state: SaveState) -> None:
-            if holder:
-                holder[0].state = state
-
-        # the record and its callback exist before the job can start, so an interrupt anywhere
-        # in here leaves the save either tracked to its end or never run; the slot goes back
-        # exactly once, by whoever gets to it first (this call's caller or the settling)
-        fut: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
-        record = SaveRecord(step, fut, reported=prefailed is not None)  # save() raised a prefailed one's error
-        holder.append(record)
-        me = weakref.ref(self)
-        gate = StartGate()
-        ranks = self.session.ranks
-
-        once = [True]
-
-        def settled(f: concurrent.futures.Future[CheckpointInfo]) -> None:
-            try:
-                once.pop()  # atomic: runs once even if called from two places
-            except IndexError:
-                return
-            if arena is not None:
-                rt.staging.give_back(arena)
-            ok = not f.cancelled() and f.exception() is None
-            record.state = SaveState.COMMITTED if ok else SaveState.FAILED
-            owner = me()
-            if owner is not None:
-                owner.settle(record, ok, job)
-
-        def make() -> Any:
-            return guarded(run_save(job, rt.storage, rt.coord, on_state, backend), job, rt.coord.rank, ranks)
-
-        try:
-            if handed is not None:
-                handed[0] = True  # from here on the settling gives the slot back
-            fut.add_done_callback(settled)
-            with self.books.lock:
-                self.books.records.append(record)
-                if step in self.books.reserved:
-                    self.books.reserved[step] = record
-            # handed out only here, inside the guard: a caller that sees the record may wait
-            # for its future, which from here on either runs or is cancelled below (an
-            # interrupt earlier left no record to wait for: waiting would take the timeout)
-            if record_out is not None:
-                record_out.append(record)
-            rt.writer.launch(make, fut, gate)
-        except BaseException:
-            if gate.abandon():
-                # never started and never will: the caller hears the exception; settle the
-                # record quietly (slot and step go back through ``settled``, attached or not)
-                record.reported = True
-                fut.cancel()
-                fut.set_running_or_notify_cancel()  # CANCELLED -> notified: wait() sees it done
-                if handed is None or handed[0]:
-                    settled(fut)
-                self.books.forget(record)  # a save that never ran is nobody's failure to report later
-            raise
-        return SaveHandle(record)
-
-    def upload_skipped(self) -> None:
-        """``close()``, once the saves settled: upload the newest disk commit that ``mirror_every``
-        skipped, so a run's last disk step reaches the store (every rank counts the same commits,
-        so every rank hands the same step: the upload rounds stay aligned)."""
-        info, self.skipped = self.skipped, None
-        if info is not None:
-            self.track_upload(info)
-
-    def settle(self, record: SaveRecord, ok: bool, job: SaveJob) -> None:
-        """A save's future resolved (on the writer thread): book it, hand a commit to the
-        mirror (tier mode, rank 0), to the memory tier (``job.memory``: its files there, if due)
-        and to ``on_commit``. Only the saves that went to the disks (``job.tiers``) count for
-        ``mirror_every`` and are uploaded (the upload reads the disk)."""
-        info = record.future.result() if ok else None
-        written, tiers = job.memory, job.tiers
-        disk = tiers.disk  # (the route the save took: Routes.apply)
-        if not ok:
-            self.clock.failed(tiers)  # (rank 0's clock: the tiers it restarted take the next save)
-        if written is not None and self.session.memory is not None:
-            if info is not None:  # the memory tier: its round commits the files the save wrote there
-                self.session.memory.committed(info.step, written)
-            else:
-                self.session.memory.failed(written)
-        nth = 0  # this commit's number in the job (every rank counts the same commits: tier frequencies)
-        with self.books.lock:
-            if self.books.reserved.get(record.step) is record:
-                del self.books.reserved[record.step]
-            if record.silent:  # its copy failed in save(), which raised that: not a save failure
-                self.books.records = [r for r in self.books.records if r is not record]
-                return
-            if ok:
-                self.books.committed.add(record.step)
-                self.books.commits += 1
-                if disk:
-                    self.tier_commits += 1
-                    nth = self.tier_commits
-                else:
-                    self.memory_only.add(record.step)
-                if record in self.books.records:
-                    self.books.records.remove(record)
-            else:
-                self.books.unraised.append(record)
-            self.books.totals.add(info)
-        if info is not None and nth and self.session.uploads_here():
-            every = self.opts.mirror_every
-            upload = tiers.mirror if tiers.mirror is not None else isinstance(every, int) and due(nth, every)
-            if upload:
-                self.skipped = None
-                self.track_upload(info)  # tier mode: upload in the background (node-local: on every rank)
-            else:
-                self.skipped = info
-                assert self.session.mirror is not None
-                self.session.mirror.passed(info)  # local retention (tier mode) goes on without the upload
-        if info is not None and self.opts.on_commit is not None:
-            try:
-                self.opts.on_commit(info)
-            except BaseException:  # on the writer thread: even SystemExit must not kill it
-                log.exception("asyncckpt on_commit callback raised")
 
     def acquire_slot(self, nbytes: int) -> tuple[Arena, float]:
         """A staging arena for the next save: wait for a slot, bounded by the save timeout, or

@@ -55,7 +55,7 @@ def install(
                 # disk commit mirror_every skipped is uploaded as close() does (a preempted
                 # node's disk goes with it: the store must hold the run's last step)
                 waits.flush(max(0.0, end - time.monotonic()), skip=interrupted, removals=False,
-                            final=pipeline.upload_skipped)  # fmt: skip
+                            final=pipeline.settling.upload_skipped)  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - reported, then the exit status says it
             print(f"asyncckpt: final flush on SIGTERM failed: {describe(e)}", file=sys.stderr)
             sys.stdout.flush()

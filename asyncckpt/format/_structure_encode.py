@@ -1,28 +1,36 @@
 """Encode a nested training state as the structure tree (the tagged JSON nodes of
-:mod:`~asyncckpt.format._structure_nodes`) plus its named tensors: :func:`flatten`, and the
-tree's compact JSON, :func:`tree_json`. Tied tensors and DTensors are named once."""
+:mod:`~asyncckpt.format._structure_nodes`) plus its named tensors: :func:`flatten` and
+:func:`flatten_parts`, one walk over the state that names each tensor once (tied ones too).
+The walk's parts: ``_structure_leaves`` (leaf nodes), ``_structure_dtensors`` (DTensor nodes),
+``_structure_refusals``; the tree's JSON text: ``_structure_json.tree_json``."""
 
 from __future__ import annotations
 
-import base64
 import collections
-import datetime
-import json
-import math
-import zoneinfo
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-import orjson
 import torch
 
 from ._bounds import MAX_DEPTH, recursion_room
 from ._safetensors import DTYPE_TO_ST, PLAIN_TENSORS
 from ._state_prefixes import strip_state_dict_prefixes
+from ._structure_dtensors import DTensorNodes
+from ._structure_json import FRAGMENT, FRAGMENT_INT
+from ._structure_leaves import LEAF_NODES, array_source, enc_float, plain_list
 from ._structure_names import TensorFacts, distinct_names
-from ._structure_nodes import FACTORIES, NP_STORAGE, PATH_TYPES, spent_closure
-from ._structure_refusals import check_int_digits, check_tensor, check_utf8, describe_path, refusal, too_deep
+from ._structure_nodes import NP_STORAGE, spent_closure
+from ._structure_refusals import (
+    check_default_factory,
+    check_int_digits,
+    check_odict_attributes,
+    check_tensor,
+    check_utf8,
+    describe_path,
+    refusal,
+    too_deep,
+)
 
 
 class TensorRef(NamedTuple):
@@ -35,23 +43,8 @@ class TensorRef(NamedTuple):
 
 #: The containers whose values sit one level below them (flatten's depth rule).
 _NESTING = (dict, list, tuple, set, frozenset, collections.OrderedDict, collections.defaultdict)
-#: Types of the values that are their own JSON node (ints: of up to 2,000 bits, see enc).
-_PLAIN_KINDS = frozenset({int, str, bool, type(None)})
-_SMALL_INT = 1 << 2_000
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
-
-
-def _plain_list(obj: list[Any]) -> bool:
-    """Whether every value of ``obj`` is its own node (str, bool, None, ints of up to 2,000
-    bits), decided at C speed, so a list of millions of them is copied rather than walked."""
-    kinds = set(map(type, obj))
-    if not kinds <= _PLAIN_KINDS:
-        return False
-    if int not in kinds:
-        return True
-    # ints mixed with other kinds cannot be ordered: those lists take the walk
-    return kinds == {int} and -_SMALL_INT < min(obj) and max(obj) < _SMALL_INT
 
 
 def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -65,58 +58,12 @@ def _tie_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
-def _dtensor_tie_key(dt: Any) -> tuple[Any, ...] | None:
-    """What makes two DTensors the same values on every rank: the same mesh, placements and
-    global shape over the same local storage view. FSDP2 hands out a fresh DTensor per
-    ``state_dict()`` key, so identity alone misses GPT-2's tied ``lm_head``/``wte``; its empty
-    local shards are views of a padded storage and still compare. A local tensor over no
-    storage at all (address 0 is shared by every such tensor) ties nothing: the index merge
-    accepts that rank's empty entry for a name the other ranks tied."""
-    local = dt._local_tensor
-    storage = local.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return (
-        id(dt.device_mesh), tuple(str(p) for p in dt.placements), tuple(dt.shape),
-        storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype, local.device,
-    )  # fmt: skip
-
-
-def _enc_float(x: float) -> Any:
-    if math.isfinite(x):
-        return float(x)
-    return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
-
-
-def _array_source(a: np.ndarray[Any, Any], where: str) -> torch.Tensor:
-    """A CPU tensor over ``a``'s data (a view when ``a`` is contiguous and writable)."""
-    name = a.dtype.name
-    if name not in NP_STORAGE or not a.dtype.isnative:
-        hint = "x.tolist()" if a.dtype.kind in "OUSV" else "x.astype(<a numeric dtype>)"
-        raise TypeError(
-            f"unsupported numpy array dtype {a.dtype.str} ({a.dtype.name}) at {where!r}: arrays of "
-            f"{', '.join(NP_STORAGE)} in native byte order are saved; convert it, e.g. {hint}"
-        )
-    # torch.from_numpy needs contiguous, writable memory: copy (once, here) when it is not
-    if not a.flags.c_contiguous or not a.flags.writeable:
-        a = np.array(a, order="C", copy=True)
-    if name == "complex128":
-        a = a.reshape(-1).view(np.float64)
-    return torch.from_numpy(a)
-
-
 def flatten(state: Any, strip_prefixes: Iterable[str] = (), dtensors: list[tuple[str, Any, Any]] | None = None,
             tied_out: list[int] | None = None, dtensor_aliases: dict[str, str] | None = None,
             ) -> tuple[Any, list[TensorRef]]:  # fmt: skip
     """:func:`flatten_parts` with its names and tensors paired as :class:`TensorRef`."""
     tree, names, tensors = flatten_parts(state, strip_prefixes, dtensors, tied_out, dtensor_aliases)
     return tree, list(map(TensorRef, names, tensors))
-
-
-#: ``orjson.Fragment`` (orjson >= 3.9): JSON text orjson writes as it is.
-_FRAGMENT: Any = getattr(orjson, "Fragment", None)
-#: The int keys a fragment may spell: what orjson writes (wider ones make it fall back, see tree_json).
-_FRAGMENT_INT = 1 << 63
 
 
 def flatten_parts(
@@ -142,14 +89,14 @@ def flatten_parts(
     ``state_dict()`` on stateful objects. Module state dicts lose the ``torch.compile``
     prefix and any of ``strip_prefixes`` that every key carries (e.g. DDP's ``"module."``).
     With ``tied_out``, the number of tensor nodes that reference an earlier tensor (tied
-    weights) is appended to it. A DTensor tied to an earlier one (:func:`_dtensor_tie_key`)
+    weights) is appended to it. A DTensor tied to an earlier one (``dtensor_tie_key``)
     becomes a node naming the earlier one, and ``dtensor_aliases`` (when given) maps the name
     it would have had to the earlier name: the index records it, so that every rank's tree
     resolves to one stored tensor even where a rank could not see the tie.
 
     ``compact``: a dict entry holding a plain tensor may be one ``orjson.Fragment`` of its
     JSON (``["key",{"$tensor":"name"}]``, ~110 bytes a tensor less than a pair and a dict;
-    issue 32) where key and name need no escape: a tree only :func:`tree_json` reads.
+    issue 32) where key and name need no escape: a tree only ``tree_json`` reads.
     ``facts``: filled with the dtype and shape of every returned tensor and whether all are
     on the CPU (:class:`TensorFacts`), read as the walk meets each tensor.
 
@@ -182,7 +129,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
     """:func:`flatten_parts`' walk: the tree, names, tensors and the count of tied nodes.
     ``strict``: each name checked against the earlier ones as it is made; else a plain
     tensor's in a dict is not (the caller checks them all after the walk)."""
-    fragment = _FRAGMENT if compact else None
+    fragment = FRAGMENT if compact else None
     n_tied = 0
     names: list[str] = []
     tensors: list[torch.Tensor] = []
@@ -216,7 +163,8 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
                 indexed[names[i]] = i
         return indexed[name]
 
-    dties: dict[Any, str] = {}  # the same for DTensors: by object and by local storage view
+    # the DTensors (their nodes, ties and aliases): only where the caller takes them
+    dnodes = DTensorNodes(dtensors, dtensor_aliases) if dtensors is not None else None
 
     def unique(path: tuple[str, ...]) -> str:
         base = ".".join(path) if path else "_"
@@ -229,36 +177,12 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
         used.add(name)
         return name
 
-    sharding: list[Any] = []  # the _sharding module, imported at the first tensor subclass met
-
     def tensor_node(t: torch.Tensor, path: tuple[str, ...]) -> Any:
         nonlocal n_tied
-        if dtensors is not None and type(t) not in PLAIN_TENSORS:
-            if not sharding:
-                from . import _sharding as imported  # only when a state may hold DTensors
-
-                sharding.append(imported)
-            _sharding = sharding[0]
-            if _sharding.is_dtensor(t):
-                # named first either way: a rank that cannot see the tie names it the same
-                name = unique(path)
-                key = _dtensor_tie_key(t)
-                earlier = dties.get(id(t)) or (dties.get(key) if key is not None else None)
-                if earlier is not None:
-                    n_tied += 1
-                    if dtensor_aliases is not None:
-                        dtensor_aliases[name] = earlier
-                    return {"$dtensor": earlier}
-                info = _sharding.describe(describe_path(path), t)
-                if info.dtype not in DTYPE_TO_ST:
-                    raise TypeError(f"unsupported dtype {info.dtype} at {describe_path(path)!r}")
-                dtensors.append((name, info, t))  # (keeps t alive: its id is not reused in the walk)
-                dties[id(t)] = name
-                if key is not None:
-                    dties[key] = name
-                if info.writer:
-                    add(name, info.local.detach())
-                return {"$dtensor": name}
+        if dnodes is not None and type(t) not in PLAIN_TENSORS:
+            node = dnodes.node(t, path, unique, add)
+            if node is not None:
+                return node
         check_tensor(t, path)
         ptr = t.data_ptr()
         seen = at_ptr.get(ptr)
@@ -324,7 +248,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
                             if tk is str:
                                 append(fragment(f'["{k}",{{"$tensor":"{name}"}}]'))
                                 continue
-                            if -_FRAGMENT_INT <= k < _FRAGMENT_INT:
+                            if -FRAGMENT_INT <= k < FRAGMENT_INT:
                                 append(fragment(f'[{k},{{"$tensor":"{name}"}}]'))
                                 continue
                         # (a pair: 16 bytes less than a list, the same JSON; neither is ever a set's
@@ -359,7 +283,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
                 check_int_digits(obj, path)
             return obj
         if t is float:
-            return _enc_float(obj)
+            return enc_float(obj)
         if t is torch.nn.Parameter:
             if len(path) >= MAX_DEPTH:
                 raise too_deep(path)
@@ -367,7 +291,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
         if isinstance(obj, torch.Tensor):
             return tensor_node(obj, path)
         if t is np.ndarray:
-            src = _array_source(obj, describe_path(path))
+            src = array_source(obj, describe_path(path))
             name = unique(path)
             add(name, src)
             return {"$ndarray": [name, obj.dtype.name, list(obj.shape)]}
@@ -375,30 +299,13 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
             if len(path) >= MAX_DEPTH:
                 raise too_deep(path)
             return {"$np": [obj.dtype.name, enc(obj.item(), path)]}
-        if t is bytes:
-            return {"$bytes": base64.b64encode(obj).decode("ascii")}
-        if t is bytearray:
-            return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
-        if t is complex:
-            return {"$complex": [_enc_float(obj.real), _enc_float(obj.imag)]}
-        if t is torch.Size:
-            return {"$size": [int(d) for d in obj]}
-        if t is torch.dtype:
-            return {"$dtype": str(obj).removeprefix("torch.")}
-        if t is torch.device:
-            return {"$device": str(obj)}
+        leaf = LEAF_NODES.get(t)  # (bytes, complex, torch.Size/dtype/device, paths, datetime values)
+        if leaf is not None:
+            return leaf(obj, path)
         if t is torch.Generator:
             if len(path) >= MAX_DEPTH:
                 raise too_deep(path)
             return {"$generator": [str(obj.device), tensor_node(obj.get_state(), path)]}
-        if t in PATH_TYPES.values():
-            return {"$path": [t.__name__, str(obj)]}
-        if t is datetime.datetime:
-            return {"$datetime": [obj.replace(tzinfo=None, fold=0).isoformat(), obj.fold, _enc_tz(obj, path)]}
-        if t is datetime.date:
-            return {"$date": obj.isoformat()}
-        if t is datetime.timedelta:
-            return {"$timedelta": [obj.days, obj.seconds, obj.microseconds]}
         # the depth rule unflatten() applies: every node at most MAX_DEPTH levels below the
         # root, so a container at MAX_DEPTH may only be empty (an OrderedDict's _metadata is a
         # value below it too)
@@ -414,14 +321,10 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
                 return enc_odict(obj, path)
             if t is collections.defaultdict:
                 factory = obj.default_factory
-                if factory is not None and FACTORIES.get(getattr(factory, "__name__", "")) is not factory:
-                    raise TypeError(
-                        f"defaultdict at {describe_path(path)!r} has default_factory {factory!r}: only builtin "
-                        f"types ({', '.join(FACTORIES)}) or None are saved; save dict(x) instead"
-                    )
+                check_default_factory(factory, path)
                 return {"$defaultdict": [None if factory is None else factory.__name__, items_of(obj, path)]}
             if t is list:
-                if _plain_list(obj):  # a sampler's permutation of 9M ints: 0.9 s, not 3.3
+                if plain_list(obj):  # a sampler's permutation of 9M ints: 0.9 s, not 3.3
                     return list(obj)
                 return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
             if t is tuple:
@@ -438,12 +341,7 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
         raise refusal(obj, describe_path(path))
 
     def enc_odict(obj: collections.OrderedDict[Any, Any], path: tuple[str, ...]) -> Any:
-        extra = set(vars(obj)) - {"_metadata"}
-        if extra:
-            raise TypeError(
-                f"OrderedDict at {describe_path(path)!r} carries attributes {sorted(extra)}: only _metadata "
-                "is saved; save collections.OrderedDict(x) instead"
-            )
+        check_odict_attributes(obj, path)
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
             obj, meta = strip_state_dict_prefixes(obj, prefixes)  # type: ignore[assignment]
@@ -459,42 +357,4 @@ def _walk(state: Any, prefixes: tuple[str, ...], dtensors: list[tuple[str, Any, 
         # the walkers call each other through their closures: a reference cycle that would
         # keep every name, address and TensorRef of the walk alive until a collection ran
         enc = items_of = elements = enc_odict = spent_closure
-    return tree, names, tensors, n_tied
-
-
-def tree_json(tree: Any) -> bytes:
-    """The compact JSON of a :func:`flatten` tree. orjson writes it ~10x faster than the
-    standard library (7 ms -> 0.7 ms for 10,000 tensors, time save() blocks); an integer
-    beyond 64 bits, which orjson refuses, falls back to the standard library. The tree holds
-    no NaN or infinity (:func:`_enc_float` spells them out), so either output is strict JSON."""
-    try:
-        return orjson.dumps(tree)
-    except orjson.JSONEncodeError:  # (orjson also stops at 255 levels of JSON)
-        with recursion_room():
-            return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=_unfragment).encode()
-
-
-def _unfragment(obj: Any) -> Any:
-    """A ``flatten_parts(compact=True)`` fragment as the value it spells, for the standard
-    library's writer (which then escapes it as it escapes the rest of the tree)."""
-    if _FRAGMENT is not None and type(obj) is _FRAGMENT:
-        return json.loads(orjson.dumps(obj))
-    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
-
-
-def _enc_tz(dt: datetime.datetime, path: tuple[str, ...]) -> Any:
-    tz = dt.tzinfo
-    if tz is None:
-        return None
-    if type(tz) is datetime.timezone:
-        off = tz.utcoffset(None)
-        own = tz.tzname(None)
-        name = own if own != datetime.timezone(off).tzname(None) else None
-        return ["fixed", [off.days, off.seconds, off.microseconds], name]
-    if type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
-        return ["zone", tz.key]
-    raise TypeError(
-        f"datetime at {describe_path(path)!r} has tzinfo {type(tz).__name__}: fixed offsets "
-        "(datetime.timezone) and zoneinfo.ZoneInfo zones are saved; save "
-        "x.astimezone(datetime.timezone.utc) instead"
-    )
+    return tree, names, tensors, n_tied + (dnodes.n_tied if dnodes is not None else 0)

@@ -1,6 +1,7 @@
 """What :func:`~asyncckpt.format._structure_encode.flatten` refuses to encode, each refusal an
 error naming the key path and saying how to convert the value: unsupported objects, tensors,
-keys that are not UTF-8, ints too long for text, nesting too deep."""
+keys that are not UTF-8, ints too long for text, nesting too deep, a defaultdict's or an
+OrderedDict's extras that would not come back."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from ._bounds import MAX_DEPTH
 from ._safetensors import DTYPE_TO_ST, PLAIN_TENSORS
+from ._structure_nodes import FACTORIES
 
 
 def describe_path(path: tuple[str, ...]) -> str:
@@ -51,6 +53,27 @@ def check_utf8(name: str) -> None:
             f"tensor at {name!r}: its key path is not valid UTF-8 (a lone surrogate), and tensor "
             "names are stored as UTF-8; rename the key (other values may hold such strings)"
         ) from None
+
+
+def check_default_factory(factory: Any, path: tuple[str, ...]) -> None:
+    """A defaultdict's ``default_factory`` is saved by name: only None or a builtin type
+    (``FACTORIES``) is, anything else refused here."""
+    if factory is not None and FACTORIES.get(getattr(factory, "__name__", "")) is not factory:
+        raise TypeError(
+            f"defaultdict at {describe_path(path)!r} has default_factory {factory!r}: only builtin "
+            f"types ({', '.join(FACTORIES)}) or None are saved; save dict(x) instead"
+        )
+
+
+def check_odict_attributes(obj: Any, path: tuple[str, ...]) -> None:
+    """An OrderedDict's attributes are not saved but for ``_metadata`` (a module state dict's):
+    one carrying any other is refused here."""
+    extra = set(vars(obj)) - {"_metadata"}
+    if extra:
+        raise TypeError(
+            f"OrderedDict at {describe_path(path)!r} carries attributes {sorted(extra)}: only _metadata "
+            "is saved; save collections.OrderedDict(x) instead"
+        )
 
 
 def check_tensor(t: torch.Tensor, path: tuple[str, ...]) -> None:

@@ -41,7 +41,8 @@ from ..format import _index, _manifest
 from ..format._checksum import crc32c
 from ..format._layout import deleting_dir_name, step_dir_name, tmp_dir_name
 from ..format._safetensors import DTYPE_TO_ST, plan_layout
-from ..format._structure_encode import flatten, tree_json
+from ..format._structure_encode import flatten
+from ..format._structure_json import tree_json
 from ..loading._readinto import byte_view
 from ..roots.posix._discovery import open_step
 from ..roots.posix._osops import DEFAULT_OPS, OsOps

@@ -25,7 +25,7 @@ of operations (``L`` = leader only; POSIX wording, the object store's in ``roots
    is left then goes on in the background (``flush()`` and ``close()`` wait for it).
 
 Every wait is bounded by the save's deadline, so each rank knows the outcome by then (the
-``guarded`` margin in ``checkpointer._pipeline`` is a backstop for a rank whose own I/O hangs).
+``guarded`` margin in ``checkpointer._guard`` is a backstop for a rank whose own I/O hangs).
 
 This module is the protocol's order; each phase's work has its own module: ``_rankfiles``
 (step 2), ``_leadercommit`` (step 3's commit), ``_verdict`` (what a rank knows of the outcome,
