@@ -67,7 +67,7 @@ def _phase_stamps() -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    wrap(ck, "flatten", "walk_s")
+    wrap(ck, "flatten_parts", "walk_s")  # save()'s walk (flatten: reserve_buffers only)
     wrap(ck, "tree_json", "json_s")
     wrap(Planner, "plan", "plan_s")
     return acc
