@@ -34,9 +34,12 @@ def _harm(held: Path, harm: str, other_manifest: Path) -> None:
     """Harm rank 2's replica ``held`` (a committed replica step directory) as ``harm`` says:
     ``truncated`` (its shard cut to half), ``flipped`` (one byte), ``manifest-of-another-step``
     (its manifest swapped for ``other_manifest``), ``record-lies`` (the shard and the record's
-    size of it both cut by 8 bytes: only the CRCs can tell)."""
+    size of it both cut by 8 bytes: only the CRCs can tell), ``half-received`` (renamed back to a
+    receiving directory, as a push a kill interrupted before its rename leaves it)."""
     shard = held / "rank00002.safetensors"
-    if harm == "flipped":
+    if harm == "half-received":  # whole bytes, but a push never renamed: only a committed replica is read
+        held.rename(held.parent / f".incoming-{held.name}-0123456789ab")
+    elif harm == "flipped":
         flip(shard)
     elif harm == "manifest-of-another-step":
         (held / "manifest.json").write_bytes(other_manifest.read_bytes())
@@ -158,7 +161,7 @@ def test_a_replica_harmed_between_saves_then_a_rebooted_node_reads_the_same_step
 @pytest.mark.needs_root
 @pytest.mark.slow  # two runs of 4 ranks
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("harm", ["truncated", "flipped", "record-lies"])
+@pytest.mark.parametrize("harm", ["truncated", "flipped", "record-lies", "half-received"])
 def test_a_harmed_replica_of_the_agreed_step_on_a_rebooted_node_falls_back_to_its_disk(
     cluster: Cluster, harm: str
 ) -> None:

@@ -81,6 +81,22 @@ def test_sigterm_on_node_b_only_while_rank_0_saves_takes_rank_0s_route_and_the_r
 @pytest.mark.needs_root
 @pytest.mark.slow  # two runs of 4 ranks
 @pytest.mark.timeout(400)
+def test_with_the_replica_node_bs_memory_only_final_save_survives_the_node_on_its_buddies(nodes: Nodes) -> None:
+    # as above, with replicate=True: the memory-only step 3 is pushed to the buddies (docs), so
+    # node b lost (disk and memory) resumes step 3 from node a's memory, bit-exact
+    c = nodes
+    res, logs = _preempted(c, "2,3", OTHERS_FINAL="3", DISK_EVERY="5", REPLICATE="1")
+    assert c.codes == [0, 0, 9, 9], (c.codes, logs[2][-3000:])
+    assert _steps(c.a) == [1] and _steps(c.b) == [1] and _steps(c.ma) == [3] and _steps(c.mb) == [3]
+    _wipe(c.b, c.mb)
+    res, logs = c.run("replaced", KILL_AFTER_FLUSH="1", DISK_EVERY="5", REPLICATE="1")
+    _resumed(res, 3)
+    assert "loading step 3 from its buddy's memory" in logs[2], logs[2][-3000:]
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # two runs of 4 ranks
+@pytest.mark.timeout(400)
 def test_sigterm_on_rank_0_only_while_the_others_save_sends_the_final_save_to_every_tier(nodes: Nodes) -> None:
     # the other half of the docs' rule: rank 0 in its grace, the others in their training loop
     # (a plain save of the same step): rank 0's word sends it to the disks too
