@@ -10,6 +10,9 @@ the handler's failure must be a nonzero exit, never a silent zero. Needs root.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,18 @@ def _preempted(c: Nodes, ranks: str, **env: str) -> tuple[dict[int, dict[str, An
     final save: step 3); ``CK_TIMEOUT`` 20 s unless ``env`` says."""
     return c.run(f"preempt-{ranks}", STEPS="1,2", SIGTERM_AT_END="1", SIGTERM_RANKS=ranks, FINAL_STEP="3",
                  **{"CK_TIMEOUT": "20", **env})  # fmt: skip
+
+
+@contextlib.contextmanager
+def _mirrored() -> Iterator[tuple[Any, str, dict[str, str]]]:
+    """A SeaweedFS of this test's own, a fresh prefix on it and the ranks' environment for a
+    persistent tier there with ``mirror_every=3`` (the test skips without the s3 extra)."""
+    from s3fixtures import opts, require_s3, running_server
+
+    require_s3()
+    with running_server("node-attack") as s3:
+        url = f"s3://node-attack/run-{uuid.uuid4().hex[:10]}"
+        yield s3, url, {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "MIRROR_EVERY": "3"}
 
 
 @pytest.mark.needs_root
@@ -122,16 +137,8 @@ def test_sigterm_on_node_b_only_with_mirror_every_uploads_the_skipped_step_once_
     # node a's plain save of step 3 (not due: skipped). Node b's handler uploads the skipped
     # commit, node a's close() too: the rounds of both halves must be the same round (a handler
     # that uploaded alone would wait for rank 0 until its grace ran out)
-    import json
-    import uuid
-
-    from s3fixtures import opts, require_s3, running_server
-
-    require_s3()
     c = nodes
-    with running_server("node-attack") as s3:
-        url = f"s3://node-attack/run-{uuid.uuid4().hex[:10]}"
-        env = {"MIRROR": url, "S3OPTS": json.dumps(opts(s3.endpoint)), "MIRROR_EVERY": "3"}
+    with _mirrored() as (s3, url, env):
         res, logs = _preempted(c, "2,3", OTHERS_FINAL="3", **env)
         assert c.codes == [0, 0, 9, 9], (c.codes, logs[2][-3000:])
         for r in (0, 1):
@@ -168,3 +175,30 @@ def test_sigterm_on_node_b_only_while_node_a_saves_another_step_commits_no_mix_a
         assert _steps(d) == [1, 2], d
     res, _ = c.run("restart", KILL_AFTER_FLUSH="1")
     _resumed(res, 2)
+
+
+@pytest.mark.needs_root
+@pytest.mark.slow  # two runs of 4 ranks and a store
+@pytest.mark.timeout(400)
+def test_sigterm_on_node_b_only_without_a_final_save_while_node_a_trains_on_never_claims_an_upload(
+    nodes: Nodes,
+) -> None:
+    # mirror_every=3: step 2 skipped. Node b preempted (no final save): its handler uploads step
+    # 2 while node a saves step 3 (which node b never joins). Whatever each side's outcome, a
+    # zero-status handler (9 here) must mean step 2 is on the store, step 3 commits nowhere, and
+    # the restart resumes a step every rank holds, bit-exact
+    from test_node_tier_store import _stored
+
+    c = nodes
+    with _mirrored() as (s3, url, env):
+        res, logs = c.run("preempt-b", STEPS="1,2", SIGTERM_AT_END="1", SIGTERM_RANKS="2,3", OTHERS_FINAL="3",
+                          CK_TIMEOUT="15", **env)  # fmt: skip
+        stored = _stored(s3, url)
+        for r in (2, 3):
+            assert c.codes[r] in (1, 9), (c.codes, logs[r][-3000:])
+            assert c.codes[r] == 1 or 2 in stored, (r, stored, logs[r][-3000:])
+        for r in (0, 1):
+            assert res[r]["saved"] == [1, 2] and res[r]["failed_step"] == 3, res[r]
+        assert 3 not in stored and 3 not in _steps(c.a) and 3 not in _steps(c.b)
+        res, _ = c.run("restart", KILL_AFTER_FLUSH="1", **env)
+        _resumed(res, 2)
