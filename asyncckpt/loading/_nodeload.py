@@ -122,7 +122,7 @@ def _read_part(
                             _WHERE[tiers[tiers.index(source) + 1]])  # fmt: skip
 
     def tier(source: str) -> Callable[[], Any]:
-        return lambda: _read_from(source, root, memory, store, chosen, attempt, dist.rank, verify, by)
+        return lambda: _read_from(source, root, memory, store, chosen, attempt, dist, verify, by)
 
     k = tiers.index("peer") if "peer" in tiers else len(tiers)
     for source in tiers[:k]:
@@ -134,7 +134,7 @@ def _read_part(
         reads_by = by.before(outcome_reserve(by))
         got = fetch(peer, chosen, attempt, need, reads_by.remaining() / 2, dist.rank)
         if need:
-            read("peer", lambda: _from_peer(got, memory, chosen, attempt, dist.rank))
+            read("peer", lambda: _from_peer(got, memory, chosen, attempt, dist))
     for source in tiers[k + 1 :]:
         if done:
             break
@@ -146,28 +146,31 @@ _WHERE = {"memory": "its node's memory tier", "peer": "its buddy's memory (the p
           "local": "its node's disk", "store": "the store"}  # fmt: skip
 
 
-def _from_peer(got: Any, memory: str, chosen: int, attempt: str, rank: int) -> Any:
+def _from_peer(got: Any, memory: str, chosen: int, attempt: str, dist: DistContext) -> Any:
     """A needer's part from what its fetch returned (its files, or the error that says why not)."""
     if isinstance(got, BaseException):
         raise got
     if got is None:
-        raise CheckpointNotFoundError(f"rank {rank}: its buddy sent no replica of step {chosen}")
-    return read_fetched(got, memory, chosen, attempt, rank)
+        raise CheckpointNotFoundError(f"rank {dist.rank}: its buddy sent no replica of step {chosen}")
+    return read_fetched(got, memory, chosen, attempt, dist.rank, dist.world_size)
 
 
 def _read_from(
     source: str, root: str, memory: str | None, store: tuple[str, Mapping[str, str] | None, Any] | None,
-    chosen: int, attempt: str, rank: int, verify: bool, by: Deadline,
+    chosen: int, attempt: str, dist: DistContext, verify: bool, by: Deadline,
 ) -> Any:  # fmt: skip
-    """Rank ``rank``'s part of the agreed attempt from one tier."""
+    """This rank's part of the agreed attempt from one tier: ``CheckpointError`` when the step was
+    saved by another number of ranks (a node-local step loads on its own world size only: the
+    parts a restart with other ranks finds are not its ranks' state)."""
     reads_by = by.before(outcome_reserve(by))
     if source == "store":
         assert store is not None
         far = open_root(store[0], storage_options=store[1], deadline_s=reads_by.remaining())
-        return load_step(far, chosen, rank=rank, verify=verify, expect=attempt, deadline=reads_by.monotonic)
+        return load_step(far, chosen, rank=dist.rank, verify=verify, world_size=dist.world_size, expect=attempt,
+                         deadline=reads_by.monotonic)  # fmt: skip
     where = root if source == "local" else memory
     assert where is not None
-    return _read_local(where, chosen, attempt, rank, verify, reads_by)
+    return _read_local(where, chosen, attempt, dist, verify, reads_by)
 
 
 def outcome_reserve(by: Deadline) -> float:
@@ -176,16 +179,18 @@ def outcome_reserve(by: Deadline) -> float:
     return min(5.0, by.remaining() / 4)
 
 
-def _read_local(root: str, chosen: int, attempt: str, rank: int, verify: bool, by: Deadline) -> Any:
-    """Rank ``rank``'s part of ``attempt`` of step ``chosen`` from this node's ``root``, verified,
+def _read_local(root: str, chosen: int, attempt: str, dist: DistContext, verify: bool, by: Deadline) -> Any:
+    """This rank's (``dist``) part of ``attempt`` of step ``chosen`` from this node's ``root``, verified,
     by ``by`` (``_resume.load_step`` through the node's part, ``roots._nodeparts.NodePart``): a
     read the node's file system never answers (a hung server, a dead disk) raises
     ``CheckpointReadError`` (``ETIMEDOUT``) naming the rank and the file it was reading, in time
     for the agreement on the outcome (the read itself is left blocked on its own thread)."""
+    rank = dist.rank
     part = NodePart(root, [rank])
 
     def read() -> Any:
-        return load_step(part, chosen, rank=rank, verify=verify, expect=attempt, deadline=by.monotonic)
+        return load_step(part, chosen, rank=rank, verify=verify, world_size=dist.world_size, expect=attempt,
+                         deadline=by.monotonic)  # fmt: skip
 
     try:
         return call_by(read, by, f"asyncckpt-nodeload-r{rank}")

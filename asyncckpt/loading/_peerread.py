@@ -50,10 +50,12 @@ def fetch(peer: PeerTier, step: int, attempt: str, need: bool, timeout: float, r
         return e
 
 
-def read_fetched(files: Mapping[str, memoryview], memory: str, step: int, attempt: str, rank: int) -> Any:
+def read_fetched(
+    files: Mapping[str, memoryview], memory: str, step: int, attempt: str, rank: int, world_size: int | None = None
+) -> Any:
     """Rank ``rank``'s state from its files fetched back from its buddy (module docstring);
     ``CheckpointCorruptError`` for a manifest of another step or attempt or a file that does
-    not match it."""
+    not match it; ``CheckpointError`` for a step saved by other than ``world_size`` ranks (when given)."""
     expected = {MANIFEST, shard_name(rank), tree_name(rank)}
     if set(files) != expected:
         raise CheckpointCorruptError(f"rank {rank}'s replica of step {step} holds {sorted(files)}, not "
@@ -71,6 +73,6 @@ def read_fetched(files: Mapping[str, memoryview], memory: str, step: int, attemp
         if m.step != step or m.attempt != attempt:
             raise CheckpointCorruptError(f"rank {rank}'s replica holds step {m.step} of attempt {m.attempt}, not "
                                          f"step {step} of {attempt}", step_dir)  # fmt: skip
-        return load_step(NodePart(scratch, [rank]), step, rank=rank, verify=True, expect=attempt)
+        return load_step(NodePart(scratch, [rank]), step, rank=rank, verify=True, world_size=world_size, expect=attempt)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

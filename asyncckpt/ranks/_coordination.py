@@ -282,9 +282,9 @@ class StoreCoordinator:
         if got is None:
             raise LeaderSilent("the leader (rank 0) did not start the save in time", aborted=True)
         failure = _dec_failure(got["failure"])
-        if got["step"] != step:
+        if got["step"] != step:  # this rank's failure: it reports it, so rank 0 names it (saving._commit)
             failure = RankFailure(
-                0,
+                self.rank,
                 "ValueError",
                 f"ranks disagree on the step: rank 0 saves {got['step']}, rank {self.rank} saves {step}",
             )

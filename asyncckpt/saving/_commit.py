@@ -182,7 +182,11 @@ async def _write_own_files(
     it sends the leader (its failure becomes a value every rank sees). Nothing is written when
     the attempt failed to open; a rank whose state was refused at the call reports that."""
     mine = Report(rank=book.rank)
-    if start.failure is None and job.prefailed is not None:
+    if start.failure is not None and start.failure.rank == book.rank and not book.leader:
+        # its own start failed (it saves another step than rank 0): a report without files would
+        # leave rank 0 to commit the others' files, so it reports why
+        mine = Report(rank=book.rank, failure=start.failure)
+    elif start.failure is None and job.prefailed is not None:
         mine = Report(rank=book.rank, failure=book.failed(job.prefailed))
     elif start.failure is None:
         if job.memory is not None:

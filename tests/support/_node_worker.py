@@ -8,7 +8,8 @@ namespace (``_rank_worker.enter_node``); ``NODE_NAMES``: per rank, its ``ASYNCCK
 each rank's sleeps before its saves; ``GO_ON``: a failed save is recorded (``save_errors``)
 and the next step saved; ``SIGTERM_AT_END``: after the saves each rank signals itself SIGTERM
 (``install_sigterm_handler``: no flush, no close of its own; a preempted job), ``FINAL_STEP``: the
-handler's final save.
+handler's final save; ``SIGTERM_RANKS``: only these ranks are preempted (the others flush and close,
+after saving ``OTHERS_FINAL`` when set: a training loop's next save).
 Writes what happened to ``out.<rank>.json``.
 """
 
@@ -124,7 +125,10 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             extra["mirror_every"] = timedelta(seconds=float(os.environ["MIRROR_EVERY_S"]))
         if os.environ.get("KEEP_LAST_REMOTE"):
             extra["keep_last_remote"] = int(os.environ["KEEP_LAST_REMOTE"])
-    if os.environ.get("SIGTERM_AT_END"):  # preempted after the saves: asyncckpt's handler, then this one
+    # SIGTERM_RANKS: the ranks preempted (default: every rank); the others save OTHERS_FINAL (a step) too,
+    # as a plain save of the training loop, then flush and close
+    preempted_here = str(rank) in os.environ.get("SIGTERM_RANKS", ",".join(map(str, range(world)))).split(",")
+    if os.environ.get("SIGTERM_AT_END") and preempted_here:  # preempted after the saves: asyncckpt's, then this
 
         def preempted(signum: int, frame: Any) -> None:
             result["sigterm_flushed"] = True  # asyncckpt's handler flushed (or it had exited 1)
@@ -136,7 +140,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     except Exception as e:  # noqa: BLE001 - what the test looks at
         result["init_error"] = describe(e)
         return
-    if os.environ.get("SIGTERM_AT_END"):
+    if os.environ.get("SIGTERM_AT_END") and preempted_here:
         final = int(os.environ.get("FINAL_STEP", "0"))  # the handler's final save of this step
         ck.install_sigterm_handler(grace_s=timeout * 3,
                                    final_save=(lambda c: c.save(final, state_for(rank, final))) if final else None)
@@ -160,7 +164,10 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     # SAVE_GAPS: per rank (';'-separated), the seconds it sleeps before each save (','-separated):
     # ranks whose clocks disagree on the time between two saves
     gaps = os.environ["SAVE_GAPS"].split(";")[rank].split(",") if os.environ.get("SAVE_GAPS") else []
-    for i, s in enumerate([int(x) for x in os.environ.get("STEPS", "").split(",") if x]):
+    steps = [int(x) for x in os.environ.get("STEPS", "").split(",") if x]
+    if os.environ.get("OTHERS_FINAL") and not preempted_here:
+        steps.append(int(os.environ["OTHERS_FINAL"]))
+    for i, s in enumerate(steps):
         if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
             json.dump(result, open(f"{out}.{rank}.json", "w"))
             os._exit(9)  # this node is lost: no close, no goodbye
@@ -186,7 +193,9 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
             break
     if "save_error" in result:
         return
-    if os.environ.get("SIGTERM_AT_END"):  # no flush, no close: the signal's handler does what is left
+    if os.environ.get("SIGTERM_AT_END") and preempted_here:  # no flush, no close: the handler does what is left
+        with open(f"{out}.{rank}.json", "w") as f:  # (what is known if the handler exits 1 without a word)
+            json.dump(result, f)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(timeout * 4)  # (the handlers run at the next bytecode; they never return)
         result["sigterm_not_handled"] = True
@@ -198,6 +207,27 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     if os.environ.get("KILL_AFTER_FLUSH"):  # every process of every node killed: no close, no goodbye
         _leave(rank, world, out, result, 9)
     ck.close()
+
+
+def scenario_two(rank: int, world: int, root: str, out: str, result: dict[str, Any]) -> None:
+    """Two Checkpointers of one job on one memory tier (``MEMORY``): the first on ``root``, the
+    second on ``root/second`` (``second_error``: its construction's error); then the first
+    saves step 1 and closes (``saved``, ``first_error``)."""
+    from asyncckpt import Checkpointer
+
+    timeout = float(os.environ.get("CK_TIMEOUT", "30"))
+    ck = Checkpointer(root, node_local=True, timeout=timeout, memory=os.environ["MEMORY"])
+    try:
+        Checkpointer(os.path.join(root, "second"), node_local=True, timeout=timeout, memory=os.environ["MEMORY"])
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["second_error"] = describe(e)
+    try:
+        ck.save(1, state_for(rank, 1)).result(timeout + 30)
+        ck.flush(timeout=timeout * 3)
+        result["saved"] = [1]
+        ck.close()
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        result["first_error"] = describe(e)
 
 
 def _leave(rank: int, world: int, out: str, result: dict[str, Any], status: int = 9) -> None:
