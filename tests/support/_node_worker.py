@@ -170,6 +170,7 @@ def scenario_run(rank: int, world: int, root: str, out: str, result: dict[str, A
     for i, s in enumerate(steps):
         if str(rank) in dying.split(",") and s == int(os.environ["DIE_BEFORE"]):
             json.dump(result, open(f"{out}.{rank}.json", "w"))
+            _done(out, rank)
             os._exit(9)  # this node is lost: no close, no goodbye
         try:
             state = state_for(rank, s)
@@ -235,10 +236,18 @@ def _leave(rank: int, world: int, out: str, result: dict[str, Any], status: int 
     hosts the c10d store, waits up to 30 s for every rank's result first: the last to go)."""
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)
+    _done(out, rank)
     end = time.monotonic() + 30
-    while rank == 0 and time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+    while rank == 0 and time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.done") for r in range(world)):
         time.sleep(0.05)
     os._exit(status)
+
+
+def _done(out: str, rank: int) -> None:
+    """This rank's result is final (rank 0 waits for these, not for the result files: a rank
+    about to signal itself writes one early, and rank 0 must not take the store away before
+    that rank's handler is done)."""
+    open(f"{out}.{rank}.done", "w").close()
 
 
 def main() -> None:
@@ -272,9 +281,10 @@ def main() -> None:
     with open(f"{out}.{rank}.json.tmp", "w") as f:
         json.dump(result, f)
     os.rename(f"{out}.{rank}.json.tmp", f"{out}.{rank}.json")
+    _done(out, rank)
     if rank == 0:
         end = time.monotonic() + float(os.environ.get("HOST_STORE_S", "0"))
-        while time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.json") for r in range(world)):
+        while time.monotonic() < end and not all(os.path.exists(f"{out}.{r}.done") for r in range(world)):
             time.sleep(0.05)
     os._exit(0)
 
